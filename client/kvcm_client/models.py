@@ -1,0 +1,296 @@
+"""Wire models: the one schema shared by the manager, the service and the clients.
+
+Specs are validated here so that a bad spec is refused with a message naming the layer and the
+rule before any memory is touched. Custom rules raise ``PydanticCustomError`` with a stable
+``type`` (e.g. ``nvfp4_head_dim``) that callers can match on.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
+Role = Literal["key", "value", "key_scale", "value_scale"]
+ROLES: tuple[Role, ...] = ("key", "value", "key_scale", "value_scale")
+
+#: Storage bits per element. nvfp4 packs two values per byte; its scales are fp8 (see below).
+DTYPE_BITS: dict[str, int] = {
+    "fp32": 32,
+    "fp16": 16,
+    "bf16": 16,
+    "fp8_e4m3": 8,
+    "fp8_e5m2": 8,
+    "nvfp4": 4,
+}
+#: nvfp4 stores one fp8 scale per this many values.
+NVFP4_GROUP = 16
+
+PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LayerSpec(_Frozen):
+    """One attention layer on this rank (ids are rank-local; heads already divided by TP)."""
+
+    layer_id: NonNegInt
+    num_kv_heads: PosInt
+    head_dim: PosInt
+    kv_factor: Literal[1, 2] = 2
+    dtype: DType = "bf16"
+    sliding_window: PosInt | None = None
+    sink_tokens: NonNegInt = 0
+    reuse: Literal["reusable", "none"] = "reusable"
+    owner: Literal["target", "draft"] = "target"
+    coalescing_group: NonNegInt = 0
+
+    @model_validator(mode="after")
+    def _rules(self) -> LayerSpec:
+        lid = self.layer_id
+        if self.dtype == "nvfp4":
+            if self.head_dim % 2:
+                raise PydanticCustomError(
+                    "nvfp4_head_dim",
+                    "layer {layer_id}: nvfp4 needs an even head_dim (two values per byte), "
+                    "got {head_dim}",
+                    {"layer_id": lid, "head_dim": self.head_dim},
+                )
+            if (self.num_kv_heads * self.head_dim) % NVFP4_GROUP:
+                raise PydanticCustomError(
+                    "nvfp4_group",
+                    "layer {layer_id}: nvfp4 needs num_kv_heads x head_dim divisible by 16 "
+                    "(one scale per 16 values), got {n}",
+                    {"layer_id": lid, "n": self.num_kv_heads * self.head_dim},
+                )
+        if self.sink_tokens and self.sliding_window is None:
+            raise PydanticCustomError(
+                "sink_without_window",
+                "layer {layer_id}: sink_tokens ({sink_tokens}) need a sliding_window",
+                {"layer_id": lid, "sink_tokens": self.sink_tokens},
+            )
+        return self
+
+    def roles(self) -> tuple[Role, ...]:
+        """Data roles first, then scale roles: the order buffers take inside a slot."""
+        data: tuple[Role, ...] = ("key", "value") if self.kv_factor == 2 else ("key",)
+        if self.dtype != "nvfp4":
+            return data
+        scales: tuple[Role, ...] = (
+            ("key_scale", "value_scale") if self.kv_factor == 2 else ("key_scale",)
+        )
+        return data + scales
+
+    def bytes_per_token(self, role: Role) -> int:
+        """heads x head_dim x dtype bytes; an nvfp4 scale role is heads x head_dim / 16 bytes.
+
+        Example: 8 heads x 128 dims in nvfp4 is 8 * 128 / 2 = 512 bytes per token for "key" and
+        8 * 128 / 16 = 64 bytes per token for "key_scale".
+        """
+        values = self.num_kv_heads * self.head_dim
+        if role.endswith("_scale"):
+            return values // NVFP4_GROUP
+        return values * DTYPE_BITS[self.dtype] // 8
+
+
+class ManagerConfig(_Frozen):
+    """Everything the manager needs; exactly one of ``num_blocks`` and ``memory_bytes``.
+
+    ``num_blocks`` is the number of slots of every pool group; ``memory_bytes`` is the KV budget
+    that sizing splits between pool groups (docs/sizing.md). ``max_seq_len`` bounds tokens plus
+    lookahead of one request and so fixes the page-table width.
+    """
+
+    layers: Annotated[list[LayerSpec], Field(min_length=1)]
+    tokens_per_block: PosInt = 16
+    device: str = "cpu"
+    max_requests: PosInt = 256
+    max_seq_len: PosInt = 8192
+    num_blocks: PosInt | None = None
+    memory_bytes: PosInt | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> ManagerConfig:
+        seen: set[int] = set()
+        for layer in self.layers:
+            if layer.layer_id in seen:
+                raise PydanticCustomError(
+                    "duplicate_layer_id",
+                    "layer {layer_id}: layer ids must be unique",
+                    {"layer_id": layer.layer_id},
+                )
+            seen.add(layer.layer_id)
+        if (self.num_blocks is None) == (self.memory_bytes is None):
+            raise PydanticCustomError(
+                "blocks_or_memory",
+                "give exactly one of num_blocks and memory_bytes",
+                {},
+            )
+        return self
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return -(-self.max_seq_len // self.tokens_per_block)
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class RequestInfo(_Frozen):
+    """A request after an op: its page-table row, length and reserved capacity in tokens."""
+
+    request_id: str
+    row: int
+    num_tokens: int
+    capacity: int
+    num_hit_tokens: int = 0
+
+
+class AllocateOp(_Frozen):
+    op: Literal["allocate"] = "allocate"
+    request_id: str
+    num_tokens: int
+    lookahead: int = 0
+
+
+class ExtendOp(_Frozen):
+    op: Literal["extend"] = "extend"
+    request_id: str
+    num_new_tokens: int
+    lookahead: int = 0
+
+
+class RewindOp(_Frozen):
+    op: Literal["rewind"] = "rewind"
+    request_id: str
+    num_tokens: int
+
+
+class FreeOp(_Frozen):
+    op: Literal["free"] = "free"
+    request_id: str
+
+
+Op = Annotated[AllocateOp | ExtendOp | RewindOp | FreeOp, Field(discriminator="op")]
+
+
+class ErrorInfo(_Frozen):
+    code: str
+    message: str
+    detail: dict[str, object] = {}
+
+
+class OpResult(_Frozen):
+    """One result per op of a step: ``request`` on success (None after a free), else ``error``."""
+
+    ok: bool
+    request: RequestInfo | None = None
+    error: ErrorInfo | None = None
+
+
+# --- layout -----------------------------------------------------------------------------------
+
+
+class BufferInfo(_Frozen):
+    """Where one (layer, role) lives: its pool, byte offset inside a slot, and addresses."""
+
+    layer_id: int
+    role: Role
+    layer_group: int
+    pool: int
+    offset_bytes: int
+    bytes_per_block: int
+    page_stride_bytes: int
+    base_address: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class PoolInfo(_Frozen):
+    pool_id: int
+    pool_group: int
+    kind: Literal["data", "scale"]
+    kv_factor: int
+    num_buffers: int
+    bytes_per_buffer: int
+    slot_bytes: int
+    num_slots: int
+    nbytes: int
+    base_address: int
+
+
+class LayerGroupInfo(_Frozen):
+    group_id: int
+    pool_group: int
+    layer_ids: tuple[int, ...]
+    sliding_window: int | None
+    sink_blocks: int
+    owner: str
+    reuse: str
+    bytes_per_token: int
+
+
+class PoolGroupInfo(_Frozen):
+    pool_group_id: int
+    layer_groups: tuple[int, ...]
+    pools: tuple[int, ...]
+    num_slots: int
+    slot_bytes: int
+
+
+class Layout(_Frozen):
+    tokens_per_block: int
+    device: str
+    max_requests: int
+    max_blocks_per_request: int
+    layer_groups: tuple[LayerGroupInfo, ...]
+    pool_groups: tuple[PoolGroupInfo, ...]
+    pools: tuple[PoolInfo, ...]
+    buffers: tuple[BufferInfo, ...]
+
+
+# --- sizing -----------------------------------------------------------------------------------
+
+
+class LayerGroupEstimate(_Frozen):
+    group_id: int
+    bytes_per_token: int
+    blocks_per_request: int
+    fixed_blocks: int | None
+    """Peak blocks of a sliding-window group however long the request grows; None if full."""
+
+
+class PoolGroupEstimate(_Frozen):
+    pool_group_id: int
+    num_slots: int
+    slot_bytes: int
+    blocks_per_request: int
+    max_requests: int
+    required_blocks: int | None = None
+
+
+class Estimate(_Frozen):
+    """Capacity at ``seq_len`` for requests that grow one token per step (see docs/sizing.md)."""
+
+    seq_len: int
+    bytes_per_token: dict[int, int]
+    fixed_bytes_per_request: int
+    max_tokens: int
+    max_requests: int
+    limited_by: Literal["memory", "max_requests"]
+    layer_groups: tuple[LayerGroupEstimate, ...]
+    pool_groups: tuple[PoolGroupEstimate, ...]
+    num_requests: int | None = None
+    fits: bool | None = None
+
+
+class Stats(_Frozen):
+    num_requests: int
+    free_blocks: dict[int, int]
+    used_blocks: dict[int, int]
+    total_blocks: dict[int, int]

@@ -1,0 +1,35 @@
+"""kvcm: a unified KV-cache manager for LLM inference (in process, and later as a sidecar)."""
+
+from kvcm_client.errors import (
+    DeviceUnavailable,
+    DuplicateRequest,
+    InsufficientMemory,
+    InvalidArgument,
+    InvalidRewind,
+    KVCMError,
+    OutOfBlocks,
+    RequestLimitReached,
+    SequenceTooLong,
+    UnknownLayer,
+    UnknownRequest,
+)
+from kvcm_client.models import LayerSpec, ManagerConfig
+
+from .manager import KVCacheManager
+
+__all__ = [
+    "DeviceUnavailable",
+    "DuplicateRequest",
+    "InsufficientMemory",
+    "InvalidArgument",
+    "InvalidRewind",
+    "KVCMError",
+    "KVCacheManager",
+    "LayerSpec",
+    "ManagerConfig",
+    "OutOfBlocks",
+    "RequestLimitReached",
+    "SequenceTooLong",
+    "UnknownLayer",
+    "UnknownRequest",
+]

@@ -1,0 +1,203 @@
+"""Block bookkeeping of all requests across layer groups, vectorised over requests.
+
+State lives in numpy arrays indexed by page-table row, so one decode step over N requests is a
+fixed number of numpy calls per layer group, not N Python iterations:
+
+- ``num_tokens[row]``, ``history[row]`` (length before the latest allocate/extend),
+  ``lookahead[row]``;
+- per layer group g: ``num_blocks[g][row]`` (block positions allocated, released ones included),
+  ``released_end[g][row]`` (released run is [sink_blocks, released_end)) and the host page table
+  ``tables[g]`` int32 ``[max_requests, max_blocks_per_request]``, -1 where there is no page.
+
+Every op first plans (computes and checks, touching nothing), then applies, so a failed op
+changes nothing. Within one op a layer group's stale blocks are released before new blocks are
+taken: the stale blocks' KV is not read by the tokens of that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcm_client.errors import InvalidRewind, OutOfBlocks
+
+from .attention import AttentionPolicy, policy_for
+from .block_pool import BlockPool
+from .ids import LayerGroupId, PoolGroupId
+from .layout import Layout
+
+
+def segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Expand per-item counts into (item index, offset within item) for every unit.
+
+    counts [2, 0, 3] gives items [0, 0, 2, 2, 2] and offsets [0, 1, 0, 1, 2].
+    """
+    if counts.size and counts.max() <= 1:
+        items = np.flatnonzero(counts)
+        return items, np.zeros(items.size, dtype=np.int64)
+    items = np.repeat(np.arange(counts.size), counts)
+    starts = np.cumsum(counts) - counts
+    return items, np.arange(items.size) - starts[items]
+
+
+@dataclass(slots=True)
+class _GroupPlan:
+    group: int
+    add: np.ndarray
+    num_add: int
+    released_old: np.ndarray
+    released_new: np.ndarray
+    num_released: int
+    current: np.ndarray
+
+
+class Coordinator:
+    """Owns the block pools, the per-row request state and the host page tables."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        slots: dict[PoolGroupId, int],
+        max_requests: int,
+        max_blocks: int,
+    ) -> None:
+        tpb = layout.tokens_per_block
+        self.tokens_per_block = tpb
+        self.max_blocks = max_blocks
+        self.pools = [BlockPool(slots[pg.pool_group_id]) for pg in layout.pool_groups]
+        self.group_pool = [int(g.pool_group) for g in layout.layer_groups]
+        self.policies: list[AttentionPolicy] = [
+            policy_for(g.sliding_window, g.sink_blocks, tpb) for g in layout.layer_groups
+        ]
+        self.sinks = [g.sink_blocks for g in layout.layer_groups]
+        self.windowed = [g.sliding_window is not None for g in layout.layer_groups]
+        ng = len(layout.layer_groups)
+        self.num_tokens = np.zeros(max_requests, dtype=np.int64)
+        self.history = np.zeros(max_requests, dtype=np.int64)
+        self.lookahead = np.zeros(max_requests, dtype=np.int64)
+        self.num_blocks = [np.zeros(max_requests, dtype=np.int64) for _ in range(ng)]
+        self.released_end = [np.full(max_requests, s, dtype=np.int64) for s in self.sinks]
+        self.tables = [np.full((max_requests, max_blocks), -1, dtype=np.int32) for _ in range(ng)]
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def _plan(
+        self,
+        rows: np.ndarray,
+        history: np.ndarray,
+        capacity: np.ndarray,
+    ) -> list[_GroupPlan]:
+        want = -(-capacity // self.tokens_per_block)
+        plans = []
+        need = [0] * len(self.pools)
+        back = [0] * len(self.pools)
+        for g, policy in enumerate(self.policies):
+            current = self.num_blocks[g][rows]
+            rel_old = self.released_end[g][rows]
+            add = np.maximum(want - current, 0)
+            num_add = int(add.sum())
+            if self.windowed[g]:
+                rel_new = policy.released_end(history, rel_old)
+                num_released = int((rel_new - rel_old).sum())
+            else:
+                rel_new, num_released = rel_old, 0
+            pg = self.group_pool[g]
+            need[pg] += num_add
+            back[pg] += num_released
+            plans.append(_GroupPlan(g, add, num_add, rel_old, rel_new, num_released, current))
+        for pg, pool in enumerate(self.pools):
+            if need[pg] > pool.num_free + back[pg]:
+                raise OutOfBlocks(
+                    f"pool group {pg} needs {need[pg]} blocks, {pool.num_free + back[pg]} are free",
+                    pool_group=pg,
+                    needed=need[pg],
+                    free=pool.num_free,
+                    released=back[pg],
+                )
+        return plans
+
+    # -- ops ---------------------------------------------------------------------------------
+
+    def grow(
+        self,
+        rows: np.ndarray,
+        new_tokens: np.ndarray,
+        lookahead: np.ndarray,
+    ) -> None:
+        """Add ``new_tokens`` to each row (distinct rows), all or nothing.
+
+        A row that was never used or was released is empty, so allocate is grow on a new row.
+        """
+        history = self.num_tokens[rows]
+        length = history + new_tokens
+        plans = self._plan(rows, history, length + lookahead)
+        for plan in plans:
+            if plan.num_released:
+                self._release(plan, rows)
+        for plan in plans:
+            if plan.num_add:
+                self._allocate(plan, rows)
+            self.num_blocks[plan.group][rows] = plan.current + plan.add
+            if self.windowed[plan.group]:
+                self.released_end[plan.group][rows] = plan.released_new
+        self.num_tokens[rows] = length
+        self.history[rows] = history
+        self.lookahead[rows] = lookahead
+
+    def _release(self, plan: _GroupPlan, rows: np.ndarray) -> None:
+        items, offsets = segments(plan.released_new - plan.released_old)
+        r = rows[items]
+        pos = plan.released_old[items] + offsets
+        table = self.tables[plan.group]
+        self.pools[self.group_pool[plan.group]].push(table[r, pos])
+        table[r, pos] = -1
+
+    def _allocate(self, plan: _GroupPlan, rows: np.ndarray) -> None:
+        items, offsets = segments(plan.add)
+        slots = self.pools[self.group_pool[plan.group]].pop(plan.num_add)
+        self.tables[plan.group][rows[items], plan.current[items] + offsets] = slots
+
+    def rewind(self, row: int, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` tokens; blocks past the new capacity are freed."""
+        new_len = int(self.num_tokens[row]) - num_tokens
+        for g, policy in enumerate(self.policies):
+            released = int(self.released_end[g][row])
+            if released > self.sinks[g] and policy.first_needed_block(new_len) < released:
+                raise InvalidRewind(
+                    f"rewinding to {new_len} tokens needs blocks that layer group {g}'s "
+                    f"sliding window already released",
+                    layer_group=g,
+                    num_tokens=new_len,
+                    released_end=released,
+                )
+        keep = -(-(new_len + int(self.lookahead[row])) // self.tokens_per_block)
+        for g in range(len(self.policies)):
+            self._free_tail(g, row, keep)
+        self.num_tokens[row] = new_len
+        self.history[row] = min(int(self.history[row]), new_len)
+
+    def release_row(self, row: int) -> None:
+        """Free every block of the row, tail first (so the head is evicted last later)."""
+        for g in range(len(self.policies)):
+            self._free_tail(g, row, 0)
+            self.released_end[g][row] = self.sinks[g]
+        self.num_tokens[row] = 0
+        self.history[row] = 0
+        self.lookahead[row] = 0
+
+    def _free_tail(self, g: int, row: int, keep: int) -> None:
+        count = int(self.num_blocks[g][row])
+        if count <= keep:
+            return
+        seg = self.tables[g][row, keep:count]
+        live = seg[seg >= 0][::-1]
+        if live.size:
+            self.pools[self.group_pool[g]].push(live)
+        seg[:] = -1
+        self.num_blocks[g][row] = keep
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def block_list(self, g: LayerGroupId, row: int) -> list[int]:
+        return self.tables[g][row, : int(self.num_blocks[g][row])].tolist()

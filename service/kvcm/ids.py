@@ -1,0 +1,10 @@
+"""Distinct id types, so that a slot is never passed where a layer id is expected."""
+
+from typing import NewType
+
+LayerId = NewType("LayerId", int)
+LayerGroupId = NewType("LayerGroupId", int)
+PoolGroupId = NewType("PoolGroupId", int)
+PoolId = NewType("PoolId", int)
+SlotId = NewType("SlotId", int)
+"""A block id: an int32 index into every pool of a pool group; -1 means "no page"."""

@@ -1,0 +1,226 @@
+"""Grouping of layers into layer groups, pools and pool groups (DESIGN.md section 3).
+
+Pure bookkeeping: no memory is touched here, so sizing can run before anything is allocated.
+
+- A *layer group* is the set of layers whose blocks are born and die together: equal
+  (sliding_window, sink blocks, owner, reuse). A request owns one block list per layer group.
+- Inside a layer group, buffers with equal (coalescing_group, kind, kv_factor, bytes per block)
+  share a *pool*: slot s holds all of them, layer order then role order (K0 V0 K1 V1 ...).
+  kv_factor is part of the key (a refinement of DESIGN.md) so that the kernel-mode index
+  slot x num_buffers / kv_factor is always a whole number.
+- Layer groups whose pools have identical slot layouts share one *pool group*: the same physical
+  memory and one slot allocator, so blocks move between them on demand.
+
+Worked example (tokens_per_block 16): layers 0..3 alternate window-128 and full attention, all
+8 heads x 128 dims bf16 key/value. Layer group 0 = {0, 2} (window), 1 = {1, 3} (full). Each has
+one pool of 4 buffers (K V K V) of 16 * 8 * 128 * 2 = 32 KiB, so the slot layouts match and
+both groups live in pool group 0 with slot_bytes 128 KiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvcm_client.models import LayerSpec, Role
+
+from .ids import LayerGroupId, LayerId, PoolGroupId, PoolId
+
+PoolKind = Literal["data", "scale"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """One pool of a layer group: the buffers that share a slot, in slot order."""
+
+    kind: PoolKind
+    kv_factor: int
+    bytes_per_buffer: int
+    coalescing_group: int
+    buffers: tuple[tuple[LayerId, Role], ...]
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.buffers)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.num_buffers * self.bytes_per_buffer
+
+    @property
+    def shape_key(self) -> tuple[str, int, int, int]:
+        """What must match for two layer groups to share this pool's memory."""
+        return (self.kind, self.kv_factor, self.bytes_per_buffer, self.num_buffers)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroupLayout:
+    group_id: LayerGroupId
+    pool_group: PoolGroupId
+    layers: tuple[LayerSpec, ...]
+    sliding_window: int | None
+    sink_blocks: int
+    owner: str
+    reuse: str
+    pools: tuple[PoolLayout, ...]
+    physical_pools: tuple[PoolId, ...]
+    """Physical pool of each entry of ``pools`` (same order)."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(layer.bytes_per_token(role) for layer in self.layers for role in layer.roles())
+
+
+@dataclass(frozen=True, slots=True)
+class PhysicalPool:
+    """One raw allocation: ``num_slots`` x ``slot_bytes``, shared by a pool group's groups."""
+
+    pool_id: PoolId
+    pool_group: PoolGroupId
+    kind: PoolKind
+    kv_factor: int
+    bytes_per_buffer: int
+    num_buffers: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.num_buffers * self.bytes_per_buffer
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGroupLayout:
+    pool_group_id: PoolGroupId
+    layer_groups: tuple[LayerGroupId, ...]
+    pools: tuple[PoolId, ...]
+    slot_bytes: int
+    """Bytes one slot takes across all of the group's pools (data and scale)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BufferPlacement:
+    """Where (layer, role) lives: pool, buffer index in the slot and kernel-mode page offset.
+
+    ``page_offset`` is the layer's page index inside the slot for kernels that see the pool as
+    an array of ``[kv_factor, tokens_per_block, heads, head_dim]`` pages: buffer index //
+    kv_factor. In a pool K0 V0 K1 V1, layer 1's key is buffer 2, page offset 1.
+    """
+
+    layer_id: LayerId
+    role: Role
+    layer_group: LayerGroupId
+    pool: PoolId
+    buffer_index: int
+    bytes_per_buffer: int
+    kv_factor: int
+    num_buffers: int
+
+    @property
+    def offset_bytes(self) -> int:
+        return self.buffer_index * self.bytes_per_buffer
+
+    @property
+    def page_offset(self) -> int:
+        return self.buffer_index // self.kv_factor
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    tokens_per_block: int
+    layer_groups: tuple[LayerGroupLayout, ...]
+    pool_groups: tuple[PoolGroupLayout, ...]
+    pools: tuple[PhysicalPool, ...]
+    placements: dict[tuple[LayerId, Role], BufferPlacement]
+    layers: dict[LayerId, LayerSpec]
+
+
+def _group_key(layer: LayerSpec, tokens_per_block: int) -> tuple[int | None, int, str, str]:
+    sink_blocks = -(-layer.sink_tokens // tokens_per_block)
+    return (layer.sliding_window, sink_blocks, layer.owner, layer.reuse)
+
+
+def _pools_of(layers: list[LayerSpec], tokens_per_block: int) -> tuple[PoolLayout, ...]:
+    buckets: dict[tuple[int, str, int, int], list[tuple[LayerId, Role]]] = {}
+    for layer in layers:
+        for role in layer.roles():
+            kind = "scale" if role.endswith("_scale") else "data"
+            bpb = layer.bytes_per_token(role) * tokens_per_block
+            key = (layer.coalescing_group, kind, layer.kv_factor, bpb)
+            buckets.setdefault(key, []).append((LayerId(layer.layer_id), role))
+    return tuple(
+        PoolLayout(
+            kind=kind,  # type: ignore[arg-type]
+            kv_factor=kv,
+            bytes_per_buffer=bpb,
+            coalescing_group=cg,
+            buffers=tuple(bufs),
+        )
+        for (cg, kind, kv, bpb), bufs in buckets.items()
+    )
+
+
+def build_layout(layers: list[LayerSpec], tokens_per_block: int) -> Layout:
+    ordered = sorted(layers, key=lambda spec: spec.layer_id)
+    by_key: dict[tuple[int | None, int, str, str], list[LayerSpec]] = {}
+    for layer in ordered:
+        by_key.setdefault(_group_key(layer, tokens_per_block), []).append(layer)
+
+    # Pool groups: layer groups with the same sequence of pool shapes share memory.
+    signatures: dict[tuple[tuple[str, int, int, int], ...], PoolGroupId] = {}
+    members: dict[PoolGroupId, list[LayerGroupId]] = {}
+    grouped: list[tuple[tuple[int | None, int, str, str], list[LayerSpec], tuple[PoolLayout, ...]]]
+    grouped = [(key, group, _pools_of(group, tokens_per_block)) for key, group in by_key.items()]
+    for gid, (_, _, pools) in enumerate(grouped):
+        sig = tuple(pool.shape_key for pool in pools)
+        pg = signatures.setdefault(sig, PoolGroupId(len(signatures)))
+        members.setdefault(pg, []).append(LayerGroupId(gid))
+
+    physical: list[PhysicalPool] = []
+    pool_groups: list[PoolGroupLayout] = []
+    for sig, pg in signatures.items():
+        ids = []
+        for kind, kv, bpb, nbuf in sig:
+            pid = PoolId(len(physical))
+            physical.append(PhysicalPool(pid, pg, kind, kv, bpb, nbuf))  # type: ignore[arg-type]
+            ids.append(pid)
+        slot_bytes = sum(physical[p].slot_bytes for p in ids)
+        pool_groups.append(PoolGroupLayout(pg, tuple(members[pg]), tuple(ids), slot_bytes))
+
+    layer_groups: list[LayerGroupLayout] = []
+    placements: dict[tuple[LayerId, Role], BufferPlacement] = {}
+    for gid, ((window, sink_blocks, owner, reuse), group, pools) in enumerate(grouped):
+        sig = tuple(pool.shape_key for pool in pools)
+        pg = signatures[sig]
+        phys = pool_groups[pg].pools
+        layer_groups.append(
+            LayerGroupLayout(
+                group_id=LayerGroupId(gid),
+                pool_group=pg,
+                layers=tuple(group),
+                sliding_window=window,
+                sink_blocks=sink_blocks,
+                owner=owner,
+                reuse=reuse,
+                pools=pools,
+                physical_pools=phys,
+            )
+        )
+        for pool, pid in zip(pools, phys, strict=True):
+            for index, (lid, role) in enumerate(pool.buffers):
+                placements[(lid, role)] = BufferPlacement(
+                    layer_id=lid,
+                    role=role,
+                    layer_group=LayerGroupId(gid),
+                    pool=pid,
+                    buffer_index=index,
+                    bytes_per_buffer=pool.bytes_per_buffer,
+                    kv_factor=pool.kv_factor,
+                    num_buffers=pool.num_buffers,
+                )
+    return Layout(
+        tokens_per_block=tokens_per_block,
+        layer_groups=tuple(layer_groups),
+        pool_groups=tuple(pool_groups),
+        pools=tuple(physical),
+        placements=placements,
+        layers={LayerId(spec.layer_id): spec for spec in ordered},
+    )

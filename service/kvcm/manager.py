@@ -1,0 +1,567 @@
+"""``KVCacheManager``: the in-process kvcm API (DESIGN.md sections 3 to 5 and 7).
+
+The manager validates arguments, maps request ids to page-table rows and turns state into
+results; block bookkeeping is the coordinator's, memory the pools', index math kvcm_kernels'.
+Every op is atomic: it raises before anything changes, or it completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import TypeAdapter
+
+import kvcm_kernels
+from kvcm_client.errors import (
+    DeviceUnavailable,
+    DuplicateRequest,
+    InvalidArgument,
+    KVCMError,
+    RequestLimitReached,
+    SequenceTooLong,
+    UnknownLayer,
+    UnknownRequest,
+)
+from kvcm_client.models import (
+    ROLES,
+    AllocateOp,
+    BufferInfo,
+    ErrorInfo,
+    Estimate,
+    ExtendOp,
+    FreeOp,
+    LayerGroupInfo,
+    ManagerConfig,
+    Op,
+    OpResult,
+    PoolGroupInfo,
+    PoolInfo,
+    RequestInfo,
+    RewindOp,
+    Role,
+    Stats,
+)
+from kvcm_client.models import Layout as LayoutInfo
+
+from .coordinator import Coordinator, segments
+from .ids import LayerGroupId, LayerId, PoolGroupId
+from .layout import BufferPlacement, build_layout
+from .pools import PoolMemory, role_dtype
+from .sizing import Sizing
+
+_OPS = TypeAdapter(list[Op])
+_RESULTS = TypeAdapter(list[OpResult])
+
+
+def _resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise InvalidArgument(f"unknown device {name!r}", device=name) from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise InvalidArgument(f"device must be cpu or cuda[:N], got {name!r}", device=name)
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(f"device {name!r} asked for but CUDA is not available")
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise DeviceUnavailable(
+            f"device {name!r} asked for but only {torch.cuda.device_count()} CUDA devices exist"
+        )
+    return torch.device("cuda", index)
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}", **{name: None})
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}", **{name: int(value)})
+    return int(value)
+
+
+def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.ndarray:
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        _count(name, value, minimum)
+        return np.full(n, value, dtype=np.int64)
+    arr = np.asarray(value)
+    if arr.shape != (n,) or arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name} must be an int or {n} ints", **{name: None})
+    if n and int(arr.min()) < minimum:
+        raise InvalidArgument(f"{name} must be >= {minimum}", **{name: int(arr.min())})
+    return arr.astype(np.int64, copy=False)
+
+
+class KVCacheManager:
+    """Owns the pools, the page tables and the requests of one rank."""
+
+    def __init__(self, config: ManagerConfig | dict[str, Any]) -> None:
+        self.config = ManagerConfig.model_validate(config)
+        cfg = self.config
+        self.device = _resolve_device(cfg.device)
+        self.tokens_per_block = cfg.tokens_per_block
+        self.max_blocks_per_request = cfg.max_blocks_per_request
+        self.layout = build_layout(cfg.layers, cfg.tokens_per_block)
+        self._sizing = Sizing(self.layout, cfg.max_seq_len)
+        if cfg.num_blocks is not None:
+            self._slots = {pg.pool_group_id: cfg.num_blocks for pg in self.layout.pool_groups}
+        else:
+            assert cfg.memory_bytes is not None
+            self._slots = self._sizing.slots_for_budget(cfg.memory_bytes)
+        self.memory = PoolMemory(self.layout, self._slots, self.device)
+        self._coord = Coordinator(
+            self.layout, self._slots, cfg.max_requests, self.max_blocks_per_request
+        )
+        self._rows: dict[str, int] = {}
+        self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
+        if self.device.type == "cpu":
+            # The host tables are the device tables: no copy, always current.
+            self._tables = [torch.from_numpy(t) for t in self._coord.tables]
+        else:
+            self._tables = [torch.from_numpy(t).to(self.device) for t in self._coord.tables]
+        self._stale_tables = False
+        self._pointer_table, self._layer_pool_map, self._layer_pointers = self._build_pointers()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _row(self, request_id: str) -> int:
+        try:
+            return self._rows[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequest(
+                f"unknown request {request_id!r}", request_id=str(request_id)
+            ) from None
+
+    def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
+        rows = self._rows
+        try:
+            return np.fromiter(
+                (rows[r] for r in request_ids), dtype=np.int64, count=len(request_ids)
+            )
+        except (KeyError, TypeError):
+            missing = next(r for r in request_ids if not isinstance(r, str) or r not in rows)
+            raise UnknownRequest(f"unknown request {missing!r}", request_id=str(missing)) from None
+
+    def _check_len(self, request_id: str, total: int) -> None:
+        if total > self.config.max_seq_len:
+            raise SequenceTooLong(
+                f"request {request_id!r} would hold {total} tokens (with lookahead), "
+                f"max_seq_len is {self.config.max_seq_len}",
+                request_id=request_id,
+                num_tokens=total,
+                max_seq_len=self.config.max_seq_len,
+            )
+
+    def _info(self, request_id: str, row: int) -> RequestInfo:
+        c = self._coord
+        n = int(c.num_tokens[row])
+        return RequestInfo(
+            request_id=request_id,
+            row=row,
+            num_tokens=n,
+            capacity=n + int(c.lookahead[row]),
+        )
+
+    def allocate(self, request_id: str, num_tokens: int, lookahead: int = 0) -> RequestInfo:
+        """Start a request of ``num_tokens`` tokens plus ``lookahead`` draft slots."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument("request_id must be a non-empty string", request_id=None)
+        if request_id in self._rows:
+            raise DuplicateRequest(
+                f"request {request_id!r} is already allocated", request_id=request_id
+            )
+        num_tokens = _count("num_tokens", num_tokens, 1)
+        lookahead = _count("lookahead", lookahead, 0)
+        self._check_len(request_id, num_tokens + lookahead)
+        if not self._free_rows:
+            raise RequestLimitReached(
+                f"all {self.config.max_requests} page-table rows are in use",
+                max_requests=self.config.max_requests,
+            )
+        row = self._free_rows[-1]
+        self._coord.grow(np.array([row]), np.array([num_tokens]), np.array([lookahead]))
+        self._free_rows.pop()
+        self._rows[request_id] = row
+        self._stale_tables = True
+        return self._info(request_id, row)
+
+    def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
+        """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
+        row = self._row(request_id)
+        num_new_tokens = _count("num_new_tokens", num_new_tokens, 1)
+        lookahead = _count("lookahead", lookahead, 0)
+        self._check_len(request_id, int(self._coord.num_tokens[row]) + num_new_tokens + lookahead)
+        self._coord.grow(np.array([row]), np.array([num_new_tokens]), np.array([lookahead]))
+        self._stale_tables = True
+        return self._info(request_id, row)
+
+    def extend_many(
+        self,
+        request_ids: Sequence[str],
+        num_new_tokens: int | Sequence[int] = 1,
+        lookahead: int | Sequence[int] = 0,
+    ) -> None:
+        """Extend distinct requests at once (one decode step), all or nothing."""
+        n = len(request_ids)
+        rows = self._rows_of(request_ids)
+        seen = np.zeros(self.config.max_requests, dtype=bool)
+        seen[rows] = True
+        if int(seen.sum()) != n:
+            raise InvalidArgument("extend_many needs distinct request ids", num_ids=n)
+        new = _counts("num_new_tokens", num_new_tokens, n, 1)
+        ahead = _counts("lookahead", lookahead, n, 0)
+        total = self._coord.num_tokens[rows] + new + ahead
+        if n and int(total.max()) > self.config.max_seq_len:
+            i = int(total.argmax())
+            self._check_len(request_ids[i], int(total[i]))
+        self._coord.grow(rows, new, ahead)
+        self._stale_tables = True
+
+    def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
+        """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
+        row = self._row(request_id)
+        length = int(self._coord.num_tokens[row])
+        num_tokens = _count("num_tokens", num_tokens, 1)
+        if num_tokens >= length:
+            raise InvalidArgument(
+                f"request {request_id!r} has {length} tokens; rewind removes at most "
+                f"{length - 1} (free the request to drop all)",
+                request_id=request_id,
+                num_tokens=num_tokens,
+            )
+        self._coord.rewind(row, num_tokens)
+        self._stale_tables = True
+        return self._info(request_id, row)
+
+    def free(self, request_id: str) -> None:
+        row = self._row(request_id)
+        self._coord.release_row(row)
+        del self._rows[request_id]
+        self._free_rows.append(row)
+        self._stale_tables = True
+
+    def step(self, ops: Sequence[Op | dict[str, Any]]) -> list[OpResult]:
+        """Run ops in order, each atomic on its own; one result per op.
+
+        A step made only of extends of distinct requests (a decode step) runs as one batch;
+        if that batch fails, the ops are replayed one by one so that the results are the same
+        as running them in order.
+        """
+        parsed: list[Any] = (
+            list(ops) if all(not isinstance(o, dict) for o in ops) else _OPS.validate_python(ops)
+        )
+        if parsed and all(type(o) is ExtendOp for o in parsed):
+            ids = [o.request_id for o in parsed]
+            try:
+                self.extend_many(
+                    ids, [o.num_new_tokens for o in parsed], [o.lookahead for o in parsed]
+                )
+            except KVCMError:
+                pass
+            else:
+                return self._batch_results(ids)
+        return [self._run(op) for op in parsed]
+
+    def _batch_results(self, ids: list[str]) -> list[OpResult]:
+        # One validation of the whole list is about twice as fast as a model per op.
+        rows = self._rows_of(ids)
+        c = self._coord
+        lengths = c.num_tokens[rows]
+        capacity = (lengths + c.lookahead[rows]).tolist()
+        return _RESULTS.validate_python(
+            [
+                {
+                    "ok": True,
+                    "request": {"request_id": i, "row": r, "num_tokens": n, "capacity": cap},
+                }
+                for i, r, n, cap in zip(ids, rows.tolist(), lengths.tolist(), capacity, strict=True)
+            ]
+        )
+
+    def _run(self, op: AllocateOp | ExtendOp | RewindOp | FreeOp) -> OpResult:
+        try:
+            if isinstance(op, AllocateOp):
+                info = self.allocate(op.request_id, op.num_tokens, op.lookahead)
+            elif isinstance(op, ExtendOp):
+                info = self.extend(op.request_id, op.num_new_tokens, op.lookahead)
+            elif isinstance(op, RewindOp):
+                info = self.rewind(op.request_id, op.num_tokens)
+            elif isinstance(op, FreeOp):
+                self.free(op.request_id)
+                return OpResult(ok=True)
+            else:
+                raise InvalidArgument(f"unknown op {op!r}")
+        except KVCMError as exc:
+            return OpResult(
+                ok=False, error=ErrorInfo(code=exc.code, message=exc.message, detail=exc.detail)
+            )
+        return OpResult(ok=True, request=info)
+
+    def request(self, request_id: str) -> RequestInfo:
+        return self._info(request_id, self._row(request_id))
+
+    def request_ids(self) -> list[str]:
+        return list(self._rows)
+
+    def block_table(self, request_id: str) -> list[list[int]]:
+        """The request's block ids per layer group, by block position; -1 = released."""
+        row = self._row(request_id)
+        return [self._coord.block_list(g.group_id, row) for g in self.layout.layer_groups]
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def page_table(self, layer_group: int) -> torch.Tensor:
+        """The int32 ``[max_requests, max_blocks_per_request]`` table on the manager's device."""
+        if not 0 <= layer_group < len(self._tables):
+            raise InvalidArgument(f"no layer group {layer_group}", layer_group=layer_group)
+        return self._device_tables()[layer_group]
+
+    def _device_tables(self) -> list[torch.Tensor]:
+        if self._stale_tables and self.device.type != "cpu":
+            for host, dev in zip(self._coord.tables, self._tables, strict=True):
+                dev.copy_(torch.from_numpy(host))
+        self._stale_tables = False
+        return self._tables
+
+    def _placement(self, layer_id: int, role: str) -> BufferPlacement:
+        layer = self.layout.layers.get(LayerId(layer_id))
+        if layer is None:
+            raise UnknownLayer(f"unknown layer {layer_id}", layer_id=layer_id)
+        if role not in layer.roles():
+            raise InvalidArgument(
+                f"layer {layer_id} has no role {role!r}; it has {list(layer.roles())}",
+                layer_id=layer_id,
+                role=str(role),
+            )
+        return self.layout.placements[(LayerId(layer_id), role)]  # type: ignore[index]
+
+    def page_indices(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        role: Role = "key",
+        mode: Literal["slot", "kernel"] = "slot",
+        per_layer: bool = False,
+    ) -> torch.Tensor:
+        """int32 ``[len(request_ids), max_blocks_per_request]`` page indices, -1 = no page.
+
+        ``slot``: the slot itself (use with the layer view's page stride). ``kernel``:
+        slot x num_buffers / kv_factor of the layer's pool, plus the layer's page offset in the
+        slot when ``per_layer`` (the index into the whole pool seen as pages of one layer).
+        """
+        place = self._placement(layer_id, role)
+        if mode not in ("slot", "kernel"):
+            raise InvalidArgument(f"mode must be 'slot' or 'kernel', got {mode!r}", mode=mode)
+        if per_layer and mode != "kernel":
+            raise InvalidArgument("per_layer needs mode='kernel'", mode=mode)
+        rows = torch.from_numpy(self._rows_of(request_ids)).to(self.device)
+        table = self._device_tables()[place.layer_group]
+        if mode == "slot":
+            return table.index_select(0, rows)
+        return kvcm_kernels.kernel_page_indices(
+            table,
+            rows,
+            place.num_buffers // place.kv_factor,
+            place.page_offset if per_layer else 0,
+        )
+
+    def slot_mapping(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        num_tokens: int | Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> torch.Tensor:
+        """int64 slot mapping of the last ``num_tokens`` positions of each request, padded.
+
+        By default each request maps the tokens added by its latest allocate/extend (the
+        tokens computed in this step). Positions in released sliding-window blocks map to -1.
+        """
+        group = self._placement(layer_id, "key").layer_group
+        rows = self._rows_of(request_ids)
+        c = self._coord
+        length = c.num_tokens[rows]
+        if num_tokens is None:
+            counts = length - c.history[rows]
+        else:
+            counts = _counts("num_tokens", num_tokens, rows.size, 0)
+            if rows.size and bool((counts > length).any()):
+                raise InvalidArgument("num_tokens exceeds a request's length")
+        items, offsets = segments(counts)
+        positions = (length - counts)[items] + offsets
+        total = int(counts.sum())
+        if pad_to is None:
+            pad_to = total
+        elif _count("pad_to", pad_to, 0) < total:
+            raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
+        qsl = np.zeros(rows.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        dev = self.device
+        return kvcm_kernels.slot_mapping(
+            self._device_tables()[group],
+            torch.from_numpy(rows).to(dev),
+            torch.from_numpy(qsl).to(dev),
+            torch.from_numpy(positions.astype(np.int64)).to(dev),
+            self.tokens_per_block,
+            pad_to,
+        )
+
+    def _build_pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_layer_ids = max(self.layout.layers) + 1
+        pointers = torch.zeros((len(self.layout.pools), 2), dtype=torch.int64)
+        for pool in self.layout.pools:
+            base = self.memory.base_address(pool.pool_id)
+            pointers[pool.pool_id, 0] = base
+            if pool.kv_factor == 2:
+                pointers[pool.pool_id, 1] = base + pool.bytes_per_buffer
+        pool_map = torch.full((num_layer_ids, len(ROLES), 2), -1, dtype=torch.int32)
+        layer_pointers = torch.zeros((num_layer_ids, len(ROLES)), dtype=torch.int64)
+        for (lid, role), place in self.layout.placements.items():
+            r = ROLES.index(role)
+            pool_map[lid, r, 0] = place.pool
+            pool_map[lid, r, 1] = place.page_offset
+            layer_pointers[lid, r] = self.memory.base_address(place.pool) + place.offset_bytes
+        return (pointers.to(self.device), pool_map.to(self.device), layer_pointers.to(self.device))
+
+    def pointer_table(self) -> torch.Tensor:
+        """int64 ``[num_pools, 2]``: base address per (pool, role in page).
+
+        Column 0 is the first role of a page (key or key_scale), column 1 the second (value or
+        value_scale; 0 for key-only pools). The page of (layer, role, slot) starts at
+        ``pointer_table[pool, role % 2] + (slot * num_buffers / kv_factor + page_offset) *
+        kv_factor * bytes_per_buffer``, with (pool, page_offset) from ``layer_pool_map``.
+        Example: pool K0 V0 K1 V1 of 256-byte buffers at base B: layer 1's value in slot 3 is
+        at B + 256 + (3 * 2 + 1) * 512 = B + 3840 = B + 3 * 1024 + 3 * 256.
+        """
+        return self._pointer_table
+
+    def layer_pool_map(self) -> torch.Tensor:
+        """int32 ``[max_layer_id + 1, 4, 2]``: (pool, page offset) per (layer, role); -1 absent.
+
+        Roles are indexed in ``kvcm_client.models.ROLES`` order (key, value, key_scale,
+        value_scale).
+        """
+        return self._layer_pool_map
+
+    def layer_pointer_table(self) -> torch.Tensor:
+        """int64 ``[max_layer_id + 1, 4]``: address of (layer, role) in slot 0; 0 if absent.
+
+        Slot s of that buffer is at this address + s * slot_bytes of its pool.
+        """
+        return self._layer_pointers
+
+    # -- memory views ------------------------------------------------------------------------
+
+    def kv_view(self, layer_id: int) -> torch.Tensor:
+        """``[num_slots, (kv_factor,) tokens_per_block, heads, head_dim]`` aliasing the pool."""
+        self._placement(layer_id, "key")
+        return self.memory.kv_view(LayerId(layer_id))
+
+    def layer_view(self, layer_id: int, role: Role) -> torch.Tensor:
+        """``[num_slots, tokens_per_block, heads, head_dim]`` (scales: ``[..., heads*dim/16]``)."""
+        self._placement(layer_id, role)
+        return self.memory.layer_view(LayerId(layer_id), role)
+
+    # -- layout and sizing -------------------------------------------------------------------
+
+    def describe(self) -> LayoutInfo:
+        lay = self.layout
+        buffers = []
+        for (lid, role), place in lay.placements.items():
+            layer = lay.layers[lid]
+            view = self.memory.layer_view(lid, role)
+            buffers.append(
+                BufferInfo(
+                    layer_id=lid,
+                    role=role,
+                    layer_group=place.layer_group,
+                    pool=place.pool,
+                    offset_bytes=place.offset_bytes,
+                    bytes_per_block=place.bytes_per_buffer,
+                    page_stride_bytes=lay.pools[place.pool].slot_bytes,
+                    base_address=int(self._layer_pointers[lid, ROLES.index(role)]),
+                    shape=tuple(view.shape),
+                    dtype=str(role_dtype(layer, role)).removeprefix("torch."),
+                )
+            )
+        buffers.sort(key=lambda b: (b.layer_id, ROLES.index(b.role)))
+        return LayoutInfo(
+            tokens_per_block=lay.tokens_per_block,
+            device=str(self.device),
+            max_requests=self.config.max_requests,
+            max_blocks_per_request=self.max_blocks_per_request,
+            layer_groups=tuple(
+                LayerGroupInfo(
+                    group_id=g.group_id,
+                    pool_group=g.pool_group,
+                    layer_ids=tuple(layer.layer_id for layer in g.layers),
+                    sliding_window=g.sliding_window,
+                    sink_blocks=g.sink_blocks,
+                    owner=g.owner,
+                    reuse=g.reuse,
+                    bytes_per_token=g.bytes_per_token,
+                )
+                for g in lay.layer_groups
+            ),
+            pool_groups=tuple(
+                PoolGroupInfo(
+                    pool_group_id=pg.pool_group_id,
+                    layer_groups=pg.layer_groups,
+                    pools=pg.pools,
+                    num_slots=self._slots[pg.pool_group_id],
+                    slot_bytes=pg.slot_bytes,
+                )
+                for pg in lay.pool_groups
+            ),
+            pools=tuple(
+                PoolInfo(
+                    pool_id=p.pool_id,
+                    pool_group=p.pool_group,
+                    kind=p.kind,
+                    kv_factor=p.kv_factor,
+                    num_buffers=p.num_buffers,
+                    bytes_per_buffer=p.bytes_per_buffer,
+                    slot_bytes=p.slot_bytes,
+                    num_slots=self._slots[p.pool_group],
+                    nbytes=self._slots[p.pool_group] * p.slot_bytes,
+                    base_address=self.memory.base_address(p.pool_id),
+                )
+                for p in lay.pools
+            ),
+            buffers=tuple(buffers),
+        )
+
+    def estimate(self, seq_len: int, num_requests: int | None = None) -> Estimate:
+        return self._sizing.estimate(seq_len, self._slots, self.config.max_requests, num_requests)
+
+    def num_free_blocks(self, pool_group: int | None = None) -> int:
+        pools = self._coord.pools
+        if pool_group is None:
+            return sum(p.num_free for p in pools)
+        return pools[self._pool_group(pool_group)].num_free
+
+    def num_total_blocks(self, pool_group: int | None = None) -> int:
+        if pool_group is None:
+            return sum(self._slots.values())
+        return self._slots[PoolGroupId(self._pool_group(pool_group))]
+
+    def _pool_group(self, pool_group: int) -> int:
+        if not 0 <= pool_group < len(self._coord.pools):
+            raise InvalidArgument(f"no pool group {pool_group}", pool_group=pool_group)
+        return pool_group
+
+    def stats(self) -> Stats:
+        free = {i: p.num_free for i, p in enumerate(self._coord.pools)}
+        total = {int(k): v for k, v in self._slots.items()}
+        return Stats(
+            num_requests=len(self._rows),
+            free_blocks=free,
+            used_blocks={i: total[i] - free[i] for i in free},
+            total_blocks=total,
+        )
+
+    def layer_group_of(self, layer_id: int) -> LayerGroupId:
+        return self._placement(layer_id, "key").layer_group

@@ -1,0 +1,92 @@
+"""The KV memory: one raw byte allocation per physical pool, and typed views that alias it.
+
+A pool is ``num_slots x slot_bytes`` bytes; slot s holds the pool's buffers in slot order, each
+``bytes_per_buffer`` long. The view of (layer, role) starts at the buffer's offset and steps
+by the whole slot, so ``view[s]`` is that layer's page in slot s and a write through the view
+lands in the pool.
+
+Worked example: a pool K0 V0 K1 V1 of 2 heads x 4 dims fp16, 16 tokens per block: each buffer is
+16 * 2 * 4 * 2 = 256 bytes, a slot 1024 bytes. ``layer_view(1, "value")`` starts at byte 768
+and has strides (512, 8, 4, 1) in fp16 elements.
+
+nvfp4 data views are uint8 with a last dimension of head_dim / 2 (two values per byte);
+scale views are float8_e4m3fn ``[num_slots, tokens_per_block, heads * head_dim / 16]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcm_client.models import LayerSpec, Role
+
+from .ids import LayerId, PoolGroupId
+from .layout import BufferPlacement, Layout
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "nvfp4": torch.uint8,
+}
+SCALE_DTYPE = torch.float8_e4m3fn
+
+
+def role_dtype(layer: LayerSpec, role: Role) -> torch.dtype:
+    return SCALE_DTYPE if role.endswith("_scale") else TORCH_DTYPES[layer.dtype]
+
+
+def token_shape(layer: LayerSpec, role: Role) -> tuple[int, ...]:
+    """Shape of one token's entry of (layer, role), in elements of ``role_dtype``."""
+    if role.endswith("_scale"):
+        return (layer.num_kv_heads * layer.head_dim // 16,)
+    if layer.dtype == "nvfp4":
+        return (layer.num_kv_heads, layer.head_dim // 2)
+    return (layer.num_kv_heads, layer.head_dim)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= dim
+    return tuple(reversed(strides))
+
+
+class PoolMemory:
+    def __init__(self, layout: Layout, slots: dict[PoolGroupId, int], device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.tensors = [
+            torch.empty((slots[pool.pool_group], pool.slot_bytes), dtype=torch.uint8, device=device)
+            for pool in layout.pools
+        ]
+
+    def base_address(self, pool_id: int) -> int:
+        return self.tensors[pool_id].data_ptr()
+
+    def _view(self, place: BufferPlacement, roles_in_page: int) -> torch.Tensor:
+        layer = self.layout.layers[place.layer_id]
+        dtype = role_dtype(layer, place.role)
+        pool = self.tensors[place.pool]
+        typed = pool.view(dtype)
+        element = typed.element_size()
+        inner = (self.layout.tokens_per_block, *token_shape(layer, place.role))
+        inner_strides = _contiguous_strides(inner)
+        shape = (pool.shape[0], *((roles_in_page,) if roles_in_page > 1 else ()), *inner)
+        page = place.bytes_per_buffer // element
+        strides = (
+            pool.shape[1] // element,
+            *((page,) if roles_in_page > 1 else ()),
+            *inner_strides,
+        )
+        return typed.as_strided(shape, strides, place.offset_bytes // element)
+
+    def layer_view(self, layer_id: LayerId, role: Role) -> torch.Tensor:
+        return self._view(self.layout.placements[(layer_id, role)], 1)
+
+    def kv_view(self, layer_id: LayerId) -> torch.Tensor:
+        """``[num_slots, kv_factor, tokens_per_block, heads, head_dim]`` (key-only: no kv dim)."""
+        layer = self.layout.layers[layer_id]
+        return self._view(self.layout.placements[(layer_id, "key")], layer.kv_factor)

@@ -1,0 +1,82 @@
+"""The manager on cuda:0 gives the same tables, indices and views as on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvcm import KVCacheManager, OutOfBlocks
+
+LAYERS = [
+    {"layer_id": 0, "num_kv_heads": 2, "head_dim": 8, "sliding_window": 12, "sink_tokens": 3},
+    {"layer_id": 1, "num_kv_heads": 2, "head_dim": 8},
+    {"layer_id": 2, "num_kv_heads": 1, "head_dim": 16, "kv_factor": 1},
+    {"layer_id": 3, "num_kv_heads": 2, "head_dim": 16, "dtype": "nvfp4"},
+]
+
+
+def _pair() -> tuple[KVCacheManager, KVCacheManager]:
+    cfg = {
+        "layers": LAYERS,
+        "tokens_per_block": 4,
+        "max_requests": 16,
+        "max_seq_len": 128,
+        "num_blocks": 200,
+    }
+    return KVCacheManager(cfg), KVCacheManager(cfg | {"device": "cuda:0"})
+
+
+def test_cuda_manager_matches_cpu_on_random_ops() -> None:
+    rng = np.random.default_rng(7)
+    cpu, gpu = _pair()
+    live: list[str] = []
+    for step in range(300):
+        if not live or rng.random() < 0.2:
+            rid, n = f"r{step}", int(rng.integers(1, 30))
+            for m in (cpu, gpu):
+                try:
+                    m.allocate(rid, n)
+                except OutOfBlocks:
+                    continue
+            if rid in cpu.request_ids():
+                live.append(rid)
+        elif rng.random() < 0.1:
+            rid = live.pop(int(rng.integers(len(live))))
+            cpu.free(rid)
+            gpu.free(rid)
+        else:
+            ids = [r for r in live if cpu.request(r).num_tokens < 120]
+            outcomes = []
+            for m in (cpu, gpu):
+                try:
+                    m.extend_many(ids)
+                    outcomes.append(True)
+                except OutOfBlocks:
+                    outcomes.append(False)
+            assert outcomes[0] == outcomes[1]
+        for g in range(len(cpu.layout.layer_groups)):
+            dev = gpu.page_table(g)
+            assert dev.device.type == "cuda"
+            assert torch.equal(dev.cpu(), cpu.page_table(g))
+        if live:
+            for lid, role in ((0, "value"), (2, "key"), (3, "key_scale")):
+                for mode, per_layer in (("slot", False), ("kernel", False), ("kernel", True)):
+                    a = cpu.page_indices(live, lid, role, mode=mode, per_layer=per_layer)
+                    b = gpu.page_indices(live, lid, role, mode=mode, per_layer=per_layer)
+                    assert torch.equal(a, b.cpu())
+            assert torch.equal(
+                cpu.slot_mapping(live, 1, pad_to=256), gpu.slot_mapping(live, 1, pad_to=256).cpu()
+            )
+
+
+def test_cuda_views_alias_device_pools() -> None:
+    _, gpu = _pair()
+    view = gpu.layer_view(1, "value")
+    assert view.is_cuda
+    view[7].fill_(3.0)
+    pool = gpu.memory.tensors[gpu.layout.placements[(1, "value")].pool]
+    offset = gpu.layout.placements[(1, "value")].offset_bytes
+    chunk = pool[7, offset : offset + view[7].numel() * 2].view(torch.float16)
+    assert bool((chunk == 3.0).all())
+    assert gpu.pointer_table().is_cuda
+    assert int(gpu.layer_pointer_table()[1, 1]) == view.data_ptr()
