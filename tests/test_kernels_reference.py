@@ -54,3 +54,79 @@ def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int) -> N
             expect.append(-1 if s < 0 else s * tpb + p % tpb)
     expect += [-1] * (pad_to - len(expect))
     assert got.tolist() == expect
+
+
+def test_slot_mapping_reference_for_all_groups_at_once(rng: np.random.Generator) -> None:
+    tables = torch.from_numpy(rng.integers(-1, 100, size=(3, 10, 6)).astype(np.int32))
+    rows = torch.tensor([4, 0, 9])
+    qsl = torch.tensor([0, 2, 2, 5])
+    positions = torch.tensor([0, 7, 3, 4, 23])
+    got = kvcm_kernels.slot_mapping(tables, rows, qsl, positions, 4, 7)
+    assert got.shape == (3, 7)
+    for g in range(3):
+        single = kvcm_kernels.slot_mapping(tables[g], rows, qsl, positions, 4, 7)
+        assert got[g].tolist() == single.tolist()
+
+
+@pytest.mark.parametrize("n", [0, 1, 300])
+def test_apply_page_table_edits_reference(rng: np.random.Generator, n: int) -> None:
+    tables = _random_table(rng, 3 * 20, 16).view(3, 20, 16)
+    cells = rng.choice(3 * 20 * 16, size=n, replace=False)
+    g, rest = np.divmod(cells, 20 * 16)
+    r, p = np.divmod(rest, 16)
+    s = rng.integers(-1, 1000, size=n)
+    edits = torch.from_numpy(np.stack([g, r, p, s], axis=1).astype(np.int32))
+    expect = tables.clone()
+    for i in range(n):
+        expect[g[i], r[i], p[i]] = int(s[i])
+    kvcm_kernels.apply_page_table_edits(tables, edits)
+    assert torch.equal(tables, expect)
+
+
+def test_layer_pointers_reference(rng: np.random.Generator) -> None:
+    pointers = torch.from_numpy(rng.integers(1 << 20, 1 << 40, size=(3, 2)))
+    page_bytes = torch.tensor([512, 64, 1024])
+    pool_map = torch.full((5, 4, 2), -1, dtype=torch.int32)
+    pool_map[0, 0] = torch.tensor([0, 0])
+    pool_map[0, 1] = torch.tensor([0, 0])
+    pool_map[3, 1] = torch.tensor([0, 2])
+    pool_map[3, 3] = torch.tensor([1, 2])
+    pool_map[4, 2] = torch.tensor([2, 5])
+    got = kvcm_kernels.layer_pointers(pointers, pool_map, page_bytes)
+    for layer in range(5):
+        for role in range(4):
+            pool, offset = pool_map[layer, role].tolist()
+            want = 0 if pool < 0 else int(pointers[pool, role % 2]) + offset * int(page_bytes[pool])
+            assert int(got[layer, role]) == want
+
+
+def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator) -> None:
+    tpb = 4
+    tables = torch.from_numpy(
+        np.array([[[2, 0, -1], [1, 3, -1]], [[0, 1, 2], [3, -1, -1]]], dtype=np.int32)
+    )
+    pools = [
+        kvcm_kernels.TokenCopyPool(
+            0, torch.from_numpy(rng.integers(0, 256, (4, 3 * 24), np.uint8)), 24, 3
+        ),
+        kvcm_kernels.TokenCopyPool(
+            1, torch.from_numpy(rng.integers(0, 256, (4, 2 * 8), np.uint8)), 8, 2
+        ),
+    ]
+    # (row, src, dst): row 0 moves token 6 to 1; row 1 moves token 2 to 5 (group 1 block 1 is -1).
+    ops = torch.tensor([[0, 6, 1], [1, 2, 5]])
+    expect = [p.memory.clone() for p in pools]
+    for p, mem in zip(pools, expect, strict=True):
+        tb = p.bytes_per_buffer // tpb
+        for row, src, dst in ops.tolist():
+            s = int(tables[p.group, row, src // tpb])
+            d = int(tables[p.group, row, dst // tpb])
+            if s < 0 or d < 0:
+                continue
+            for j in range(p.num_buffers):
+                a = j * p.bytes_per_buffer + (src % tpb) * tb
+                b = j * p.bytes_per_buffer + (dst % tpb) * tb
+                mem[d, b : b + tb] = p.memory[s, a : a + tb]
+    kvcm_kernels.copy_tokens(tables, ops, pools, tpb)
+    for p, mem in zip(pools, expect, strict=True):
+        assert torch.equal(p.memory, mem)

@@ -1,11 +1,22 @@
-"""Index kernels of kvcm: page indices and slot mappings.
+"""Index and copy kernels of kvcm.
 
-Each kernel family has a torch reference (this package's CPU path and the oracle in tests).
-The manager calls only the names exported here, so a GPU implementation plugs in behind them
-without the manager changing.
+Each kernel family is one module: a CUDA C source (``.cu``, loaded by ``cupy.RawModule``), the
+torch reference with the same signature (the CPU path and the oracle in tests), and the public
+function that dispatches between them (``_dispatch.gpu_path``). CuPy is optional: without it,
+or for CPU tensors, the reference runs.
 """
 
+from .kv_copy import TokenCopyPool, copy_tokens
 from .page_indices import kernel_page_indices
+from .page_table_edits import apply_page_table_edits
+from .pointers import layer_pointers
 from .slot_mapping import slot_mapping
 
-__all__ = ["kernel_page_indices", "slot_mapping"]
+__all__ = [
+    "TokenCopyPool",
+    "apply_page_table_edits",
+    "copy_tokens",
+    "kernel_page_indices",
+    "layer_pointers",
+    "slot_mapping",
+]

@@ -2,7 +2,8 @@
 
 For token i of request r at position p: ``slot x tokens_per_block + p % tokens_per_block`` with
 slot = ``table[row(r), p // tokens_per_block]``; -1 where the page is -1 and for padding, so that
-CUDA graphs always see ``pad_to`` entries.
+CUDA graphs always see ``pad_to`` entries. Given the tables of several layer groups
+``[G, R, B]``, it maps the batch for each of them at once (``[G, pad_to]``).
 
 Worked example (tokens_per_block 16): request 0 in row 3 with table row [7, 2, -1, ...] adds
 positions 15 and 16: slot 7 offset 15 gives 127, slot 2 offset 0 gives 32. Padded to 4:
@@ -13,6 +14,74 @@ from __future__ import annotations
 
 import torch
 
+from ._dispatch import blocks, gpu_path, i32, launch, ptr
+
+THREADS = 256
+
+
+def _out(tables: torch.Tensor, pad_to: int, out: torch.Tensor | None) -> torch.Tensor:
+    shape = (tables.shape[0], pad_to)
+    if out is None:
+        return torch.empty(shape, dtype=torch.int64, device=tables.device)
+    out = out.view(shape)
+    assert out.dtype == torch.int64 and out.is_contiguous()
+    return out
+
+
+def slot_mapping_reference(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    tokens_per_block: int,
+    pad_to: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    tables = table if table.dim() == 3 else table.unsqueeze(0)
+    result = _out(tables, pad_to, out)
+    counts = query_start_loc[1:] - query_start_loc[:-1]
+    token_rows = torch.repeat_interleave(rows, counts)
+    slots = tables[:, token_rows, positions // tokens_per_block].to(torch.int64)
+    mapped = torch.where(slots >= 0, slots * tokens_per_block + positions % tokens_per_block, -1)
+    result.fill_(-1)
+    result[:, : mapped.shape[1]] = mapped
+    return result if table.dim() == 3 else result[0]
+
+
+def slot_mapping_cuda(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    tokens_per_block: int,
+    pad_to: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    tables = table if table.dim() == 3 else table.unsqueeze(0)
+    groups, table_rows, cols = tables.shape
+    out = _out(tables, pad_to, out)
+    if pad_to and groups:
+        launch(
+            "slot_mapping",
+            "slot_mapping",
+            table.device,
+            (blocks(pad_to, THREADS, 1024), groups),
+            (THREADS,),
+            (
+                ptr(tables),
+                ptr(rows),
+                ptr(query_start_loc),
+                ptr(positions),
+                ptr(out),
+                i32(rows.numel()),
+                i32(pad_to),
+                i32(table_rows),
+                i32(cols),
+                i32(tokens_per_block),
+            ),
+        )
+    return out if table.dim() == 3 else out[0]
+
 
 def slot_mapping(
     table: torch.Tensor,
@@ -21,12 +90,16 @@ def slot_mapping(
     positions: torch.Tensor,
     tokens_per_block: int,
     pad_to: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """int64 ``[pad_to]``; ``query_start_loc`` has len(rows) + 1 entries, the last = #tokens."""
-    counts = query_start_loc[1:] - query_start_loc[:-1]
-    token_rows = torch.repeat_interleave(rows, counts)
-    slots = table[token_rows, positions // tokens_per_block].to(torch.int64)
-    mapped = torch.where(slots >= 0, slots * tokens_per_block + positions % tokens_per_block, -1)
-    out = torch.full((pad_to,), -1, dtype=torch.int64, device=table.device)
-    out[: mapped.numel()] = mapped
-    return out
+    """int64 ``[pad_to]`` for a table ``[R, B]``, ``[G, pad_to]`` for tables ``[G, R, B]``.
+
+    ``rows`` int64 ``[n]``; ``query_start_loc`` int64 ``[n + 1]`` (the last entry is the number of
+    tokens); ``positions`` int64, one per token. ``out`` (int64 ``[G, pad_to]``) is written in
+    full when given.
+    """
+    args = (table, rows, query_start_loc, positions)
+    if gpu_path(*args):
+        contiguous = [t.contiguous() for t in args]
+        return slot_mapping_cuda(*contiguous, tokens_per_block, pad_to, out)
+    return slot_mapping_reference(*args, tokens_per_block, pad_to, out)

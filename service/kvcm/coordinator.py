@@ -78,7 +78,12 @@ class Coordinator:
         self.lookahead = np.zeros(max_requests, dtype=np.int64)
         self.num_blocks = [np.zeros(max_requests, dtype=np.int64) for _ in range(ng)]
         self.released_end = [np.full(max_requests, s, dtype=np.int64) for s in self.sinks]
-        self.tables = [np.full((max_requests, max_blocks), -1, dtype=np.int32) for _ in range(ng)]
+        #: Host page tables of all layer groups in one array, ``[groups, rows, blocks]``.
+        self.tables = np.full((ng, max_requests, max_blocks), -1, dtype=np.int32)
+        #: Table edits since the last ``take_edits`` (only kept for device tables):
+        #: (layer group, rows, positions, slots or None for -1).
+        self.edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None = None
+        self.ops_since_take = 0
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -144,6 +149,7 @@ class Coordinator:
         self.num_tokens[rows] = length
         self.history[rows] = history
         self.lookahead[rows] = lookahead
+        self.ops_since_take += 1
 
     def _release(self, plan: _GroupPlan, rows: np.ndarray) -> None:
         items, offsets = segments(plan.released_new - plan.released_old)
@@ -152,11 +158,16 @@ class Coordinator:
         table = self.tables[plan.group]
         self.pools[self.group_pool[plan.group]].push(table[r, pos])
         table[r, pos] = -1
+        if self.edits is not None:
+            self.edits.append((plan.group, r, pos, None))
 
     def _allocate(self, plan: _GroupPlan, rows: np.ndarray) -> None:
         items, offsets = segments(plan.add)
         slots = self.pools[self.group_pool[plan.group]].pop(plan.num_add)
-        self.tables[plan.group][rows[items], plan.current[items] + offsets] = slots
+        r, pos = rows[items], plan.current[items] + offsets
+        self.tables[plan.group][r, pos] = slots
+        if self.edits is not None:
+            self.edits.append((plan.group, r, pos, slots))
 
     def rewind(self, row: int, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens; blocks past the new capacity are freed."""
@@ -176,6 +187,7 @@ class Coordinator:
             self._free_tail(g, row, keep)
         self.num_tokens[row] = new_len
         self.history[row] = min(int(self.history[row]), new_len)
+        self.ops_since_take += 1
 
     def release_row(self, row: int) -> None:
         """Free every block of the row, tail first (so the head is evicted last later)."""
@@ -185,6 +197,7 @@ class Coordinator:
         self.num_tokens[row] = 0
         self.history[row] = 0
         self.lookahead[row] = 0
+        self.ops_since_take += 1
 
     def _free_tail(self, g: int, row: int, keep: int) -> None:
         count = int(self.num_blocks[g][row])
@@ -196,6 +209,33 @@ class Coordinator:
             self.pools[self.group_pool[g]].push(live)
         seg[:] = -1
         self.num_blocks[g][row] = keep
+        if self.edits is not None:
+            self.edits.append((g, np.full(count - keep, row), np.arange(keep, count), None))
+
+    def take_edits(self) -> np.ndarray:
+        """The table edits since the last call as int32 ``[E, 4]``, one per cell (the last).
+
+        A single op never edits a cell twice, so only several ops need the de-duplication.
+        """
+        records = self.edits or []
+        n = sum(len(r[1]) for r in records)
+        out = np.empty((n, 4), dtype=np.int32)
+        if n:
+            out[:, 0] = np.repeat([r[0] for r in records], [len(r[1]) for r in records])
+            out[:, 1] = np.concatenate([r[1] for r in records])
+            out[:, 2] = np.concatenate([r[2] for r in records])
+            out[:, 3] = np.concatenate(
+                [np.full(len(r[1]), -1) if r[3] is None else r[3] for r in records]
+            )
+        if self.ops_since_take > 1 and n > 1:
+            _, rows, cols = self.tables.shape
+            key = (out[:, 0].astype(np.int64) * rows + out[:, 1]) * cols + out[:, 2]
+            _, last = np.unique(key[::-1], return_index=True)
+            out = out[::-1][last]
+        if self.edits is not None:
+            self.edits.clear()
+        self.ops_since_take = 0
+        return out
 
     # -- queries -----------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from kvcm_client.models import (
 from kvcm_client.models import Layout as LayoutInfo
 
 from .coordinator import Coordinator, segments
+from .device_tables import DeviceTables, Uploader
 from .ids import LayerGroupId, LayerId, PoolGroupId
 from .layout import BufferPlacement, build_layout
 from .pools import PoolMemory, role_dtype
@@ -88,7 +89,7 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
         _count(name, value, minimum)
         return np.full(n, value, dtype=np.int64)
     arr = np.asarray(value)
-    if arr.shape != (n,) or arr.dtype.kind not in "iu":
+    if arr.shape != (n,) or (arr.dtype.kind not in "iu" and arr.size):
         raise InvalidArgument(f"{name} must be an int or {n} ints", **{name: None})
     if n and int(arr.min()) < minimum:
         raise InvalidArgument(f"{name} must be >= {minimum}", **{name: int(arr.min())})
@@ -117,13 +118,19 @@ class KVCacheManager:
         )
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
-        if self.device.type == "cpu":
-            # The host tables are the device tables: no copy, always current.
-            self._tables = [torch.from_numpy(t) for t in self._coord.tables]
-        else:
-            self._tables = [torch.from_numpy(t).to(self.device) for t in self._coord.tables]
-        self._stale_tables = False
+        self._tables = DeviceTables(self._coord, self.device)
+        self._upload = None if self.device.type == "cpu" else Uploader(self.device, torch.int64)
         self._pointer_table, self._layer_pool_map, self._layer_pointers = self._build_pointers()
+        self._copy_pools = [
+            kvcm_kernels.TokenCopyPool(
+                group=g.group_id,
+                memory=self.memory.tensors[pid],
+                bytes_per_buffer=pool.bytes_per_buffer,
+                num_buffers=pool.num_buffers,
+            )
+            for g in self.layout.layer_groups
+            for pool, pid in zip(g.pools, g.physical_pools, strict=True)
+        ]
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -185,7 +192,6 @@ class KVCacheManager:
         self._coord.grow(np.array([row]), np.array([num_tokens]), np.array([lookahead]))
         self._free_rows.pop()
         self._rows[request_id] = row
-        self._stale_tables = True
         return self._info(request_id, row)
 
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
@@ -195,7 +201,6 @@ class KVCacheManager:
         lookahead = _count("lookahead", lookahead, 0)
         self._check_len(request_id, int(self._coord.num_tokens[row]) + num_new_tokens + lookahead)
         self._coord.grow(np.array([row]), np.array([num_new_tokens]), np.array([lookahead]))
-        self._stale_tables = True
         return self._info(request_id, row)
 
     def extend_many(
@@ -218,7 +223,7 @@ class KVCacheManager:
             i = int(total.argmax())
             self._check_len(request_ids[i], int(total[i]))
         self._coord.grow(rows, new, ahead)
-        self._stale_tables = True
+        self._tables.sync()
 
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
@@ -233,7 +238,6 @@ class KVCacheManager:
                 num_tokens=num_tokens,
             )
         self._coord.rewind(row, num_tokens)
-        self._stale_tables = True
         return self._info(request_id, row)
 
     def free(self, request_id: str) -> None:
@@ -241,7 +245,6 @@ class KVCacheManager:
         self._coord.release_row(row)
         del self._rows[request_id]
         self._free_rows.append(row)
-        self._stale_tables = True
 
     def step(self, ops: Sequence[Op | dict[str, Any]]) -> list[OpResult]:
         """Run ops in order, each atomic on its own; one result per op.
@@ -263,7 +266,9 @@ class KVCacheManager:
                 pass
             else:
                 return self._batch_results(ids)
-        return [self._run(op) for op in parsed]
+        results = [self._run(op) for op in parsed]
+        self._tables.sync()
+        return results
 
     def _batch_results(self, ids: list[str]) -> list[OpResult]:
         # One validation of the whole list is about twice as fast as a model per op.
@@ -315,16 +320,18 @@ class KVCacheManager:
 
     def page_table(self, layer_group: int) -> torch.Tensor:
         """The int32 ``[max_requests, max_blocks_per_request]`` table on the manager's device."""
-        if not 0 <= layer_group < len(self._tables):
+        if not 0 <= layer_group < len(self.layout.layer_groups):
             raise InvalidArgument(f"no layer group {layer_group}", layer_group=layer_group)
-        return self._device_tables()[layer_group]
+        return self._tables.sync()[layer_group]
 
-    def _device_tables(self) -> list[torch.Tensor]:
-        if self._stale_tables and self.device.type != "cpu":
-            for host, dev in zip(self._coord.tables, self._tables, strict=True):
-                dev.copy_(torch.from_numpy(host))
-        self._stale_tables = False
-        return self._tables
+    def page_tables(self) -> torch.Tensor:
+        """All layer groups' tables as one int32 ``[groups, max_requests, max_blocks]``."""
+        return self._tables.sync()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        if self._upload is None:
+            return torch.from_numpy(array)
+        return self._upload(array)
 
     def _placement(self, layer_id: int, role: str) -> BufferPlacement:
         layer = self.layout.layers.get(LayerId(layer_id))
@@ -357,8 +364,8 @@ class KVCacheManager:
             raise InvalidArgument(f"mode must be 'slot' or 'kernel', got {mode!r}", mode=mode)
         if per_layer and mode != "kernel":
             raise InvalidArgument("per_layer needs mode='kernel'", mode=mode)
-        rows = torch.from_numpy(self._rows_of(request_ids)).to(self.device)
-        table = self._device_tables()[place.layer_group]
+        rows = self._to_device(self._rows_of(request_ids))
+        table = self._tables.sync()[place.layer_group]
         if mode == "slot":
             return table.index_select(0, rows)
         return kvcm_kernels.kernel_page_indices(
@@ -375,12 +382,30 @@ class KVCacheManager:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> torch.Tensor:
-        """int64 slot mapping of the last ``num_tokens`` positions of each request, padded.
+        """int64 ``[pad_to]`` slot mapping of the last ``num_tokens`` positions of each request.
 
         By default each request maps the tokens added by its latest allocate/extend (the
         tokens computed in this step). Positions in released sliding-window blocks map to -1.
         """
         group = self._placement(layer_id, "key").layer_group
+        return self._slot_mapping(request_ids, num_tokens, pad_to, group)
+
+    def slot_mappings(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: int | Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> torch.Tensor:
+        """``slot_mapping`` for every layer group at once: int64 ``[groups, pad_to]``."""
+        return self._slot_mapping(request_ids, num_tokens, pad_to, None)
+
+    def _slot_mapping(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: int | Sequence[int] | None,
+        pad_to: int | None,
+        group: int | None,
+    ) -> torch.Tensor:
         rows = self._rows_of(request_ids)
         c = self._coord
         length = c.num_tokens[rows]
@@ -390,24 +415,64 @@ class KVCacheManager:
             counts = _counts("num_tokens", num_tokens, rows.size, 0)
             if rows.size and bool((counts > length).any()):
                 raise InvalidArgument("num_tokens exceeds a request's length")
-        items, offsets = segments(counts)
-        positions = (length - counts)[items] + offsets
         total = int(counts.sum())
         if pad_to is None:
             pad_to = total
         elif _count("pad_to", pad_to, 0) < total:
             raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
-        qsl = np.zeros(rows.size + 1, dtype=np.int64)
-        np.cumsum(counts, out=qsl[1:])
-        dev = self.device
+        # rows | query_start_loc | positions in one array: one host-to-device copy.
+        n = rows.size
+        packed = np.empty(2 * n + 1 + total, dtype=np.int64)
+        packed[:n] = rows
+        packed[n] = 0
+        np.cumsum(counts, out=packed[n + 1 : 2 * n + 1])
+        items, offsets = segments(counts)
+        packed[2 * n + 1 :] = (length - counts)[items] + offsets
+        dev = self._to_device(packed)
+        tables = self._tables.sync()
         return kvcm_kernels.slot_mapping(
-            self._device_tables()[group],
-            torch.from_numpy(rows).to(dev),
-            torch.from_numpy(qsl).to(dev),
-            torch.from_numpy(positions.astype(np.int64)).to(dev),
+            tables if group is None else tables[group],
+            dev[:n],
+            dev[n : 2 * n + 1],
+            dev[2 * n + 1 :],
             self.tokens_per_block,
             pad_to,
         )
+
+    def copy_tokens(
+        self,
+        request_ids: Sequence[str],
+        src_positions: Sequence[int],
+        dst_positions: Sequence[int],
+    ) -> None:
+        """Copy the KV of token ``src_positions[i]`` to ``dst_positions[i]`` of request i.
+
+        Every layer's key, value and scale entries move (the primitive for relocating accepted
+        draft tokens). Positions must lie in the request's capacity and in blocks it holds; the
+        destinations must be distinct and none may be a source, so the order of copies does
+        not matter.
+        """
+        rows = self._rows_of(request_ids)
+        n = rows.size
+        src = _counts("src_positions", src_positions, n, 0)
+        dst = _counts("dst_positions", dst_positions, n, 0)
+        c = self._coord
+        capacity = c.num_tokens[rows] + c.lookahead[rows]
+        if n and bool(((src >= capacity) | (dst >= capacity)).any()):
+            raise InvalidArgument("a position lies past its request's capacity")
+        tpb = self.tokens_per_block
+        for g in range(len(self.layout.layer_groups)):
+            table = c.tables[g]
+            if n and bool(((table[rows, src // tpb] < 0) | (table[rows, dst // tpb] < 0)).any()):
+                raise InvalidArgument(
+                    f"a position lies in a block layer group {g} released", layer_group=g
+                )
+        span = self.config.max_seq_len
+        src_keys, dst_keys = rows * span + src, rows * span + dst
+        if np.unique(dst_keys).size != n or np.intersect1d(src_keys, dst_keys).size:
+            raise InvalidArgument("destinations must be distinct and disjoint from sources")
+        ops = np.stack([rows, src, dst], axis=1)
+        kvcm_kernels.copy_tokens(self._tables.sync(), self._to_device(ops), self._copy_pools, tpb)
 
     def _build_pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_layer_ids = max(self.layout.layers) + 1
@@ -418,13 +483,20 @@ class KVCacheManager:
             if pool.kv_factor == 2:
                 pointers[pool.pool_id, 1] = base + pool.bytes_per_buffer
         pool_map = torch.full((num_layer_ids, len(ROLES), 2), -1, dtype=torch.int32)
-        layer_pointers = torch.zeros((num_layer_ids, len(ROLES)), dtype=torch.int64)
         for (lid, role), place in self.layout.placements.items():
             r = ROLES.index(role)
             pool_map[lid, r, 0] = place.pool
             pool_map[lid, r, 1] = place.page_offset
-            layer_pointers[lid, r] = self.memory.base_address(place.pool) + place.offset_bytes
-        return (pointers.to(self.device), pool_map.to(self.device), layer_pointers.to(self.device))
+        page_bytes = torch.tensor(
+            [p.kv_factor * p.bytes_per_buffer for p in self.layout.pools], dtype=torch.int64
+        )
+        dev = self.device
+        pointers, pool_map = pointers.to(dev), pool_map.to(dev)
+        return (
+            pointers,
+            pool_map,
+            kvcm_kernels.layer_pointers(pointers, pool_map, page_bytes.to(dev)),
+        )
 
     def pointer_table(self) -> torch.Tensor:
         """int64 ``[num_pools, 2]``: base address per (pool, role in page).
@@ -469,6 +541,7 @@ class KVCacheManager:
 
     def describe(self) -> LayoutInfo:
         lay = self.layout
+        pointers = self._layer_pointers.cpu()
         buffers = []
         for (lid, role), place in lay.placements.items():
             layer = lay.layers[lid]
@@ -482,7 +555,7 @@ class KVCacheManager:
                     offset_bytes=place.offset_bytes,
                     bytes_per_block=place.bytes_per_buffer,
                     page_stride_bytes=lay.pools[place.pool].slot_bytes,
-                    base_address=int(self._layer_pointers[lid, ROLES.index(role)]),
+                    base_address=int(pointers[lid, ROLES.index(role)]),
                     shape=tuple(view.shape),
                     dtype=str(role_dtype(layer, role)).removeprefix("torch."),
                 )

@@ -67,6 +67,23 @@ def test_cuda_manager_matches_cpu_on_random_ops() -> None:
             assert torch.equal(
                 cpu.slot_mapping(live, 1, pad_to=256), gpu.slot_mapping(live, 1, pad_to=256).cpu()
             )
+            assert torch.equal(cpu.slot_mappings(live), gpu.slot_mappings(live).cpu())
+    assert torch.equal(cpu.layer_pointer_table().cpu() != 0, gpu.layer_pointer_table().cpu() != 0)
+
+
+def test_cuda_copy_tokens_matches_cpu() -> None:
+    cpu, gpu = _pair()
+    torch.manual_seed(3)
+    for a, b in zip(cpu.memory.tensors, gpu.memory.tensors, strict=True):
+        a.copy_(torch.randint(0, 256, a.shape, dtype=torch.uint8))
+        b.copy_(a)
+    for m in (cpu, gpu):
+        m.allocate("a", 20, lookahead=4)
+        m.allocate("b", 9)
+        m.extend_many(["a", "b"], [2, 1], [4, 0])
+        m.copy_tokens(["a", "a", "b", "a"], [22, 23, 9, 1], [20, 21, 5, 0])
+    for a, b in zip(cpu.memory.tensors, gpu.memory.tensors, strict=True):
+        assert torch.equal(a, b.cpu())
 
 
 def test_cuda_views_alias_device_pools() -> None:

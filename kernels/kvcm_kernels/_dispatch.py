@@ -1,0 +1,85 @@
+"""The one dispatch point: CuPy raw kernels for CUDA tensors, the torch reference otherwise.
+
+The GPU path is taken when every tensor argument lives on a CUDA device and CuPy imports;
+``KVCM_KERNELS=reference`` forces the reference (benchmarks use it to time torch ops on the
+GPU). Kernels launch on torch's current stream of the tensors' device, so they order with the
+torch work around them. Each ``.cu`` file is compiled once per process and device by
+``cupy.RawModule`` (and cached on disk by CuPy across processes).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).parent
+
+
+@functools.cache
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def gpu_path(*tensors: torch.Tensor) -> bool:
+    if os.environ.get("KVCM_KERNELS") == "reference":
+        return False
+    return all(t.is_cuda for t in tensors) and _cupy() is not None
+
+
+@functools.cache
+def _module(name: str) -> Any:
+    cupy = _cupy()
+    return cupy.RawModule(code=(HERE / f"{name}.cu").read_text(), options=("-std=c++17",))
+
+
+@functools.cache
+def _function(module: str, function: str, device: int) -> Any:
+    with _cupy().cuda.Device(device):
+        return _module(module).get_function(function)
+
+
+@functools.cache
+def _stream(pointer: int, device: int) -> Any:
+    with _cupy().cuda.Device(device):
+        return _cupy().cuda.ExternalStream(pointer, device)
+
+
+def launch(
+    module: str,
+    function: str,
+    device: torch.device,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple[Any, ...],
+) -> None:
+    """Launch ``function`` of ``module.cu`` on torch's current stream of ``device``."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _stream(torch.cuda.current_stream(index).cuda_stream, index)
+    with _cupy().cuda.Device(index), stream:
+        _function(module, function, index)(grid, block, args)
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    """A device pointer as a kernel argument (8 bytes, like the pointer parameter)."""
+    return np.uint64(t.data_ptr())
+
+
+def i32(value: int) -> np.int32:
+    return np.int32(value)
+
+
+def i64(value: int) -> np.int64:
+    return np.int64(value)
+
+
+def blocks(n: int, threads: int, limit: int = 65535 * 16) -> int:
+    return max(1, min(-(-n // threads), limit))
