@@ -11,9 +11,11 @@ from .page_indices import kernel_page_indices
 from .page_table_edits import apply_page_table_edits
 from .pointers import layer_pointers
 from .slot_mapping import slot_mapping
+from .step_tables import apply_edits_and_map_slots
 
 __all__ = [
     "TokenCopyPool",
+    "apply_edits_and_map_slots",
     "apply_page_table_edits",
     "copy_tokens",
     "kernel_page_indices",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,10 @@ def _function(module: str, function: str, device: int) -> Any:
 
 @functools.cache
 def _stream(pointer: int, device: int) -> Any:
-    with _cupy().cuda.Device(device):
+    # CuPy 14 deprecates ExternalStream for Stream.from_external; both wrap the same handle,
+    # and ExternalStream also exists in CuPy 12 and 13.
+    with _cupy().cuda.Device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
         return _cupy().cuda.ExternalStream(pointer, device)
 
 

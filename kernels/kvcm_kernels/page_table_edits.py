@@ -1,8 +1,9 @@
 """Page-table edits: one launch applies a step's changes to the tables of all layer groups.
 
 An edit is (layer group, row, block position, slot), slot -1 for a released block. The manager
-collects the edits of a step on the host and sends them in one int32 ``[E, 4]`` array; each
-table cell appears at most once (the manager keeps the last edit of a cell).
+collects the edits of a step on the host and sends them in one int64 ``[E, 4]`` array (int64 so
+that they travel in the same upload as the slot-mapping inputs); each table cell appears at
+most once (the manager keeps the last edit of a cell).
 
 Example: edits [[0, 3, 5, 17], [1, 3, 0, -1]] set ``tables[0, 3, 5] = 17`` and
 ``tables[1, 3, 0] = -1``.
@@ -40,7 +41,7 @@ def apply_page_table_edits_cuda(tables: torch.Tensor, edits: torch.Tensor) -> No
 
 
 def apply_page_table_edits(tables: torch.Tensor, edits: torch.Tensor) -> None:
-    """int32 ``tables [G, R, B]`` (contiguous) updated in place from int32 ``edits [E, 4]``."""
+    """int32 ``tables [G, R, B]`` (contiguous) updated in place from int64 ``edits [E, 4]``."""
     if gpu_path(tables, edits):
         apply_page_table_edits_cuda(tables, edits.contiguous())
     else:

@@ -40,7 +40,8 @@ def slot_mapping_reference(
     tables = table if table.dim() == 3 else table.unsqueeze(0)
     result = _out(tables, pad_to, out)
     counts = query_start_loc[1:] - query_start_loc[:-1]
-    token_rows = torch.repeat_interleave(rows, counts)
+    # output_size avoids a device-to-host sync on CUDA tensors.
+    token_rows = torch.repeat_interleave(rows, counts, output_size=positions.numel())
     slots = tables[:, token_rows, positions // tokens_per_block].to(torch.int64)
     mapped = torch.where(slots >= 0, slots * tokens_per_block + positions % tokens_per_block, -1)
     result.fill_(-1)

@@ -213,13 +213,13 @@ class Coordinator:
             self.edits.append((g, np.full(count - keep, row), np.arange(keep, count), None))
 
     def take_edits(self) -> np.ndarray:
-        """The table edits since the last call as int32 ``[E, 4]``, one per cell (the last).
+        """The table edits since the last call as int64 ``[E, 4]``, one per cell (the last).
 
         A single op never edits a cell twice, so only several ops need the de-duplication.
         """
         records = self.edits or []
         n = sum(len(r[1]) for r in records)
-        out = np.empty((n, 4), dtype=np.int32)
+        out = np.empty((n, 4), dtype=np.int64)
         if n:
             out[:, 0] = np.repeat([r[0] for r in records], [len(r[1]) for r in records])
             out[:, 1] = np.concatenate([r[1] for r in records])
@@ -229,7 +229,7 @@ class Coordinator:
             )
         if self.ops_since_take > 1 and n > 1:
             _, rows, cols = self.tables.shape
-            key = (out[:, 0].astype(np.int64) * rows + out[:, 1]) * cols + out[:, 2]
+            key = (out[:, 0] * rows + out[:, 1]) * cols + out[:, 2]
             _, last = np.unique(key[::-1], return_index=True)
             out = out[::-1][last]
         if self.edits is not None:

@@ -1,10 +1,10 @@
 """Page tables on the manager's device, kept in step with the host tables.
 
 On the CPU the device tables are the host tables (one shared array, nothing to do). On CUDA
-the host keeps the bookkeeping and the coordinator logs every table edit; ``sync`` sends the
-edits since the last sync through a reused pinned buffer and applies them with one kernel
-launch for all layer groups (``kvcm_kernels.apply_page_table_edits``). The manager syncs at
-the end of every batched step and before anything reads the device tables.
+the host keeps the bookkeeping and the coordinator logs every table edit. The edits of a step
+reach the device in one upload and one launch for all layer groups: fused with the step's slot
+mapping when the scheduler asks for it (``take_pending``), or alone (``sync``) before anything
+else reads the device tables.
 """
 
 from __future__ import annotations
@@ -20,32 +20,41 @@ from .coordinator import Coordinator
 class Uploader:
     """Copies small host arrays to the device without a synchronous pageable copy.
 
-    The staging buffer is pinned and reused: before overwriting it, wait for the event of the
-    previous copy (normally long done). The returned device tensor is valid for work queued on
-    the current stream before the next upload.
+    Staging buffers are pinned and used in turn (a ring of ``DEPTH``); a buffer is rewritten
+    only after the event of its last copy, so the host rarely waits even when the stream is
+    busy. The device buffer is reused in stream order: the returned tensor is valid for work
+    queued on the current stream before the next upload.
     """
+
+    DEPTH = 4
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device
         self.dtype = dtype
-        self._host = torch.empty(0, dtype=dtype, pin_memory=True)
+        self._host = [torch.empty(0, dtype=dtype, pin_memory=True) for _ in range(self.DEPTH)]
+        self._events = [torch.cuda.Event() for _ in range(self.DEPTH)]
+        self._used = [False] * self.DEPTH
+        self._turn = 0
         self._dev = torch.empty(0, dtype=dtype, device=device)
-        self._event = torch.cuda.Event()
-        self._pending = False
 
     def __call__(self, array: np.ndarray) -> torch.Tensor:
         n = array.size
-        if self._pending:
-            self._event.synchronize()
-        if n > self._host.numel():
-            cap = max(n, 2 * self._host.numel(), 4096)
-            self._host = torch.empty(cap, dtype=self.dtype, pin_memory=True)
-            self._dev = torch.empty(cap, dtype=self.dtype, device=self.device)
-        self._host[:n].numpy()[:] = array.reshape(-1)
+        k = self._turn
+        self._turn = (k + 1) % self.DEPTH
+        if self._used[k]:
+            self._events[k].synchronize()
+        if n > self._host[k].numel():
+            self._host[k] = torch.empty(max(n, 4096), dtype=self.dtype, pin_memory=True)
+        if n > self._dev.numel():
+            self._dev = torch.empty(
+                max(n, 2 * self._dev.numel(), 4096), dtype=self.dtype, device=self.device
+            )
+        host = self._host[k][:n]
+        host.numpy()[:] = array.reshape(-1)
         dev = self._dev[:n]
-        dev.copy_(self._host[:n], non_blocking=True)
-        self._event.record(torch.cuda.current_stream(self.device))
-        self._pending = True
+        dev.copy_(host, non_blocking=True)
+        self._events[k].record(torch.cuda.current_stream(self.device))
+        self._used[k] = True
         return dev.view(array.shape)
 
 
@@ -60,12 +69,22 @@ class DeviceTables:
         else:
             self.tensor = torch.from_numpy(host).to(device)
             coordinator.edits = []
-            self._upload = Uploader(device, torch.int32)
+            self._upload = Uploader(device, torch.int64)
+
+    @property
+    def on_device(self) -> bool:
+        return self._upload is not None
+
+    def take_pending(self) -> np.ndarray:
+        """The edits not yet on the device, int64 ``[E, 4]``; the caller must apply them."""
+        if self._upload is None or not self._coord.ops_since_take:
+            return np.empty((0, 4), dtype=np.int64)
+        return self._coord.take_edits()
 
     def sync(self) -> torch.Tensor:
         """Apply pending edits (one launch) and return the tables ``[groups, rows, blocks]``."""
-        if self._upload is not None and self._coord.ops_since_take:
-            edits = self._coord.take_edits()
-            if edits.shape[0]:
-                kvcm_kernels.apply_page_table_edits(self.tensor, self._upload(edits))
+        edits = self.take_pending()
+        if edits.shape[0]:
+            assert self._upload is not None
+            kvcm_kernels.apply_page_table_edits(self.tensor, self._upload(edits))
         return self.tensor

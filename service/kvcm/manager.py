@@ -223,7 +223,6 @@ class KVCacheManager:
             i = int(total.argmax())
             self._check_len(request_ids[i], int(total[i]))
         self._coord.grow(rows, new, ahead)
-        self._tables.sync()
 
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
@@ -266,9 +265,7 @@ class KVCacheManager:
                 pass
             else:
                 return self._batch_results(ids)
-        results = [self._run(op) for op in parsed]
-        self._tables.sync()
-        return results
+        return [self._run(op) for op in parsed]
 
     def _batch_results(self, ids: list[str]) -> list[OpResult]:
         # One validation of the whole list is about twice as fast as a model per op.
@@ -327,6 +324,14 @@ class KVCacheManager:
     def page_tables(self) -> torch.Tensor:
         """All layer groups' tables as one int32 ``[groups, max_requests, max_blocks]``."""
         return self._tables.sync()
+
+    def sync_tables(self) -> None:
+        """Bring the device tables up to date now (one launch on CUDA; nothing on the CPU).
+
+        Every manager call that reads the tables does this itself; a consumer that reads the
+        tables' memory directly calls it once per step.
+        """
+        self._tables.sync()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         if self._upload is None:
@@ -420,24 +425,37 @@ class KVCacheManager:
             pad_to = total
         elif _count("pad_to", pad_to, 0) < total:
             raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
-        # rows | query_start_loc | positions in one array: one host-to-device copy.
+        # rows | query_start_loc | positions | pending table edits: one host-to-device copy,
+        # then one launch that applies the edits and maps the slots.
         n = rows.size
-        packed = np.empty(2 * n + 1 + total, dtype=np.int64)
-        packed[:n] = rows
-        packed[n] = 0
-        np.cumsum(counts, out=packed[n + 1 : 2 * n + 1])
+        edits = self._tables.take_pending()
+        ends = np.cumsum([n, n + 1, total, edits.size])
+        packed = np.empty(int(ends[-1]), dtype=np.int64)
+        packed[: ends[0]] = rows
+        packed[ends[0]] = 0
+        np.cumsum(counts, out=packed[ends[0] + 1 : ends[1]])
         items, offsets = segments(counts)
-        packed[2 * n + 1 :] = (length - counts)[items] + offsets
+        packed[ends[1] : ends[2]] = (length - counts)[items] + offsets
+        packed[ends[2] :] = edits.reshape(-1)
         dev = self._to_device(packed)
-        tables = self._tables.sync()
-        return kvcm_kernels.slot_mapping(
-            tables if group is None else tables[group],
-            dev[:n],
-            dev[n : 2 * n + 1],
-            dev[2 * n + 1 :],
+        args = (
+            dev[: ends[0]],
+            dev[ends[0] : ends[1]],
+            dev[ends[1] : ends[2]],
             self.tokens_per_block,
             pad_to,
         )
+        tables = self._tables.tensor
+        if edits.shape[0]:
+            out = kvcm_kernels.apply_edits_and_map_slots(
+                tables,
+                dev[ends[2] :].view(-1, 4),
+                *args,
+                first_group=group or 0,
+                num_groups=None if group is None else 1,
+            )
+            return out if group is None else out[0]
+        return kvcm_kernels.slot_mapping(tables if group is None else tables[group], *args)
 
     def copy_tokens(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcm import KVCacheManager, OutOfBlocks
+from kvcm import KVCacheManager, OutOfBlocks, RequestLimitReached
 
 LAYERS = [
     {"layer_id": 0, "num_kv_heads": 2, "head_dim": 8, "sliding_window": 12, "sink_tokens": 3},
@@ -36,7 +36,7 @@ def test_cuda_manager_matches_cpu_on_random_ops() -> None:
             for m in (cpu, gpu):
                 try:
                     m.allocate(rid, n)
-                except OutOfBlocks:
+                except (OutOfBlocks, RequestLimitReached):
                     continue
             if rid in cpu.request_ids():
                 live.append(rid)
@@ -54,6 +54,13 @@ def test_cuda_manager_matches_cpu_on_random_ops() -> None:
                 except OutOfBlocks:
                     outcomes.append(False)
             assert outcomes[0] == outcomes[1]
+        if live:
+            # The first read after ops applies their edits: fused with this slot mapping.
+            if step % 2:
+                a, b = cpu.slot_mapping(live, 1, pad_to=256), gpu.slot_mapping(live, 1, pad_to=256)
+            else:
+                a, b = cpu.slot_mappings(live), gpu.slot_mappings(live)
+            assert torch.equal(a, b.cpu())
         for g in range(len(cpu.layout.layer_groups)):
             dev = gpu.page_table(g)
             assert dev.device.type == "cuda"
@@ -64,10 +71,6 @@ def test_cuda_manager_matches_cpu_on_random_ops() -> None:
                     a = cpu.page_indices(live, lid, role, mode=mode, per_layer=per_layer)
                     b = gpu.page_indices(live, lid, role, mode=mode, per_layer=per_layer)
                     assert torch.equal(a, b.cpu())
-            assert torch.equal(
-                cpu.slot_mapping(live, 1, pad_to=256), gpu.slot_mapping(live, 1, pad_to=256).cpu()
-            )
-            assert torch.equal(cpu.slot_mappings(live), gpu.slot_mappings(live).cpu())
     assert torch.equal(cpu.layer_pointer_table().cpu() != 0, gpu.layer_pointer_table().cpu() != 0)
 
 
@@ -93,7 +96,7 @@ def test_cuda_views_alias_device_pools() -> None:
     view[7].fill_(3.0)
     pool = gpu.memory.tensors[gpu.layout.placements[(1, "value")].pool]
     offset = gpu.layout.placements[(1, "value")].offset_bytes
-    chunk = pool[7, offset : offset + view[7].numel() * 2].view(torch.float16)
+    chunk = pool[7, offset : offset + view[7].numel() * 2].view(view.dtype)
     assert bool((chunk == 3.0).all())
     assert gpu.pointer_table().is_cuda
     assert int(gpu.layer_pointer_table()[1, 1]) == view.data_ptr()

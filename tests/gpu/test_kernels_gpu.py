@@ -13,6 +13,7 @@ from kvcm_kernels.page_indices import kernel_page_indices_reference
 from kvcm_kernels.page_table_edits import apply_page_table_edits_reference
 from kvcm_kernels.pointers import layer_pointers_reference
 from kvcm_kernels.slot_mapping import slot_mapping_reference
+from kvcm_kernels.step_tables import SINGLE_BLOCK_LIMIT, apply_edits_and_map_slots_reference
 
 pytest.importorskip("cupy", reason="the GPU kernels need CuPy")
 CUDA = torch.device("cuda", 0)
@@ -80,16 +81,59 @@ def test_slot_mapping(rng: np.random.Generator, groups: int, n: int, extra: int)
 def test_apply_page_table_edits(rng: np.random.Generator, num_edits: int) -> None:
     shape = (4, 1024, 2048)
     tables = _table(rng, shape)
-    cells = rng.choice(tables.size, size=num_edits, replace=False)
-    g, rest = np.divmod(cells, shape[1] * shape[2])
-    r, p = np.divmod(rest, shape[2])
-    slots = rng.integers(-1, 1 << 20, size=num_edits)
-    edits = np.stack([g, r, p, slots], axis=1).astype(np.int32)
+    edits = _unique_edits(rng, shape, num_edits)
     expect = torch.from_numpy(tables.copy())
     apply_page_table_edits_reference(expect, torch.from_numpy(edits))
     dev = torch.from_numpy(tables).to(CUDA)
     kvcm_kernels.apply_page_table_edits(dev, torch.from_numpy(edits).to(CUDA))
     assert torch.equal(dev.cpu(), expect)
+
+
+def _unique_edits(rng: np.random.Generator, shape: tuple[int, int, int], k: int) -> np.ndarray:
+    cells = rng.choice(shape[0] * shape[1] * shape[2], size=k, replace=False)
+    g, rest = np.divmod(cells, shape[1] * shape[2])
+    r, p = np.divmod(rest, shape[2])
+    return np.stack([g, r, p, rng.integers(-1, 1 << 20, size=k)], axis=1).astype(np.int64)
+
+
+@pytest.mark.parametrize(
+    "groups,first,count,n,num_edits,extra",
+    [
+        (1, 0, 1, 0, 0, 4),
+        (1, 0, 1, 1, 1, 0),
+        (4, 0, 4, 256, 150, 0),
+        (4, 2, 1, 256, 150, 7),
+        (3, 0, 3, 700, 5000, 10),
+        (2, 0, 2, 1024, SINGLE_BLOCK_LIMIT, 0),  # past one block: the two-kernel path
+    ],
+)
+def test_apply_edits_and_map_slots(
+    rng: np.random.Generator,
+    groups: int,
+    first: int,
+    count: int,
+    n: int,
+    num_edits: int,
+    extra: int,
+) -> None:
+    shape, tpb = (groups, max(2 * n, 1), 64), 16
+    tables = _table(rng, shape)
+    edits = _unique_edits(rng, shape, num_edits)
+    rows = rng.choice(shape[1], size=n, replace=False)
+    counts = rng.integers(0, 3, size=n)
+    qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    positions = rng.integers(0, shape[2] * tpb, size=int(qsl[-1])).astype(np.int64)
+    pad_to = int(qsl[-1]) + extra
+    cpu_tables = torch.from_numpy(tables.copy())
+    cpu = [torch.from_numpy(a) for a in (edits, rows, qsl, positions)]
+    expect = apply_edits_and_map_slots_reference(cpu_tables, *cpu, tpb, pad_to, first, count)
+    dev_tables = torch.from_numpy(tables).to(CUDA)
+    out = torch.full((count, pad_to), POISON64, dtype=torch.int64, device=CUDA)
+    got = kvcm_kernels.apply_edits_and_map_slots(
+        dev_tables, *(t.to(CUDA) for t in cpu), tpb, pad_to, first, count, out
+    )
+    assert torch.equal(got.cpu(), expect)
+    assert torch.equal(dev_tables.cpu(), cpu_tables)
 
 
 @pytest.mark.parametrize("layers,pools", [(1, 1), (61, 7), (1000, 40)])
@@ -110,7 +154,7 @@ def test_layer_pointers(rng: np.random.Generator, layers: int, pools: int) -> No
 @pytest.mark.parametrize("num_ops", [0, 1, 64, 3000])
 @pytest.mark.parametrize("token_bytes", [1, 2, 6, 8, 16, 24, 576])
 def test_copy_tokens(rng: np.random.Generator, num_ops: int, token_bytes: int) -> None:
-    tpb, rows, cols, slots = 16, 256, 32, 4096
+    tpb, rows, cols, slots = 16, 256, 32, 3 * 256 * 32
     tables = np.stack(
         [rng.permutation(slots)[: rows * cols].reshape(rows, cols) for _ in range(2)]
     ).astype(np.int32)

@@ -1,0 +1,117 @@
+"""A scheduler step's device work fused: apply the page-table edits, then the slot mapping.
+
+Per decode step the GPU work is tiny (a few hundred edits, one slot per request and layer
+group), so launches and copies dominate. This family does both in one launch of one thread
+block, fed by one upload; it equals ``apply_page_table_edits`` followed by ``slot_mapping`` on
+the layer groups ``[first_group, first_group + num_groups)``. Past ``SINGLE_BLOCK_LIMIT`` units
+of work (edits plus outputs), one block would be slow, and it runs as the two kernels.
+
+Example: edits [[0, 3, 1, 9]] then positions [17] of row 3 with tokens_per_block 16: the
+mapping reads the edited entry, 9 * 16 + 1 = 145.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import gpu_path, i32, launch, ptr
+from .page_table_edits import apply_page_table_edits
+from .slot_mapping import slot_mapping
+
+THREADS = 1024
+SINGLE_BLOCK_LIMIT = 1 << 15
+
+
+def apply_edits_and_map_slots_reference(
+    tables: torch.Tensor,
+    edits: torch.Tensor,
+    rows: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    tokens_per_block: int,
+    pad_to: int,
+    first_group: int,
+    num_groups: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    apply_page_table_edits(tables, edits)
+    window = tables[first_group : first_group + num_groups]
+    return slot_mapping(window, rows, query_start_loc, positions, tokens_per_block, pad_to, out)
+
+
+def apply_edits_and_map_slots_cuda(
+    tables: torch.Tensor,
+    edits: torch.Tensor,
+    rows: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    tokens_per_block: int,
+    pad_to: int,
+    first_group: int,
+    num_groups: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if edits.shape[0] + num_groups * pad_to > SINGLE_BLOCK_LIMIT:
+        return apply_edits_and_map_slots_reference(
+            tables,
+            edits,
+            rows,
+            query_start_loc,
+            positions,
+            tokens_per_block,
+            pad_to,
+            first_group,
+            num_groups,
+            out,
+        )
+    _, table_rows, cols = tables.shape
+    if out is None:
+        out = torch.empty((num_groups, pad_to), dtype=torch.int64, device=tables.device)
+    out = out.view(num_groups, pad_to)
+    launch(
+        "step_tables",
+        "apply_edits_and_map_slots",
+        tables.device,
+        (1,),
+        (THREADS,),
+        (
+            ptr(tables),
+            ptr(edits),
+            i32(edits.shape[0]),
+            ptr(rows),
+            ptr(query_start_loc),
+            ptr(positions),
+            ptr(out),
+            i32(rows.numel()),
+            i32(pad_to),
+            i32(first_group),
+            i32(num_groups),
+            i32(table_rows),
+            i32(cols),
+            i32(tokens_per_block),
+        ),
+    )
+    return out
+
+
+def apply_edits_and_map_slots(
+    tables: torch.Tensor,
+    edits: torch.Tensor,
+    rows: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    tokens_per_block: int,
+    pad_to: int,
+    first_group: int = 0,
+    num_groups: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Edits (int64 ``[E, 4]``) applied to ``tables [G, R, B]`` in place; returns the int64
+    ``[num_groups, pad_to]`` slot mapping of the batch on the edited tables."""
+    groups = tables.shape[0] - first_group if num_groups is None else num_groups
+    args = (tables, edits, rows, query_start_loc, positions)
+    if gpu_path(*args):
+        return apply_edits_and_map_slots_cuda(
+            *(t.contiguous() for t in args), tokens_per_block, pad_to, first_group, groups
+        )
+    return apply_edits_and_map_slots_reference(*args, tokens_per_block, pad_to, first_group, groups)
