@@ -130,3 +130,37 @@ def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator) -> 
     kvcm_kernels.copy_tokens(tables, ops, pools, tpb)
     for p, mem in zip(pools, expect, strict=True):
         assert torch.equal(p.memory, mem)
+
+
+def test_every_kernel_writes_a_given_output_in_full(rng: np.random.Generator) -> None:
+    tables = _random_table(rng, 2 * 9, 8).view(2, 9, 8)
+    rows = torch.tensor([3, 0, 8])
+    qsl = torch.tensor([0, 1, 1, 3])
+    positions = torch.tensor([5, 0, 31])
+    edits = torch.tensor([[1, 0, 0, 77], [0, 8, 7, -1]])
+    poison = 0x5A5A5A5A
+
+    out = torch.full((3, 8), poison, dtype=torch.int32)
+    got = kvcm_kernels.kernel_page_indices(tables[0], rows, 2, 1, out)
+    assert got.data_ptr() == out.data_ptr() and poison not in out.tolist()[0]
+    assert torch.equal(out, kvcm_kernels.kernel_page_indices(tables[0], rows, 2, 1))
+
+    out64 = torch.full((2, 6), poison, dtype=torch.int64)
+    got = kvcm_kernels.slot_mapping(tables, rows, qsl, positions, 4, 6, out64)
+    assert got.data_ptr() == out64.data_ptr()
+    assert torch.equal(out64, kvcm_kernels.slot_mapping(tables, rows, qsl, positions, 4, 6))
+
+    fused = torch.full((1, 6), poison, dtype=torch.int64)
+    got = kvcm_kernels.apply_edits_and_map_slots(
+        tables, edits, rows, qsl, positions, 4, 6, 1, 1, fused
+    )
+    assert got.data_ptr() == fused.data_ptr()
+    assert int(tables[1, 0, 0]) == 77 and int(tables[0, 8, 7]) == -1
+    assert torch.equal(fused[0], kvcm_kernels.slot_mapping(tables[1], rows, qsl, positions, 4, 6))
+
+    pool_map = torch.tensor([[[0, 1], [0, 1], [-1, -1], [-1, -1]]], dtype=torch.int32)
+    ptrs = torch.full((1, 4), poison, dtype=torch.int64)
+    got = kvcm_kernels.layer_pointers(
+        torch.tensor([[1000, 1100]]), pool_map, torch.tensor([200]), ptrs
+    )
+    assert got.data_ptr() == ptrs.data_ptr() and ptrs.tolist() == [[1200, 1300, 0, 0]]

@@ -107,11 +107,14 @@ def apply_edits_and_map_slots(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Edits (int64 ``[E, 4]``) applied to ``tables [G, R, B]`` in place; returns the int64
-    ``[num_groups, pad_to]`` slot mapping of the batch on the edited tables."""
+    ``[num_groups, pad_to]`` slot mapping of the batch on the edited tables (in ``out`` when
+    given)."""
     groups = tables.shape[0] - first_group if num_groups is None else num_groups
     args = (tables, edits, rows, query_start_loc, positions)
     if gpu_path(*args):
         return apply_edits_and_map_slots_cuda(
-            *(t.contiguous() for t in args), tokens_per_block, pad_to, first_group, groups
+            *(t.contiguous() for t in args), tokens_per_block, pad_to, first_group, groups, out
         )
-    return apply_edits_and_map_slots_reference(*args, tokens_per_block, pad_to, first_group, groups)
+    return apply_edits_and_map_slots_reference(
+        *args, tokens_per_block, pad_to, first_group, groups, out
+    )

@@ -72,6 +72,7 @@ def test_slot_mapping(rng: np.random.Generator, groups: int, n: int, extra: int)
     expect = slot_mapping_reference(*cpu, tpb, pad_to)
     out = torch.full((groups, pad_to), POISON64, dtype=torch.int64, device=CUDA)
     got = kvcm_kernels.slot_mapping(*(t.to(CUDA) for t in cpu), tpb, pad_to, out)
+    assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.cpu(), expect)
     single = kvcm_kernels.slot_mapping(*(t.to(CUDA) for t in [cpu[0][0], *cpu[1:]]), tpb, pad_to)
     assert torch.equal(single.cpu(), expect[0])
@@ -132,6 +133,7 @@ def test_apply_edits_and_map_slots(
     got = kvcm_kernels.apply_edits_and_map_slots(
         dev_tables, *(t.to(CUDA) for t in cpu), tpb, pad_to, first, count, out
     )
+    assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.cpu(), expect)
     assert torch.equal(dev_tables.cpu(), cpu_tables)
 
@@ -148,6 +150,7 @@ def test_layer_pointers(rng: np.random.Generator, layers: int, pools: int) -> No
     got = kvcm_kernels.layer_pointers(
         pointers.to(CUDA), torch.from_numpy(pool_map).to(CUDA), page_bytes.to(CUDA), out
     )
+    assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.cpu(), expect)
 
 
