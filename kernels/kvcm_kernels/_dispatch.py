@@ -36,6 +36,15 @@ def gpu_path(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) and _cupy() is not None
 
 
+def gpu_path_pinned_inputs(device_tensor: torch.Tensor, *inputs: torch.Tensor) -> bool:
+    """GPU path for a kernel that may read its small inputs straight from pinned host memory.
+
+    Under unified addressing, memory from cudaHostAlloc (torch's pinned memory) is readable by
+    the device at its host address, so a step's inputs need no copy of their own.
+    """
+    return gpu_path(device_tensor) and all(t.is_cuda or t.is_pinned() for t in inputs)
+
+
 @functools.cache
 def _module(name: str) -> Any:
     cupy = _cupy()
@@ -64,12 +73,13 @@ def launch(
     grid: tuple[int, ...],
     block: tuple[int, ...],
     args: tuple[Any, ...],
+    shared_mem: int = 0,
 ) -> None:
     """Launch ``function`` of ``module.cu`` on torch's current stream of ``device``."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _stream(torch.cuda.current_stream(index).cuda_stream, index)
     with _cupy().cuda.Device(index), stream:
-        _function(module, function, index)(grid, block, args)
+        _function(module, function, index)(grid, block, args, shared_mem=shared_mem)
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

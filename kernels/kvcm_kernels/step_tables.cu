@@ -2,12 +2,20 @@
 // table edits, then map the batch's new tokens to slots for layer groups [first_group,
 // first_group + num_groups). __syncthreads orders the edits before the reads: within a block,
 // global writes before the barrier are visible to every thread after it. The tables are read
-// through a plain pointer (no read-only cache), since this kernel writes them.
+// through a plain pointer (no read-only cache), since this kernel writes them. The inputs may
+// live in pinned host memory (read over the bus); qsl is staged in shared memory when it fits
+// (staged != 0) so the binary search does not pay a bus round trip per step.
 extern "C" __global__ void apply_edits_and_map_slots(
     int* tables, const long long* __restrict__ edits, int num_edits,
-    const long long* __restrict__ rows, const long long* __restrict__ qsl,
+    const long long* __restrict__ rows, const long long* __restrict__ qsl_in,
     const long long* __restrict__ positions, long long* __restrict__ out, int n, int pad_to,
-    int first_group, int num_groups, int table_rows, int cols, int tpb) {
+    int first_group, int num_groups, int table_rows, int cols, int tpb, int staged) {
+  extern __shared__ long long shared_qsl[];
+  const long long* qsl = qsl_in;
+  if (staged) {
+    for (int j = threadIdx.x; j <= n; j += blockDim.x) shared_qsl[j] = qsl_in[j];
+    qsl = shared_qsl;
+  }
   for (int i = threadIdx.x; i < num_edits; i += blockDim.x) {
     const long long* e = edits + 4 * (long long)i;
     tables[(e[0] * table_rows + e[1]) * cols + e[2]] = (int)e[3];

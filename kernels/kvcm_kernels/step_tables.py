@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import gpu_path, i32, launch, ptr
+from ._dispatch import gpu_path_pinned_inputs, i32, launch, ptr
 from .page_table_edits import apply_page_table_edits
 from .slot_mapping import slot_mapping
 
 THREADS = 1024
 SINGLE_BLOCK_LIMIT = 1 << 15
+STAGED_QSL_LIMIT = 4096  # qsl entries staged in shared memory (32 KiB)
 
 
 def apply_edits_and_map_slots_reference(
@@ -65,6 +66,7 @@ def apply_edits_and_map_slots_cuda(
             out,
         )
     _, table_rows, cols = tables.shape
+    staged = rows.numel() + 1 <= STAGED_QSL_LIMIT
     if out is None:
         out = torch.empty((num_groups, pad_to), dtype=torch.int64, device=tables.device)
     out = out.view(num_groups, pad_to)
@@ -89,7 +91,9 @@ def apply_edits_and_map_slots_cuda(
             i32(table_rows),
             i32(cols),
             i32(tokens_per_block),
+            i32(int(staged)),
         ),
+        shared_mem=8 * (rows.numel() + 1) if staged else 0,
     )
     return out
 
@@ -108,13 +112,20 @@ def apply_edits_and_map_slots(
 ) -> torch.Tensor:
     """Edits (int64 ``[E, 4]``) applied to ``tables [G, R, B]`` in place; returns the int64
     ``[num_groups, pad_to]`` slot mapping of the batch on the edited tables (in ``out`` when
-    given)."""
+    given). With CUDA tables, the four inputs may be CUDA tensors or pinned host tensors."""
     groups = tables.shape[0] - first_group if num_groups is None else num_groups
-    args = (tables, edits, rows, query_start_loc, positions)
-    if gpu_path(*args):
+    inputs = (edits, rows, query_start_loc, positions)
+    if gpu_path_pinned_inputs(tables, *inputs):
         return apply_edits_and_map_slots_cuda(
-            *(t.contiguous() for t in args), tokens_per_block, pad_to, first_group, groups, out
+            tables.contiguous(),
+            *(t.contiguous() for t in inputs),
+            tokens_per_block,
+            pad_to,
+            first_group,
+            groups,
+            out,
         )
+    on_device = (t.to(tables.device) for t in inputs)
     return apply_edits_and_map_slots_reference(
-        *args, tokens_per_block, pad_to, first_group, groups, out
+        tables, *on_device, tokens_per_block, pad_to, first_group, groups, out
     )

@@ -35,26 +35,43 @@ class Uploader:
         self._events = [torch.cuda.Event() for _ in range(self.DEPTH)]
         self._used = [False] * self.DEPTH
         self._turn = 0
+        self._staged = 0
         self._dev = torch.empty(0, dtype=dtype, device=device)
 
-    def __call__(self, array: np.ndarray) -> torch.Tensor:
-        n = array.size
+    def stage(self, array: np.ndarray) -> torch.Tensor:
+        """Copy ``array`` into the next pinned buffer and return it (a host tensor).
+
+        Kernels may read it in place (unified addressing); call ``commit`` once the work that
+        reads it is queued, so the buffer is not rewritten before that work is done.
+        """
         k = self._turn
         self._turn = (k + 1) % self.DEPTH
         if self._used[k]:
             self._events[k].synchronize()
+        n = array.size
         if n > self._host[k].numel():
             self._host[k] = torch.empty(max(n, 4096), dtype=self.dtype, pin_memory=True)
+        host = self._host[k][:n]
+        host.numpy()[:] = array.reshape(-1)
+        self._staged = k
+        return host.view(array.shape)
+
+    def commit(self) -> None:
+        k = self._staged
+        self._events[k].record(torch.cuda.current_stream(self.device))
+        self._used[k] = True
+
+    def __call__(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` on the device (one asynchronous copy)."""
+        host = self.stage(array)
+        n = array.size
         if n > self._dev.numel():
             self._dev = torch.empty(
                 max(n, 2 * self._dev.numel(), 4096), dtype=self.dtype, device=self.device
             )
-        host = self._host[k][:n]
-        host.numpy()[:] = array.reshape(-1)
         dev = self._dev[:n]
-        dev.copy_(host, non_blocking=True)
-        self._events[k].record(torch.cuda.current_stream(self.device))
-        self._used[k] = True
+        dev.copy_(host.view(-1), non_blocking=True)
+        self.commit()
         return dev.view(array.shape)
 
 
@@ -72,8 +89,8 @@ class DeviceTables:
             self._upload = Uploader(device, torch.int64)
 
     @property
-    def on_device(self) -> bool:
-        return self._upload is not None
+    def uploader(self) -> Uploader | None:
+        return self._upload
 
     def take_pending(self) -> np.ndarray:
         """The edits not yet on the device, int64 ``[E, 4]``; the caller must apply them."""

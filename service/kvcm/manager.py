@@ -425,8 +425,8 @@ class KVCacheManager:
             pad_to = total
         elif _count("pad_to", pad_to, 0) < total:
             raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
-        # rows | query_start_loc | positions | pending table edits: one host-to-device copy,
-        # then one launch that applies the edits and maps the slots.
+        # rows | query_start_loc | positions | pending table edits in one pinned buffer, read
+        # in place by one launch that applies the edits and maps the slots (on CUDA).
         n = rows.size
         edits = self._tables.take_pending()
         ends = np.cumsum([n, n + 1, total, edits.size])
@@ -437,25 +437,22 @@ class KVCacheManager:
         items, offsets = segments(counts)
         packed[ends[1] : ends[2]] = (length - counts)[items] + offsets
         packed[ends[2] :] = edits.reshape(-1)
-        dev = self._to_device(packed)
-        args = (
-            dev[: ends[0]],
-            dev[ends[0] : ends[1]],
-            dev[ends[1] : ends[2]],
+        uploader = self._tables.uploader
+        staged = torch.from_numpy(packed) if uploader is None else uploader.stage(packed)
+        out = kvcm_kernels.apply_edits_and_map_slots(
+            self._tables.tensor,
+            staged[ends[2] :].view(-1, 4),
+            staged[: ends[0]],
+            staged[ends[0] : ends[1]],
+            staged[ends[1] : ends[2]],
             self.tokens_per_block,
             pad_to,
+            first_group=group or 0,
+            num_groups=None if group is None else 1,
         )
-        tables = self._tables.tensor
-        if edits.shape[0]:
-            out = kvcm_kernels.apply_edits_and_map_slots(
-                tables,
-                dev[ends[2] :].view(-1, 4),
-                *args,
-                first_group=group or 0,
-                num_groups=None if group is None else 1,
-            )
-            return out if group is None else out[0]
-        return kvcm_kernels.slot_mapping(tables if group is None else tables[group], *args)
+        if uploader is not None:
+            uploader.commit()
+        return out if group is None else out[0]
 
     def copy_tokens(
         self,

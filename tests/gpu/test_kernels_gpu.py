@@ -106,10 +106,13 @@ def _unique_edits(rng: np.random.Generator, shape: tuple[int, int, int], k: int)
         (4, 2, 1, 256, 150, 7),
         (3, 0, 3, 700, 5000, 10),
         (2, 0, 2, 1024, SINGLE_BLOCK_LIMIT, 0),  # past one block: the two-kernel path
+        (1, 0, 1, 5000, 10, 3),  # qsl too long to stage in shared memory
     ],
 )
+@pytest.mark.parametrize("pinned", [False, True])
 def test_apply_edits_and_map_slots(
     rng: np.random.Generator,
+    pinned: bool,
     groups: int,
     first: int,
     count: int,
@@ -131,7 +134,13 @@ def test_apply_edits_and_map_slots(
     dev_tables = torch.from_numpy(tables).to(CUDA)
     out = torch.full((count, pad_to), POISON64, dtype=torch.int64, device=CUDA)
     got = kvcm_kernels.apply_edits_and_map_slots(
-        dev_tables, *(t.to(CUDA) for t in cpu), tpb, pad_to, first, count, out
+        dev_tables,
+        *(t.pin_memory() if pinned else t.to(CUDA) for t in cpu),
+        tpb,
+        pad_to,
+        first,
+        count,
+        out,
     )
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.cpu(), expect)
