@@ -53,17 +53,14 @@ def apply_edits_and_map_slots_cuda(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if edits.shape[0] + num_groups * pad_to > SINGLE_BLOCK_LIMIT:
+        # Too much for one block: the two kernels, with the inputs on the device (they may be
+        # pinned host tensors; the copies are asynchronous and stream-ordered).
+        dev = [
+            t.to(tables.device, non_blocking=True)
+            for t in (edits, rows, query_start_loc, positions)
+        ]
         return apply_edits_and_map_slots_reference(
-            tables,
-            edits,
-            rows,
-            query_start_loc,
-            positions,
-            tokens_per_block,
-            pad_to,
-            first_group,
-            num_groups,
-            out,
+            tables, *dev, tokens_per_block, pad_to, first_group, num_groups, out
         )
     _, table_rows, cols = tables.shape
     staged = rows.numel() + 1 <= STAGED_QSL_LIMIT
