@@ -15,6 +15,8 @@ from kvcm_kernels.pointers import layer_pointers_reference
 from kvcm_kernels.slot_mapping import slot_mapping_reference
 from kvcm_kernels.step_tables import SINGLE_BLOCK_LIMIT, apply_edits_and_map_slots_reference
 
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: GPU tests run on the GPU machine only", allow_module_level=True)
 pytest.importorskip("cupy", reason="the GPU kernels need CuPy")
 CUDA = torch.device("cuda", 0)
 POISON32 = 0x5A5A5A5A
