@@ -1,3 +1,5 @@
+"""``kvcm estimate`` and the model sources (flags, environment, files, HF configs)."""
+
 from __future__ import annotations
 
 import json
@@ -5,17 +7,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvcm.__main__ import main
+import pytest
+from pydantic import ValidationError
+
+from kvcm import InvalidArgument
+from kvcm.cli import _settings, build_parser, main
+from kvcm.server.settings import Settings, parse_size
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
 
-def test_default_run_prints_layout_and_sizing(capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main([]) == 0
+def test_estimate_of_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate"]) == 0
     out = capsys.readouterr().out
     assert "bytes/token" in out and "131072" in out  # 32 layers x 2 x 8 x 128 x 2 bytes
     assert "max requests" in out
 
 
-def test_config_file_and_seq_len(tmp_path: Path) -> None:
+def test_estimate_with_a_config_file_and_seq_len(tmp_path: Path) -> None:
     cfg = {
         "layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8, "sliding_window": 64}],
         "num_blocks": 10,
@@ -24,7 +33,7 @@ def test_config_file_and_seq_len(tmp_path: Path) -> None:
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     run = subprocess.run(
-        [sys.executable, "-m", "kvcm", "--config", str(path), "--seq-len", "256"],
+        [sys.executable, "-m", "kvcm", "estimate", "--config", str(path), "--seq-len", "256"],
         capture_output=True,
         text=True,
         check=True,
@@ -34,10 +43,137 @@ def test_config_file_and_seq_len(tmp_path: Path) -> None:
     assert ["256", "2", "memory", "256"] in lines
 
 
-def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ({"layers": [], "num_blocks": 1}, "invalid config"),
+        ({"layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}]}, "blocks_or_memory"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path: Path, content: object, needle: str) -> None:
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"layers": [], "num_blocks": 1}))
+    path.write_text(json.dumps(content))
     run = subprocess.run(
-        [sys.executable, "-m", "kvcm", "--config", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "kvcm", "estimate", "--config", str(path)],
+        capture_output=True,
+        text=True,
     )
-    assert run.returncode == 2 and "invalid config" in run.stderr
+    assert run.returncode == 2 and needle in run.stderr
+
+
+def test_missing_and_non_json_files_are_errors_with_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["estimate", "--layers", str(tmp_path / "nope.json")]) == 2
+    assert "invalid_argument" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["estimate", "--model-config", str(bad)]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+
+
+def test_sizes_parse_with_binary_and_decimal_units() -> None:
+    assert parse_size("1.5GiB") == 3 * 2**29
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("2G") == 2 * 10**9
+    assert parse_size("4096") == 4096
+    with pytest.raises(InvalidArgument):
+        parse_size("lots")
+
+
+def test_flags_override_environment_which_overrides_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVCM_MEMORY", "64MiB")
+    monkeypatch.setenv("KVCM_TOKENS_PER_BLOCK", "32")
+    monkeypatch.setenv("KVCM_PORT", "9000")
+    s = Settings(tokens_per_block=8)
+    cfg = s.manager_config()
+    assert (cfg.memory_bytes, cfg.num_blocks, cfg.tokens_per_block) == (64 << 20, None, 8)
+    assert (s.port, s.host) == (9000, "127.0.0.1")
+    # A --num-blocks flag replaces the environment's memory budget; both at once is an error.
+    cfg = _settings(build_parser().parse_args(["estimate", "--num-blocks", "100"]))
+    assert (cfg.manager_config().memory_bytes, cfg.manager_config().num_blocks) == (None, 100)
+    with pytest.raises(ValidationError, match="give one of memory"):
+        Settings(num_blocks=100)
+
+
+def test_layer_spec_file_and_kv_dtype_override(tmp_path: Path) -> None:
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps([{"layer_id": 3, "num_kv_heads": 2, "head_dim": 16}]))
+    cfg = Settings(layers=path, kv_dtype="fp8_e4m3", num_blocks=4).manager_config()
+    assert [(spec.layer_id, spec.dtype) for spec in cfg.layers] == [(3, "fp8_e4m3")]
+
+
+def test_the_api_token_is_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCM_API_TOKEN", "s3cret-value")
+    s = Settings()
+    assert s.api_token is not None and s.api_token.get_secret_value() == "s3cret-value"
+    assert "s3cret" not in repr(s) and "s3cret" not in str(s.model_dump())
+
+
+@pytest.mark.parametrize(
+    "name,bytes_per_token,groups",
+    [
+        # 32 layers x K+V x 8 heads x 128 x 2 bytes (bf16)
+        ("llama-3.1-8b.json", {0: 131072}, 1),
+        # Gemma 2: 21 sliding (4096) + 21 full layers, 8 heads x 256, fp32 from torch_dtype
+        ("gemma-2-9b.json", {0: 21 * 2 * 8 * 256 * 4, 1: 21 * 2 * 8 * 256 * 4}, 2),
+        # gpt-oss: 12 sliding (128) + 12 full, 8 heads x 64, bf16
+        ("gpt-oss-20b.json", {0: 12 * 2 * 8 * 64 * 2, 1: 12 * 2 * 8 * 64 * 2}, 2),
+        # MLA: 27 key-only latents of 512 + 64 values, bf16
+        ("deepseek-v2-lite.json", {0: 27 * 576 * 2}, 1),
+    ],
+)
+def test_real_model_configs_give_the_expected_layout(
+    name: str, bytes_per_token: dict[int, int], groups: int
+) -> None:
+    cfg = Settings(hf_model_config=FIXTURES / name, memory="256MiB").manager_config()
+    from kvcm import KVCacheManager
+
+    m = KVCacheManager(cfg)
+    est = m.estimate(1024)
+    assert est.bytes_per_token == bytes_per_token
+    assert len(m.layout.layer_groups) == groups
+
+
+def test_window_patterns_and_tensor_parallel() -> None:
+    from kvcm.model_config import UnsupportedModel, layers_from_hf_config
+
+    gemma3 = {
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+    }
+    layers = layers_from_hf_config({"text_config": gemma3}, tensor_parallel=2)
+    assert [la.get("sliding_window") for la in layers] == ([1024] * 5 + [None]) * 2
+    assert {la["num_kv_heads"] for la in layers} == {2}
+    assert layers_from_hf_config(gemma3, tensor_parallel=8)[0]["num_kv_heads"] == 1  # replicated
+    qwen = {
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "hidden_size": 256,
+        "sliding_window": 32,
+        "use_sliding_window": True,
+        "max_window_layers": 2,
+    }
+    assert [la.get("sliding_window") for la in layers_from_hf_config(qwen)] == [
+        None,
+        None,
+        32,
+        32,
+    ]
+    assert (
+        layers_from_hf_config(qwen | {"use_sliding_window": False})[3].get("sliding_window") is None
+    )
+    assert layers_from_hf_config(qwen)[0]["head_dim"] == 64  # hidden 256 / 4 heads
+    with pytest.raises(UnsupportedModel) as exc:
+        layers_from_hf_config(qwen | {"layer_types": ["full_attention", "linear_attention"] * 2})
+    assert exc.value.code == "unsupported_model" and exc.value.detail["layer_id"] == 1
+    with pytest.raises(InvalidArgument):
+        layers_from_hf_config(
+            {"num_hidden_layers": 2, "num_attention_heads": 3, "head_dim": 8}, tensor_parallel=2
+        )

@@ -1,5 +1,9 @@
-"""kvcm_client: wire models and errors of kvcm (the typed HTTP clients come with the service)."""
+"""kvcm_client: the wire models, typed errors and HTTP clients of the kvcm sidecar.
+
+Depends on httpx and pydantic only (no torch, no numpy), so a scheduler can install it alone.
+"""
 
 from . import errors, models
+from .client import AsyncKVCacheClient, KVCacheClient
 
-__all__ = ["errors", "models"]
+__all__ = ["AsyncKVCacheClient", "KVCacheClient", "errors", "models"]

@@ -88,6 +88,67 @@ class DeviceUnavailable(KVCMError):
     status = 422
 
 
+class StepAborted(KVCMError):
+    """An op of an all-or-nothing step that was not applied because another op failed."""
+
+    code = "step_aborted"
+    status = 409
+
+
+class MalformedRequest(KVCMError):
+    """The HTTP body is not valid JSON (the service's 400)."""
+
+    code = "malformed_request"
+    status = 400
+
+
+class Unauthorized(KVCMError):
+    """A mutating route was called without the bearer token the service was started with."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class NotFound(KVCMError):
+    """No such route (a client/service version mismatch, or a typo in a URL)."""
+
+    code = "not_found"
+    status = 404
+
+
+class MethodNotAllowed(KVCMError):
+    code = "method_not_allowed"
+    status = 405
+
+
+class UnknownSession(KVCMError):
+    """The lease session does not exist or has expired (its requests were freed)."""
+
+    code = "unknown_session"
+    status = 404
+
+
+class PayloadTooLarge(KVCMError):
+    """The request body exceeds the service's size limit."""
+
+    code = "payload_too_large"
+    status = 413
+
+
+class InternalError(KVCMError):
+    """A bug in kvcm: the service logged it; the op may or may not have been applied."""
+
+    code = "internal_error"
+    status = 500
+
+
+class ServiceUnavailable(KVCMError):
+    """The client could not reach the service (after its retries, where the op allowed them)."""
+
+    code = "service_unavailable"
+    status = 503
+
+
 ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
     cls.code: cls
     for cls in (
@@ -102,5 +163,53 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         RequestLimitReached,
         InsufficientMemory,
         DeviceUnavailable,
+        StepAborted,
+        MalformedRequest,
+        Unauthorized,
+        NotFound,
+        MethodNotAllowed,
+        UnknownSession,
+        PayloadTooLarge,
+        InternalError,
+        ServiceUnavailable,
     )
 }
+
+
+def error_from_dict(body: dict[str, Any], status: int = 400) -> KVCMError:
+    """Rebuild the typed error a service response describes (unknown codes stay KVCMError).
+
+    The instance's ``code`` is the one the service sent, so a newer service's codes survive an
+    older client.
+    """
+    code = str(body.get("code", "kvcm_error"))
+    message = str(body.get("message", ""))
+    detail = body.get("detail") or {}
+    cls = ERRORS_BY_CODE.get(code)
+    err = (cls or KVCMError)(message)
+    err.detail = dict(detail) if isinstance(detail, dict) else {"detail": detail}
+    if cls is None:
+        err.code = code  # type: ignore[misc]
+        err.status = status  # type: ignore[misc]
+    return err
+
+
+def invalid_from_validation(errors: list[Any]) -> KVCMError:
+    """Pydantic validation errors as ``InvalidArgument`` (``MalformedRequest`` for bad JSON).
+
+    The detail keeps location, message and type of at most 20 errors: enough to fix the call,
+    small enough for a log line, and JSON-safe (pydantic's ``ctx`` may hold exceptions).
+    """
+    slim = [
+        {
+            "loc": [str(part) for part in e.get("loc", ())],
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in errors[:20]
+    ]
+    if any(e["type"] == "json_invalid" for e in slim):
+        return MalformedRequest("request body is not valid JSON", errors=slim)
+    first = slim[0] if slim else {"loc": [], "msg": "invalid input"}
+    where = ".".join(first["loc"]) or "body"
+    return InvalidArgument(f"{where}: {first['msg']}", errors=slim)

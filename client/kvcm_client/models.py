@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
 DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
@@ -30,6 +30,9 @@ NVFP4_GROUP = 16
 
 PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
+#: Counts in ops: strict, so 2.0 and true are refused on the wire as they are in process.
+#: Ranges are the manager's to check, so both paths raise the same error.
+Count = Annotated[int, Strict()]
 
 
 class _Frozen(BaseModel):
@@ -148,27 +151,34 @@ class RequestInfo(_Frozen):
     row: int
     num_tokens: int
     capacity: int
+    num_committed: int = 0
     num_hit_tokens: int = 0
 
 
 class AllocateOp(_Frozen):
     op: Literal["allocate"] = "allocate"
     request_id: str
-    num_tokens: int
-    lookahead: int = 0
+    num_tokens: Count
+    lookahead: Count = 0
 
 
 class ExtendOp(_Frozen):
     op: Literal["extend"] = "extend"
     request_id: str
-    num_new_tokens: int
-    lookahead: int = 0
+    num_new_tokens: Count
+    lookahead: Count = 0
 
 
 class RewindOp(_Frozen):
     op: Literal["rewind"] = "rewind"
     request_id: str
-    num_tokens: int
+    num_tokens: Count
+
+
+class CommitOp(_Frozen):
+    op: Literal["commit"] = "commit"
+    request_id: str
+    token_ids: list[Count]
 
 
 class FreeOp(_Frozen):
@@ -176,7 +186,7 @@ class FreeOp(_Frozen):
     request_id: str
 
 
-Op = Annotated[AllocateOp | ExtendOp | RewindOp | FreeOp, Field(discriminator="op")]
+Op = Annotated[AllocateOp | ExtendOp | RewindOp | CommitOp | FreeOp, Field(discriminator="op")]
 
 
 class ErrorInfo(_Frozen):
@@ -294,3 +304,77 @@ class Stats(_Frozen):
     free_blocks: dict[int, int]
     used_blocks: dict[int, int]
     total_blocks: dict[int, int]
+
+
+# --- service wire bodies ----------------------------------------------------------------------
+# Bodies of the HTTP routes that are not an op model themselves. Ops (AllocateOp, ...) are the
+# bodies of their own routes, so the in-process ``step`` and the wire share one schema.
+
+
+class StepRequest(_Frozen):
+    ops: list[Op]
+    atomic: bool = False
+
+
+class StepResponse(_Frozen):
+    results: list[OpResult]
+
+
+class ExtendManyRequest(_Frozen):
+    request_ids: list[str]
+    num_new_tokens: Count | list[Count] = 1
+    lookahead: Count | list[Count] = 0
+
+
+class PageIndicesRequest(_Frozen):
+    request_ids: list[str]
+    layer_id: Count
+    role: Role = "key"
+    mode: Literal["slot", "kernel"] = "slot"
+    per_layer: bool = False
+
+
+class SlotMappingRequest(_Frozen):
+    """``layer_id`` None maps every layer group (``slot_mappings``)."""
+
+    request_ids: list[str]
+    layer_id: Count | None = None
+    num_tokens: Count | list[Count] | None = None
+    pad_to: Count | None = None
+
+
+class IndexRows(_Frozen):
+    """A small int table sent as rows (page indices, block tables, slot mappings per group)."""
+
+    rows: list[list[int]]
+
+
+class IndexRow(_Frozen):
+    row: list[int]
+
+
+class RequestIds(_Frozen):
+    request_ids: list[str]
+
+
+class SessionRequest(_Frozen):
+    ttl_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
+
+
+class SessionInfo(_Frozen):
+    """A lease: requests allocated under it are freed when it is not renewed within ttl_s."""
+
+    session_id: str
+    ttl_s: float
+    expires_in_s: float
+    num_requests: int
+
+
+class Health(_Frozen):
+    status: Literal["ok", "not_ready"]
+    detail: str = ""
+
+
+class SessionClosed(_Frozen):
+    session_id: str
+    freed_requests: int

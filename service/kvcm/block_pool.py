@@ -52,6 +52,14 @@ class BlockPool:
             self._ring[: end - n] = slots[split:]
         self._count += k
 
+    def checkpoint(self) -> tuple[np.ndarray, int, int]:
+        """A copy of the free list, for ``restore`` (one copy of num_slots int32)."""
+        return self._ring.copy(), self._head, self._count
+
+    def restore(self, saved: tuple[np.ndarray, int, int]) -> None:
+        ring, self._head, self._count = saved
+        self._ring[:] = ring
+
     def free_order(self) -> np.ndarray:
         """The free slots, next to be allocated first (for tests and debugging)."""
         idx = (self._head + np.arange(self._count)) % max(self.num_slots, 1)

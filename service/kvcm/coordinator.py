@@ -52,6 +52,14 @@ class _GroupPlan:
     current: np.ndarray
 
 
+@dataclass(slots=True)
+class _Checkpoint:
+    arrays: list[np.ndarray]
+    pools: list[tuple[np.ndarray, int, int]]
+    edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None
+    ops_since_take: int
+
+
 class Coordinator:
     """Owns the block pools, the per-row request state and the host page tables."""
 
@@ -236,6 +244,49 @@ class Coordinator:
             self.edits.clear()
         self.ops_since_take = 0
         return out
+
+    # -- all-or-nothing batches ----------------------------------------------------------------
+
+    def checkpoint(self) -> _Checkpoint:
+        """Copy every piece of mutable state; ``restore`` puts it back exactly.
+
+        Costs one copy of the host tables and of each free list, so it is taken only for
+        all-or-nothing steps. Edits logged for the device tables are restored too: an edit
+        that was undone on the host never reaches the device.
+        """
+        return _Checkpoint(
+            arrays=[
+                a.copy()
+                for a in (
+                    self.num_tokens,
+                    self.history,
+                    self.lookahead,
+                    *self.num_blocks,
+                    *self.released_end,
+                    self.tables,
+                )
+            ],
+            pools=[p.checkpoint() for p in self.pools],
+            edits=None if self.edits is None else list(self.edits),
+            ops_since_take=self.ops_since_take,
+        )
+
+    def restore(self, saved: _Checkpoint) -> None:
+        live = (
+            self.num_tokens,
+            self.history,
+            self.lookahead,
+            *self.num_blocks,
+            *self.released_end,
+            self.tables,
+        )
+        for dst, src in zip(live, saved.arrays, strict=True):
+            dst[...] = src
+        for pool, state in zip(self.pools, saved.pools, strict=True):
+            pool.restore(state)
+        if self.edits is not None and saved.edits is not None:
+            self.edits[:] = saved.edits
+        self.ops_since_take = saved.ops_since_take
 
     # -- queries -----------------------------------------------------------------------------
 

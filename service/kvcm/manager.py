@@ -7,12 +7,14 @@ Every op is atomic: it raises before anything changes, or it completes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 import kvcm_kernels
 from kvcm_client.errors import (
@@ -22,13 +24,16 @@ from kvcm_client.errors import (
     KVCMError,
     RequestLimitReached,
     SequenceTooLong,
+    StepAborted,
     UnknownLayer,
     UnknownRequest,
+    invalid_from_validation,
 )
 from kvcm_client.models import (
     ROLES,
     AllocateOp,
     BufferInfo,
+    CommitOp,
     ErrorInfo,
     Estimate,
     ExtendOp,
@@ -96,6 +101,44 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
     return arr.astype(np.int64, copy=False)
 
 
+#: Token ids are int32 on every wire and in every table.
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+def _token_ids(value: Any) -> list[int]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+        raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
+    out = []
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            raise InvalidArgument(f"token_ids must be ints, got {type(t).__name__}", token_ids=None)
+        if not 0 <= t <= _MAX_TOKEN_ID:
+            raise InvalidArgument(
+                f"token ids must be in [0, {_MAX_TOKEN_ID}], got {t}", token_id=int(t)
+            )
+        out.append(int(t))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _FirstAllocation:
+    """What an allocate was called with and returned, so an identical retry returns it again."""
+
+    num_tokens: int
+    lookahead: int
+    result: RequestInfo
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    coordinator: Any
+    rows: dict[str, int]
+    free_rows: list[int]
+    first: dict[str, _FirstAllocation]
+    tokens: dict[str, list[int]]
+    committed: np.ndarray
+
+
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of one rank."""
 
@@ -118,6 +161,12 @@ class KVCacheManager:
         )
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
+        self._first: dict[str, _FirstAllocation] = {}
+        #: Committed token ids per request, and their count per row (for batch results).
+        self._tokens: dict[str, list[int]] = {}
+        self._committed = np.zeros(cfg.max_requests, dtype=np.int64)
+        #: Undo actions for token-list edits while an all-or-nothing step runs.
+        self._undo: list[Callable[[], None]] | None = None
         self._tables = DeviceTables(self._coord, self.device)
         self._upload = None if self.device.type == "cpu" else Uploader(self.device, torch.int64)
         self._pointer_table, self._layer_pool_map, self._layer_pointers = self._build_pointers()
@@ -170,18 +219,31 @@ class KVCacheManager:
             row=row,
             num_tokens=n,
             capacity=n + int(c.lookahead[row]),
+            num_committed=int(self._committed[row]),
         )
 
     def allocate(self, request_id: str, num_tokens: int, lookahead: int = 0) -> RequestInfo:
-        """Start a request of ``num_tokens`` tokens plus ``lookahead`` draft slots."""
+        """Start a request of ``num_tokens`` tokens plus ``lookahead`` draft slots.
+
+        Idempotent while the request lives: the same call again (same id, same arguments)
+        returns the first result and allocates nothing, so a scheduler can retry an allocate
+        whose answer it lost. Other arguments for a live id raise ``DuplicateRequest``.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string", request_id=None)
-        if request_id in self._rows:
-            raise DuplicateRequest(
-                f"request {request_id!r} is already allocated", request_id=request_id
-            )
         num_tokens = _count("num_tokens", num_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
+        first = self._first.get(request_id)
+        if first is not None:
+            if (first.num_tokens, first.lookahead) == (num_tokens, lookahead):
+                return first.result
+            raise DuplicateRequest(
+                f"request {request_id!r} is already allocated with num_tokens="
+                f"{first.num_tokens}, lookahead={first.lookahead}",
+                request_id=request_id,
+                num_tokens=first.num_tokens,
+                lookahead=first.lookahead,
+            )
         self._check_len(request_id, num_tokens + lookahead)
         if not self._free_rows:
             raise RequestLimitReached(
@@ -192,7 +254,11 @@ class KVCacheManager:
         self._coord.grow(np.array([row]), np.array([num_tokens]), np.array([lookahead]))
         self._free_rows.pop()
         self._rows[request_id] = row
-        return self._info(request_id, row)
+        self._tokens[request_id] = []
+        self._committed[row] = 0
+        info = self._info(request_id, row)
+        self._first[request_id] = _FirstAllocation(num_tokens, lookahead, info)
+        return info
 
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
@@ -237,24 +303,78 @@ class KVCacheManager:
                 num_tokens=num_tokens,
             )
         self._coord.rewind(row, num_tokens)
+        tokens = self._tokens[request_id]
+        new_len = length - num_tokens
+        if len(tokens) > new_len:
+            tail = tokens[new_len:]
+            del tokens[new_len:]
+            self._committed[row] = new_len
+            if self._undo is not None:
+                self._undo.append(lambda: tokens.extend(tail))
         return self._info(request_id, row)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
+        """Record that the KV of the request's next ``len(token_ids)`` tokens is computed.
+
+        Committed tokens are a prefix of the request: a request of 10 tokens with 4 committed
+        accepts at most 6 more. ``rewind`` drops committed tokens past the new length.
+        (Prefix reuse publishes the full blocks of the committed prefix; see the issue
+        tracker for its status.)
+        """
+        row = self._row(request_id)
+        tokens = _token_ids(token_ids)
+        done = len(self._tokens[request_id])
+        length = int(self._coord.num_tokens[row])
+        if done + len(tokens) > length:
+            raise InvalidArgument(
+                f"request {request_id!r} has {length} tokens and {done} committed; "
+                f"{len(tokens)} more do not fit",
+                request_id=request_id,
+                num_tokens=length,
+                num_committed=done,
+                num_new=len(tokens),
+            )
+        held = self._tokens[request_id]
+        held.extend(tokens)
+        self._committed[row] = done + len(tokens)
+        if self._undo is not None:
+            self._undo.append(lambda: held.__delitem__(slice(done, None)))
+        return self._info(request_id, row)
+
+    def committed_tokens(self, request_id: str) -> list[int]:
+        """The committed token ids of a request, in order (a copy)."""
+        self._row(request_id)
+        return list(self._tokens[request_id])
 
     def free(self, request_id: str) -> None:
         row = self._row(request_id)
         self._coord.release_row(row)
         del self._rows[request_id]
+        del self._first[request_id]
+        del self._tokens[request_id]
+        self._committed[row] = 0
         self._free_rows.append(row)
 
-    def step(self, ops: Sequence[Op | dict[str, Any]]) -> list[OpResult]:
+    def step(self, ops: Sequence[Op | dict[str, Any]], atomic: bool = False) -> list[OpResult]:
         """Run ops in order, each atomic on its own; one result per op.
 
         A step made only of extends of distinct requests (a decode step) runs as one batch;
         if that batch fails, the ops are replayed one by one so that the results are the same
         as running them in order.
+
+        ``atomic=True`` makes the whole step all or nothing: at the first failing op every
+        earlier op is undone; that op's result carries its error and every other op's result
+        the error ``step_aborted`` (detail ``failed_op``: the failing op's index). It costs a
+        copy of the host page tables and free lists per step.
         """
-        parsed: list[Any] = (
-            list(ops) if all(not isinstance(o, dict) for o in ops) else _OPS.validate_python(ops)
-        )
+        try:
+            parsed: list[Any] = (
+                list(ops)
+                if all(not isinstance(o, dict) for o in ops)
+                else _OPS.validate_python(ops)
+            )
+        except ValidationError as exc:
+            raise invalid_from_validation(exc.errors()) from None
         if parsed and all(type(o) is ExtendOp for o in parsed):
             ids = [o.request_id for o in parsed]
             try:
@@ -265,7 +385,69 @@ class KVCacheManager:
                 pass
             else:
                 return self._batch_results(ids)
-        return [self._run(op) for op in parsed]
+        if not atomic:
+            return [self._run(op) for op in parsed]
+        with self.transaction() as undo:
+            results = []
+            for op in parsed:
+                result = self._run(op)
+                results.append(result)
+                if not result.ok:
+                    undo()
+                    return self._aborted(len(parsed), len(results) - 1, result)
+            return results
+
+    @staticmethod
+    def _aborted(n: int, failed: int, result: OpResult) -> list[OpResult]:
+        assert result.error is not None
+        aborted = OpResult(
+            ok=False,
+            error=ErrorInfo(
+                code=StepAborted.code,
+                message=f"not applied: op {failed} of this all-or-nothing step failed "
+                f"({result.error.code})",
+                detail={"failed_op": failed},
+            ),
+        )
+        return [result if i == failed else aborted for i in range(n)]
+
+    @contextmanager
+    def transaction(self) -> Iterator[Callable[[], None]]:
+        """Yield an ``undo`` that puts the manager back as it was on entry.
+
+        Undo also happens if the block raises. Nested transactions are not supported.
+        """
+        if self._undo is not None:
+            raise RuntimeError("transactions do not nest")
+        saved = _Checkpoint(
+            coordinator=self._coord.checkpoint(),
+            rows=dict(self._rows),
+            free_rows=list(self._free_rows),
+            first=dict(self._first),
+            tokens=dict(self._tokens),
+            committed=self._committed.copy(),
+        )
+        self._undo = []
+
+        def undo() -> None:
+            assert self._undo is not None
+            for action in reversed(self._undo):
+                action()
+            self._undo.clear()
+            self._coord.restore(saved.coordinator)
+            self._rows = dict(saved.rows)
+            self._free_rows = list(saved.free_rows)
+            self._first = dict(saved.first)
+            self._tokens = dict(saved.tokens)
+            self._committed[:] = saved.committed
+
+        try:
+            yield undo
+        except BaseException:
+            undo()
+            raise
+        finally:
+            self._undo = None
 
     def _batch_results(self, ids: list[str]) -> list[OpResult]:
         # One validation of the whole list is about twice as fast as a model per op.
@@ -273,17 +455,26 @@ class KVCacheManager:
         c = self._coord
         lengths = c.num_tokens[rows]
         capacity = (lengths + c.lookahead[rows]).tolist()
+        committed = self._committed[rows].tolist()
         return _RESULTS.validate_python(
             [
                 {
                     "ok": True,
-                    "request": {"request_id": i, "row": r, "num_tokens": n, "capacity": cap},
+                    "request": {
+                        "request_id": i,
+                        "row": r,
+                        "num_tokens": n,
+                        "capacity": cap,
+                        "num_committed": k,
+                    },
                 }
-                for i, r, n, cap in zip(ids, rows.tolist(), lengths.tolist(), capacity, strict=True)
+                for i, r, n, cap, k in zip(
+                    ids, rows.tolist(), lengths.tolist(), capacity, committed, strict=True
+                )
             ]
         )
 
-    def _run(self, op: AllocateOp | ExtendOp | RewindOp | FreeOp) -> OpResult:
+    def _run(self, op: AllocateOp | ExtendOp | RewindOp | CommitOp | FreeOp) -> OpResult:
         try:
             if isinstance(op, AllocateOp):
                 info = self.allocate(op.request_id, op.num_tokens, op.lookahead)
@@ -291,6 +482,8 @@ class KVCacheManager:
                 info = self.extend(op.request_id, op.num_new_tokens, op.lookahead)
             elif isinstance(op, RewindOp):
                 info = self.rewind(op.request_id, op.num_tokens)
+            elif isinstance(op, CommitOp):
+                info = self.commit(op.request_id, op.token_ids)
             elif isinstance(op, FreeOp):
                 self.free(op.request_id)
                 return OpResult(ok=True)

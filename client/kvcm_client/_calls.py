@@ -1,0 +1,267 @@
+"""Sans-IO description of every service call: route, body, whether a retry is safe, parser.
+
+The sync and async clients only differ in how they send a ``Call``; everything else (the
+route of each method, its body, how the answer is read) lives here once. Bodies are built
+from plain values without client-side validation, so bad arguments are refused by the
+service with the same error types the in-process manager raises.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, TypeAdapter
+
+from .errors import KVCMError, error_from_dict
+from .models import (
+    Estimate,
+    IndexRow,
+    IndexRows,
+    Layout,
+    OpResult,
+    RequestIds,
+    RequestInfo,
+    SessionClosed,
+    SessionInfo,
+    Stats,
+    StepResponse,
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    method: str
+    path: str
+    parse: Callable[[bytes], T]
+    body: bytes | None = None
+    params: dict[str, Any] | None = None
+    idempotent: bool = False
+    """Safe to resend after the connection broke mid-call (the op may have been applied)."""
+
+
+def _default(value: Any) -> Any:
+    if hasattr(value, "__index__"):  # numpy and torch integers
+        return value.__index__()
+    if hasattr(value, "tolist"):  # numpy arrays
+        return value.tolist()
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    raise TypeError(f"cannot send {type(value).__name__} to kvcm")
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, default=_default, separators=(",", ":")).encode()
+
+
+def _model(model: type[BaseModel]) -> Callable[[bytes], Any]:
+    return model.model_validate_json
+
+
+def _none(_: bytes) -> None:
+    return None
+
+
+def _rows(raw: bytes) -> list[list[int]]:
+    return IndexRows.model_validate_json(raw).rows
+
+
+def _row(raw: bytes) -> list[int]:
+    return IndexRow.model_validate_json(raw).row
+
+
+def _results(raw: bytes) -> list[OpResult]:
+    return StepResponse.model_validate_json(raw).results
+
+
+def _ids(raw: bytes) -> list[str]:
+    return RequestIds.model_validate_json(raw).request_ids
+
+
+_INTS = TypeAdapter(int)
+
+
+def raise_for_status(status: int, content: bytes) -> None:
+    """Raise the typed error a non-2xx answer describes."""
+    if status < 400:
+        return
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or "code" not in body:
+        err = KVCMError(f"HTTP {status}: {content[:200]!r}")
+        err.code = "http_error"  # type: ignore[misc]
+        err.status = status  # type: ignore[misc]
+        raise err
+    raise error_from_dict(body, status)
+
+
+def _post(path: str, parse: Callable[[bytes], T], idempotent: bool = False, **body: Any) -> Call[T]:
+    return Call("POST", path, parse, encode(body), idempotent=idempotent)
+
+
+def _get(path: str, parse: Callable[[bytes], T], **params: Any) -> Call[T]:
+    return Call(
+        "GET",
+        path,
+        parse,
+        params={k: v for k, v in params.items() if v is not None},
+        idempotent=True,
+    )
+
+
+# -- one builder per manager method ------------------------------------------------------------
+
+
+def allocate(request_id: str, num_tokens: int, lookahead: int) -> Call[RequestInfo]:
+    # Retrying is safe: the manager returns the first result for an identical allocate.
+    return _post(
+        "/v1/allocate",
+        _model(RequestInfo),
+        idempotent=True,
+        request_id=request_id,
+        num_tokens=num_tokens,
+        lookahead=lookahead,
+    )
+
+
+def extend(request_id: str, num_new_tokens: int, lookahead: int) -> Call[RequestInfo]:
+    return _post(
+        "/v1/extend",
+        _model(RequestInfo),
+        request_id=request_id,
+        num_new_tokens=num_new_tokens,
+        lookahead=lookahead,
+    )
+
+
+def extend_many(
+    request_ids: Sequence[str], num_new_tokens: int | Sequence[int], lookahead: int | Sequence[int]
+) -> Call[None]:
+    return _post(
+        "/v1/extend_many",
+        _none,
+        request_ids=list(request_ids),
+        num_new_tokens=num_new_tokens,
+        lookahead=lookahead,
+    )
+
+
+def rewind(request_id: str, num_tokens: int) -> Call[RequestInfo]:
+    return _post("/v1/rewind", _model(RequestInfo), request_id=request_id, num_tokens=num_tokens)
+
+
+def commit(request_id: str, token_ids: Sequence[int]) -> Call[RequestInfo]:
+    return _post(
+        "/v1/commit", _model(RequestInfo), request_id=request_id, token_ids=list(token_ids)
+    )
+
+
+def free(request_id: str) -> Call[None]:
+    return _post("/v1/free", _none, request_id=request_id)
+
+
+def step(ops: Sequence[Any], atomic: bool) -> Call[list[OpResult]]:
+    return _post("/v1/step", _results, ops=list(ops), atomic=atomic)
+
+
+def request(request_id: str) -> Call[RequestInfo]:
+    return _get("/v1/request", _model(RequestInfo), request_id=request_id)
+
+
+def request_ids() -> Call[list[str]]:
+    return _get("/v1/requests", _ids)
+
+
+def block_table(request_id: str) -> Call[list[list[int]]]:
+    return _get("/v1/block_table", _rows, request_id=request_id)
+
+
+def committed_tokens(request_id: str) -> Call[list[int]]:
+    return _get("/v1/committed_tokens", _row, request_id=request_id)
+
+
+def page_indices(
+    request_ids: Sequence[str], layer_id: int, role: str, mode: str, per_layer: bool
+) -> Call[list[list[int]]]:
+    return _post(
+        "/v1/page_indices",
+        _rows,
+        idempotent=True,
+        request_ids=list(request_ids),
+        layer_id=layer_id,
+        role=role,
+        mode=mode,
+        per_layer=per_layer,
+    )
+
+
+def slot_mapping(
+    request_ids: Sequence[str],
+    layer_id: int | None,
+    num_tokens: int | Sequence[int] | None,
+    pad_to: int | None,
+) -> Call[Any]:
+    path, parse = (
+        ("/v1/slot_mapping", _row) if layer_id is not None else ("/v1/slot_mappings", _rows)
+    )
+    return _post(
+        path,
+        parse,
+        idempotent=True,
+        request_ids=list(request_ids),
+        layer_id=layer_id,
+        num_tokens=num_tokens,
+        pad_to=pad_to,
+    )
+
+
+def describe() -> Call[Layout]:
+    return _get("/v1/layout", _model(Layout))
+
+
+def estimate(seq_len: int, num_requests: int | None) -> Call[Estimate]:
+    return _get("/v1/estimate", _model(Estimate), seq_len=seq_len, num_requests=num_requests)
+
+
+def stats() -> Call[Stats]:
+    return _get("/v1/stats", _model(Stats))
+
+
+def open_session(ttl_s: float | None) -> Call[SessionInfo]:
+    return _post("/v1/sessions", _model(SessionInfo), ttl_s=ttl_s)
+
+
+def renew_session(session_id: str) -> Call[SessionInfo]:
+    return Call("POST", f"/v1/sessions/{session_id}/renew", _model(SessionInfo), idempotent=True)
+
+
+def close_session(session_id: str) -> Call[SessionClosed]:
+    return Call("DELETE", f"/v1/sessions/{session_id}", _model(SessionClosed))
+
+
+def free_blocks(stats: Stats, pool_group: int | None) -> int:
+    """``num_free_blocks`` from a ``Stats`` (the client's source for it)."""
+    if pool_group is None:
+        return sum(stats.free_blocks.values())
+    return _pool_group_value(stats.free_blocks, pool_group)
+
+
+def total_blocks(stats: Stats, pool_group: int | None) -> int:
+    if pool_group is None:
+        return sum(stats.total_blocks.values())
+    return _pool_group_value(stats.total_blocks, pool_group)
+
+
+def _pool_group_value(values: dict[int, int], pool_group: int) -> int:
+    from .errors import InvalidArgument
+
+    key = _INTS.validate_python(pool_group)
+    if key not in values:
+        raise InvalidArgument(f"no pool group {pool_group}", pool_group=pool_group)
+    return values[key]

@@ -1,0 +1,362 @@
+"""``KVCacheClient`` and ``AsyncKVCacheClient``: the manager's API over HTTP.
+
+Method names, parameters and exceptions are those of ``kvcm.KVCacheManager``, so a scheduler
+can swap the in-process manager for the sidecar. Tables come back as lists of ints (the client
+needs no torch): ``page_indices`` is ``list[list[int]]`` where the manager returns an int32
+tensor, ``slot_mapping`` a ``list[int]``.
+
+Connections are kept alive (one pool per client). A call that fails to connect is retried (it
+never reached the service); a call whose connection broke after it was sent is retried only if
+the op is idempotent (reads, and ``allocate``, which the manager makes idempotent). When the
+retries run out the call raises ``ServiceUnavailable``.
+
+    with KVCacheClient("http://127.0.0.1:8470") as kv:
+        kv.allocate("r1", 100)
+        kv.step([{"op": "extend", "request_id": "r1", "num_new_tokens": 1}])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import httpx
+
+from . import _calls as calls
+from .errors import ServiceUnavailable
+from .models import Estimate, Layout, OpResult, RequestInfo, SessionClosed, SessionInfo, Stats
+
+T = TypeVar("T")
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+SESSION_HEADER = "X-KVCM-Session"
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+def _setup(base_url: str, uds: str | Path | None, token: str | None) -> tuple[str, dict[str, str]]:
+    token = token if token is not None else os.environ.get("KVCM_API_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return ("http://kvcm" if uds is not None else base_url.rstrip("/")), headers
+
+
+def _retryable(exc: httpx.TransportError, call: calls.Call[Any]) -> bool:
+    return isinstance(exc, _NEVER_SENT) or call.idempotent
+
+
+def _unavailable(exc: httpx.TransportError, call: calls.Call[Any], attempts: int) -> Exception:
+    return ServiceUnavailable(
+        f"{call.method} {call.path} failed after {attempts} attempt(s): "
+        f"{type(exc).__name__}: {exc}",
+        path=call.path,
+        attempts=attempts,
+    )
+
+
+class KVCacheClient:
+    """Blocking client. Not thread-safe across sessions; one client per scheduler thread."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        uds: str | Path | None = None,
+        token: str | None = None,
+        timeout: float = 10.0,
+        retries: int = 2,
+        backoff_s: float = 0.05,
+    ) -> None:
+        url, headers = _setup(base_url, uds, token)
+        transport = httpx.HTTPTransport(uds=str(uds)) if uds is not None else None
+        self._http = httpx.Client(
+            base_url=url,
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            limits=httpx.Limits(max_keepalive_connections=4, keepalive_expiry=60),
+        )
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.session_id: str | None = None
+
+    def __enter__(self) -> KVCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _run(self, call: calls.Call[T]) -> T:
+        headers = {SESSION_HEADER: self.session_id} if self.session_id else None
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self._http.request(
+                    call.method,
+                    call.path,
+                    content=call.body,
+                    params=call.params,
+                    headers={"content-type": "application/json", **(headers or {})},
+                )
+                break
+            except httpx.TransportError as exc:
+                if attempt == self.retries or not _retryable(exc, call):
+                    raise _unavailable(exc, call, attempt + 1) from exc
+                time.sleep(self.backoff_s * 2**attempt)
+        calls.raise_for_status(resp.status_code, resp.content)
+        return call.parse(resp.content)
+
+    # -- the manager's methods -----------------------------------------------------------------
+
+    def allocate(self, request_id: str, num_tokens: int, lookahead: int = 0) -> RequestInfo:
+        return self._run(calls.allocate(request_id, num_tokens, lookahead))
+
+    def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
+        return self._run(calls.extend(request_id, num_new_tokens, lookahead))
+
+    def extend_many(
+        self,
+        request_ids: Sequence[str],
+        num_new_tokens: int | Sequence[int] = 1,
+        lookahead: int | Sequence[int] = 0,
+    ) -> None:
+        return self._run(calls.extend_many(request_ids, num_new_tokens, lookahead))
+
+    def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
+        return self._run(calls.rewind(request_id, num_tokens))
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
+        return self._run(calls.commit(request_id, token_ids))
+
+    def free(self, request_id: str) -> None:
+        return self._run(calls.free(request_id))
+
+    def step(self, ops: Sequence[Any], atomic: bool = False) -> list[OpResult]:
+        return self._run(calls.step(ops, atomic))
+
+    def request(self, request_id: str) -> RequestInfo:
+        return self._run(calls.request(request_id))
+
+    def request_ids(self) -> list[str]:
+        return self._run(calls.request_ids())
+
+    def block_table(self, request_id: str) -> list[list[int]]:
+        return self._run(calls.block_table(request_id))
+
+    def committed_tokens(self, request_id: str) -> list[int]:
+        return self._run(calls.committed_tokens(request_id))
+
+    def page_indices(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        role: str = "key",
+        mode: Literal["slot", "kernel"] = "slot",
+        per_layer: bool = False,
+    ) -> list[list[int]]:
+        return self._run(calls.page_indices(request_ids, layer_id, role, mode, per_layer))
+
+    def slot_mapping(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        num_tokens: int | Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> list[int]:
+        return self._run(calls.slot_mapping(request_ids, layer_id, num_tokens, pad_to))
+
+    def slot_mappings(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: int | Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> list[list[int]]:
+        return self._run(calls.slot_mapping(request_ids, None, num_tokens, pad_to))
+
+    def describe(self) -> Layout:
+        return self._run(calls.describe())
+
+    def estimate(self, seq_len: int, num_requests: int | None = None) -> Estimate:
+        return self._run(calls.estimate(seq_len, num_requests))
+
+    def stats(self) -> Stats:
+        return self._run(calls.stats())
+
+    def num_free_blocks(self, pool_group: int | None = None) -> int:
+        return calls.free_blocks(self.stats(), pool_group)
+
+    def num_total_blocks(self, pool_group: int | None = None) -> int:
+        return calls.total_blocks(self.stats(), pool_group)
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def open_session(self, ttl_s: float | None = None) -> SessionInfo:
+        """Start a lease; later calls renew it and requests allocated here belong to it."""
+        info = self._run(calls.open_session(ttl_s))
+        self.session_id = info.session_id
+        return info
+
+    def renew_session(self) -> SessionInfo:
+        assert self.session_id is not None, "open_session() first"
+        return self._run(calls.renew_session(self.session_id))
+
+    def close_session(self) -> SessionClosed:
+        """End the lease now; the service frees its requests."""
+        assert self.session_id is not None, "open_session() first"
+        closed = self._run(calls.close_session(self.session_id))
+        self.session_id = None
+        return closed
+
+
+class AsyncKVCacheClient:
+    """The same API as ``KVCacheClient`` with ``async`` methods (httpx.AsyncClient)."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        uds: str | Path | None = None,
+        token: str | None = None,
+        timeout: float = 10.0,
+        retries: int = 2,
+        backoff_s: float = 0.05,
+    ) -> None:
+        url, headers = _setup(base_url, uds, token)
+        transport = httpx.AsyncHTTPTransport(uds=str(uds)) if uds is not None else None
+        self._http = httpx.AsyncClient(
+            base_url=url,
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            limits=httpx.Limits(max_keepalive_connections=16, keepalive_expiry=60),
+        )
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.session_id: str | None = None
+
+    async def __aenter__(self) -> AsyncKVCacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _run(self, call: calls.Call[T]) -> T:
+        headers = {SESSION_HEADER: self.session_id} if self.session_id else None
+        for attempt in range(self.retries + 1):
+            try:
+                resp = await self._http.request(
+                    call.method,
+                    call.path,
+                    content=call.body,
+                    params=call.params,
+                    headers={"content-type": "application/json", **(headers or {})},
+                )
+                break
+            except httpx.TransportError as exc:
+                if attempt == self.retries or not _retryable(exc, call):
+                    raise _unavailable(exc, call, attempt + 1) from exc
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        calls.raise_for_status(resp.status_code, resp.content)
+        return call.parse(resp.content)
+
+    async def allocate(self, request_id: str, num_tokens: int, lookahead: int = 0) -> RequestInfo:
+        return await self._run(calls.allocate(request_id, num_tokens, lookahead))
+
+    async def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
+        return await self._run(calls.extend(request_id, num_new_tokens, lookahead))
+
+    async def extend_many(
+        self,
+        request_ids: Sequence[str],
+        num_new_tokens: int | Sequence[int] = 1,
+        lookahead: int | Sequence[int] = 0,
+    ) -> None:
+        return await self._run(calls.extend_many(request_ids, num_new_tokens, lookahead))
+
+    async def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
+        return await self._run(calls.rewind(request_id, num_tokens))
+
+    async def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
+        return await self._run(calls.commit(request_id, token_ids))
+
+    async def free(self, request_id: str) -> None:
+        return await self._run(calls.free(request_id))
+
+    async def step(self, ops: Sequence[Any], atomic: bool = False) -> list[OpResult]:
+        return await self._run(calls.step(ops, atomic))
+
+    async def request(self, request_id: str) -> RequestInfo:
+        return await self._run(calls.request(request_id))
+
+    async def request_ids(self) -> list[str]:
+        return await self._run(calls.request_ids())
+
+    async def block_table(self, request_id: str) -> list[list[int]]:
+        return await self._run(calls.block_table(request_id))
+
+    async def committed_tokens(self, request_id: str) -> list[int]:
+        return await self._run(calls.committed_tokens(request_id))
+
+    async def page_indices(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        role: str = "key",
+        mode: Literal["slot", "kernel"] = "slot",
+        per_layer: bool = False,
+    ) -> list[list[int]]:
+        return await self._run(calls.page_indices(request_ids, layer_id, role, mode, per_layer))
+
+    async def slot_mapping(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        num_tokens: int | Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> list[int]:
+        return await self._run(calls.slot_mapping(request_ids, layer_id, num_tokens, pad_to))
+
+    async def slot_mappings(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: int | Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> list[list[int]]:
+        return await self._run(calls.slot_mapping(request_ids, None, num_tokens, pad_to))
+
+    async def describe(self) -> Layout:
+        return await self._run(calls.describe())
+
+    async def estimate(self, seq_len: int, num_requests: int | None = None) -> Estimate:
+        return await self._run(calls.estimate(seq_len, num_requests))
+
+    async def stats(self) -> Stats:
+        return await self._run(calls.stats())
+
+    async def num_free_blocks(self, pool_group: int | None = None) -> int:
+        return calls.free_blocks(await self.stats(), pool_group)
+
+    async def num_total_blocks(self, pool_group: int | None = None) -> int:
+        return calls.total_blocks(await self.stats(), pool_group)
+
+    async def open_session(self, ttl_s: float | None = None) -> SessionInfo:
+        info = await self._run(calls.open_session(ttl_s))
+        self.session_id = info.session_id
+        return info
+
+    async def renew_session(self) -> SessionInfo:
+        assert self.session_id is not None, "open_session() first"
+        return await self._run(calls.renew_session(self.session_id))
+
+    async def close_session(self) -> SessionClosed:
+        assert self.session_id is not None, "open_session() first"
+        closed = await self._run(calls.close_session(self.session_id))
+        self.session_id = None
+        return closed

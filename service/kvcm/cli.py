@@ -1,0 +1,206 @@
+"""The ``kvcm`` command: ``kvcm serve`` (the default) runs the sidecar, ``kvcm estimate`` sizes.
+
+Every flag has a ``KVCM_<NAME>`` environment variable (flags win); see ``kvcm serve --help``.
+With no arguments ``kvcm`` serves the embedded default model (Llama-3-8B-like, 1 GiB of KV on
+the CPU) on http://127.0.0.1:8470.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvcm_client.errors import KVCMError
+
+from .manager import KVCacheManager
+from .server.settings import Settings
+
+#: Flags shared by both commands: (flag, Settings field, argparse options).
+_MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--config", {"type": Path, "help": "JSON ManagerConfig file"}),
+    ("--layers", {"type": Path, "help": "JSON file with a list of layer specs"}),
+    (
+        "--model-config",
+        {"type": Path, "dest": "hf_model_config", "help": "Hugging Face config.json"},
+    ),
+    ("--kv-dtype", {"help": "KV dtype (fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, nvfp4)"}),
+    ("--tensor-parallel", {"type": int, "help": "ranks the KV heads are split over"}),
+    ("--memory", {"help": "KV budget, e.g. 8GiB or 512MiB"}),
+    ("--num-blocks", {"type": int, "help": "slots per pool group (instead of --memory)"}),
+    ("--tokens-per-block", {"type": int}),
+    ("--device", {"help": "cpu or cuda[:N]"}),
+    ("--max-requests", {"type": int}),
+    ("--max-seq-len", {"type": int}),
+]
+_SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--host", {"help": "bind address (default 127.0.0.1: loopback only)"}),
+    ("--port", {"type": int, "help": "TCP port (default 8470; 0 picks a free one)"}),
+    ("--uds", {"type": Path, "help": "serve on this Unix socket instead of TCP"}),
+    ("--lease-ttl", {"type": float, "help": "default session lease in seconds (30)"}),
+    ("--max-body-bytes", {"type": int, "help": "request body limit (8 MiB)"}),
+    ("--log-level", {"help": "debug, info, warning, error"}),
+    ("--access-log", {"action": "store_const", "const": True, "help": "log every request"}),
+]
+SERVE_FLAGS = [flag for flag, _ in _MODEL_FLAGS + _SERVE_FLAGS]
+
+
+def _add(parser: argparse.ArgumentParser, flags: list[tuple[str, dict[str, Any]]]) -> None:
+    for flag, options in flags:
+        parser.add_argument(flag, **{"default": None, **options})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcm", description="kvcm: a KV-cache manager for LLM inference, run as a sidecar"
+    )
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="run the HTTP service (the default command)")
+    _add(serve, _MODEL_FLAGS + _SERVE_FLAGS)
+    estimate = sub.add_parser("estimate", help="print the layout and the sizing table")
+    _add(estimate, _MODEL_FLAGS)
+    estimate.add_argument(
+        "--seq-len", type=int, action="append", help="sequence lengths to size (repeatable)"
+    )
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    skip = {"command", "seq_len"}
+    given = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+    # A budget flag replaces the other kind of budget from the environment.
+    if "memory" in given:
+        given.setdefault("num_blocks", None)
+    if "num_blocks" in given:
+        given.setdefault("memory", None)
+    return Settings(**given)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
+    """The layout (layer groups, pool groups) and max requests per sequence length."""
+    info = manager.describe()
+    out = [f"device {info.device}, {info.tokens_per_block} tokens per block"]
+    out.append(
+        _table(
+            [["layer group", "layers", "window", "sink blocks", "pool group", "bytes/token"]]
+            + [
+                [
+                    str(g.group_id),
+                    str(len(g.layer_ids)),
+                    str(g.sliding_window or "full"),
+                    str(g.sink_blocks),
+                    str(g.pool_group),
+                    str(g.bytes_per_token),
+                ]
+                for g in info.layer_groups
+            ]
+        )
+    )
+    out.append(
+        _table(
+            [["pool group", "slots", "slot bytes", "GiB"]]
+            + [
+                [
+                    str(pg.pool_group_id),
+                    str(pg.num_slots),
+                    str(pg.slot_bytes),
+                    f"{pg.num_slots * pg.slot_bytes / 2**30:.3f}",
+                ]
+                for pg in info.pool_groups
+            ]
+        )
+    )
+    rows = [["seq_len", "max requests", "limited by", "max tokens (one request)"]]
+    for seq_len in seq_lens:
+        est = manager.estimate(seq_len)
+        rows.append([str(seq_len), str(est.max_requests), est.limited_by, str(est.max_tokens)])
+    out.append(_table(rows))
+    return "\n\n".join(out)
+
+
+def _bind(settings: Settings) -> tuple[socket.socket, str]:
+    """Bind the listening socket here, so ``--port 0`` can report the port it got."""
+    if settings.uds is not None:
+        path = settings.uds
+        if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
+            path.unlink()  # a stale socket from a previous run
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o117)  # rw for owner and group only
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        return sock, f"unix:{path}"
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    return sock, f"http://{shown}:{port}"
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from .server.app import app_from_settings
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = app_from_settings(settings)
+    if settings.uds is None and settings.host not in ("127.0.0.1", "::1", "localhost"):
+        logging.getLogger("kvcm").warning(
+            "binding to %s: reachable beyond this host%s",
+            settings.host,
+            "" if settings.api_token else "; set KVCM_API_TOKEN to require a token",
+        )
+    sock, url = _bind(settings)
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=5,
+        workers=1,  # the pools and the state live in this one process
+    )
+    print(f"kvcm: serving on {url}", flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    args = build_parser().parse_args(argv)
+    try:
+        settings = _settings(args)
+        if args.command == "estimate":
+            manager = KVCacheManager(settings.manager_config())
+            seq_lens = args.seq_len or sorted({1024, 4096, manager.config.max_seq_len})
+            print(report(manager, seq_lens))
+            return 0
+        return serve(settings)
+    except ValidationError as exc:
+        print(f"kvcm: invalid config: {exc}", file=sys.stderr)
+        return 2
+    except KVCMError as exc:
+        print(f"kvcm: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvcm: cannot serve: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,1 @@
+"""The sidecar service: FastAPI app, settings, leases and metrics around one manager."""

@@ -1,0 +1,379 @@
+"""The FastAPI app: versioned ``/v1`` routes over one manager, JSON errors, probes and metrics.
+
+Routes are named after the manager's methods (``POST /v1/allocate`` takes an ``AllocateOp``
+and returns what ``KVCacheManager.allocate`` returns), so the wire schema is the op models of
+``kvcm_client.models`` and nothing else. Op routes parse the raw body with pydantic-core
+(``model_validate_json``) and encode results straight to bytes; that keeps a 256-op step well
+under a millisecond. Their request schemas are added to the OpenAPI document by hand, since
+FastAPI does not see a body parameter.
+
+Errors are ``{code, message, detail}`` with the error's HTTP status: 400 malformed JSON, 401
+missing token, 404 unknown request/session/route, 409 duplicate/conflict, 413 too long or too
+large, 422 invalid arguments, 507 out of blocks or rows. Bad input never yields a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from time import perf_counter
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvcm_client.errors import (
+    InternalError,
+    InvalidArgument,
+    KVCMError,
+    MethodNotAllowed,
+    NotFound,
+    Unauthorized,
+    invalid_from_validation,
+)
+from kvcm_client.models import (
+    AllocateOp,
+    CommitOp,
+    Estimate,
+    ExtendManyRequest,
+    ExtendOp,
+    FreeOp,
+    Health,
+    IndexRow,
+    IndexRows,
+    Layout,
+    PageIndicesRequest,
+    RequestIds,
+    RequestInfo,
+    RewindOp,
+    SessionClosed,
+    SessionInfo,
+    SessionRequest,
+    SlotMappingRequest,
+    Stats,
+    StepRequest,
+    StepResponse,
+)
+
+from ..manager import KVCacheManager
+from .middleware import BodyLimit, CountResponses
+from .state import ServiceState
+
+log = logging.getLogger("kvcm.server")
+
+SESSION_HEADER = "x-kvcm-session"
+_JSON = "application/json"
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json().encode(), status_code=status, media_type=_JSON)
+
+
+def _error_response(exc: KVCMError) -> Response:
+    body = json.dumps(exc.to_dict(), default=str).encode()
+    return Response(body, status_code=exc.status, media_type=_JSON)
+
+
+def create_app(
+    manager: KVCacheManager,
+    *,
+    lease_ttl_s: float = 30.0,
+    max_body_bytes: int = 8 << 20,
+    api_token: str | None = None,
+    clock: Callable[[], float] | None = None,
+) -> FastAPI:
+    """An app serving ``manager``; ``api_token`` (if set) guards every mutating route."""
+    state = ServiceState(manager, lease_ttl_s, *(() if clock is None else (clock,)))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(_reap(state))
+        state.ready = True
+        log.info(
+            "kvcm ready: %d layers, %d layer groups, %d slots, device %s, auth %s",
+            len(manager.config.layers),
+            len(manager.layout.layer_groups),
+            manager.num_total_blocks(),
+            manager.device,
+            "on" if api_token else "off",
+        )
+        try:
+            yield
+        finally:
+            state.ready = False
+            reaper.cancel()
+            with suppress(asyncio.CancelledError):
+                await reaper
+
+    app = FastAPI(
+        title="kvcm",
+        version="1",
+        summary="KV-cache manager sidecar",
+        lifespan=lifespan,
+    )
+    app.state.kvcm = state
+    token = api_token.encode() if api_token else None
+
+    def authorize(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), token):
+            raise Unauthorized("this route needs 'Authorization: Bearer <KVCM_API_TOKEN>'")
+
+    def session_of(request: Request) -> str | None:
+        return request.headers.get(SESSION_HEADER)
+
+    bodies: dict[str, type[BaseModel]] = {}
+
+    def rpc(
+        path: str,
+        body: type[BaseModel],
+        response: type[BaseModel] | None,
+        call: Callable[[Any, str | None], Any],
+        mutating: bool = True,
+        summary: str = "",
+    ) -> None:
+        latency = state.metrics.latency.labels(path)
+
+        async def endpoint(request: Request) -> Response:
+            if mutating:
+                authorize(request)
+            raw = await request.body()
+            try:
+                parsed = body.model_validate_json(raw)
+            except ValidationError as exc:
+                raise invalid_from_validation(exc.errors()) from None
+            session = session_of(request)
+            start = perf_counter()
+            result = call(parsed, session)
+            latency.observe(perf_counter() - start)
+            if result is None:
+                return Response(status_code=204)
+            return _json(result)
+
+        bodies[path] = body
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            summary=summary,
+            response_model=response,
+            status_code=200 if response is not None else 204,
+            tags=["ops" if mutating else "tables"],
+        )
+
+    m = manager
+    rpc("/v1/allocate", AllocateOp, RequestInfo, state.allocate, summary="allocate a request")
+    rpc("/v1/extend", ExtendOp, RequestInfo, state.extend, summary="add tokens to a request")
+    rpc("/v1/extend_many", ExtendManyRequest, None, state.extend_many, summary="decode step")
+    rpc("/v1/rewind", RewindOp, RequestInfo, state.rewind, summary="drop the last tokens")
+    rpc("/v1/commit", CommitOp, RequestInfo, state.commit, summary="record computed tokens")
+    rpc("/v1/free", FreeOp, None, state.free, summary="free a request")
+    rpc(
+        "/v1/step",
+        StepRequest,
+        StepResponse,
+        lambda req, sid: StepResponse(results=state.step(req, sid)),
+        summary="a batch of ops in order, one result each (atomic: all or nothing)",
+    )
+    rpc(
+        "/v1/page_indices",
+        PageIndicesRequest,
+        IndexRows,
+        lambda r, _: IndexRows(
+            rows=m.page_indices(r.request_ids, r.layer_id, r.role, r.mode, r.per_layer).tolist()
+        ),
+        mutating=False,
+        summary="page indices (slot or kernel mode) of requests for one layer",
+    )
+    rpc(
+        "/v1/slot_mapping",
+        SlotMappingRequest,
+        IndexRow,
+        lambda r, _: IndexRow(
+            row=m.slot_mapping(r.request_ids, _layer(r.layer_id), r.num_tokens, r.pad_to).tolist()
+        ),
+        mutating=False,
+        summary="slot mapping of the step's new tokens for one layer",
+    )
+    rpc(
+        "/v1/slot_mappings",
+        SlotMappingRequest,
+        IndexRows,
+        lambda r, _: IndexRows(
+            rows=m.slot_mappings(r.request_ids, r.num_tokens, r.pad_to).tolist()
+        ),
+        mutating=False,
+        summary="slot mappings of every layer group",
+    )
+
+    @app.get("/v1/layout", response_model=Layout, tags=["layout"])
+    async def layout() -> Response:
+        return _json(m.describe())
+
+    @app.get("/v1/estimate", response_model=Estimate, tags=["layout"])
+    async def estimate(seq_len: int, num_requests: int | None = None) -> Response:
+        return _json(m.estimate(seq_len, num_requests))
+
+    @app.get("/v1/stats", response_model=Stats, tags=["layout"])
+    async def stats() -> Response:
+        return _json(m.stats())
+
+    @app.get("/v1/requests", response_model=RequestIds, tags=["tables"])
+    async def requests() -> Response:
+        return _json(RequestIds(request_ids=m.request_ids()))
+
+    @app.get("/v1/request", response_model=RequestInfo, tags=["tables"])
+    async def request_info(request_id: str) -> Response:
+        return _json(m.request(request_id))
+
+    @app.get("/v1/block_table", response_model=IndexRows, tags=["tables"])
+    async def block_table(request_id: str) -> Response:
+        return _json(IndexRows(rows=m.block_table(request_id)))
+
+    @app.get("/v1/committed_tokens", response_model=IndexRow, tags=["tables"])
+    async def committed_tokens(request_id: str) -> Response:
+        return _json(IndexRow(row=m.committed_tokens(request_id)))
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    @app.post("/v1/sessions", response_model=SessionInfo, tags=["sessions"])
+    async def open_session(request: Request, body: SessionRequest | None = None) -> Response:
+        authorize(request)
+        return _json(state.open_session(body.ttl_s if body else None))
+
+    @app.get("/v1/sessions/{session_id}", response_model=SessionInfo, tags=["sessions"])
+    async def session_info(session_id: str) -> Response:
+        return _json(state.leases.info(session_id))
+
+    @app.post("/v1/sessions/{session_id}/renew", response_model=SessionInfo, tags=["sessions"])
+    async def renew_session(request: Request, session_id: str) -> Response:
+        authorize(request)
+        state.leases.renew(session_id)
+        return _json(state.leases.info(session_id))
+
+    @app.delete("/v1/sessions/{session_id}", response_model=SessionClosed, tags=["sessions"])
+    async def close_session(request: Request, session_id: str) -> Response:
+        authorize(request)
+        freed = state.close_session(session_id)
+        return _json(SessionClosed(session_id=session_id, freed_requests=freed))
+
+    # -- probes and metrics --------------------------------------------------------------------
+
+    @app.get("/livez", response_model=Health, tags=["probes"])
+    async def livez() -> Response:
+        return _json(Health(status="ok"))
+
+    @app.get("/readyz", response_model=Health, tags=["probes"])
+    async def readyz() -> Response:
+        if state.ready:
+            return _json(Health(status="ok"))
+        return _json(Health(status="not_ready", detail="starting or shutting down"), 503)
+
+    @app.get("/metrics", tags=["probes"])
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # -- errors --------------------------------------------------------------------------------
+
+    @app.exception_handler(KVCMError)
+    async def kvcm_error(_: Request, exc: KVCMError) -> Response:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        return _error_response(invalid_from_validation(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return _error_response(NotFound(f"no route {request.url.path}"))
+        if exc.status_code == 405:
+            return _error_response(
+                MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+            )
+        err = KVCMError(str(exc.detail))
+        err.status = exc.status_code  # type: ignore[misc]
+        return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return _error_response(InternalError(f"internal error: {type(exc).__name__}"))
+
+    _document_bodies(app, bodies)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(CountResponses, metrics=state.metrics)
+    return app
+
+
+def _layer(layer_id: int | None) -> int:
+    if layer_id is None:
+        raise InvalidArgument("slot_mapping needs a layer_id (slot_mappings maps every group)")
+    return layer_id
+
+
+async def _reap(state: ServiceState) -> None:
+    """Free expired sessions' requests; wakes at the next deadline (at least once a second)."""
+    leases = state.leases
+    while True:
+        deadline = leases.next_deadline()
+        delay = 1.0 if deadline is None else min(1.0, max(0.01, deadline - leases.clock()))
+        await asyncio.sleep(delay)
+        try:
+            freed = state.expire()
+        except Exception:  # never let the reaper die; the next round tries again
+            log.exception("lease reaper failed")
+            continue
+        if freed:
+            log.info("lease expiry freed %d requests", freed)
+
+
+def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put the raw-body routes' request schemas into the OpenAPI document."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, summary=app.summary, routes=app.routes
+        )
+        _, defs = models_json_schema(
+            [(model, "validation") for model in bodies.values()],
+            ref_template="#/components/schemas/{model}",
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, body_schema in defs.get("$defs", {}).items():
+            components.setdefault(name, body_schema)
+        for path, model in bodies.items():
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            }
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def app_from_settings(settings: Any) -> FastAPI:
+    """Build the manager and the app from ``Settings`` (what ``kvcm serve`` runs)."""
+    manager = KVCacheManager(settings.manager_config())
+    token = settings.api_token.get_secret_value() if settings.api_token else None
+    return create_app(
+        manager,
+        lease_ttl_s=settings.lease_ttl,
+        max_body_bytes=settings.max_body_bytes,
+        api_token=token,
+    )

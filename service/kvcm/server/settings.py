@@ -1,0 +1,133 @@
+"""Service settings: command-line flags over ``KVCM_*`` environment variables over defaults.
+
+The model comes from one source, first match wins: ``config`` (a JSON ``ManagerConfig``),
+``layers`` (a JSON list of layer specs), ``model_config`` (a Hugging Face ``config.json``), or
+the embedded default model. The sizing flags (``memory``, ``num_blocks``, ``tokens_per_block``,
+``device``, ``max_requests``, ``max_seq_len``) override what that source says.
+
+The bearer token is read from ``KVCM_API_TOKEN`` only (never a flag: flags show up in process
+lists) and is never logged or printed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvcm_client.errors import InvalidArgument
+from kvcm_client.models import DType, ManagerConfig
+
+from ..model_config import layers_from_hf_config
+
+#: The model served with no arguments: Llama-3-8B-like (32 full-attention layers, 8 KV heads x
+#: 128, bf16) with 1 GiB of KV on the CPU, so that ``kvcm serve`` works on any machine.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "layers": [{"layer_id": i, "num_kv_heads": 8, "head_dim": 128} for i in range(32)],
+    "tokens_per_block": 16,
+    "device": "cpu",
+    "max_requests": 256,
+    "max_seq_len": 8192,
+    "memory_bytes": 1 << 30,
+}
+
+DEFAULT_PORT = 8470
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_IUNITS = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"8GiB"``, ``"512MiB"``, ``"2G"``, ``"1.5GB"`` or a plain number.
+
+    Example: "1.5GiB" is 1.5 x 2**30 = 1610612736 bytes; "2G" is 2 x 10**9.
+    """
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]i?)?[bB]?\s*", text)
+    if m is None:
+        raise InvalidArgument(f"not a size: {text!r} (try 8GiB, 512MiB or a byte count)")
+    unit = (m.group(2) or "").lower()
+    scale = _IUNITS.get(unit) or _UNITS[unit]
+    return int(float(m.group(1)) * scale)
+
+
+class Settings(BaseSettings):
+    """Everything ``kvcm serve`` and ``kvcm estimate`` read; env names are ``KVCM_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="KVCM_", extra="forbid")
+
+    # -- model source --
+    config: Path | None = None
+    layers: Path | None = None
+    hf_model_config: Path | None = Field(
+        default=None, validation_alias=AliasChoices("hf_model_config", "KVCM_MODEL_CONFIG")
+    )
+    kv_dtype: DType | None = None
+    tensor_parallel: int = Field(default=1, ge=1)
+    # -- sizing overrides --
+    memory: int | None = None
+    num_blocks: int | None = Field(default=None, gt=0)
+    tokens_per_block: int | None = Field(default=None, gt=0)
+    device: str | None = None
+    max_requests: int | None = Field(default=None, gt=0)
+    max_seq_len: int | None = Field(default=None, gt=0)
+    # -- serving --
+    host: str = "127.0.0.1"
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    uds: Path | None = None
+    lease_ttl: float = Field(default=30.0, gt=0, le=86_400)
+    max_body_bytes: int = Field(default=8 << 20, gt=0)
+    api_token: SecretStr | None = None
+    log_level: str = "info"
+    access_log: bool = False
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return None if value is None else parse_size(value)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> Settings:
+        if self.memory is not None and self.num_blocks is not None:
+            raise ValueError("give one of memory (KVCM_MEMORY) and num_blocks (KVCM_NUM_BLOCKS)")
+        return self
+
+    def manager_config(self) -> ManagerConfig:
+        """The ``ManagerConfig`` these settings describe (validated)."""
+        raw: dict[str, Any]
+        if self.config is not None:
+            raw = dict(_read_json(self.config))
+        elif self.layers is not None:
+            raw = {**DEFAULT_CONFIG, "layers": _read_json(self.layers)}
+        elif self.hf_model_config is not None:
+            layers = layers_from_hf_config(
+                _read_json(self.hf_model_config), self.kv_dtype, self.tensor_parallel
+            )
+            raw = {**DEFAULT_CONFIG, "layers": layers}
+        else:
+            raw = dict(DEFAULT_CONFIG)
+        if self.kv_dtype is not None and self.hf_model_config is None:
+            raw["layers"] = [{**layer, "dtype": self.kv_dtype} for layer in raw["layers"]]
+        for key in ("tokens_per_block", "device", "max_requests", "max_seq_len"):
+            value = getattr(self, key)
+            if value is not None:
+                raw[key] = value
+        if self.memory is not None:
+            raw["memory_bytes"], raw["num_blocks"] = self.memory, None
+        elif self.num_blocks is not None:
+            raw["memory_bytes"], raw["num_blocks"] = None, self.num_blocks
+        return ManagerConfig.model_validate(raw)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {path}: {exc.strerror}", path=str(path)) from None
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{path} is not JSON: {exc}", path=str(path)) from None

@@ -1,0 +1,152 @@
+"""The one owner of the manager inside the service: ops, leases and op counts together.
+
+Concurrency rule: every method here runs on the event-loop thread (all routes are ``async
+def`` and call these methods without awaiting in between), so two HTTP calls never interleave
+inside the manager and no lock is needed. A failed op raises before it changes anything (the
+manager's contract), so neither the leases nor the counters see half an op.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from kvcm_client.errors import KVCMError
+from kvcm_client.models import (
+    AllocateOp,
+    CommitOp,
+    ExtendManyRequest,
+    ExtendOp,
+    FreeOp,
+    OpResult,
+    RequestInfo,
+    RewindOp,
+    SessionInfo,
+    StepRequest,
+)
+
+from ..manager import KVCacheManager
+from .leases import Leases
+from .metrics import Metrics
+
+T = TypeVar("T")
+
+
+class ServiceState:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        lease_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.manager = manager
+        self.leases = Leases(lease_ttl_s, clock)
+        self.metrics = Metrics(manager, self.leases)
+        self.ready = False
+
+    def _counted(self, op: str, fn: Callable[[], T]) -> T:
+        try:
+            out = fn()
+        except KVCMError as exc:
+            self.metrics.ops.labels(op, exc.code).inc()
+            raise
+        self.metrics.ops.labels(op, "ok").inc()
+        return out
+
+    def touch(self, session_id: str | None) -> None:
+        """Renew the caller's lease (every call that names a session does)."""
+        if session_id is not None:
+            self.leases.renew(session_id)
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def allocate(self, op: AllocateOp, session_id: str | None) -> RequestInfo:
+        self.touch(session_id)
+        m = self.manager
+        info = self._counted(
+            "allocate", lambda: m.allocate(op.request_id, op.num_tokens, op.lookahead)
+        )
+        if session_id is not None:
+            self.leases.adopt(session_id, op.request_id)
+        return info
+
+    def extend(self, op: ExtendOp, session_id: str | None) -> RequestInfo:
+        self.touch(session_id)
+        m = self.manager
+        return self._counted(
+            "extend", lambda: m.extend(op.request_id, op.num_new_tokens, op.lookahead)
+        )
+
+    def extend_many(self, req: ExtendManyRequest, session_id: str | None) -> None:
+        self.touch(session_id)
+        m = self.manager
+        self._counted(
+            "extend_many",
+            lambda: m.extend_many(req.request_ids, req.num_new_tokens, req.lookahead),
+        )
+
+    def rewind(self, op: RewindOp, session_id: str | None) -> RequestInfo:
+        self.touch(session_id)
+        return self._counted("rewind", lambda: self.manager.rewind(op.request_id, op.num_tokens))
+
+    def commit(self, op: CommitOp, session_id: str | None) -> RequestInfo:
+        self.touch(session_id)
+        return self._counted("commit", lambda: self.manager.commit(op.request_id, op.token_ids))
+
+    def free(self, op: FreeOp, session_id: str | None) -> None:
+        self.touch(session_id)
+        self._counted("free", lambda: self.manager.free(op.request_id))
+        self.leases.release(op.request_id)
+
+    def step(self, req: StepRequest, session_id: str | None) -> list[OpResult]:
+        self.touch(session_id)
+        results = self.manager.step(req.ops, atomic=req.atomic)
+        self._account(req.ops, results, session_id)
+        return results
+
+    def _account(
+        self,
+        ops: Sequence[AllocateOp | ExtendOp | RewindOp | CommitOp | FreeOp],
+        results: list[OpResult],
+        session_id: str | None,
+    ) -> None:
+        tally: Tally[tuple[str, str]] = Tally()
+        if results and all(r.ok for r in results) and all(type(o) is ExtendOp for o in ops):
+            tally["extend", "ok"] = len(results)  # the decode step: no per-op work
+        else:
+            for op, r in zip(ops, results, strict=True):
+                tally[op.op, "ok" if r.error is None else r.error.code] += 1
+                if not r.ok:
+                    continue
+                if type(op) is AllocateOp and session_id is not None:
+                    self.leases.adopt(session_id, op.request_id)
+                elif type(op) is FreeOp:
+                    self.leases.release(op.request_id)
+        self.metrics.count_ops(tally)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def open_session(self, ttl_s: float | None) -> SessionInfo:
+        return self.leases.open(ttl_s)
+
+    def close_session(self, session_id: str) -> int:
+        """End a session now and free its requests; returns how many were freed."""
+        freed = self.leases.close(session_id)
+        for rid in freed:
+            self.manager.free(rid)
+        self.metrics.count_ops(Tally({("free", "ok"): len(freed)}))
+        return len(freed)
+
+    def expire(self) -> int:
+        """Free the requests of every session whose lease ran out; returns how many."""
+        freed = 0
+        for _, request_ids in self.leases.expired():
+            for rid in request_ids:
+                self.manager.free(rid)
+            freed += len(request_ids)
+            self.metrics.lease_sessions_expired.inc()
+        if freed:
+            self.metrics.lease_requests_freed.inc(freed)
+        return freed

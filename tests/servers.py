@@ -1,0 +1,111 @@
+"""Real servers for the service tests: uvicorn on loopback, in a thread or in a process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI) -> Iterator[str]:
+    """A real uvicorn server on 127.0.0.1 (a free port) in a thread; yields its URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.005)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@contextmanager
+def serve_process(
+    *args: str, env: dict[str, str] | None = None, uds: Path | None = None
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``python -m kvcm serve ARGS`` in its own process; yields (url, process) once ready."""
+    cmd = [sys.executable, "-m", "kvcm", "serve", *args]
+    if uds is None:
+        cmd += ["--port", "0"]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.search(r"serving on (\S+)", line)
+        if match is None:
+            rest = proc.stdout.read() if proc.poll() is not None else ""
+            raise RuntimeError(f"kvcm did not start: {line}{rest}")
+        url = match.group(1)
+        transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
+        base = "http://kvcm" if uds else url
+        with httpx.Client(base_url=base, transport=transport) as http:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if http.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("kvcm never became ready")
+                time.sleep(0.05)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class SyncOverAsync:
+    """Call an async client's methods synchronously (one private event loop), so that one
+    scenario function drives the manager and both clients."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._loop = asyncio.new_event_loop()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._client, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._loop.run_until_complete(method(*args, **kwargs))
+
+        return call
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._client.aclose())
+        self._loop.close()

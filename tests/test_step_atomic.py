@@ -1,0 +1,135 @@
+"""Idempotent allocate, commit, and all-or-nothing steps of the in-process manager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import layer, manager
+
+from kvcm import DuplicateRequest, InvalidArgument, KVCacheManager
+from kvcm_client.models import AllocateOp, CommitOp, ExtendOp, FreeOp, RewindOp
+
+
+def snapshot(m: KVCacheManager) -> object:
+    """Everything observable: requests, block lists, tables, free lists, committed tokens."""
+    return (
+        {r: (m.request(r), m.block_table(r), m.committed_tokens(r)) for r in m.request_ids()},
+        [m._coord.pools[pg].free_order().tolist() for pg in range(len(m._coord.pools))],
+        m.page_tables().clone().tolist(),
+        sorted(m._free_rows),
+    )
+
+
+def test_identical_allocate_retry_returns_the_first_result_and_allocates_nothing() -> None:
+    m = manager([layer(0)], num_blocks=8)
+    first = m.allocate("a", 6, lookahead=1)
+    m.extend("a", 3)
+    free = m.num_free_blocks()
+    again = m.allocate("a", 6, lookahead=1)
+    assert again == first and again.num_tokens == 6  # the first result, not today's state
+    assert m.num_free_blocks() == free and m.request("a").num_tokens == 9
+    with pytest.raises(DuplicateRequest) as exc:
+        m.allocate("a", 6, lookahead=0)
+    assert exc.value.detail == {"request_id": "a", "num_tokens": 6, "lookahead": 1}
+    m.free("a")
+    assert m.allocate("a", 2).num_tokens == 2  # a freed id starts afresh
+
+
+def test_commit_records_a_prefix_and_rewind_drops_its_tail() -> None:
+    m = manager([layer(0)], num_blocks=8)
+    m.allocate("a", 5)
+    assert m.commit("a", [7, 8, 9]).num_committed == 3
+    with pytest.raises(InvalidArgument) as exc:
+        m.commit("a", [1, 2, 3])  # 3 + 3 > 5 tokens
+    assert exc.value.detail["num_committed"] == 3
+    assert m.committed_tokens("a") == [7, 8, 9]
+    m.extend("a", 2)
+    assert m.commit("a", [10, 11, 12, 13]).num_committed == 7
+    info = m.rewind("a", 3)
+    assert (info.num_tokens, info.num_committed) == (4, 4)
+    assert m.committed_tokens("a") == [7, 8, 9, 10]
+    for bad in ([-1], [2**31], [1.5], "abc", [True]):
+        with pytest.raises(InvalidArgument):
+            m.commit("a", bad)  # type: ignore[arg-type]
+    assert m.committed_tokens("a") == [7, 8, 9, 10]
+
+
+def test_decode_step_results_carry_committed_counts() -> None:
+    m = manager([layer(0)], num_blocks=8)
+    m.allocate("a", 3)
+    m.allocate("b", 3)
+    m.commit("a", [1, 2, 3])
+    results = m.step(
+        [ExtendOp(request_id="a", num_new_tokens=1), ExtendOp(request_id="b", num_new_tokens=1)]
+    )
+    assert [r.request.num_committed for r in results if r.request] == [3, 0]
+
+
+def test_atomic_step_that_fails_changes_nothing_and_names_the_failing_op() -> None:
+    m = manager([layer(0, sliding_window=4), layer(1)], num_blocks=12)
+    m.allocate("a", 8)
+    m.commit("a", list(range(8)))
+    m.allocate("b", 4)
+    m.extend("a", 1)  # window releases a's block 0
+    before = snapshot(m)
+    ops = [
+        FreeOp(request_id="b"),
+        CommitOp(request_id="a", token_ids=[99]),
+        RewindOp(request_id="a", num_tokens=1),
+        AllocateOp(request_id="c", num_tokens=12),  # 3 blocks in each group: 6 of the 9 free
+        ExtendOp(request_id="a", num_new_tokens=40),  # needs 20 more blocks
+        AllocateOp(request_id="d", num_tokens=1),
+    ]
+    results = m.step(ops, atomic=True)
+    assert [r.ok for r in results] == [False] * 6
+    assert results[4].error is not None and results[4].error.code == "out_of_blocks"
+    for i in (0, 1, 2, 3, 5):
+        err = results[i].error
+        assert err is not None and err.code == "step_aborted" and err.detail == {"failed_op": 4}
+    assert snapshot(m) == before
+    # The same ops without the failing one apply in full.
+    ok = m.step(ops[:4] + ops[5:], atomic=True)
+    assert all(r.ok for r in ok)
+    assert sorted(m.request_ids()) == ["a", "c", "d"]
+    assert m.committed_tokens("a") == list(range(8))  # 9 committed, rewound to 8 tokens
+
+
+def test_atomic_and_plain_steps_agree_when_nothing_fails(rng: np.random.Generator) -> None:
+    """Random steps that succeed give the same state either way; failing ones undo exactly."""
+    layers = [layer(0, sliding_window=8, sink_tokens=2), layer(1), layer(2, kv_factor=1)]
+    plain = manager(layers, num_blocks=24)
+    atomic = manager(layers, num_blocks=24)
+    live: list[str] = []
+    for step in range(300):
+        ops: list[object] = []
+        for k in range(int(rng.integers(1, 5))):
+            kind = rng.integers(0, 5)
+            if kind == 0 or not live:
+                ops.append(
+                    AllocateOp(request_id=f"r{step}-{k}", num_tokens=int(rng.integers(1, 20)))
+                )
+            else:
+                rid = live[int(rng.integers(len(live)))]
+                if kind == 1:
+                    ops.append(ExtendOp(request_id=rid, num_new_tokens=int(rng.integers(1, 6))))
+                elif kind == 2:
+                    ops.append(RewindOp(request_id=rid, num_tokens=int(rng.integers(1, 3))))
+                elif kind == 3:
+                    ops.append(CommitOp(request_id=rid, token_ids=[int(rng.integers(100))]))
+                else:
+                    ops.append(FreeOp(request_id=rid))
+        before = snapshot(atomic)
+        got = atomic.step(ops, atomic=True)  # type: ignore[arg-type]
+        if all(r.ok for r in got):
+            assert plain.step(ops) == got  # type: ignore[arg-type]
+        else:
+            assert snapshot(atomic) == before
+            failed = [i for i, r in enumerate(got) if r.error and r.error.code != "step_aborted"]
+            assert len(failed) == 1
+            # The ops before the failing one succeed when run alone.
+            with plain.transaction() as undo:
+                assert all(r.ok for r in plain.step(ops[: failed[0]]))  # type: ignore[arg-type]
+                assert not plain.step(ops[failed[0] : failed[0] + 1])[0].ok  # type: ignore[arg-type]
+                undo()
+        assert snapshot(atomic) == snapshot(plain)
+        live = atomic.request_ids()
