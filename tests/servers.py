@@ -47,8 +47,11 @@ def serve_in_thread(app: FastAPI) -> Iterator[str]:
 @contextmanager
 def serve_process(
     *args: str, env: dict[str, str] | None = None, uds: Path | None = None
-) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """``python -m kvcm serve ARGS`` in its own process; yields (url, process) once ready."""
+) -> Iterator[tuple[str, subprocess.Popen[str], list[str]]]:
+    """``python -m kvcm serve ARGS`` in its own process, once ready.
+
+    Yields (url, process, the lines it printed up to the "serving on" line).
+    """
     cmd = [sys.executable, "-m", "kvcm", "serve", *args]
     if uds is None:
         cmd += ["--port", "0"]
@@ -61,11 +64,14 @@ def serve_process(
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"serving on (\S+)", line)
-        if match is None:
-            rest = proc.stdout.read() if proc.poll() is not None else ""
-            raise RuntimeError(f"kvcm did not start: {line}{rest}")
+        lines: list[str] = []
+        match = None
+        while match is None:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("kvcm did not start:\n" + "".join(lines))
+            lines.append(line)
+            match = re.search(r"serving on (\S+)", line)
         url = match.group(1)
         transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
         base = "http://kvcm" if uds else url
@@ -80,7 +86,7 @@ def serve_process(
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError("kvcm never became ready")
                 time.sleep(0.05)
-        yield url, proc
+        yield url, proc, lines
     finally:
         proc.terminate()
         try:

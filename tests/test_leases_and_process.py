@@ -45,16 +45,12 @@ def test_an_expired_lease_frees_exactly_its_sessions_requests() -> None:
     s1 = state.open_session(None).session_id
     s2 = state.open_session(5).session_id
     state.allocate(AllocateOp(request_id="a", num_tokens=8), s1)
-    state.step(
-        StepRequest(
-            ops=[
-                AllocateOp(request_id="b", num_tokens=4),
-                AllocateOp(request_id="c", num_tokens=4),
-                FreeOp(request_id="c"),
-            ]
-        ),
-        s1,
-    )
+    ops = [
+        AllocateOp(request_id="b", num_tokens=4),
+        AllocateOp(request_id="c", num_tokens=4),
+        FreeOp(request_id="c"),
+    ]
+    state.step_json(StepRequest(ops=ops).model_dump_json().encode(), s1)
     state.allocate(AllocateOp(request_id="d", num_tokens=4), s2)
     state.allocate(AllocateOp(request_id="e", num_tokens=4), None)  # no lease: never expires
     assert state.leases.info(s1).num_requests == 2
@@ -110,7 +106,7 @@ def test_closing_a_session_frees_its_requests_now() -> None:
 def test_serve_on_a_unix_socket_with_a_token(tmp_path: Path) -> None:
     sock = tmp_path / "kvcm.sock"
     env = {"KVCM_API_TOKEN": "tok-123", "KVCM_NUM_BLOCKS": "16"}
-    with serve_process("--uds", str(sock), env=env, uds=sock) as (url, proc):
+    with serve_process("--uds", str(sock), env=env, uds=sock) as (url, proc, _):
         assert url == f"unix:{sock}"
         mode = stat.S_IMODE(sock.stat().st_mode)
         assert mode & 0o007 == 0  # no access for others
@@ -127,7 +123,7 @@ def test_serve_on_a_unix_socket_with_a_token(tmp_path: Path) -> None:
 def test_serve_a_hugging_face_model_config_over_tcp() -> None:
     model = Path(__file__).parent / "fixtures" / "models" / "gpt-oss-20b.json"
     args = ("--model-config", str(model), "--memory", "256MiB", "--max-seq-len", "4096")
-    with serve_process(*args) as (url, _), KVCacheClient(url) as kv:
+    with serve_process(*args) as (url, _, _), KVCacheClient(url) as kv:
         assert url.startswith("http://127.0.0.1:")
         layout = kv.describe()
         assert [g.sliding_window for g in layout.layer_groups] == [128, None]
@@ -183,3 +179,25 @@ def test_a_refused_connection_is_retried_for_any_op() -> None:
         with pytest.raises(ServiceUnavailable) as exc:
             kv.free("a")
         assert exc.value.code == "service_unavailable" and exc.value.detail["attempts"] == 3
+
+
+def test_the_probe_port_serves_probes_and_metrics_but_not_the_api(tmp_path: Path) -> None:
+    sock = tmp_path / "kvcm.sock"
+    args = ("--uds", str(sock), "--metrics-port", "0", "--num-blocks", "8")
+    with serve_process(*args, uds=sock) as (_, proc, lines):
+        with KVCacheClient(uds=sock) as kv:
+            kv.allocate("a", 5)
+        probe = next(ln.split()[-1] for ln in lines if "probes and metrics on" in ln)
+        assert httpx.get(f"{probe}/livez").json() == {"status": "ok", "detail": ""}
+        assert httpx.get(f"{probe}/readyz").status_code == 200
+        assert "kvcm_requests_running 1.0" in httpx.get(f"{probe}/metrics").text
+        assert (
+            httpx.post(
+                f"{probe}/v1/allocate", json={"request_id": "b", "num_tokens": 1}
+            ).status_code
+            == 404
+        )
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{probe}/livez", timeout=2)

@@ -296,3 +296,45 @@ def _hammer(url: str) -> None:
         for pg, used in stats.used_blocks.items():
             assert len(held.get(pg, [])) == used
             assert len(set(held.get(pg, []))) == used  # no slot handed out twice
+
+
+def test_plain_ops_accept_exactly_what_the_op_models_accept() -> None:
+    """The service's model-free path must never accept, or change, what the models refuse."""
+    from pydantic import ValidationError
+
+    from kvcm.ops import plain_step
+    from kvcm_client.models import StepRequest
+
+    rng = np.random.default_rng(11)
+    values: list[object] = [1, 3, 0, -2, True, 1.0, "1", None, 2**40, [1, 2], [1, True], []]
+    fields = ["request_id", "num_tokens", "num_new_tokens", "lookahead", "token_ids", "extra"]
+    valid = {
+        "allocate": {"request_id": "a", "num_tokens": 2},
+        "extend": {"request_id": "b", "num_new_tokens": 1},
+        "rewind": {"request_id": "c", "num_tokens": 1},
+        "commit": {"request_id": "d", "token_ids": [4, 5]},
+        "free": {"request_id": "e"},
+    }
+    accepted = 0
+    for _ in range(4000):
+        ops: list[object] = []
+        for _ in range(int(rng.integers(1, 4))):
+            kind = str(rng.choice([*valid, "explode"]))
+            op: dict[str, object] = {"op": kind, **valid.get(kind, {})}
+            for _ in range(int(rng.poisson(0.4))):
+                op[str(rng.choice(fields))] = values[int(rng.integers(len(values)))]
+            if rng.random() < 0.05 and len(op) > 1:
+                del op[str(rng.choice([k for k in op if k != "op"]))]
+            ops.append(op)
+        body: dict[str, object] = {"ops": ops}
+        if rng.random() < 0.2:
+            body["atomic"] = values[int(rng.integers(len(values)))]
+        fast = plain_step(body)
+        try:
+            req = StepRequest.model_validate_json(json.dumps(body))
+        except ValidationError:
+            assert fast is None, body
+            continue
+        accepted += 1
+        assert fast == ([op.model_dump() for op in req.ops], req.atomic), body
+    assert accepted > 1000

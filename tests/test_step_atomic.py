@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from helpers import layer, manager
 
-from kvcm import DuplicateRequest, InvalidArgument, KVCacheManager
-from kvcm_client.models import AllocateOp, CommitOp, ExtendOp, FreeOp, RewindOp
+from kvcm import DuplicateRequest, InvalidArgument, KVCacheManager, KVCMError
+from kvcm_client.models import AllocateOp, CommitOp, ExtendOp, FreeOp, OpResult, RewindOp
 
 
 def snapshot(m: KVCacheManager) -> object:
@@ -133,3 +133,85 @@ def test_atomic_and_plain_steps_agree_when_nothing_fails(rng: np.random.Generato
                 undo()
         assert snapshot(atomic) == snapshot(plain)
         live = atomic.request_ids()
+
+
+def _one_by_one(m: KVCacheManager, ops: list[dict[str, object]]) -> list[tuple[object, ...]]:
+    out: list[tuple[object, ...]] = []
+    for op in ops:
+        kind, rid = op["op"], op["request_id"]
+        try:
+            if kind == "extend":
+                info = m.extend(rid, op["num_new_tokens"])  # type: ignore[arg-type]
+            elif kind == "allocate":
+                info = m.allocate(rid, op["num_tokens"])  # type: ignore[arg-type]
+            else:
+                m.free(rid)  # type: ignore[arg-type]
+                info = None
+        except KVCMError as exc:
+            out.append((False, exc.code))
+            continue
+        out.append((True, None if info is None else (info.num_tokens, info.capacity)))
+    return out
+
+
+def _outcomes(results: list[OpResult]) -> list[tuple[object, ...]]:
+    return [
+        (True, None if r.request is None else (r.request.num_tokens, r.request.capacity))
+        if r.ok
+        else (False, r.error.code if r.error else None)
+        for r in results
+    ]
+
+
+def test_a_batch_that_fits_only_thanks_to_a_later_release_runs_op_by_op() -> None:
+    # Window 4, 4-token blocks, 4 slots, all taken. a (4 tokens) needs a block for its 5th
+    # token and releases none; b (10 tokens, allocated at once) needs no block for its 11th
+    # and releases its block 0 ((10 + 1 - 4) // 4 = 1). In order, a comes first and finds no
+    # free slot; only a batch would let it take the slot b gives back after it.
+    m = manager([layer(0, sliding_window=4)], num_blocks=4)
+    m.allocate("a", 4)  # slot 0
+    m.allocate("b", 10)  # slots 1, 2, 3
+    assert m.num_free_blocks() == 0
+    results = m.step(
+        [
+            {"op": "extend", "request_id": "a", "num_new_tokens": 1},
+            {"op": "extend", "request_id": "b", "num_new_tokens": 1},
+        ]
+    )
+    assert [r.ok for r in results] == [False, True]
+    assert results[0].error is not None and results[0].error.code == "out_of_blocks"
+    assert m.block_table("b") == [[-1, 2, 3]] and m.block_table("a") == [[0]]
+    assert m._coord.pools[0].free_order().tolist() == [1]
+
+
+def test_mixed_steps_have_the_outcomes_of_running_the_ops_one_by_one(
+    rng: np.random.Generator,
+) -> None:
+    layers = [layer(0, sliding_window=8, sink_tokens=2), layer(1, sliding_window=12)]
+    batched = manager(layers, num_blocks=40, max_requests=8)
+    single = manager(layers, num_blocks=40, max_requests=8)
+    counter = 0
+    for _ in range(400):
+        live = batched.request_ids()
+        ops: list[dict[str, object]] = []
+        for rid in live:
+            if rng.random() < 0.1:
+                ops.append({"op": "free", "request_id": rid})
+            else:
+                n = int(rng.integers(1, 4))
+                ops.append({"op": "extend", "request_id": rid, "num_new_tokens": n})
+        for _ in range(int(rng.integers(0, 3))):
+            counter += 1
+            ops.insert(
+                int(rng.integers(len(ops) + 1)),
+                {
+                    "op": "allocate",
+                    "request_id": f"n{counter}",
+                    "num_tokens": int(rng.integers(1, 20)),
+                },
+            )
+        assert _outcomes(batched.step(ops)) == _one_by_one(single, ops)
+        for rid in batched.request_ids():
+            if batched.request(rid).num_tokens > 50:
+                batched.free(rid)
+                single.free(rid)

@@ -313,7 +313,7 @@ class Stats(_Frozen):
 
 class StepRequest(_Frozen):
     ops: list[Op]
-    atomic: bool = False
+    atomic: Annotated[bool, Strict()] = False
 
 
 class StepResponse(_Frozen):

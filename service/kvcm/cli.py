@@ -8,11 +8,14 @@ the CPU) on http://127.0.0.1:8470.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
 import stat
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,11 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", {"help": "bind address (default 127.0.0.1: loopback only)"}),
     ("--port", {"type": int, "help": "TCP port (default 8470; 0 picks a free one)"}),
     ("--uds", {"type": Path, "help": "serve on this Unix socket instead of TCP"}),
+    (
+        "--metrics-port",
+        {"type": int, "help": "also serve /livez, /readyz, /metrics (only) on this TCP port"},
+    ),
+    ("--metrics-host", {"help": "bind address of --metrics-port (default 127.0.0.1)"}),
     ("--lease-ttl", {"type": float, "help": "default session lease in seconds (30)"}),
     ("--max-body-bytes", {"type": int, "help": "request body limit (8 MiB)"}),
     ("--log-level", {"help": "debug, info, warning, error"}),
@@ -132,6 +140,16 @@ def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
     return "\n\n".join(out)
 
 
+def _bind_tcp(host: str, port: int) -> tuple[socket.socket, str]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    return sock, f"http://{shown}:{bound_port}"
+
+
 def _bind(settings: Settings) -> tuple[socket.socket, str]:
     """Bind the listening socket here, so ``--port 0`` can report the port it got."""
     if settings.uds is not None:
@@ -145,19 +163,20 @@ def _bind(settings: Settings) -> tuple[socket.socket, str]:
         finally:
             os.umask(old)
         return sock, f"unix:{path}"
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if family == socket.AF_INET6 else host
-    return sock, f"http://{shown}:{port}"
+    return _bind_tcp(settings.host, settings.port)
 
 
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from .server.app import app_from_settings
+    from .server.app import app_from_settings, create_probe_app
+
+    class ProbeServer(uvicorn.Server):
+        """The probe listener: the main server owns the signals and stops it on exit."""
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -177,8 +196,29 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=5,
         workers=1,  # the pools and the state live in this one process
     )
+    main = uvicorn.Server(config)
+    probe: uvicorn.Server | None = None
+    if settings.metrics_port is not None:
+        probe_sock, probe_url = _bind_tcp(settings.metrics_host, settings.metrics_port)
+        probe = ProbeServer(
+            uvicorn.Config(create_probe_app(app), log_level="warning", lifespan="off")
+        )
+        print(f"kvcm: probes and metrics on {probe_url}", flush=True)
     print(f"kvcm: serving on {url}", flush=True)
-    uvicorn.Server(config).run(sockets=[sock])
+
+    async def run() -> None:
+        if probe is None:
+            await main.serve(sockets=[sock])
+            return
+        probing = asyncio.create_task(probe.serve(sockets=[probe_sock]))
+        try:
+            await main.serve(sockets=[sock])
+        finally:
+            probe.should_exit = True
+            await probing
+
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(run())
     return 0
 
 

@@ -100,11 +100,13 @@ class Coordinator:
         rows: np.ndarray,
         history: np.ndarray,
         capacity: np.ndarray,
+        in_order: bool = False,
     ) -> list[_GroupPlan]:
         want = -(-capacity // self.tokens_per_block)
         plans = []
         need = [0] * len(self.pools)
         back = [0] * len(self.pools)
+        net: list[np.ndarray | int] = [0] * len(self.pools)
         for g, policy in enumerate(self.policies):
             current = self.num_blocks[g][rows]
             rel_old = self.released_end[g][rows]
@@ -118,8 +120,22 @@ class Coordinator:
             pg = self.group_pool[g]
             need[pg] += num_add
             back[pg] += num_released
+            if in_order and self.windowed[g]:
+                net[pg] = net[pg] + add - (rel_new - rel_old)
+            elif in_order:
+                net[pg] = net[pg] + add
             plans.append(_GroupPlan(g, add, num_add, rel_old, rel_new, num_released, current))
         for pg, pool in enumerate(self.pools):
+            # In order, row i runs after rows < i: it needs what they took net of what they
+            # gave back, so every prefix of the net needs must fit, not only the total.
+            if in_order and back[pg] and int(np.cumsum(net[pg]).max()) > pool.num_free:
+                raise OutOfBlocks(
+                    f"pool group {pg}: the rows do not fit one after another",
+                    pool_group=pg,
+                    needed=need[pg],
+                    free=pool.num_free,
+                    released=back[pg],
+                )
             if need[pg] > pool.num_free + back[pg]:
                 raise OutOfBlocks(
                     f"pool group {pg} needs {need[pg]} blocks, {pool.num_free + back[pg]} are free",
@@ -137,14 +153,17 @@ class Coordinator:
         rows: np.ndarray,
         new_tokens: np.ndarray,
         lookahead: np.ndarray,
+        in_order: bool = False,
     ) -> None:
         """Add ``new_tokens`` to each row (distinct rows), all or nothing.
 
         A row that was never used or was released is empty, so allocate is grow on a new row.
+        ``in_order`` also refuses a batch that fits as a whole but not row after row (a row
+        whose window releases blocks can make room for an earlier one only in a batch).
         """
         history = self.num_tokens[rows]
         length = history + new_tokens
-        plans = self._plan(rows, history, length + lookahead)
+        plans = self._plan(rows, history, length + lookahead, in_order)
         for plan in plans:
             if plan.num_released:
                 self._release(plan, rows)

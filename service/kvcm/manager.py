@@ -31,13 +31,8 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import (
     ROLES,
-    AllocateOp,
     BufferInfo,
-    CommitOp,
-    ErrorInfo,
     Estimate,
-    ExtendOp,
-    FreeOp,
     LayerGroupInfo,
     ManagerConfig,
     Op,
@@ -45,7 +40,6 @@ from kvcm_client.models import (
     PoolGroupInfo,
     PoolInfo,
     RequestInfo,
-    RewindOp,
     Role,
     Stats,
 )
@@ -55,6 +49,7 @@ from .coordinator import Coordinator, segments
 from .device_tables import DeviceTables, Uploader
 from .ids import LayerGroupId, LayerId, PoolGroupId
 from .layout import BufferPlacement, build_layout
+from .ops import plain_ops
 from .pools import PoolMemory, role_dtype
 from .sizing import Sizing
 
@@ -276,6 +271,15 @@ class KVCacheManager:
         lookahead: int | Sequence[int] = 0,
     ) -> None:
         """Extend distinct requests at once (one decode step), all or nothing."""
+        self._extend(request_ids, num_new_tokens, lookahead, in_order=False)
+
+    def _extend(
+        self,
+        request_ids: Sequence[str],
+        num_new_tokens: int | Sequence[int],
+        lookahead: int | Sequence[int],
+        in_order: bool,
+    ) -> None:
         n = len(request_ids)
         rows = self._rows_of(request_ids)
         seen = np.zeros(self.config.max_requests, dtype=bool)
@@ -288,7 +292,7 @@ class KVCacheManager:
         if n and int(total.max()) > self.config.max_seq_len:
             i = int(total.argmax())
             self._check_len(request_ids[i], int(total[i]))
-        self._coord.grow(rows, new, ahead)
+        self._coord.grow(rows, new, ahead, in_order)
 
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
@@ -358,57 +362,86 @@ class KVCacheManager:
     def step(self, ops: Sequence[Op | dict[str, Any]], atomic: bool = False) -> list[OpResult]:
         """Run ops in order, each atomic on its own; one result per op.
 
-        A step made only of extends of distinct requests (a decode step) runs as one batch;
-        if that batch fails, the ops are replayed one by one so that the results are the same
-        as running them in order.
-
-        ``atomic=True`` makes the whole step all or nothing: at the first failing op every
-        earlier op is undone; that op's result carries its error and every other op's result
-        the error ``step_aborted`` (detail ``failed_op``: the failing op's index). It costs a
-        copy of the host page tables and free lists per step.
+        Ops are models or their dicts. ``atomic=True`` makes the whole step all or nothing:
+        at the first failing op every earlier op is undone; that op's result carries its
+        error and every other op's result the error ``step_aborted`` (detail ``failed_op``:
+        the failing op's index). It costs a copy of the host page tables and free lists.
+        See ``step_plain`` for how runs of extends are batched.
         """
-        try:
-            parsed: list[Any] = (
-                list(ops)
-                if all(not isinstance(o, dict) for o in ops)
-                else _OPS.validate_python(ops)
-            )
-        except ValidationError as exc:
-            raise invalid_from_validation(exc.errors()) from None
-        if parsed and all(type(o) is ExtendOp for o in parsed):
-            ids = [o.request_id for o in parsed]
+        items = list(ops)
+        plain = plain_ops(items)
+        if plain is None:
             try:
-                self.extend_many(
-                    ids, [o.num_new_tokens for o in parsed], [o.lookahead for o in parsed]
-                )
-            except KVCMError:
-                pass
-            else:
-                return self._batch_results(ids)
+                models = _OPS.validate_python(items)
+            except ValidationError as exc:
+                raise invalid_from_validation(exc.errors()) from None
+            plain = [m.model_dump() for m in models]
+        return _RESULTS.validate_python(self.step_plain(plain, atomic))
+
+    def step_plain(self, ops: list[dict[str, Any]], atomic: bool = False) -> list[dict[str, Any]]:
+        """``step`` on validated op dicts (``kvcm.ops.plain_ops``), with result dicts.
+
+        The form the service uses: no model per op either way. A run of consecutive extends
+        of distinct requests (a decode step, also between the frees and allocates of finished
+        and new requests) runs as one batch, checked to fit op after op; if it does not, its
+        ops run one by one, so each op's outcome is the same as running the ops in order.
+        (A batch releases its stale window blocks before it takes new ones, so the order of
+        the free list after it can differ from one-by-one runs.)
+        """
         if not atomic:
-            return [self._run(op) for op in parsed]
+            return self._execute(ops, stop_on_error=False)
         with self.transaction() as undo:
-            results = []
-            for op in parsed:
-                result = self._run(op)
-                results.append(result)
-                if not result.ok:
-                    undo()
-                    return self._aborted(len(parsed), len(results) - 1, result)
+            results = self._execute(ops, stop_on_error=True)
+            if results and not results[-1]["ok"]:
+                undo()
+                return self._aborted(len(ops), len(results) - 1, results[-1])
             return results
 
+    def _execute(self, ops: list[dict[str, Any]], stop_on_error: bool) -> list[dict[str, Any]]:
+        results: list[dict[str, Any]] = []
+        i, n = 0, len(ops)
+        while i < n:
+            j = i + 1
+            if ops[i]["op"] == "extend":
+                seen = {ops[i]["request_id"]}
+                while j < n and ops[j]["op"] == "extend" and ops[j]["request_id"] not in seen:
+                    seen.add(ops[j]["request_id"])
+                    j += 1
+            run = ops[i:j]
+            if j - i > 1 and self._try_batch(run):
+                results += self.batch_result_dicts([op["request_id"] for op in run])
+            else:
+                for op in run:
+                    results.append(self._run(op))
+                    if stop_on_error and not results[-1]["ok"]:
+                        return results
+            i = j
+        return results
+
+    def _try_batch(self, run: list[dict[str, Any]]) -> bool:
+        try:
+            self._extend(
+                [op["request_id"] for op in run],
+                [op["num_new_tokens"] for op in run],
+                [op["lookahead"] for op in run],
+                in_order=True,
+            )
+        except KVCMError:
+            return False
+        return True
+
     @staticmethod
-    def _aborted(n: int, failed: int, result: OpResult) -> list[OpResult]:
-        assert result.error is not None
-        aborted = OpResult(
-            ok=False,
-            error=ErrorInfo(
-                code=StepAborted.code,
-                message=f"not applied: op {failed} of this all-or-nothing step failed "
-                f"({result.error.code})",
-                detail={"failed_op": failed},
-            ),
-        )
+    def _aborted(n: int, failed: int, result: dict[str, Any]) -> list[dict[str, Any]]:
+        code = result["error"]["code"]
+        aborted = {
+            "ok": False,
+            "request": None,
+            "error": {
+                "code": StepAborted.code,
+                "message": f"not applied: op {failed} of this all-or-nothing step failed ({code})",
+                "detail": {"failed_op": failed},
+            },
+        }
         return [result if i == failed else aborted for i in range(n)]
 
     @contextmanager
@@ -449,51 +482,54 @@ class KVCacheManager:
         finally:
             self._undo = None
 
-    def _batch_results(self, ids: list[str]) -> list[OpResult]:
-        # One validation of the whole list is about twice as fast as a model per op.
-        rows = self._rows_of(ids)
+    def batch_result_dicts(self, request_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The ``OpResult`` of each request after a successful batch, as plain dicts.
+
+        For callers that encode results themselves (the service's decode-step path): the
+        dicts have exactly the fields and order of ``OpResult.model_dump()``.
+        """
+        rows = self._rows_of(request_ids)
         c = self._coord
         lengths = c.num_tokens[rows]
         capacity = (lengths + c.lookahead[rows]).tolist()
         committed = self._committed[rows].tolist()
-        return _RESULTS.validate_python(
-            [
-                {
-                    "ok": True,
-                    "request": {
-                        "request_id": i,
-                        "row": r,
-                        "num_tokens": n,
-                        "capacity": cap,
-                        "num_committed": k,
-                    },
-                }
-                for i, r, n, cap, k in zip(
-                    ids, rows.tolist(), lengths.tolist(), capacity, committed, strict=True
-                )
-            ]
-        )
-
-    def _run(self, op: AllocateOp | ExtendOp | RewindOp | CommitOp | FreeOp) -> OpResult:
-        try:
-            if isinstance(op, AllocateOp):
-                info = self.allocate(op.request_id, op.num_tokens, op.lookahead)
-            elif isinstance(op, ExtendOp):
-                info = self.extend(op.request_id, op.num_new_tokens, op.lookahead)
-            elif isinstance(op, RewindOp):
-                info = self.rewind(op.request_id, op.num_tokens)
-            elif isinstance(op, CommitOp):
-                info = self.commit(op.request_id, op.token_ids)
-            elif isinstance(op, FreeOp):
-                self.free(op.request_id)
-                return OpResult(ok=True)
-            else:
-                raise InvalidArgument(f"unknown op {op!r}")
-        except KVCMError as exc:
-            return OpResult(
-                ok=False, error=ErrorInfo(code=exc.code, message=exc.message, detail=exc.detail)
+        return [
+            {
+                "ok": True,
+                "request": {
+                    "request_id": i,
+                    "row": r,
+                    "num_tokens": n,
+                    "capacity": cap,
+                    "num_committed": k,
+                    "num_hit_tokens": 0,
+                },
+                "error": None,
+            }
+            for i, r, n, cap, k in zip(
+                request_ids, rows.tolist(), lengths.tolist(), capacity, committed, strict=True
             )
-        return OpResult(ok=True, request=info)
+        ]
+
+    def _run(self, op: dict[str, Any]) -> dict[str, Any]:
+        """One plain op, its error caught into its result."""
+        kind = op["op"]
+        try:
+            if kind == "allocate":
+                info = self.allocate(op["request_id"], op["num_tokens"], op["lookahead"])
+            elif kind == "extend":
+                info = self.extend(op["request_id"], op["num_new_tokens"], op["lookahead"])
+            elif kind == "rewind":
+                info = self.rewind(op["request_id"], op["num_tokens"])
+            elif kind == "commit":
+                info = self.commit(op["request_id"], op["token_ids"])
+            else:
+                self.free(op["request_id"])
+                return {"ok": True, "request": None, "error": None}
+        except KVCMError as exc:
+            error = {"code": exc.code, "message": exc.message, "detail": exc.detail}
+            return {"ok": False, "request": None, "error": error}
+        return {"ok": True, "request": info.model_dump(), "error": None}
 
     def request(self, request_id: str) -> RequestInfo:
         return self._info(request_id, self._row(request_id))

@@ -143,19 +143,28 @@ def create_app(
         call: Callable[[Any, str | None], Any],
         mutating: bool = True,
         summary: str = "",
+        raw: bool = False,
     ) -> None:
+        """Register ``POST path``: ``call(parsed body, session id)``, timed and counted.
+
+        ``raw=True`` hands ``call`` the body bytes and sends the bytes it returns.
+        """
         latency = state.metrics.latency.labels(path)
 
         async def endpoint(request: Request) -> Response:
             if mutating:
                 authorize(request)
-            raw = await request.body()
-            try:
-                parsed = body.model_validate_json(raw)
-            except ValidationError as exc:
-                raise invalid_from_validation(exc.errors()) from None
+            data = await request.body()
             session = session_of(request)
             start = perf_counter()
+            if raw:
+                answer = call(data, session)
+                latency.observe(perf_counter() - start)
+                return Response(answer, media_type=_JSON)
+            try:
+                parsed = body.model_validate_json(data)
+            except ValidationError as exc:
+                raise invalid_from_validation(exc.errors()) from None
             result = call(parsed, session)
             latency.observe(perf_counter() - start)
             if result is None:
@@ -184,8 +193,9 @@ def create_app(
         "/v1/step",
         StepRequest,
         StepResponse,
-        lambda req, sid: StepResponse(results=state.step(req, sid)),
+        state.step_json,
         summary="a batch of ops in order, one result each (atomic: all or nothing)",
+        raw=True,
     )
     rpc(
         "/v1/page_indices",
@@ -269,21 +279,7 @@ def create_app(
         freed = state.close_session(session_id)
         return _json(SessionClosed(session_id=session_id, freed_requests=freed))
 
-    # -- probes and metrics --------------------------------------------------------------------
-
-    @app.get("/livez", response_model=Health, tags=["probes"])
-    async def livez() -> Response:
-        return _json(Health(status="ok"))
-
-    @app.get("/readyz", response_model=Health, tags=["probes"])
-    async def readyz() -> Response:
-        if state.ready:
-            return _json(Health(status="ok"))
-        return _json(Health(status="not_ready", detail="starting or shutting down"), 503)
-
-    @app.get("/metrics", tags=["probes"])
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    add_probe_routes(app, state)
 
     # -- errors --------------------------------------------------------------------------------
 
@@ -315,6 +311,35 @@ def create_app(
     _document_bodies(app, bodies)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(CountResponses, metrics=state.metrics)
+    return app
+
+
+def add_probe_routes(app: FastAPI, state: ServiceState) -> None:
+    """``/livez``, ``/readyz`` and ``/metrics``: the read-only routes probes and scrapers need."""
+
+    @app.get("/livez", response_model=Health, tags=["probes"])
+    async def livez() -> Response:
+        return _json(Health(status="ok"))
+
+    @app.get("/readyz", response_model=Health, tags=["probes"])
+    async def readyz() -> Response:
+        if state.ready:
+            return _json(Health(status="ok"))
+        return _json(Health(status="not_ready", detail="starting or shutting down"), 503)
+
+    @app.get("/metrics", tags=["probes"])
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def create_probe_app(main: FastAPI) -> FastAPI:
+    """A second app over the same state with only the probe routes.
+
+    ``kvcm serve --metrics-port`` serves it on its own TCP socket, so that kubelet probes and
+    Prometheus reach a service whose API listens on a Unix socket only.
+    """
+    app = FastAPI(title="kvcm probes", openapi_url=None, docs_url=None, redoc_url=None)
+    add_probe_routes(app, main.state.kvcm)
     return app
 
 

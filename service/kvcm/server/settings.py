@@ -80,6 +80,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
     uds: Path | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
     lease_ttl: float = Field(default=30.0, gt=0, le=86_400)
     max_body_bytes: int = Field(default=8 << 20, gt=0)
     api_token: SecretStr | None = None

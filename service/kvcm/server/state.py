@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from kvcm_client.errors import KVCMError
+import orjson
+from pydantic import ValidationError
+
+from kvcm_client.errors import KVCMError, invalid_from_validation
 from kvcm_client.models import (
     AllocateOp,
     CommitOp,
     ExtendManyRequest,
     ExtendOp,
     FreeOp,
-    OpResult,
     RequestInfo,
     RewindOp,
     SessionInfo,
@@ -28,6 +30,7 @@ from kvcm_client.models import (
 )
 
 from ..manager import KVCacheManager
+from ..ops import plain_step
 from .leases import Leases
 from .metrics import Metrics
 
@@ -100,30 +103,44 @@ class ServiceState:
         self._counted("free", lambda: self.manager.free(op.request_id))
         self.leases.release(op.request_id)
 
-    def step(self, req: StepRequest, session_id: str | None) -> list[OpResult]:
+    def step_json(self, raw: bytes, session_id: str | None) -> bytes:
+        """``POST /v1/step`` from body bytes to answer bytes.
+
+        Bodies that ``plain_step`` accepts (every well-formed step) skip the models: orjson
+        in, ``manager.step_plain``, orjson out. Anything else is validated by ``StepRequest``
+        and refused with its errors; orjson is not the judge there since it reads integers
+        past 64 bits as floats.
+        """
+        try:
+            parsed = plain_step(orjson.loads(raw))
+        except orjson.JSONDecodeError:
+            parsed = None
+        if parsed is None:
+            try:
+                req = StepRequest.model_validate_json(raw)
+            except ValidationError as exc:
+                raise invalid_from_validation(exc.errors()) from None
+            parsed = [op.model_dump() for op in req.ops], req.atomic
+        ops, atomic = parsed
         self.touch(session_id)
-        results = self.manager.step(req.ops, atomic=req.atomic)
-        self._account(req.ops, results, session_id)
-        return results
+        results = self.manager.step_plain(ops, atomic)
+        self._account(ops, results, session_id)
+        return orjson.dumps({"results": results})
 
     def _account(
-        self,
-        ops: Sequence[AllocateOp | ExtendOp | RewindOp | CommitOp | FreeOp],
-        results: list[OpResult],
-        session_id: str | None,
+        self, ops: list[dict[str, Any]], results: list[dict[str, Any]], session_id: str | None
     ) -> None:
         tally: Tally[tuple[str, str]] = Tally()
-        if results and all(r.ok for r in results) and all(type(o) is ExtendOp for o in ops):
-            tally["extend", "ok"] = len(results)  # the decode step: no per-op work
-        else:
-            for op, r in zip(ops, results, strict=True):
-                tally[op.op, "ok" if r.error is None else r.error.code] += 1
-                if not r.ok:
-                    continue
-                if type(op) is AllocateOp and session_id is not None:
-                    self.leases.adopt(session_id, op.request_id)
-                elif type(op) is FreeOp:
-                    self.leases.release(op.request_id)
+        for op, r in zip(ops, results, strict=True):
+            kind = op["op"]
+            if r["ok"]:
+                tally[kind, "ok"] += 1
+                if kind == "allocate" and session_id is not None:
+                    self.leases.adopt(session_id, op["request_id"])
+                elif kind == "free":
+                    self.leases.release(op["request_id"])
+            else:
+                tally[kind, r["error"]["code"]] += 1
         self.metrics.count_ops(tally)
 
     # -- sessions ------------------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""Plain op dicts: a fast, exact stand-in for validating ops with the pydantic op models.
+
+A scheduler step is hundreds of small ops; building a model per op costs about a microsecond
+each way, more than the bookkeeping itself. ``plain_ops`` accepts exactly the dicts the op
+models accept (same keys, strict ints and bools, string ids) and returns them normalised
+(every field present, defaults filled in), or None for anything else, which then goes through
+the models and gets their errors. Tests check the equivalence on random input.
+
+Example: ``[{"op": "extend", "request_id": "a", "num_new_tokens": 1}]`` gives
+``[{"op": "extend", "request_id": "a", "num_new_tokens": 1, "lookahead": 0}]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Per op: (required fields, optional fields with defaults); every field but request_id and
+#: token_ids is a strict int.
+_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int]]] = {
+    "allocate": (("request_id", "num_tokens"), {"lookahead": 0}),
+    "extend": (("request_id", "num_new_tokens"), {"lookahead": 0}),
+    "rewind": (("request_id", "num_tokens"), {}),
+    "commit": (("request_id", "token_ids"), {}),
+    "free": (("request_id",), {}),
+}
+_KEYS = {
+    kind: frozenset(("op", *required, *optional)) for kind, (required, optional) in _FIELDS.items()
+}
+
+
+def _plain(op: Any) -> dict[str, Any] | None:
+    if type(op) is not dict:
+        return None
+    kind = op.get("op")
+    fields = _FIELDS.get(kind) if type(kind) is str else None
+    if fields is None or not op.keys() <= _KEYS[kind]:
+        return None
+    required, optional = fields
+    out: dict[str, Any] = {"op": kind}
+    for name in required:
+        if name not in op:
+            return None
+        out[name] = op[name]
+    for name, default in optional.items():
+        out[name] = op.get(name, default)
+    for name, value in out.items():
+        if name == "op" or name == "request_id":
+            if type(value) is not str:
+                return None
+        elif name == "token_ids":
+            if type(value) is not list or not all(type(t) is int for t in value):
+                return None
+        elif type(value) is not int:
+            return None
+    return out
+
+
+def plain_ops(ops: Any) -> list[dict[str, Any]] | None:
+    """The normalised op dicts, or None if the op models would refuse (or change) any op."""
+    if type(ops) is not list:
+        return None
+    out = []
+    for op in ops:
+        plain = _plain(op)
+        if plain is None:
+            return None
+        out.append(plain)
+    return out
+
+
+def plain_step(body: Any) -> tuple[list[dict[str, Any]], bool] | None:
+    """(ops, atomic) of a ``StepRequest`` body, or None if it needs the models."""
+    if type(body) is not dict or not body.keys() <= {"ops", "atomic"} or "ops" not in body:
+        return None
+    atomic = body.get("atomic", False)
+    ops = plain_ops(body["ops"])
+    if ops is None or type(atomic) is not bool:
+        return None
+    return ops, atomic
