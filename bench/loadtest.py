@@ -178,8 +178,10 @@ class RawClient:
             await self.writer.wait_closed()
 
 
-async def _step(client: Any, ops: list[dict[str, Any]], run: Run | None) -> None:
-    status, content = await client.post("/v1/step", orjson.dumps({"ops": ops}))
+async def _step(
+    client: Any, ops: list[dict[str, Any]], run: Run | None, brief: bool = False
+) -> None:
+    status, content = await client.post("/v1/step", orjson.dumps({"ops": ops, "brief": brief}))
     failed = status != 200
     if not failed:
         results = orjson.loads(content)["results"]
@@ -191,19 +193,21 @@ async def _step(client: Any, ops: list[dict[str, Any]], run: Run | None) -> None
         raise RuntimeError(f"setup step failed: {status} {content[:300]!r}")
 
 
-async def step_closed(connect: Any, scheds: list[Scheduler], warmup: float, duration: float) -> Run:
-    run = Run(f"step closed c={len(scheds)}")
+async def step_closed(
+    connect: Any, scheds: list[Scheduler], warmup: float, duration: float, brief: bool = False
+) -> Run:
+    run = Run(f"step closed c={len(scheds)}" + (" brief" if brief else ""))
 
     async def worker(s: Scheduler) -> None:
         client = connect()
         end_warm = time.perf_counter() + warmup
         while time.perf_counter() < end_warm:
-            await _step(client, s.next_ops(), None)
+            await _step(client, s.next_ops(), None, brief)
         end = time.perf_counter() + duration
         while time.perf_counter() < end:
             ops = s.next_ops()
             t0 = time.perf_counter()
-            await _step(client, ops, run)
+            await _step(client, ops, run, brief)
             run.latencies.append(time.perf_counter() - t0)
         await client.aclose()
 
@@ -287,19 +291,28 @@ async def single_closed(
     return run, by_op
 
 
-def in_process(num_requests: int, steps: int, seed: int) -> tuple[float, float]:
-    """p50 of ``manager.step(ops)`` and of ``extend_many`` on the same step sequence (ms)."""
+def in_process(num_requests: int, steps: int, seed: int) -> dict[str, float]:
+    """p50 (ms) of the same step sequence in process: ``manager.step(ops)`` (typed results),
+    ``step_plain`` (dict results, what the service runs) full and brief, and ``extend_many``
+    over the same number of requests (the pure decode step)."""
     from kvcm import KVCacheManager
+    from kvcm.ops import plain_ops
 
-    m = KVCacheManager(_config(num_requests, 1))
-    s = Scheduler("inproc", num_requests, np.random.default_rng(seed))
-    m.step(s.start_ops())
-    times = []
-    for _ in range(steps):
-        ops = s.next_ops()
-        t0 = time.perf_counter()
-        m.step(ops)
-        times.append(time.perf_counter() - t0)
+    out = {}
+    for name in ("step", "step_plain", "step_plain_brief"):
+        m = KVCacheManager(_config(num_requests, 1))
+        s = Scheduler("inproc", num_requests, np.random.default_rng(seed))
+        m.step(s.start_ops())
+        times = []
+        for _ in range(steps):
+            ops = s.next_ops()
+            t0 = time.perf_counter()
+            if name == "step":
+                m.step(ops)
+            else:
+                m.step_plain(plain_ops(ops) or [], brief=name.endswith("brief"))
+            times.append(time.perf_counter() - t0)
+        out[name] = percentiles(times)[0]
     m2 = KVCacheManager(_config(num_requests, 1))
     ids = [f"r{i}" for i in range(num_requests)]
     for i, rid in enumerate(ids):
@@ -309,7 +322,8 @@ def in_process(num_requests: int, steps: int, seed: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         m2.extend_many(ids)
         decode.append(time.perf_counter() - t0)
-    return percentiles(times)[0], percentiles(decode)[0]
+    out["extend_many"] = percentiles(decode)[0]
+    return out
 
 
 def _config(num_requests: int, schedulers: int) -> dict[str, Any]:
@@ -401,6 +415,9 @@ async def main_async(args: argparse.Namespace, url: str) -> dict[str, Any]:
             if args.scenario in ("step", "all"):
                 if args.mode in ("closed", "all"):
                     runs.append(await step_closed(connect, scheds[:1], args.warmup, args.duration))
+                    runs.append(
+                        await step_closed(connect, scheds[:1], args.warmup, args.duration, True)
+                    )
                     if nsched > 1:
                         runs.append(await step_closed(connect, scheds, args.warmup, args.duration))
                 if args.mode in ("open", "all"):
@@ -457,9 +474,8 @@ def report(result: dict[str, Any], num_requests: int) -> str:
     lines += [
         f"server: manager time per step p50 <= {result['server_step_p50_ms']:.3f} ms "
         "(histogram bucket bound)",
-        f"in-process, same steps ({num_requests} requests): manager.step p50 "
-        f"{result['in_process_step_p50_ms']:.3f} ms, extend_many p50 "
-        f"{result['in_process_extend_many_p50_ms']:.3f} ms",
+        f"in-process, same steps ({num_requests} requests), p50 ms: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in result["in_process_p50_ms"].items()),
         f"after the run: {result['leaked_blocks']} leaked blocks, "
         f"{result['requests_left']} requests left",
     ]
@@ -496,14 +512,13 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(10)
-    step_ms, extend_many_ms = in_process(args.requests, 300 if not args.quick else 30, args.seed)
+    inproc = in_process(args.requests, 300 if not args.quick else 30, args.seed)
     result |= {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, "
         f"Python {platform.python_version()}",
         "requests_per_scheduler": args.requests,
-        "in_process_step_p50_ms": step_ms,
-        "in_process_extend_many_p50_ms": extend_many_ms,
+        "in_process_p50_ms": inproc,
     }
     print(report(result, args.requests))
     if args.json:

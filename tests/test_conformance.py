@@ -104,8 +104,8 @@ def lifecycle(kv: Recorder) -> None:
 def steps(kv: Recorder) -> None:
     kv("step", [{"op": "allocate", "request_id": f"r{i}", "num_tokens": 4 + i} for i in range(4)])
     decode = [{"op": "extend", "request_id": f"r{i}", "num_new_tokens": 1} for i in range(4)]
-    for _ in range(6):
-        kv("step", decode)  # the batched decode path
+    for i in range(6):
+        kv("step", decode, brief=i % 2 == 1)  # the batched decode path
     kv("extend_many", ["r0", "r1"], [2, 3], lookahead=[0, 1])
     kv("extend_many", ["r0", "r0"])
     kv("step", [{"op": "extend", "request_id": "r0", "num_new_tokens": 30}, *decode])
@@ -117,6 +117,8 @@ def steps(kv: Recorder) -> None:
     kv("step", atomic_fail, atomic=True)
     kv("block_table", "r3")
     kv("step", atomic_fail[:2], atomic=True)
+    kv("step", [decode[0], {"op": "extend", "request_id": "r9", "num_new_tokens": 1}], brief=True)
+    kv("step", decode, brief="yes")
     kv("step", [{"op": "explode", "request_id": "r0"}])
     kv(
         "step",

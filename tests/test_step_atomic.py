@@ -215,3 +215,16 @@ def test_mixed_steps_have_the_outcomes_of_running_the_ops_one_by_one(
             if batched.request(rid).num_tokens > 50:
                 batched.free(rid)
                 single.free(rid)
+
+
+def test_steps_split_into_runs_of_extends_of_distinct_requests() -> None:
+    from kvcm.manager import _extend_runs
+
+    def ops(spec: str) -> list[dict[str, object]]:
+        kinds = {"e": "extend", "f": "free", "a": "allocate"}
+        return [{"op": kinds[s[0]], "request_id": s[1]} for s in spec.split()]
+
+    assert _extend_runs(ops("ea eb fc ea ea")) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert _extend_runs(ops("ea eb ec eb ed")) == [(0, 3), (3, 5)]
+    assert _extend_runs(ops("fa ab")) == [(0, 1), (1, 2)]
+    assert _extend_runs([]) == []

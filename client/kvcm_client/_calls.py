@@ -166,8 +166,8 @@ def free(request_id: str) -> Call[None]:
     return _post("/v1/free", _none, request_id=request_id)
 
 
-def step(ops: Sequence[Any], atomic: bool) -> Call[list[OpResult]]:
-    return _post("/v1/step", _results, ops=list(ops), atomic=atomic)
+def step(ops: Sequence[Any], atomic: bool, brief: bool) -> Call[list[OpResult]]:
+    return _post("/v1/step", _results, ops=list(ops), atomic=atomic, brief=brief)
 
 
 def request(request_id: str) -> Call[RequestInfo]:

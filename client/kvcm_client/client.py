@@ -135,8 +135,8 @@ class KVCacheClient:
     def free(self, request_id: str) -> None:
         return self._run(calls.free(request_id))
 
-    def step(self, ops: Sequence[Any], atomic: bool = False) -> list[OpResult]:
-        return self._run(calls.step(ops, atomic))
+    def step(self, ops: Sequence[Any], atomic: bool = False, brief: bool = False) -> list[OpResult]:
+        return self._run(calls.step(ops, atomic, brief))
 
     def request(self, request_id: str) -> RequestInfo:
         return self._run(calls.request(request_id))
@@ -289,8 +289,10 @@ class AsyncKVCacheClient:
     async def free(self, request_id: str) -> None:
         return await self._run(calls.free(request_id))
 
-    async def step(self, ops: Sequence[Any], atomic: bool = False) -> list[OpResult]:
-        return await self._run(calls.step(ops, atomic))
+    async def step(
+        self, ops: Sequence[Any], atomic: bool = False, brief: bool = False
+    ) -> list[OpResult]:
+        return await self._run(calls.step(ops, atomic, brief))
 
     async def request(self, request_id: str) -> RequestInfo:
         return await self._run(calls.request(request_id))

@@ -312,8 +312,11 @@ class Stats(_Frozen):
 
 
 class StepRequest(_Frozen):
+    """``atomic``: all or nothing. ``brief``: successful extends answer without ``request``."""
+
     ops: list[Op]
     atomic: Annotated[bool, Strict()] = False
+    brief: Annotated[bool, Strict()] = False
 
 
 class StepResponse(_Frozen):

@@ -189,6 +189,9 @@ def serve(settings: Settings) -> int:
             "" if settings.api_token else "; set KVCM_API_TOKEN to require a token",
         )
     sock, url = _bind(settings)
+    # Listen before printing the URL: a client that connects at once waits in the backlog
+    # until the server accepts, instead of being refused.
+    sock.listen(2048)
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,
@@ -200,6 +203,7 @@ def serve(settings: Settings) -> int:
     probe: uvicorn.Server | None = None
     if settings.metrics_port is not None:
         probe_sock, probe_url = _bind_tcp(settings.metrics_host, settings.metrics_port)
+        probe_sock.listen(128)
         probe = ProbeServer(
             uvicorn.Config(create_probe_app(app), log_level="warning", lifespan="off")
         )

@@ -134,6 +134,40 @@ class _Checkpoint:
     committed: np.ndarray
 
 
+def _extend_runs(ops: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Split ops into [start, end) pieces: maximal runs of extends of distinct requests, and
+    every other op alone.
+
+    Example: extend a, extend b, free c, extend a, extend a gives (0, 2), (2, 3), (3, 4),
+    (4, 5): the repeated id starts a new run.
+    """
+    pieces = []
+    n = len(ops)
+    kinds = [op["op"] for op in ops]
+    i = 0
+    while i < n:
+        if kinds[i] != "extend":
+            pieces.append((i, i + 1))
+            i += 1
+            continue
+        j = i + 1
+        while j < n and kinds[j] == "extend":
+            j += 1
+        ids = [op["request_id"] for op in ops[i:j]]
+        if len(set(ids)) == len(ids):
+            pieces.append((i, j))
+            i = j
+            continue
+        seen: set[str] = set()
+        k = i
+        while k < j and ids[k - i] not in seen:
+            seen.add(ids[k - i])
+            k += 1
+        pieces.append((i, k))
+        i = k
+    return pieces
+
+
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of one rank."""
 
@@ -279,7 +313,8 @@ class KVCacheManager:
         num_new_tokens: int | Sequence[int],
         lookahead: int | Sequence[int],
         in_order: bool,
-    ) -> None:
+    ) -> np.ndarray:
+        """``extend_many``; returns the rows (in ``request_ids`` order)."""
         n = len(request_ids)
         rows = self._rows_of(request_ids)
         seen = np.zeros(self.config.max_requests, dtype=bool)
@@ -293,6 +328,7 @@ class KVCacheManager:
             i = int(total.argmax())
             self._check_len(request_ids[i], int(total[i]))
         self._coord.grow(rows, new, ahead, in_order)
+        return rows
 
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
@@ -359,15 +395,22 @@ class KVCacheManager:
         self._committed[row] = 0
         self._free_rows.append(row)
 
-    def step(self, ops: Sequence[Op | dict[str, Any]], atomic: bool = False) -> list[OpResult]:
+    def step(
+        self, ops: Sequence[Op | dict[str, Any]], atomic: bool = False, brief: bool = False
+    ) -> list[OpResult]:
         """Run ops in order, each atomic on its own; one result per op.
 
         Ops are models or their dicts. ``atomic=True`` makes the whole step all or nothing:
         at the first failing op every earlier op is undone; that op's result carries its
         error and every other op's result the error ``step_aborted`` (detail ``failed_op``:
         the failing op's index). It costs a copy of the host page tables and free lists.
+        ``brief=True`` leaves ``request`` out of successful extends' results (the scheduler
+        knows their lengths; rows never change), which is most of a decode step's answer.
         See ``step_plain`` for how runs of extends are batched.
         """
+        for name, flag in (("atomic", atomic), ("brief", brief)):
+            if type(flag) is not bool:
+                raise InvalidArgument(f"{name} must be a bool, got {type(flag).__name__}")
         items = list(ops)
         plain = plain_ops(items)
         if plain is None:
@@ -376,9 +419,11 @@ class KVCacheManager:
             except ValidationError as exc:
                 raise invalid_from_validation(exc.errors()) from None
             plain = [m.model_dump() for m in models]
-        return _RESULTS.validate_python(self.step_plain(plain, atomic))
+        return _RESULTS.validate_python(self.step_plain(plain, atomic, brief))
 
-    def step_plain(self, ops: list[dict[str, Any]], atomic: bool = False) -> list[dict[str, Any]]:
+    def step_plain(
+        self, ops: list[dict[str, Any]], atomic: bool = False, brief: bool = False
+    ) -> list[dict[str, Any]]:
         """``step`` on validated op dicts (``kvcm.ops.plain_ops``), with result dicts.
 
         The form the service uses: no model per op either way. A run of consecutive extends
@@ -389,46 +434,44 @@ class KVCacheManager:
         the free list after it can differ from one-by-one runs.)
         """
         if not atomic:
-            return self._execute(ops, stop_on_error=False)
+            return self._execute(ops, False, brief)
         with self.transaction() as undo:
-            results = self._execute(ops, stop_on_error=True)
+            results = self._execute(ops, True, brief)
             if results and not results[-1]["ok"]:
                 undo()
                 return self._aborted(len(ops), len(results) - 1, results[-1])
             return results
 
-    def _execute(self, ops: list[dict[str, Any]], stop_on_error: bool) -> list[dict[str, Any]]:
+    def _execute(
+        self, ops: list[dict[str, Any]], stop_on_error: bool, brief: bool
+    ) -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = []
-        i, n = 0, len(ops)
-        while i < n:
-            j = i + 1
-            if ops[i]["op"] == "extend":
-                seen = {ops[i]["request_id"]}
-                while j < n and ops[j]["op"] == "extend" and ops[j]["request_id"] not in seen:
-                    seen.add(ops[j]["request_id"])
-                    j += 1
-            run = ops[i:j]
-            if j - i > 1 and self._try_batch(run):
-                results += self.batch_result_dicts([op["request_id"] for op in run])
-            else:
-                for op in run:
-                    results.append(self._run(op))
-                    if stop_on_error and not results[-1]["ok"]:
-                        return results
-            i = j
+        for start, end in _extend_runs(ops):
+            run = ops[start:end]
+            rows = None
+            if end - start > 1:
+                rows = self._try_batch(
+                    [op["request_id"] for op in run],
+                    [op["num_new_tokens"] for op in run],
+                    [op["lookahead"] for op in run],
+                )
+            if rows is not None:
+                if brief:
+                    results += [{"ok": True, "request": None, "error": None} for _ in run]
+                else:
+                    results += self._result_dicts([op["request_id"] for op in run], rows)
+                continue
+            for op in run:
+                results.append(self._run(op, brief))
+                if stop_on_error and not results[-1]["ok"]:
+                    return results
         return results
 
-    def _try_batch(self, run: list[dict[str, Any]]) -> bool:
+    def _try_batch(self, ids: list[str], new: list[int], ahead: list[int]) -> np.ndarray | None:
         try:
-            self._extend(
-                [op["request_id"] for op in run],
-                [op["num_new_tokens"] for op in run],
-                [op["lookahead"] for op in run],
-                in_order=True,
-            )
+            return self._extend(ids, new, ahead, in_order=True)
         except KVCMError:
-            return False
-        return True
+            return None
 
     @staticmethod
     def _aborted(n: int, failed: int, result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -488,7 +531,9 @@ class KVCacheManager:
         For callers that encode results themselves (the service's decode-step path): the
         dicts have exactly the fields and order of ``OpResult.model_dump()``.
         """
-        rows = self._rows_of(request_ids)
+        return self._result_dicts(request_ids, self._rows_of(request_ids))
+
+    def _result_dicts(self, request_ids: Sequence[str], rows: np.ndarray) -> list[dict[str, Any]]:
         c = self._coord
         lengths = c.num_tokens[rows]
         capacity = (lengths + c.lookahead[rows]).tolist()
@@ -511,7 +556,7 @@ class KVCacheManager:
             )
         ]
 
-    def _run(self, op: dict[str, Any]) -> dict[str, Any]:
+    def _run(self, op: dict[str, Any], brief: bool = False) -> dict[str, Any]:
         """One plain op, its error caught into its result."""
         kind = op["op"]
         try:
@@ -529,6 +574,8 @@ class KVCacheManager:
         except KVCMError as exc:
             error = {"code": exc.code, "message": exc.message, "detail": exc.detail}
             return {"ok": False, "request": None, "error": error}
+        if brief and kind == "extend":
+            return {"ok": True, "request": None, "error": None}
         return {"ok": True, "request": info.model_dump(), "error": None}
 
     def request(self, request_id: str) -> RequestInfo:

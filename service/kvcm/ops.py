@@ -23,6 +23,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int]]] = {
     "commit": (("request_id", "token_ids"), {}),
     "free": (("request_id",), {}),
 }
+_STEP_KEYS = frozenset({"ops", "atomic", "brief"})
 _KEYS = {
     kind: frozenset(("op", *required, *optional)) for kind, (required, optional) in _FIELDS.items()
 }
@@ -32,6 +33,17 @@ def _plain(op: Any) -> dict[str, Any] | None:
     if type(op) is not dict:
         return None
     kind = op.get("op")
+    if kind == "extend":  # the op of every decode step: checked inline
+        rid, n, la = op.get("request_id"), op.get("num_new_tokens"), op.get("lookahead", 0)
+        # Only these keys: both required ones are present (not None), lookahead maybe.
+        if (
+            type(rid) is str
+            and type(n) is int
+            and type(la) is int
+            and len(op) == 3 + ("lookahead" in op)
+        ):
+            return {"op": kind, "request_id": rid, "num_new_tokens": n, "lookahead": la}
+        return None
     fields = _FIELDS.get(kind) if type(kind) is str else None
     if fields is None or not op.keys() <= _KEYS[kind]:
         return None
@@ -68,12 +80,12 @@ def plain_ops(ops: Any) -> list[dict[str, Any]] | None:
     return out
 
 
-def plain_step(body: Any) -> tuple[list[dict[str, Any]], bool] | None:
-    """(ops, atomic) of a ``StepRequest`` body, or None if it needs the models."""
-    if type(body) is not dict or not body.keys() <= {"ops", "atomic"} or "ops" not in body:
+def plain_step(body: Any) -> tuple[list[dict[str, Any]], bool, bool] | None:
+    """(ops, atomic, brief) of a ``StepRequest`` body, or None if it needs the models."""
+    if type(body) is not dict or not body.keys() <= _STEP_KEYS or "ops" not in body:
         return None
-    atomic = body.get("atomic", False)
+    atomic, brief = body.get("atomic", False), body.get("brief", False)
     ops = plain_ops(body["ops"])
-    if ops is None or type(atomic) is not bool:
+    if ops is None or type(atomic) is not bool or type(brief) is not bool:
         return None
-    return ops, atomic
+    return ops, atomic, brief

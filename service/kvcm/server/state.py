@@ -120,10 +120,10 @@ class ServiceState:
                 req = StepRequest.model_validate_json(raw)
             except ValidationError as exc:
                 raise invalid_from_validation(exc.errors()) from None
-            parsed = [op.model_dump() for op in req.ops], req.atomic
-        ops, atomic = parsed
+            parsed = [op.model_dump() for op in req.ops], req.atomic, req.brief
+        ops, atomic, brief = parsed
         self.touch(session_id)
-        results = self.manager.step_plain(ops, atomic)
+        results = self.manager.step_plain(ops, atomic, brief)
         self._account(ops, results, session_id)
         return orjson.dumps({"results": results})
 
@@ -131,16 +131,21 @@ class ServiceState:
         self, ops: list[dict[str, Any]], results: list[dict[str, Any]], session_id: str | None
     ) -> None:
         tally: Tally[tuple[str, str]] = Tally()
+        extends = 0
         for op, r in zip(ops, results, strict=True):
             kind = op["op"]
-            if r["ok"]:
+            if not r["ok"]:
+                tally[kind, r["error"]["code"]] += 1
+            elif kind == "extend":
+                extends += 1
+            else:
                 tally[kind, "ok"] += 1
                 if kind == "allocate" and session_id is not None:
                     self.leases.adopt(session_id, op["request_id"])
                 elif kind == "free":
                     self.leases.release(op["request_id"])
-            else:
-                tally[kind, r["error"]["code"]] += 1
+        if extends:
+            tally["extend", "ok"] = extends
         self.metrics.count_ops(tally)
 
     # -- sessions ------------------------------------------------------------------------------
