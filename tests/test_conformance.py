@@ -248,6 +248,8 @@ MIRRORED = [
     "stats",
     "num_free_blocks",
     "num_total_blocks",
+    "probe",
+    "reset_prefix_cache",
 ]
 
 
@@ -260,3 +262,6 @@ def test_clients_have_the_managers_method_names_and_parameters(client: type) -> 
             (p.name, p.default) for p in want.values()
         ], name
         assert inspect.iscoroutinefunction(getattr(client, name)) == (client is AsyncKVCacheClient)
+    # events: the client adds the long-poll wait after the manager's parameters.
+    want = list(inspect.signature(KVCacheManager.events).parameters)
+    assert list(inspect.signature(client.events).parameters) == [*want, "timeout_s"]

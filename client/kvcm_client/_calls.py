@@ -20,8 +20,10 @@ from .models import (
     Estimate,
     IndexRow,
     IndexRows,
+    KVEvents,
     Layout,
     OpResult,
+    ProbeResult,
     RequestIds,
     RequestInfo,
     SessionClosed,
@@ -118,7 +120,41 @@ def _get(path: str, parse: Callable[[bytes], T], **params: Any) -> Call[T]:
 # -- one builder per manager method ------------------------------------------------------------
 
 
-def allocate(request_id: str, num_tokens: int, lookahead: int) -> Call[RequestInfo]:
+def _prompt(
+    token_ids: Any, lora_id: Any, cache_salt: Any, multimodal: Any, block_keys: Any
+) -> dict[str, Any]:
+    """The prefix-reuse fields, with bytes keys as hex (only the fields that are set)."""
+    keys = None if block_keys is None else [_hex(k) for k in block_keys]
+    given = {
+        "token_ids": None if token_ids is None else list(token_ids),
+        "lora_id": lora_id,
+        "cache_salt": cache_salt,
+        "multimodal": None if multimodal is None else [_item(m) for m in multimodal],
+        "block_keys": keys,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _hex(key: Any) -> Any:
+    return key.hex() if isinstance(key, bytes | bytearray) else key
+
+
+def _item(item: Any) -> Any:
+    if hasattr(item, "digest") and not isinstance(item, dict):
+        return {"digest": item.digest, "start": item.start, "length": item.length}
+    return item
+
+
+def allocate(
+    request_id: str,
+    num_tokens: int,
+    lookahead: int,
+    token_ids: Any = None,
+    lora_id: Any = None,
+    cache_salt: Any = None,
+    multimodal: Any = None,
+    block_keys: Any = None,
+) -> Call[RequestInfo]:
     # Retrying is safe: the manager returns the first result for an identical allocate.
     return _post(
         "/v1/allocate",
@@ -127,6 +163,29 @@ def allocate(request_id: str, num_tokens: int, lookahead: int) -> Call[RequestIn
         request_id=request_id,
         num_tokens=num_tokens,
         lookahead=lookahead,
+        **_prompt(token_ids, lora_id, cache_salt, multimodal, block_keys),
+    )
+
+
+def probe(
+    token_ids: Any, lora_id: Any, cache_salt: Any, multimodal: Any, block_keys: Any
+) -> Call[int]:
+    body = {"token_ids": token_ids} | _prompt(None, lora_id, cache_salt, multimodal, block_keys)
+    return _post(
+        "/v1/probe",
+        lambda raw: ProbeResult.model_validate_json(raw).num_hit_tokens,
+        idempotent=True,
+        **body,
+    )
+
+
+def reset_prefix_cache() -> Call[None]:
+    return _post("/v1/reset_prefix_cache", _none, idempotent=True)
+
+
+def events(after: int, limit: int, timeout_s: float) -> Call[KVEvents]:
+    return _get(
+        "/v1/events", _model(KVEvents), after=after, limit=limit, timeout_s=timeout_s or None
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -28,7 +28,16 @@ import httpx
 
 from . import _calls as calls
 from .errors import ServiceUnavailable
-from .models import Estimate, Layout, OpResult, RequestInfo, SessionClosed, SessionInfo, Stats
+from .models import (
+    Estimate,
+    KVEvents,
+    Layout,
+    OpResult,
+    RequestInfo,
+    SessionClosed,
+    SessionInfo,
+    Stats,
+)
 
 T = TypeVar("T")
 
@@ -112,8 +121,54 @@ class KVCacheClient:
 
     # -- the manager's methods -----------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int, lookahead: int = 0) -> RequestInfo:
-        return self._run(calls.allocate(request_id, num_tokens, lookahead))
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        lookahead: int = 0,
+        token_ids: Sequence[int] | None = None,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        multimodal: Sequence[Any] | None = None,
+        block_keys: Sequence[bytes | str] | None = None,
+    ) -> RequestInfo:
+        return self._run(
+            calls.allocate(
+                request_id,
+                num_tokens,
+                lookahead,
+                token_ids,
+                lora_id,
+                cache_salt,
+                multimodal,
+                block_keys,
+            )
+        )
+
+    def probe(
+        self,
+        token_ids: Sequence[int],
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        multimodal: Sequence[Any] | None = None,
+        block_keys: Sequence[bytes | str] | None = None,
+    ) -> int:
+        return self._run(calls.probe(token_ids, lora_id, cache_salt, multimodal, block_keys))
+
+    def reset_prefix_cache(self) -> None:
+        return self._run(calls.reset_prefix_cache())
+
+    def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> KVEvents:
+        """Events after ``after``; with ``timeout_s`` the service waits that long for one."""
+        return self._run(calls.events(after, limit, timeout_s))
+
+    def follow_events(self, after: int = 0, timeout_s: float = 10.0) -> Iterator[KVEvents]:
+        """Long-poll forever: each batch of new events as it comes (empty ones skipped)."""
+        while True:
+            batch = self.events(after, timeout_s=timeout_s)
+            after = batch.last_seq
+            if batch.events or batch.lost:
+                yield batch
 
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         return self._run(calls.extend(request_id, num_new_tokens, lookahead))
@@ -266,8 +321,55 @@ class AsyncKVCacheClient:
         calls.raise_for_status(resp.status_code, resp.content)
         return call.parse(resp.content)
 
-    async def allocate(self, request_id: str, num_tokens: int, lookahead: int = 0) -> RequestInfo:
-        return await self._run(calls.allocate(request_id, num_tokens, lookahead))
+    async def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        lookahead: int = 0,
+        token_ids: Sequence[int] | None = None,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        multimodal: Sequence[Any] | None = None,
+        block_keys: Sequence[bytes | str] | None = None,
+    ) -> RequestInfo:
+        return await self._run(
+            calls.allocate(
+                request_id,
+                num_tokens,
+                lookahead,
+                token_ids,
+                lora_id,
+                cache_salt,
+                multimodal,
+                block_keys,
+            )
+        )
+
+    async def probe(
+        self,
+        token_ids: Sequence[int],
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        multimodal: Sequence[Any] | None = None,
+        block_keys: Sequence[bytes | str] | None = None,
+    ) -> int:
+        return await self._run(calls.probe(token_ids, lora_id, cache_salt, multimodal, block_keys))
+
+    async def reset_prefix_cache(self) -> None:
+        return await self._run(calls.reset_prefix_cache())
+
+    async def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> KVEvents:
+        return await self._run(calls.events(after, limit, timeout_s))
+
+    async def follow_events(
+        self, after: int = 0, timeout_s: float = 10.0
+    ) -> AsyncIterator[KVEvents]:
+        """Long-poll forever: each batch of new events as it comes (empty ones skipped)."""
+        while True:
+            batch = await self.events(after, timeout_s=timeout_s)
+            after = batch.last_seq
+            if batch.events or batch.lost:
+                yield batch
 
     async def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         return await self._run(calls.extend(request_id, num_new_tokens, lookahead))

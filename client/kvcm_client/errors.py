@@ -88,6 +88,20 @@ class DeviceUnavailable(KVCMError):
     status = 422
 
 
+class RewindIntoSharedBlock(KVCMError):
+    """A rewind would make the request overwrite a cached block other requests share."""
+
+    code = "rewind_into_shared_block"
+    status = 409
+
+
+class PrefixCacheInUse(KVCMError):
+    """``reset_prefix_cache`` while requests hold blocks."""
+
+    code = "prefix_cache_in_use"
+    status = 409
+
+
 class StepAborted(KVCMError):
     """An op of an all-or-nothing step that was not applied because another op failed."""
 
@@ -164,6 +178,8 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         InsufficientMemory,
         DeviceUnavailable,
         StepAborted,
+        RewindIntoSharedBlock,
+        PrefixCacheInUse,
         MalformedRequest,
         Unauthorized,
         NotFound,

@@ -155,11 +155,25 @@ class RequestInfo(_Frozen):
     num_hit_tokens: int = 0
 
 
+class MultimodalInput(_Frozen):
+    """A multimodal item at prompt positions [start, start + length); ``digest`` names its
+    content (e.g. a hash of the image), so equal tokens with other images do not share KV."""
+
+    digest: str
+    start: Count
+    length: Count
+
+
 class AllocateOp(_Frozen):
     op: Literal["allocate"] = "allocate"
     request_id: str
     num_tokens: Count
     lookahead: Count = 0
+    token_ids: list[Count] | None = None
+    lora_id: Annotated[int, Strict()] | Annotated[str, Strict()] | None = None
+    cache_salt: Annotated[str, Strict()] | None = None
+    multimodal: list[MultimodalInput] | None = None
+    block_keys: list[str] | None = None
 
 
 class ExtendOp(_Frozen):
@@ -299,11 +313,65 @@ class Estimate(_Frozen):
     fits: bool | None = None
 
 
+class PrefixCacheStats(_Frozen):
+    """Prefix reuse since start: allocations with token ids are the queries (probes are not).
+
+    ``hit_rate`` is hit_tokens / query_tokens; ``cached_blocks`` counts the blocks that a hit
+    could reuse now (in use or free), per pool group.
+    """
+
+    queries: int
+    query_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    stored_blocks: int
+    evictions: int
+    cached_blocks: dict[int, int]
+
+
 class Stats(_Frozen):
     num_requests: int
     free_blocks: dict[int, int]
     used_blocks: dict[int, int]
     total_blocks: dict[int, int]
+    prefix_cache: PrefixCacheStats | None = None
+
+
+class KVEvent(_Frozen):
+    """One change of the prefix cache. ``block_stored``: ``block_keys`` (hex) of one layer
+    group, their ``parent_key`` (None for a first block), their ``token_ids``, the LoRA id and
+    whether a cache salt was used; ``block_removed``: keys evicted or taken out;
+    ``all_blocks_cleared``: everything forgotten."""
+
+    seq: int
+    kind: Literal["block_stored", "block_removed", "all_blocks_cleared"]
+    layer_group: int | None = None
+    block_keys: list[str] = []
+    parent_key: str | None = None
+    token_ids: list[int] | None = None
+    lora_id: int | str | None = None
+    has_salt: bool | None = None
+
+
+class KVEvents(_Frozen):
+    """Events after the asked sequence number; ``lost``: some were already dropped from the
+    bounded log (the reader fell behind and should resynchronise)."""
+
+    events: list[KVEvent]
+    last_seq: int
+    lost: bool
+
+
+class ProbeRequest(_Frozen):
+    token_ids: list[Count]
+    lora_id: Annotated[int, Strict()] | Annotated[str, Strict()] | None = None
+    cache_salt: Annotated[str, Strict()] | None = None
+    multimodal: list[MultimodalInput] | None = None
+    block_keys: list[str] | None = None
+
+
+class ProbeResult(_Frozen):
+    num_hit_tokens: int
 
 
 # --- service wire bodies ----------------------------------------------------------------------
@@ -381,3 +449,7 @@ class Health(_Frozen):
 class SessionClosed(_Frozen):
     session_id: str
     freed_requests: int
+
+
+class EmptyBody(_Frozen):
+    """The body of routes that take no arguments (``{}``)."""

@@ -17,6 +17,7 @@ taken: the stale blocks' KV is not read by the tokens of that step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from .attention import AttentionPolicy, policy_for
 from .block_pool import BlockPool
 from .ids import LayerGroupId, PoolGroupId
 from .layout import Layout
+from .prefix_cache import PrefixCache
 
 
 def segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +57,9 @@ class _GroupPlan:
 @dataclass(slots=True)
 class _Checkpoint:
     arrays: list[np.ndarray]
-    pools: list[tuple[np.ndarray, int, int]]
+    pools: list[Any]
+    refs: list[np.ndarray]
+    cache: Any
     edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None
     ops_since_take: int
 
@@ -74,6 +78,9 @@ class Coordinator:
         self.tokens_per_block = tpb
         self.max_blocks = max_blocks
         self.pools = [BlockPool(slots[pg.pool_group_id]) for pg in layout.pool_groups]
+        #: Requests holding each slot (prefix hits share slots); a slot is free at 0.
+        self.refs = [np.zeros(slots[pg.pool_group_id], dtype=np.int32) for pg in layout.pool_groups]
+        self.cache = PrefixCache(layout, slots)
         self.group_pool = [int(g.pool_group) for g in layout.layer_groups]
         self.policies: list[AttentionPolicy] = [
             policy_for(g.sliding_window, g.sink_blocks, tpb) for g in layout.layer_groups
@@ -183,14 +190,17 @@ class Coordinator:
         r = rows[items]
         pos = plan.released_old[items] + offsets
         table = self.tables[plan.group]
-        self.pools[self.group_pool[plan.group]].push(table[r, pos])
+        self._unref(self.group_pool[plan.group], table[r, pos])
         table[r, pos] = -1
         if self.edits is not None:
             self.edits.append((plan.group, r, pos, None))
 
     def _allocate(self, plan: _GroupPlan, rows: np.ndarray) -> None:
         items, offsets = segments(plan.add)
-        slots = self.pools[self.group_pool[plan.group]].pop(plan.num_add)
+        pg = self.group_pool[plan.group]
+        slots = self.pools[pg].pop(plan.num_add)
+        self.refs[pg][slots] = 1
+        self.cache.evict(pg, slots)
         r, pos = rows[items], plan.current[items] + offsets
         self.tables[plan.group][r, pos] = slots
         if self.edits is not None:
@@ -233,11 +243,59 @@ class Coordinator:
         seg = self.tables[g][row, keep:count]
         live = seg[seg >= 0][::-1]
         if live.size:
-            self.pools[self.group_pool[g]].push(live)
+            self._unref(self.group_pool[g], live)
         seg[:] = -1
         self.num_blocks[g][row] = keep
         if self.edits is not None:
             self.edits.append((g, np.full(count - keep, row), np.arange(keep, count), None))
+
+    def _unref(self, pg: int, slots: np.ndarray) -> None:
+        """Drop one reference from each slot; those nobody holds go to the queue, in order."""
+        refs = self.refs[pg]
+        np.subtract.at(refs, slots, 1)
+        free = slots[refs[slots] == 0]
+        if free.size > 1:
+            unique, first = np.unique(free, return_index=True)
+            if unique.size != free.size:  # a shared slot released twice in one op
+                free = free[np.sort(first)]
+        self.pools[pg].push(free)
+
+    # -- prefix hits ---------------------------------------------------------------------------
+
+    def hit_need(self, hits: list[np.ndarray], capacity: int) -> list[int]:
+        """Free slots per pool group a new request with these hit blocks needs in all.
+
+        ``hits[g]`` holds the slot of each of the first blocks (-1 where a window does not
+        need it); slots nobody holds come out of the queue, and the blocks past the hit up to
+        ``capacity`` tokens are new.
+        """
+        want = -(-capacity // self.tokens_per_block)
+        need = [0] * len(self.pools)
+        for g, slots in enumerate(hits):
+            pg = self.group_pool[g]
+            live = slots[slots >= 0]
+            need[pg] += max(want - slots.size, 0) + int((self.refs[pg][live] == 0).sum())
+        return need
+
+    def place_hits(
+        self, row: int, hits: list[np.ndarray], released_end: list[int], num_tokens: int
+    ) -> None:
+        """Give an empty row the hit blocks (shared, refs + 1) as its first ``num_tokens``."""
+        for g, slots in enumerate(hits):
+            pg = self.group_pool[g]
+            live = slots[slots >= 0]
+            idle = live[self.refs[pg][live] == 0]
+            self.pools[pg].claim(idle)
+            self.refs[pg][live] += 1
+            n = slots.size
+            self.tables[g][row, :n] = slots
+            self.num_blocks[g][row] = n
+            self.released_end[g][row] = released_end[g]
+            if self.edits is not None and n:
+                self.edits.append((g, np.full(n, row), np.arange(n), slots.astype(np.int64)))
+        self.num_tokens[row] = num_tokens
+        self.history[row] = num_tokens
+        self.ops_since_take += 1
 
     def take_edits(self) -> np.ndarray:
         """The table edits since the last call as int64 ``[E, 4]``, one per cell (the last).
@@ -286,6 +344,8 @@ class Coordinator:
                 )
             ],
             pools=[p.checkpoint() for p in self.pools],
+            refs=[r.copy() for r in self.refs],
+            cache=self.cache.checkpoint(),
             edits=None if self.edits is None else list(self.edits),
             ops_since_take=self.ops_since_take,
         )
@@ -303,6 +363,9 @@ class Coordinator:
             dst[...] = src
         for pool, state in zip(self.pools, saved.pools, strict=True):
             pool.restore(state)
+        for refs, old in zip(self.refs, saved.refs, strict=True):
+            refs[:] = old
+        self.cache.restore(saved.cache)
         if self.edits is not None and saved.edits is not None:
             self.edits[:] = saved.edits
         self.ops_since_take = saved.ops_since_take

@@ -22,7 +22,10 @@ from kvcm_client.errors import (
     DuplicateRequest,
     InvalidArgument,
     KVCMError,
+    OutOfBlocks,
+    PrefixCacheInUse,
     RequestLimitReached,
+    RewindIntoSharedBlock,
     SequenceTooLong,
     StepAborted,
     UnknownLayer,
@@ -33,12 +36,14 @@ from kvcm_client.models import (
     ROLES,
     BufferInfo,
     Estimate,
+    KVEvents,
     LayerGroupInfo,
     ManagerConfig,
     Op,
     OpResult,
     PoolGroupInfo,
     PoolInfo,
+    PrefixCacheStats,
     RequestInfo,
     Role,
     Stats,
@@ -47,10 +52,12 @@ from kvcm_client.models import Layout as LayoutInfo
 
 from .coordinator import Coordinator, segments
 from .device_tables import DeviceTables, Uploader
+from .hashing import KEY_BYTES, MultimodalItem, chain_keys, multimodal_items, root_key, token_bytes
 from .ids import LayerGroupId, LayerId, PoolGroupId
 from .layout import BufferPlacement, build_layout
 from .ops import plain_ops
 from .pools import PoolMemory, role_dtype
+from .prefix_cache import find_hit
 from .sizing import Sizing
 
 _OPS = TypeAdapter(list[Op])
@@ -119,9 +126,19 @@ def _token_ids(value: Any) -> list[int]:
 class _FirstAllocation:
     """What an allocate was called with and returned, so an identical retry returns it again."""
 
-    num_tokens: int
-    lookahead: int
+    args: tuple[Any, ...]
     result: RequestInfo
+
+
+@dataclass(slots=True)
+class _PrefixState:
+    """A request's extra keys and the keys of its committed full blocks (a chain)."""
+
+    root: bytes
+    lora_id: int | str | None
+    has_salt: bool
+    multimodal: tuple[MultimodalItem, ...]
+    keys: list[bytes]
 
 
 @dataclass(slots=True)
@@ -130,6 +147,8 @@ class _Checkpoint:
     rows: dict[str, int]
     free_rows: list[int]
     first: dict[str, _FirstAllocation]
+    prefix: dict[str, _PrefixState]
+    hits: np.ndarray
     tokens: dict[str, list[int]]
     committed: np.ndarray
 
@@ -191,12 +210,16 @@ class KVCacheManager:
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
         self._first: dict[str, _FirstAllocation] = {}
+        self._prefix: dict[str, _PrefixState] = {}
+        #: Tokens each row got from the prefix cache at allocation.
+        self._hits = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Committed token ids per request, and their count per row (for batch results).
         self._tokens: dict[str, list[int]] = {}
         self._committed = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Undo actions for token-list edits while an all-or-nothing step runs.
         self._undo: list[Callable[[], None]] | None = None
         self._tables = DeviceTables(self._coord, self.device)
+        self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
         self._upload = None if self.device.type == "cpu" else Uploader(self.device, torch.int64)
         self._pointer_table, self._layer_pool_map, self._layer_pointers = self._build_pointers()
         self._copy_pools = [
@@ -249,10 +272,28 @@ class KVCacheManager:
             num_tokens=n,
             capacity=n + int(c.lookahead[row]),
             num_committed=int(self._committed[row]),
+            num_hit_tokens=int(self._hits[row]),
         )
 
-    def allocate(self, request_id: str, num_tokens: int, lookahead: int = 0) -> RequestInfo:
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        lookahead: int = 0,
+        token_ids: Sequence[int] | None = None,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
+        block_keys: Sequence[bytes | str] | None = None,
+    ) -> RequestInfo:
         """Start a request of ``num_tokens`` tokens plus ``lookahead`` draft slots.
+
+        With ``token_ids`` (the prompt, ``num_tokens`` ids) the request reuses the longest
+        cached prefix every layer group can serve, block-aligned and at most num_tokens - 1
+        tokens (the last prompt token is always computed): ``num_hit_tokens`` of the result,
+        already committed. ``lora_id``, ``cache_salt`` and ``multimodal`` items are the extra
+        keys of its blocks (docs/prefix-reuse.md); ``block_keys``, when given, must be
+        ``kvcm.block_keys`` of the same tokens and extras (it saves hashing them again).
 
         Idempotent while the request lives: the same call again (same id, same arguments)
         returns the first result and allocates nothing, so a scheduler can retry an allocate
@@ -262,16 +303,20 @@ class KVCacheManager:
             raise InvalidArgument("request_id must be a non-empty string", request_id=None)
         num_tokens = _count("num_tokens", num_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
+        tokens = None if token_ids is None else _token_ids(token_ids)
+        items = multimodal_items(multimodal)
+        root = root_key(lora_id, cache_salt)
+        args = (num_tokens, lookahead, tokens, lora_id, cache_salt, items)
         first = self._first.get(request_id)
         if first is not None:
-            if (first.num_tokens, first.lookahead) == (num_tokens, lookahead):
+            if first.args == args:
                 return first.result
             raise DuplicateRequest(
-                f"request {request_id!r} is already allocated with num_tokens="
-                f"{first.num_tokens}, lookahead={first.lookahead}",
+                f"request {request_id!r} is already allocated with other arguments "
+                f"(num_tokens={first.args[0]}, lookahead={first.args[1]})",
                 request_id=request_id,
-                num_tokens=first.num_tokens,
-                lookahead=first.lookahead,
+                num_tokens=first.args[0],
+                lookahead=first.args[1],
             )
         self._check_len(request_id, num_tokens + lookahead)
         if not self._free_rows:
@@ -279,15 +324,112 @@ class KVCacheManager:
                 f"all {self.config.max_requests} page-table rows are in use",
                 max_requests=self.config.max_requests,
             )
+        keys: list[bytes] = []
+        hit = 0
+        if tokens is not None:
+            if len(tokens) != num_tokens:
+                raise InvalidArgument(
+                    f"token_ids has {len(tokens)} ids for num_tokens={num_tokens}",
+                    num_tokens=num_tokens,
+                    num_token_ids=len(tokens),
+                )
+            keys = self._keys_of(tokens, root, items, block_keys)
+            hit, hits, ends = find_hit(
+                self._coord.cache, keys, num_tokens, self.tokens_per_block, self._windows
+            )
         row = self._free_rows[-1]
-        self._coord.grow(np.array([row]), np.array([num_tokens]), np.array([lookahead]))
+        c = self._coord
+        if hit:
+            need = c.hit_need(hits, num_tokens + lookahead)
+            for pg, pool in enumerate(c.pools):
+                if need[pg] > pool.num_free:
+                    raise OutOfBlocks(
+                        f"pool group {pg} needs {need[pg]} blocks, {pool.num_free} are free",
+                        pool_group=pg,
+                        needed=need[pg],
+                        free=pool.num_free,
+                        released=0,
+                    )
+            hit_tokens = hit * self.tokens_per_block
+            c.place_hits(row, hits, ends, hit_tokens)
+            c.grow(np.array([row]), np.array([num_tokens - hit_tokens]), np.array([lookahead]))
+        else:
+            hit_tokens = 0
+            c.grow(np.array([row]), np.array([num_tokens]), np.array([lookahead]))
+        if tokens is not None:
+            stats = c.cache.stats
+            stats.queries += 1
+            stats.query_tokens += num_tokens
+            stats.hit_tokens += hit_tokens
         self._free_rows.pop()
         self._rows[request_id] = row
-        self._tokens[request_id] = []
-        self._committed[row] = 0
+        self._tokens[request_id] = [] if tokens is None else tokens[:hit_tokens]
+        self._committed[row] = hit_tokens
+        self._hits[row] = hit_tokens
+        self._prefix[request_id] = _PrefixState(
+            root, lora_id, cache_salt is not None, items, keys[:hit]
+        )
         info = self._info(request_id, row)
-        self._first[request_id] = _FirstAllocation(num_tokens, lookahead, info)
+        self._first[request_id] = _FirstAllocation(args, info)
         return info
+
+    def _keys_of(
+        self,
+        tokens: list[int],
+        root: bytes,
+        items: tuple[MultimodalItem, ...],
+        given: Sequence[bytes | str] | None,
+    ) -> list[bytes]:
+        full = len(tokens) // self.tokens_per_block
+        if given is None:
+            return chain_keys(root, token_bytes(tokens), self.tokens_per_block, 0, items)
+        try:
+            keys = [bytes.fromhex(k) if isinstance(k, str) else bytes(k) for k in given]
+        except (TypeError, ValueError):
+            raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)") from None
+        if len(keys) != full or any(len(k) != KEY_BYTES for k in keys):
+            raise InvalidArgument(
+                f"block_keys must be the {full} keys of the full blocks of token_ids",
+                num_keys=len(keys),
+            )
+        return keys
+
+    def probe(
+        self,
+        token_ids: Sequence[int],
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
+        block_keys: Sequence[bytes | str] | None = None,
+    ) -> int:
+        """Tokens a new request with this prompt would reuse now; claims nothing."""
+        tokens = _token_ids(token_ids)
+        if not tokens:
+            return 0
+        root = root_key(lora_id, cache_salt)
+        keys = self._keys_of(tokens, root, multimodal_items(multimodal), block_keys)
+        hit, _, _ = find_hit(
+            self._coord.cache, keys, len(tokens), self.tokens_per_block, self._windows
+        )
+        return hit * self.tokens_per_block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (an ``all_blocks_cleared`` event); refused while any
+        request holds blocks, since their blocks may be published again."""
+        if self._rows:
+            raise PrefixCacheInUse(
+                f"{len(self._rows)} requests hold blocks; free them first",
+                num_requests=len(self._rows),
+            )
+        self._coord.cache.clear()
+
+    def events(self, after: int = 0, limit: int = 1000) -> KVEvents:
+        """KV events with a sequence number above ``after`` (at most ``limit``)."""
+        after = _count("after", after, 0)
+        limit = _count("limit", limit, 1)
+        log = self._coord.cache.log
+        events, lost = log.after(after, limit)
+        return KVEvents.model_validate({"events": events, "last_seq": log.last_seq, "lost": lost})
 
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
@@ -342,9 +484,14 @@ class KVCacheManager:
                 request_id=request_id,
                 num_tokens=num_tokens,
             )
-        self._coord.rewind(row, num_tokens)
-        tokens = self._tokens[request_id]
         new_len = length - num_tokens
+        writable = self._writable_cached(request_id, row, new_len)
+        self._coord.rewind(row, num_tokens)
+        for pg, slots in writable.items():
+            self._coord.cache.uncache(pg, slots)
+        state = self._prefix[request_id]
+        del state.keys[new_len // self.tokens_per_block :]
+        tokens = self._tokens[request_id]
         if len(tokens) > new_len:
             tail = tokens[new_len:]
             del tokens[new_len:]
@@ -352,6 +499,32 @@ class KVCacheManager:
             if self._undo is not None:
                 self._undo.append(lambda: tokens.extend(tail))
         return self._info(request_id, row)
+
+    def _writable_cached(self, request_id: str, row: int, new_len: int) -> dict[int, list[int]]:
+        """Cached blocks a rewind to ``new_len`` would make the request write into again.
+
+        Blocks from ``new_len // tokens_per_block`` on will be overwritten; one that another
+        request shares cannot be (``RewindIntoSharedBlock``), one only this request holds is
+        taken out of the cache. Returns those, per pool group.
+        """
+        c = self._coord
+        keep = -(-(new_len + int(c.lookahead[row])) // self.tokens_per_block)
+        out: dict[int, list[int]] = {}
+        for g in range(len(self.layout.layer_groups)):
+            pg = c.group_pool[g]
+            held = c.tables[g][row, new_len // self.tokens_per_block : keep]
+            for slot in held[held >= 0].tolist():
+                if not c.cache.cached[pg][slot]:
+                    continue
+                if c.refs[pg][slot] > 1:
+                    raise RewindIntoSharedBlock(
+                        f"rewinding {request_id!r} to {new_len} tokens would overwrite a "
+                        "block other requests share",
+                        request_id=request_id,
+                        num_tokens=new_len,
+                    )
+                out.setdefault(pg, []).append(slot)
+        return out
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
         """Record that the KV of the request's next ``len(token_ids)`` tokens is computed.
@@ -377,9 +550,49 @@ class KVCacheManager:
         held = self._tokens[request_id]
         held.extend(tokens)
         self._committed[row] = done + len(tokens)
+        state = self._prefix[request_id]
+        have = len(state.keys)
         if self._undo is not None:
             self._undo.append(lambda: held.__delitem__(slice(done, None)))
+            self._undo.append(lambda: state.keys.__delitem__(slice(have, None)))
+        self._publish(state, row, held)
         return self._info(request_id, row)
+
+    def _publish(self, state: _PrefixState, row: int, tokens: list[int]) -> None:
+        """Key the request's newly full blocks and publish them in every reusable group."""
+        tpb = self.tokens_per_block
+        have, full = len(state.keys), len(tokens) // tpb
+        if full <= have:
+            return
+        parent = state.keys[-1] if have else state.root
+        state.keys += chain_keys(
+            parent, token_bytes(tokens[have * tpb : full * tpb]), tpb, have, state.multimodal
+        )
+        c = self._coord
+        cache = c.cache
+        for g in range(len(self.layout.layer_groups)):
+            if not cache.reusable[g]:
+                continue
+            pg = c.group_pool[g]
+            index, cached = cache.index[g], cache.cached[pg]
+            slots = c.tables[g][row, have:full].tolist()
+            run: list[int] = []  # block positions of a contiguous run of new blocks
+            for b in range(have, full + 1):
+                slot = slots[b - have] if b < full else -1
+                if slot >= 0 and state.keys[b] not in index and not cached[slot]:
+                    run.append(b)
+                    continue
+                if run:
+                    cache.store(
+                        g,
+                        [state.keys[i] for i in run],
+                        [slots[i - have] for i in run],
+                        state.keys[run[0] - 1] if run[0] else None,
+                        tokens[run[0] * tpb : (run[-1] + 1) * tpb],
+                        state.lora_id,
+                        state.has_salt,
+                    )
+                    run = []
 
     def committed_tokens(self, request_id: str) -> list[int]:
         """The committed token ids of a request, in order (a copy)."""
@@ -392,7 +605,9 @@ class KVCacheManager:
         del self._rows[request_id]
         del self._first[request_id]
         del self._tokens[request_id]
+        del self._prefix[request_id]
         self._committed[row] = 0
+        self._hits[row] = 0
         self._free_rows.append(row)
 
     def step(
@@ -502,6 +717,8 @@ class KVCacheManager:
             first=dict(self._first),
             tokens=dict(self._tokens),
             committed=self._committed.copy(),
+            prefix=dict(self._prefix),
+            hits=self._hits.copy(),
         )
         self._undo = []
 
@@ -516,6 +733,8 @@ class KVCacheManager:
             self._first = dict(saved.first)
             self._tokens = dict(saved.tokens)
             self._committed[:] = saved.committed
+            self._prefix = dict(saved.prefix)
+            self._hits[:] = saved.hits
 
         try:
             yield undo
@@ -538,6 +757,7 @@ class KVCacheManager:
         lengths = c.num_tokens[rows]
         capacity = (lengths + c.lookahead[rows]).tolist()
         committed = self._committed[rows].tolist()
+        hits = self._hits[rows].tolist()
         return [
             {
                 "ok": True,
@@ -547,12 +767,12 @@ class KVCacheManager:
                     "num_tokens": n,
                     "capacity": cap,
                     "num_committed": k,
-                    "num_hit_tokens": 0,
+                    "num_hit_tokens": h,
                 },
                 "error": None,
             }
-            for i, r, n, cap, k in zip(
-                request_ids, rows.tolist(), lengths.tolist(), capacity, committed, strict=True
+            for i, r, n, cap, k, h in zip(
+                request_ids, rows.tolist(), lengths.tolist(), capacity, committed, hits, strict=True
             )
         ]
 
@@ -561,7 +781,16 @@ class KVCacheManager:
         kind = op["op"]
         try:
             if kind == "allocate":
-                info = self.allocate(op["request_id"], op["num_tokens"], op["lookahead"])
+                info = self.allocate(
+                    op["request_id"],
+                    op["num_tokens"],
+                    op["lookahead"],
+                    op["token_ids"],
+                    op["lora_id"],
+                    op["cache_salt"],
+                    op["multimodal"],
+                    op["block_keys"],
+                )
             elif kind == "extend":
                 info = self.extend(op["request_id"], op["num_new_tokens"], op["lookahead"])
             elif kind == "rewind":
@@ -920,11 +1149,22 @@ class KVCacheManager:
     def stats(self) -> Stats:
         free = {i: p.num_free for i, p in enumerate(self._coord.pools)}
         total = {int(k): v for k, v in self._slots.items()}
+        cache = self._coord.cache
+        st = cache.stats
         return Stats(
             num_requests=len(self._rows),
             free_blocks=free,
             used_blocks={i: total[i] - free[i] for i in free},
             total_blocks=total,
+            prefix_cache=PrefixCacheStats(
+                queries=st.queries,
+                query_tokens=st.query_tokens,
+                hit_tokens=st.hit_tokens,
+                hit_rate=st.hit_tokens / st.query_tokens if st.query_tokens else 0.0,
+                stored_blocks=st.stored_blocks,
+                evictions=st.evictions,
+                cached_blocks={i: cache.num_cached(i) for i in free},
+            ),
         )
 
     def layer_group_of(self, layer_id: int) -> LayerGroupId:

@@ -16,8 +16,18 @@ from typing import Any
 
 #: Per op: (required fields, optional fields with defaults); every field but request_id and
 #: token_ids is a strict int.
-_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int]]] = {
-    "allocate": (("request_id", "num_tokens"), {"lookahead": 0}),
+_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int | None]]] = {
+    "allocate": (
+        ("request_id", "num_tokens"),
+        {
+            "lookahead": 0,
+            "token_ids": None,
+            "lora_id": None,
+            "cache_salt": None,
+            "multimodal": None,
+            "block_keys": None,
+        },
+    ),
     "extend": (("request_id", "num_new_tokens"), {"lookahead": 0}),
     "rewind": (("request_id", "num_tokens"), {}),
     "commit": (("request_id", "token_ids"), {}),
@@ -60,7 +70,18 @@ def _plain(op: Any) -> dict[str, Any] | None:
             if type(value) is not str:
                 return None
         elif name == "token_ids":
+            if value is None and kind == "allocate":
+                continue
             if type(value) is not list or not all(type(t) is int for t in value):
+                return None
+        elif name == "lora_id":
+            if value is not None and type(value) is not int and type(value) is not str:
+                return None
+        elif name == "cache_salt":
+            if value is not None and type(value) is not str:
+                return None
+        elif name in ("multimodal", "block_keys"):
+            if value is not None:  # nested models: leave them to the op models
                 return None
         elif type(value) is not int:
             return None

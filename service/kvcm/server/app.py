@@ -44,6 +44,7 @@ from kvcm_client.errors import (
 from kvcm_client.models import (
     AllocateOp,
     CommitOp,
+    EmptyBody,
     Estimate,
     ExtendManyRequest,
     ExtendOp,
@@ -51,8 +52,11 @@ from kvcm_client.models import (
     Health,
     IndexRow,
     IndexRows,
+    KVEvents,
     Layout,
     PageIndicesRequest,
+    ProbeRequest,
+    ProbeResult,
     RequestIds,
     RequestInfo,
     RewindOp,
@@ -166,6 +170,7 @@ def create_app(
             if raw:
                 answer = call(data, session)
                 latency.observe(perf_counter() - start)
+                state.notify_events()
                 return Response(answer, media_type=_JSON)
             try:
                 parsed = body.model_validate_json(data)
@@ -173,6 +178,7 @@ def create_app(
                 raise invalid_from_validation(exc.errors()) from None
             result = call(parsed, session)
             latency.observe(perf_counter() - start)
+            state.notify_events()
             if result is None:
                 return Response(status_code=204)
             return _json(result)
@@ -233,6 +239,48 @@ def create_app(
         mutating=False,
         summary="slot mappings of every layer group",
     )
+
+    rpc(
+        "/v1/probe",
+        ProbeRequest,
+        ProbeResult,
+        lambda r, _: ProbeResult(
+            num_hit_tokens=m.probe(
+                r.token_ids,
+                r.lora_id,
+                r.cache_salt,
+                None if r.multimodal is None else [i.model_dump() for i in r.multimodal],
+                r.block_keys,
+            )
+        ),
+        mutating=False,
+        summary="tokens a new request with this prompt would reuse (claims nothing)",
+    )
+    rpc(
+        "/v1/reset_prefix_cache",
+        EmptyBody,
+        None,
+        lambda _, __: m.reset_prefix_cache(),
+        summary="forget every cached block (refused while requests hold blocks)",
+    )
+
+    @app.get("/v1/events", response_model=KVEvents, tags=["prefix cache"])
+    async def events(after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> Response:
+        """KV events after ``after``; waits up to ``timeout_s`` (at most 60) for one."""
+        batch = m.events(after, limit)
+        deadline = asyncio.get_running_loop().time() + min(max(timeout_s, 0.0), 60.0)
+        while not batch.events and not batch.lost:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                break
+            if state.event_wave is None:
+                state.event_wave = asyncio.Event()
+            try:
+                await asyncio.wait_for(state.event_wave.wait(), remaining)
+            except TimeoutError:
+                break
+            batch = m.events(after, limit)
+        return _json(batch)
 
     @app.get("/v1/layout", response_model=Layout, tags=["layout"])
     async def layout() -> Response:

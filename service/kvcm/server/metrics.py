@@ -10,7 +10,7 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..manager import KVCacheManager
@@ -25,7 +25,7 @@ class _StateCollector(Collector):
         self.manager = manager
         self.leases = leases
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.manager.stats()
         for name, values, text in (
             ("kvcm_blocks_free", stats.free_blocks, "Free blocks (slots) per pool group"),
@@ -40,6 +40,23 @@ class _StateCollector(Collector):
             "kvcm_requests_running", "Requests holding a page-table row", stats.num_requests
         )
         yield GaugeMetricFamily("kvcm_sessions_active", "Open lease sessions", len(self.leases))
+        cache = stats.prefix_cache
+        if cache is None:
+            return
+        for name, value, text in (
+            ("kvcm_prefix_queries", cache.queries, "Allocations with token ids"),
+            ("kvcm_prefix_query_tokens", cache.query_tokens, "Prompt tokens of those"),
+            ("kvcm_prefix_hit_tokens", cache.hit_tokens, "Prompt tokens served from cache"),
+            ("kvcm_prefix_stored_blocks", cache.stored_blocks, "Blocks published for reuse"),
+            ("kvcm_prefix_evictions", cache.evictions, "Cached blocks evicted"),
+        ):
+            yield CounterMetricFamily(name, text, value=value)
+        family = GaugeMetricFamily(
+            "kvcm_prefix_cached_blocks", "Blocks a hit could reuse now", labels=["pool_group"]
+        )
+        for pg, value in sorted(cache.cached_blocks.items()):
+            family.add_metric([str(pg)], value)
+        yield family
 
 
 class Metrics:

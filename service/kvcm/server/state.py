@@ -8,6 +8,7 @@ manager's contract), so neither the leases nor the counters see half an op.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
@@ -48,6 +49,18 @@ class ServiceState:
         self.leases = Leases(lease_ttl_s, clock)
         self.metrics = Metrics(manager, self.leases)
         self.ready = False
+        #: Set (and replaced) whenever new KV events exist: long-polling readers wait on it.
+        self.event_wave: asyncio.Event | None = None
+        self._seen_seq = 0
+
+    def notify_events(self) -> None:
+        """Wake the ``/v1/events`` long-polls if the manager logged events since last time."""
+        last = self.manager._coord.cache.log.last_seq
+        if last != self._seen_seq:
+            self._seen_seq = last
+            if self.event_wave is not None:
+                self.event_wave.set()
+            self.event_wave = asyncio.Event()
 
     def _counted(self, op: str, fn: Callable[[], T]) -> T:
         try:
@@ -69,7 +82,17 @@ class ServiceState:
         self.touch(session_id)
         m = self.manager
         info = self._counted(
-            "allocate", lambda: m.allocate(op.request_id, op.num_tokens, op.lookahead)
+            "allocate",
+            lambda: m.allocate(
+                op.request_id,
+                op.num_tokens,
+                op.lookahead,
+                op.token_ids,
+                op.lora_id,
+                op.cache_salt,
+                None if op.multimodal is None else [i.model_dump() for i in op.multimodal],
+                op.block_keys,
+            ),
         )
         if session_id is not None:
             self.leases.adopt(session_id, op.request_id)

@@ -1,0 +1,166 @@
+"""Block keys for prefix reuse: a SHA-256 chain over token blocks, seeded by the extra keys.
+
+The key of block i is ``SHA-256(key of block i-1 || "T" || its token ids as int32 LE ||
+multimodal tags)``; block 0's parent is the root ``SHA-256("kvcm/v1/root" || extra keys)``.
+Extra keys are type-tagged so that no two different values encode alike: LoRA id ``"Li"`` +
+int64 or ``"Ls"`` + length + UTF-8, cache salt ``"S"`` + length + UTF-8. Different salts or
+LoRA ids give different roots, so they never share a block. A multimodal item (an image's
+placeholder tokens, ``start`` and ``length`` in the prompt) tags every block it overlaps with
+``"M"`` + its digest + its start relative to the block (negative when it began in an earlier
+block), so the same tokens with different images, or the same image at another offset, give
+different keys.
+
+Keys depend on nothing but these bytes: they are equal across processes, restarts and
+machines, so a router can compute them with ``block_keys`` and match the KV events a kvcm
+publishes. Only full blocks have keys.
+
+Worked example (tokens_per_block 2): tokens [5, 6, 7] have one full block; its key is
+``sha256(root + b"T" + (5).to_bytes(4, "little") + (6).to_bytes(4, "little"))``; token 7 is
+not part of any key until the block is full.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from hashlib import sha256
+
+from kvcm_client.errors import InvalidArgument
+
+KEY_BYTES = 32
+_ROOT_TAG = b"kvcm/v1/root"
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalItem:
+    """A multimodal input occupying prompt positions [start, start + length)."""
+
+    digest: str
+    start: int
+    length: int
+
+
+def _text(tag: bytes, value: str) -> bytes:
+    data = value.encode()
+    return tag + struct.pack("<I", len(data)) + data
+
+
+def root_key(lora_id: int | str | None = None, cache_salt: str | None = None) -> bytes:
+    """The parent of block 0 for these extra keys."""
+    seed = bytearray(_ROOT_TAG)
+    if lora_id is not None:
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int | str):
+            raise InvalidArgument("lora_id must be an int, a str or None", lora_id=None)
+        seed += (
+            b"Li" + struct.pack("<q", lora_id)
+            if isinstance(lora_id, int)
+            else _text(b"Ls", lora_id)
+        )
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str):
+            raise InvalidArgument("cache_salt must be a str or None", cache_salt=None)
+        seed += _text(b"S", cache_salt)
+    return sha256(bytes(seed)).digest()
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as int32 little-endian, refusing what does not fit."""
+    try:
+        packed = array("i", token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidArgument(f"token ids must be ints in [0, 2**31): {exc}") from None
+    if packed and min(packed) < 0:
+        raise InvalidArgument("token ids must be >= 0", token_id=min(packed))
+    if array("i").itemsize != 4 or struct.pack("=i", 1) != struct.pack("<i", 1):
+        packed = array("i", struct.unpack(f"<{len(packed)}i", packed.tobytes()))
+    return packed.tobytes()
+
+
+def _multimodal_tags(
+    items: Sequence[MultimodalItem], num_blocks: int, tokens_per_block: int
+) -> dict[int, bytes]:
+    tags: dict[int, bytearray] = {}
+    for item in items:
+        if item.length <= 0 or item.start < 0:
+            raise InvalidArgument(
+                "a multimodal item needs start >= 0 and length > 0",
+                start=item.start,
+                length=item.length,
+            )
+        first = item.start // tokens_per_block
+        last = min((item.start + item.length - 1) // tokens_per_block, num_blocks - 1)
+        for b in range(first, last + 1):
+            offset = item.start - b * tokens_per_block
+            tags.setdefault(b, bytearray()).extend(
+                _text(b"M", item.digest) + struct.pack("<i", offset)
+            )
+    return {b: bytes(t) for b, t in tags.items()}
+
+
+def chain_keys(
+    parent: bytes,
+    tokens: bytes,
+    tokens_per_block: int,
+    first_block: int = 0,
+    multimodal: Sequence[MultimodalItem] = (),
+) -> list[bytes]:
+    """Keys of the full blocks in ``tokens`` (int32 bytes starting at block ``first_block``).
+
+    ``parent`` is the key of block ``first_block - 1`` (the root for block 0); multimodal
+    items are in prompt positions.
+    """
+    step = 4 * tokens_per_block
+    count = len(tokens) // step
+    tags = _multimodal_tags(multimodal, first_block + count, tokens_per_block) if multimodal else {}
+    view = memoryview(tokens)
+    keys = []
+    for i in range(count):
+        block = view[i * step : (i + 1) * step]
+        tag = tags.get(first_block + i)
+        parent = sha256(parent + b"T" + block + tag if tag else parent + b"T" + block).digest()
+        keys.append(parent)
+    return keys
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    tokens_per_block: int,
+    lora_id: int | str | None = None,
+    cache_salt: str | None = None,
+    multimodal: Sequence[MultimodalItem | dict[str, object]] | None = None,
+) -> list[bytes]:
+    """The 32-byte key of every full block of ``token_ids``, in order (public: for routers)."""
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int):
+        raise InvalidArgument("tokens_per_block must be an int")
+    if tokens_per_block < 1:
+        raise InvalidArgument("tokens_per_block must be >= 1")
+    return chain_keys(
+        root_key(lora_id, cache_salt),
+        token_bytes(token_ids),
+        tokens_per_block,
+        multimodal=multimodal_items(multimodal),
+    )
+
+
+def multimodal_items(
+    items: Sequence[MultimodalItem | dict[str, object]] | None,
+) -> tuple[MultimodalItem, ...]:
+    if not items:
+        return ()
+    out = []
+    for item in items:
+        if isinstance(item, MultimodalItem):
+            out.append(item)
+            continue
+        try:
+            digest, start, length = item["digest"], item["start"], item["length"]
+        except (KeyError, TypeError):
+            raise InvalidArgument("multimodal items need digest, start and length") from None
+        if not isinstance(digest, str) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in (start, length)
+        ):
+            raise InvalidArgument("multimodal digest must be a str, start and length ints")
+        out.append(MultimodalItem(digest, start, length))  # type: ignore[arg-type]
+    return tuple(out)

@@ -1,0 +1,205 @@
+"""Which slot holds the block of each key, per reusable layer group, with KV events and stats.
+
+The cache only indexes; ownership stays with the coordinator: a slot is in use while its
+reference count is positive, and free (in its pool group's LRU queue) otherwise. A cached free
+slot keeps its key until the queue hands the slot out again (eviction), so the blocks freed
+longest ago are evicted first.
+
+KV events (for routers that track what each replica caches) have increasing sequence numbers
+and live in a bounded log; a reader that asks for events the log has already dropped is told
+so (``lost``) and should resynchronise, e.g. by treating the replica's cache as unknown.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from .layout import Layout
+
+
+@dataclass(slots=True)
+class CacheStats:
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    stored_blocks: int = 0
+    evictions: int = 0
+
+
+@dataclass(slots=True)
+class EventLog:
+    capacity: int
+    events: deque[dict[str, Any]] = field(default_factory=deque)
+    last_seq: int = 0
+
+    def append(self, kind: str, **fields: Any) -> None:
+        self.last_seq += 1
+        self.events.append({"seq": self.last_seq, "kind": kind, **fields})
+        if len(self.events) > self.capacity:
+            self.events.popleft()
+
+    def after(self, seq: int, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """Events with a sequence number above ``seq`` (at most ``limit``), and whether some
+        of those were already dropped."""
+        first = self.events[0]["seq"] if self.events else self.last_seq + 1
+        lost = seq < first - 1
+        start = max(0, seq + 1 - first)
+        out = [self.events[i] for i in range(start, min(len(self.events), start + limit))]
+        return out, lost
+
+    def truncate(self, last_seq: int, kept: list[dict[str, Any]]) -> None:
+        """Undo: back to the log as it was (``kept`` is its content then)."""
+        self.events = deque(kept)
+        self.last_seq = last_seq
+
+
+class PrefixCache:
+    def __init__(self, layout: Layout, slots: dict[Any, int], event_capacity: int = 10_000):
+        groups = layout.layer_groups
+        self.reusable = [g.reuse == "reusable" for g in groups]
+        self.group_pool = [int(g.pool_group) for g in groups]
+        self.index: list[dict[bytes, int]] = [{} for _ in groups]
+        #: Per pool group: slot -> (layer group, key) of the cached slots.
+        self.slot_key: list[dict[int, tuple[int, bytes]]] = [{} for _ in layout.pool_groups]
+        self.cached = [np.zeros(slots[pg.pool_group_id], dtype=bool) for pg in layout.pool_groups]
+        self.stats = CacheStats()
+        self.log = EventLog(event_capacity)
+
+    def num_cached(self, pool_group: int) -> int:
+        return len(self.slot_key[pool_group])
+
+    def store(
+        self,
+        group: int,
+        keys: list[bytes],
+        slots: list[int],
+        parent: bytes | None,
+        token_ids: list[int],
+        lora_id: int | str | None,
+        has_salt: bool,
+    ) -> None:
+        """Publish full blocks of one layer group (already filtered: new keys, live slots)."""
+        pg = self.group_pool[group]
+        for key, slot in zip(keys, slots, strict=True):
+            self.index[group][key] = slot
+            self.slot_key[pg][slot] = (group, key)
+            self.cached[pg][slot] = True
+        self.stats.stored_blocks += len(keys)
+        self.log.append(
+            "block_stored",
+            layer_group=group,
+            block_keys=[k.hex() for k in keys],
+            parent_key=None if parent is None else parent.hex(),
+            token_ids=token_ids,
+            lora_id=lora_id,
+            has_salt=has_salt,
+        )
+
+    def evict(self, pool_group: int, slots: np.ndarray) -> None:
+        """Slots the queue just handed out: forget the blocks they held."""
+        hit = slots[self.cached[pool_group][slots]]
+        if hit.size:
+            self._remove(pool_group, hit.tolist())
+            self.stats.evictions += int(hit.size)
+
+    def uncache(self, pool_group: int, slots: list[int]) -> None:
+        """Forget these slots' blocks (their owner is about to overwrite them)."""
+        self._remove(pool_group, [s for s in slots if self.cached[pool_group][s]])
+
+    def _remove(self, pool_group: int, slots: list[int]) -> None:
+        by_group: dict[int, list[str]] = {}
+        for slot in slots:
+            group, key = self.slot_key[pool_group].pop(slot)
+            del self.index[group][key]
+            self.cached[pool_group][slot] = False
+            by_group.setdefault(group, []).append(key.hex())
+        for group, keys in by_group.items():
+            self.log.append("block_removed", layer_group=group, block_keys=keys)
+
+    def clear(self) -> None:
+        for index in self.index:
+            index.clear()
+        for keys, mask in zip(self.slot_key, self.cached, strict=True):
+            keys.clear()
+            mask[:] = False
+        self.log.append("all_blocks_cleared")
+
+    # -- undo for all-or-nothing steps -------------------------------------------------------
+
+    def checkpoint(self) -> tuple[Any, ...]:
+        return (
+            [dict(i) for i in self.index],
+            [dict(k) for k in self.slot_key],
+            [m.copy() for m in self.cached],
+            replace(self.stats),
+            self.log.last_seq,
+            list(self.log.events),
+        )
+
+    def restore(self, saved: tuple[Any, ...]) -> None:
+        index, slot_key, cached, stats, last_seq, events = saved
+        self.index, self.slot_key = index, slot_key
+        for mask, old in zip(self.cached, cached, strict=True):
+            mask[:] = old
+        self.stats = stats
+        self.log.truncate(last_seq, events)
+
+
+def find_hit(
+    cache: PrefixCache,
+    keys: list[bytes],
+    num_tokens: int,
+    tokens_per_block: int,
+    windows: list[tuple[int | None, int]],
+) -> tuple[int, list[np.ndarray], list[int]]:
+    """The longest block-aligned prefix every layer group can serve, at most num_tokens - 1.
+
+    ``windows[g]`` is (sliding window or None, sink blocks) of layer group g. A full-attention
+    group needs every block of the prefix; a sliding-window group only its sinks and the
+    blocks the first new token (at position H) attends to, ``[max(S, (H + 1 - W) // tpb), H /
+    tpb)``; a group with ``reuse="none"`` serves nothing, so then nothing is reused.
+
+    Returns (hit blocks b, per group the slots of blocks [0, b) with -1 where a window does not
+    need them, per group the end of the released run). Example: W = 8, tpb 4, no sinks, 3
+    cached blocks, 13 tokens: b = 3 (H = 12) needs blocks [(12 + 1 - 8) // 4, 3) = [1, 3), so
+    the slots are [-1, s1, s2] and the released run ends at 1.
+    """
+    tpb = tokens_per_block
+    cap = min(len(keys), (num_tokens - 1) // tpb)
+    if cap <= 0 or not all(cache.reusable):
+        return 0, [], []
+    for g, (window, _) in enumerate(windows):
+        if window is None:
+            index = cache.index[g]
+            n = 0
+            while n < cap and keys[n] in index:
+                n += 1
+            cap = n
+    for b in range(cap, 0, -1):
+        starts = []
+        for g, (window, sinks) in enumerate(windows):
+            if window is None:
+                starts.append(0)
+                continue
+            start = max(sinks, (b * tpb + 1 - window) // tpb)
+            index = cache.index[g]
+            needed = [*range(min(sinks, b)), *range(start, b)]
+            if not all(keys[i] in index for i in needed):
+                break
+            starts.append(start)
+        else:
+            hits, ends = [], []
+            for g, (window, sinks) in enumerate(windows):
+                index = cache.index[g]
+                slots = np.full(b, -1, dtype=np.int32)
+                lo = starts[g]
+                for i in [*range(min(sinks, b)), *range(lo, b)] if window else range(b):
+                    slots[i] = index[keys[i]]
+                hits.append(slots)
+                ends.append(lo if window else sinks)
+            return b, hits, ends
+    return 0, [], []
