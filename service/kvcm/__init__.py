@@ -15,6 +15,7 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import LayerSpec, ManagerConfig
 
+from .hashing import MultimodalItem, block_keys
 from .manager import KVCacheManager
 
 __all__ = [
@@ -27,9 +28,11 @@ __all__ = [
     "KVCacheManager",
     "LayerSpec",
     "ManagerConfig",
+    "MultimodalItem",
     "OutOfBlocks",
     "RequestLimitReached",
     "SequenceTooLong",
     "UnknownLayer",
     "UnknownRequest",
+    "block_keys",
 ]
