@@ -175,7 +175,43 @@ def random_ops(kv: Recorder) -> None:
     kv("stats")
 
 
+def prefix(kv: Recorder) -> None:
+    prompt = list(range(200, 240))  # 10 blocks of 4 tokens
+    kv("allocate", "p", 40, token_ids=prompt)
+    kv("commit", "p", prompt)
+    kv("events")
+    kv("probe", [*prompt, 1])
+    kv("probe", prompt[:9])
+    kv("probe", [*prompt, 1], cache_salt="other")
+    kv("allocate", "q", 44, token_ids=[*prompt, 1, 2, 3, 4], lookahead=2)
+    kv("allocate", "q", 44, token_ids=[*prompt, 1, 2, 3, 4], lookahead=2)  # idempotent
+    kv("block_table", "q")
+    kv("rewind", "q", 20)  # into shared blocks
+    kv("free", "p")
+    kv("rewind", "q", 20)  # now only q holds them
+    kv("allocate", "s", 9, token_ids=prompt[:9], cache_salt="t", lora_id=3)
+    kv("commit", "s", prompt[:9])
+    kv(
+        "allocate",
+        "m",
+        12,
+        token_ids=prompt[:12],
+        multimodal=[{"digest": "img", "start": 2, "length": 5}],
+    )
+    kv("allocate", "bad", 3, token_ids=[1, 2])
+    kv("allocate", "bad", 3, token_ids=[1, 2, -5])
+    kv("reset_prefix_cache")
+    for rid in ("q", "s", "m"):
+        kv("free", rid)
+    kv("reset_prefix_cache")
+    kv("probe", [*prompt, 1])
+    kv("events", after=2)
+    kv("events", after=0, limit=2)
+    kv("stats")
+
+
 SCENARIOS: dict[str, Callable[[Recorder], None]] = {
+    "prefix": prefix,
     "lifecycle": lifecycle,
     "steps": steps,
     "tables": tables,

@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -306,8 +307,34 @@ def test_plain_ops_accept_exactly_what_the_op_models_accept() -> None:
     from kvcm_client.models import StepRequest
 
     rng = np.random.default_rng(11)
-    values: list[object] = [1, 3, 0, -2, True, 1.0, "1", None, 2**40, [1, 2], [1, True], []]
-    fields = ["request_id", "num_tokens", "num_new_tokens", "lookahead", "token_ids", "extra"]
+    values: list[object] = [
+        1,
+        3,
+        0,
+        -2,
+        True,
+        1.0,
+        "1",
+        None,
+        2**40,
+        [1, 2],
+        [1, True],
+        [],
+        ["ab"],
+        [{"digest": "d", "start": 0, "length": 1}],
+    ]
+    fields = [
+        "request_id",
+        "num_tokens",
+        "num_new_tokens",
+        "lookahead",
+        "token_ids",
+        "extra",
+        "lora_id",
+        "cache_salt",
+        "multimodal",
+        "block_keys",
+    ]
     valid = {
         "allocate": {"request_id": "a", "num_tokens": 2},
         "extend": {"request_id": "b", "num_new_tokens": 1},
@@ -337,5 +364,42 @@ def test_plain_ops_accept_exactly_what_the_op_models_accept() -> None:
             assert fast is None, body
             continue
         accepted += 1
+        if fast is None:  # allowed only for the nested fields left to the models
+            assert any(
+                op.op == "allocate" and (op.multimodal is not None or op.block_keys is not None)
+                for op in req.ops
+            ), body
+            continue
         assert fast == ([op.model_dump() for op in req.ops], req.atomic, req.brief), body
     assert accepted > 700  # of 4000 random bodies; the rest must be refused by both
+
+
+def test_event_followers_wake_when_another_client_publishes(url: str) -> None:
+    got: list[object] = []
+
+    def follow() -> None:
+        with KVCacheClient(url) as kv:
+            for batch in kv.follow_events(after=0, timeout_s=5):
+                got.append((time.monotonic(), batch))
+                return
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    time.sleep(0.3)  # the follower is waiting in its long-poll now
+    with KVCacheClient(url) as kv:
+        kv.allocate("a", 9, token_ids=list(range(9)))
+        published = time.monotonic()
+        kv.commit("a", list(range(9)))  # 2 full blocks of 4
+    thread.join(10)
+    ((when, batch),) = got
+    assert when - published < 1.0  # woken by the commit, not by the 5 s timeout
+    # One event per layer group (sliding and full), each with the 2 full blocks of 4 tokens.
+    events = batch.events  # type: ignore[attr-defined]
+    assert [(e.kind, e.layer_group, len(e.block_keys)) for e in events] == [
+        ("block_stored", 0, 2),
+        ("block_stored", 1, 2),
+    ]
+    assert "kvcm_prefix_stored_blocks_total 4.0" in httpx.get(f"{url}/metrics").text
+    with KVCacheClient(url) as kv:
+        empty = kv.events(after=batch.last_seq, timeout_s=0.2)  # type: ignore[attr-defined]
+        assert empty.events == [] and not empty.lost
