@@ -48,7 +48,7 @@ def test_commit_records_a_prefix_and_rewind_drops_its_tail() -> None:
     info = m.rewind("a", 3)
     assert (info.num_tokens, info.num_committed) == (4, 4)
     assert m.committed_tokens("a") == [7, 8, 9, 10]
-    for bad in ([-1], [2**31], [1.5], "abc", [True]):
+    for bad in ([-1], [2**31], [1.5], "abc", 7, ["1"]):
         with pytest.raises(InvalidArgument):
             m.commit("a", bad)  # type: ignore[arg-type]
     assert m.committed_tokens("a") == [7, 8, 9, 10]

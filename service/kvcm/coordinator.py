@@ -168,6 +168,9 @@ class Coordinator:
         ``in_order`` also refuses a batch that fits as a whole but not row after row (a row
         whose window releases blocks can make room for an earlier one only in a batch).
         """
+        if rows.size == 1:  # single ops: plain ints instead of ~40 tiny numpy calls
+            self._grow_one(int(rows[0]), int(new_tokens[0]), int(lookahead[0]))
+            return
         history = self.num_tokens[rows]
         length = history + new_tokens
         plans = self._plan(rows, history, length + lookahead, in_order)
@@ -183,6 +186,61 @@ class Coordinator:
         self.num_tokens[rows] = length
         self.history[rows] = history
         self.lookahead[rows] = lookahead
+        self.ops_since_take += 1
+
+    def _grow_one(self, row: int, new_tokens: int, lookahead: int) -> None:
+        """``grow`` of one row, same plan, same order of effects (release, then allocate)."""
+        tpb = self.tokens_per_block
+        history = int(self.num_tokens[row])
+        length = history + new_tokens
+        want = -(-(length + lookahead) // tpb)
+        need = [0] * len(self.pools)
+        back = [0] * len(self.pools)
+        steps = []
+        for g, policy in enumerate(self.policies):
+            current = int(self.num_blocks[g][row])
+            rel_old = int(self.released_end[g][row])
+            rel_new = rel_old
+            if self.windowed[g]:
+                rel_new = max(rel_old, (history + 1 - policy.sliding_window) // tpb)  # type: ignore[operator]
+            add = max(want - current, 0)
+            pg = self.group_pool[g]
+            need[pg] += add
+            back[pg] += rel_new - rel_old
+            steps.append((g, pg, current, add, rel_old, rel_new))
+        for pg, pool in enumerate(self.pools):
+            if need[pg] > pool.num_free + back[pg]:
+                raise OutOfBlocks(
+                    f"pool group {pg} needs {need[pg]} blocks, {pool.num_free + back[pg]} are free",
+                    pool_group=pg,
+                    needed=need[pg],
+                    free=pool.num_free,
+                    released=back[pg],
+                )
+        for g, pg, _, _, rel_old, rel_new in steps:
+            if rel_new > rel_old:
+                seg = self.tables[g][row, rel_old:rel_new]
+                self._unref(pg, seg.copy())
+                seg[:] = -1
+                if self.edits is not None:
+                    self.edits.append(
+                        (g, np.full(rel_new - rel_old, row), np.arange(rel_old, rel_new), None)
+                    )
+        for g, pg, current, add, _, rel_new in steps:
+            if add:
+                slots = self.pools[pg].pop(add)
+                self.refs[pg][slots] = 1
+                self.cache.evict(pg, slots)
+                self.tables[g][row, current : current + add] = slots
+                if self.edits is not None:
+                    self.edits.append(
+                        (g, np.full(add, row), np.arange(current, current + add), slots)
+                    )
+            self.num_blocks[g][row] = current + add
+            self.released_end[g][row] = rel_new
+        self.num_tokens[row] = length
+        self.history[row] = history
+        self.lookahead[row] = lookahead
         self.ops_since_take += 1
 
     def _release(self, plan: _GroupPlan, rows: np.ndarray) -> None:

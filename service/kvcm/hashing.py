@@ -1,7 +1,9 @@
 """Block keys for prefix reuse: a SHA-256 chain over token blocks, seeded by the extra keys.
 
-The key of block i is ``SHA-256(key of block i-1 || "T" || its token ids as int32 LE ||
-multimodal tags)``; block 0's parent is the root ``SHA-256("kvcm/v1/root" || extra keys)``.
+The key of block i is ``SHA-256(key of block i-1 || its token ids as int32 LE || multimodal
+tags)``; block 0's parent is the root ``SHA-256("kvcm/v1/root" || extra keys)``. The parent
+(32 bytes) and the tokens (4 x tokens_per_block bytes) have fixed sizes, so the input needs no
+separators; each multimodal tag starts with ``"M"``.
 Extra keys are type-tagged so that no two different values encode alike: LoRA id ``"Li"`` +
 int64 or ``"Ls"`` + length + UTF-8, cache salt ``"S"`` + length + UTF-8. Different salts or
 LoRA ids give different roots, so they never share a block. A multimodal item (an image's
@@ -15,17 +17,18 @@ machines, so a router can compute them with ``block_keys`` and match the KV even
 publishes. Only full blocks have keys.
 
 Worked example (tokens_per_block 2): tokens [5, 6, 7] have one full block; its key is
-``sha256(root + b"T" + (5).to_bytes(4, "little") + (6).to_bytes(4, "little"))``; token 7 is
-not part of any key until the block is full.
+``sha256(root + (5).to_bytes(4, "little") + (6).to_bytes(4, "little"))``; token 7 is not
+part of any key until the block is full.
 """
 
 from __future__ import annotations
 
 import struct
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import sha256
+
+import numpy as np
 
 from kvcm_client.errors import InvalidArgument
 
@@ -66,16 +69,20 @@ def root_key(lora_id: int | str | None = None, cache_salt: str | None = None) ->
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as int32 little-endian, refusing what does not fit."""
+    """Token ids as int32 little-endian bytes, refusing what is not an int in [0, 2**31).
+
+    One C-level pass (``struct.pack``): prompts are thousands of tokens, and a Python loop
+    over them would cost more than everything else an allocate does.
+    """
+    if isinstance(token_ids, str | bytes):
+        raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
     try:
-        packed = array("i", token_ids)
-    except (OverflowError, TypeError) as exc:
+        data = struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except (struct.error, TypeError) as exc:
         raise InvalidArgument(f"token ids must be ints in [0, 2**31): {exc}") from None
-    if packed and min(packed) < 0:
-        raise InvalidArgument("token ids must be >= 0", token_id=min(packed))
-    if array("i").itemsize != 4 or struct.pack("=i", 1) != struct.pack("<i", 1):
-        packed = array("i", struct.unpack(f"<{len(packed)}i", packed.tobytes()))
-    return packed.tobytes()
+    if data and int(np.frombuffer(data, dtype="<i4").min()) < 0:
+        raise InvalidArgument("token ids must be >= 0")
+    return data
 
 
 def _multimodal_tags(
@@ -114,13 +121,17 @@ def chain_keys(
     step = 4 * tokens_per_block
     count = len(tokens) // step
     tags = _multimodal_tags(multimodal, first_block + count, tokens_per_block) if multimodal else {}
-    view = memoryview(tokens)
-    keys = []
-    for i in range(count):
-        block = view[i * step : (i + 1) * step]
-        tag = tags.get(first_block + i)
-        parent = sha256(parent + b"T" + block + tag if tag else parent + b"T" + block).digest()
-        keys.append(parent)
+    blocks = [tokens[i : i + step] for i in range(0, count * step, step)]
+    for b, tag in tags.items():
+        if first_block <= b < first_block + count:
+            blocks[b - first_block] += tag
+    # The hot loop of prefix reuse: SHA-256 itself is about half of it (bytes slices made up
+    # front and local names keep the rest small).
+    keys: list[bytes] = []
+    append, digest = keys.append, sha256
+    for block in blocks:
+        parent = digest(parent + block).digest()
+        append(parent)
     return keys
 
 

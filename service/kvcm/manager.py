@@ -52,7 +52,13 @@ from kvcm_client.models import Layout as LayoutInfo
 
 from .coordinator import Coordinator, segments
 from .device_tables import DeviceTables, Uploader
-from .hashing import KEY_BYTES, MultimodalItem, chain_keys, multimodal_items, root_key, token_bytes
+from .hashing import (
+    MultimodalItem,
+    chain_keys,
+    multimodal_items,
+    root_key,
+    token_bytes,
+)
 from .ids import LayerGroupId, LayerId, PoolGroupId
 from .layout import BufferPlacement, build_layout
 from .ops import plain_ops
@@ -103,23 +109,15 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
     return arr.astype(np.int64, copy=False)
 
 
-#: Token ids are int32 on every wire and in every table.
-_MAX_TOKEN_ID = 2**31 - 1
+def _token_ids(value: Any) -> tuple[list[int], bytes]:
+    """Validated token ids as plain ints and as the int32 bytes block keys hash.
 
-
-def _token_ids(value: Any) -> list[int]:
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+    Python counts a bool as an int, and so does this check; the wire refuses bools.
+    """
+    if not isinstance(value, Sequence | np.ndarray):
         raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
-    out = []
-    for t in value:
-        if isinstance(t, bool) or not isinstance(t, int | np.integer):
-            raise InvalidArgument(f"token_ids must be ints, got {type(t).__name__}", token_ids=None)
-        if not 0 <= t <= _MAX_TOKEN_ID:
-            raise InvalidArgument(
-                f"token ids must be in [0, {_MAX_TOKEN_ID}], got {t}", token_id=int(t)
-            )
-        out.append(int(t))
-    return out
+    data = token_bytes(value)
+    return np.frombuffer(data, dtype="<i4").tolist(), data
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,9 +301,18 @@ class KVCacheManager:
             raise InvalidArgument("request_id must be a non-empty string", request_id=None)
         num_tokens = _count("num_tokens", num_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
-        tokens = None if token_ids is None else _token_ids(token_ids)
+        # With block_keys the caller vouches for the tokens (both come from one block_keys
+        # call), so they are only counted: validating 4k ids would cost more than the rest.
+        tokens, data = None, b""
+        if token_ids is not None:
+            if block_keys is not None:
+                tokens = token_ids if type(token_ids) is list else list(token_ids)
+            else:
+                tokens, data = _token_ids(token_ids)
         items = multimodal_items(multimodal)
         root = root_key(lora_id, cache_salt)
+        # The prompt is compared by value on a retry; it is not copied (schedulers resend the
+        # same list, and copying 4k ids costs as much as the rest of an allocate).
         args = (num_tokens, lookahead, tokens, lora_id, cache_salt, items)
         first = self._first.get(request_id)
         if first is not None:
@@ -333,7 +340,7 @@ class KVCacheManager:
                     num_tokens=num_tokens,
                     num_token_ids=len(tokens),
                 )
-            keys = self._keys_of(tokens, root, items, block_keys)
+            keys = self._keys_of(tokens, data, root, items, block_keys)
             hit, hits, ends = find_hit(
                 self._coord.cache, keys, num_tokens, self.tokens_per_block, self._windows
             )
@@ -363,7 +370,11 @@ class KVCacheManager:
             stats.hit_tokens += hit_tokens
         self._free_rows.pop()
         self._rows[request_id] = row
-        self._tokens[request_id] = [] if tokens is None else tokens[:hit_tokens]
+        if tokens is None:
+            self._tokens[request_id] = []
+        else:
+            head = tokens[:hit_tokens]
+            self._tokens[request_id] = head if type(head) is list else list(head)
         self._committed[row] = hit_tokens
         self._hits[row] = hit_tokens
         self._prefix[request_id] = _PrefixState(
@@ -376,18 +387,24 @@ class KVCacheManager:
     def _keys_of(
         self,
         tokens: list[int],
+        data: bytes,
         root: bytes,
         items: tuple[MultimodalItem, ...],
         given: Sequence[bytes | str] | None,
     ) -> list[bytes]:
+        """The prompt's block keys: ``given`` (checked for shape), or hashed from ``data``."""
         full = len(tokens) // self.tokens_per_block
         if given is None:
-            return chain_keys(root, token_bytes(tokens), self.tokens_per_block, 0, items)
-        try:
-            keys = [bytes.fromhex(k) if isinstance(k, str) else bytes(k) for k in given]
-        except (TypeError, ValueError):
-            raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)") from None
-        if len(keys) != full or any(len(k) != KEY_BYTES for k in keys):
+            return chain_keys(root, data, self.tokens_per_block, 0, items)
+        # Only the count is checked: a malformed key is in no index, so it can never hit, and
+        # keys past the hit are not kept. Hex strings (the wire form) are converted.
+        keys = given if type(given) is list else list(given)
+        if keys and type(keys[0]) is not bytes:
+            try:
+                keys = [bytes.fromhex(k) if isinstance(k, str) else bytes(k) for k in keys]
+            except (TypeError, ValueError):
+                raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)") from None
+        if len(keys) != full:
             raise InvalidArgument(
                 f"block_keys must be the {full} keys of the full blocks of token_ids",
                 num_keys=len(keys),
@@ -403,11 +420,14 @@ class KVCacheManager:
         block_keys: Sequence[bytes | str] | None = None,
     ) -> int:
         """Tokens a new request with this prompt would reuse now; claims nothing."""
-        tokens = _token_ids(token_ids)
+        if block_keys is not None:
+            tokens, data = token_ids, b""  # type: ignore[assignment]  # only its length is used
+        else:
+            tokens, data = _token_ids(token_ids)
         if not tokens:
             return 0
         root = root_key(lora_id, cache_salt)
-        keys = self._keys_of(tokens, root, multimodal_items(multimodal), block_keys)
+        keys = self._keys_of(tokens, data, root, multimodal_items(multimodal), block_keys)
         hit, _, _ = find_hit(
             self._coord.cache, keys, len(tokens), self.tokens_per_block, self._windows
         )
@@ -535,7 +555,7 @@ class KVCacheManager:
         tracker for its status.)
         """
         row = self._row(request_id)
-        tokens = _token_ids(token_ids)
+        tokens, _ = _token_ids(token_ids)
         done = len(self._tokens[request_id])
         length = int(self._coord.num_tokens[row])
         if done + len(tokens) > length:

@@ -12,8 +12,10 @@ so (``lost``) and should resynchronise, e.g. by treating the replica's cache as 
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass, field, replace
+from itertools import compress, count
 from typing import Any
 
 import numpy as np
@@ -174,11 +176,9 @@ def find_hit(
         return 0, [], []
     for g, (window, _) in enumerate(windows):
         if window is None:
-            index = cache.index[g]
-            n = 0
-            while n < cap and keys[n] in index:
-                n += 1
-            cap = n
+            # Length of the cached run of keys (C-level iteration: prompts have 100s of blocks).
+            present = map(cache.index[g].__contains__, keys[:cap])
+            cap = next(compress(count(), map(operator.not_, present)), cap)
     for b in range(cap, 0, -1):
         starts = []
         for g, (window, sinks) in enumerate(windows):
@@ -194,12 +194,15 @@ def find_hit(
         else:
             hits, ends = [], []
             for g, (window, sinks) in enumerate(windows):
-                index = cache.index[g]
-                slots = np.full(b, -1, dtype=np.int32)
-                lo = starts[g]
-                for i in [*range(min(sinks, b)), *range(lo, b)] if window else range(b):
-                    slots[i] = index[keys[i]]
+                lookup = cache.index[g].__getitem__
+                if window is None:
+                    slots = np.fromiter(map(lookup, keys[:b]), dtype=np.int32, count=b)
+                    ends.append(sinks)
+                else:
+                    slots = np.full(b, -1, dtype=np.int32)
+                    for i in [*range(min(sinks, b)), *range(starts[g], b)]:
+                        slots[i] = lookup(keys[i])
+                    ends.append(starts[g])
                 hits.append(slots)
-                ends.append(lo if window else sinks)
             return b, hits, ends
     return 0, [], []
