@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,3 +22,37 @@ def test_bench_manager_quick_prints_every_table() -> None:
     assert sum(line.startswith(("| full |", "| sliding+full |")) for line in rows) == 2
     assert any(line.endswith("x |") and "M |" in line for line in rows)  # allocate + free
     assert "construction" in run.stdout
+
+
+def test_bench_prefix_quick_prints_its_table() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_prefix.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "hashing, ns per token" in run.stdout and "probe + allocate" in run.stdout
+
+
+def test_loadtest_quick_runs_both_clients_and_leaks_nothing() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "loadtest.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr  # exit 1 on errors or leaks
+    assert "after the run: 0 leaked blocks, 0 requests left" in run.stdout
+    for client in ("httpx", "raw"):
+        assert re.search(rf"^{client} +step closed c=1 ", run.stdout, re.M), client
+
+
+def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> None:
+    code = (
+        "import sys, kvcm_client; "
+        "print(sorted(m for m in ('torch', 'numpy', 'fastapi', 'uvicorn', 'kvcm') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

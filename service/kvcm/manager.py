@@ -551,8 +551,8 @@ class KVCacheManager:
 
         Committed tokens are a prefix of the request: a request of 10 tokens with 4 committed
         accepts at most 6 more. ``rewind`` drops committed tokens past the new length.
-        (Prefix reuse publishes the full blocks of the committed prefix; see the issue
-        tracker for its status.)
+        Every block the committed prefix fills is keyed and published for reuse in each
+        reusable layer group (a ``block_stored`` event), unless that key is cached already.
         """
         row = self._row(request_id)
         tokens, _ = _token_ids(token_ids)
