@@ -213,9 +213,9 @@ def _random_ops(m: KVCacheManager, rng: np.random.Generator, steps: int) -> None
                     o.allocate(rid, n, la)
                 except OracleOutOfBlocks:
                     with pytest.raises(OutOfBlocks):
-                        m.allocate(rid, n, la)
+                        m.allocate(rid, n, lookahead=la)
                 else:
-                    m.allocate(rid, n, la)
+                    m.allocate(rid, n, lookahead=la)
                     live.append(rid)
             elif kind == "extend":
                 rid = live[int(rng.integers(len(live)))]

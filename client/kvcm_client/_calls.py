@@ -148,8 +148,8 @@ def _item(item: Any) -> Any:
 def allocate(
     request_id: str,
     num_tokens: int,
+    token_ids: Any,
     lookahead: int,
-    token_ids: Any = None,
     lora_id: Any = None,
     cache_salt: Any = None,
     multimodal: Any = None,

@@ -168,8 +168,8 @@ class AllocateOp(_Frozen):
     op: Literal["allocate"] = "allocate"
     request_id: str
     num_tokens: Count
-    lookahead: Count = 0
     token_ids: list[Count] | None = None
+    lookahead: Count = 0
     lora_id: Annotated[int, Strict()] | Annotated[str, Strict()] | None = None
     cache_salt: Annotated[str, Strict()] | None = None
     multimodal: list[MultimodalInput] | None = None

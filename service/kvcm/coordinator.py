@@ -310,6 +310,13 @@ class Coordinator:
     def _unref(self, pg: int, slots: np.ndarray) -> None:
         """Drop one reference from each slot; those nobody holds go to the queue, in order."""
         refs = self.refs[pg]
+        held = refs[slots]
+        if held.size and held.max() == 1:
+            # Nobody else holds any of them (the usual case without prefix hits): a slot
+            # listed twice would show 2 here, so these are distinct and all become free.
+            refs[slots] = 0
+            self.pools[pg].push(slots)
+            return
         np.subtract.at(refs, slots, 1)
         free = slots[refs[slots] == 0]
         if free.size > 1:

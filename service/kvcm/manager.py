@@ -35,7 +35,10 @@ from kvcm_client.errors import (
 from kvcm_client.models import (
     ROLES,
     BufferInfo,
+    CommitOp,
     Estimate,
+    ExtendOp,
+    FreeOp,
     KVEvents,
     LayerGroupInfo,
     ManagerConfig,
@@ -45,6 +48,7 @@ from kvcm_client.models import (
     PoolInfo,
     PrefixCacheStats,
     RequestInfo,
+    RewindOp,
     Role,
     Stats,
 )
@@ -67,6 +71,8 @@ from .prefix_cache import find_hit
 from .sizing import Sizing
 
 _OPS = TypeAdapter(list[Op])
+#: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
+_FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp)
 _RESULTS = TypeAdapter(list[OpResult])
 
 
@@ -277,8 +283,8 @@ class KVCacheManager:
         self,
         request_id: str,
         num_tokens: int,
-        lookahead: int = 0,
         token_ids: Sequence[int] | None = None,
+        lookahead: int = 0,
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
         multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
@@ -648,6 +654,9 @@ class KVCacheManager:
                 raise InvalidArgument(f"{name} must be a bool, got {type(flag).__name__}")
         items = list(ops)
         plain = plain_ops(items)
+        if plain is None and all(type(o) in _FLAT_OPS for o in items):
+            # Validated frozen models: their fields are already the plain dict.
+            plain = [dict(o.__dict__) for o in items]
         if plain is None:
             try:
                 models = _OPS.validate_python(items)
@@ -804,8 +813,8 @@ class KVCacheManager:
                 info = self.allocate(
                     op["request_id"],
                     op["num_tokens"],
-                    op["lookahead"],
                     op["token_ids"],
+                    op["lookahead"],
                     op["lora_id"],
                     op["cache_salt"],
                     op["multimodal"],

@@ -86,8 +86,8 @@ class ServiceState:
             lambda: m.allocate(
                 op.request_id,
                 op.num_tokens,
-                op.lookahead,
                 op.token_ids,
+                op.lookahead,
                 op.lora_id,
                 op.cache_salt,
                 None if op.multimodal is None else [i.model_dump() for i in op.multimodal],
