@@ -143,6 +143,12 @@ class Coordinator:
                     free=pool.num_free,
                     released=back[pg],
                 )
+        self._check_fits(need, back)
+        return plans
+
+    def _check_fits(self, need: list[int], back: list[int]) -> None:
+        """Refuse an op that needs more slots than are free once its releases are back."""
+        for pg, pool in enumerate(self.pools):
             if need[pg] > pool.num_free + back[pg]:
                 raise OutOfBlocks(
                     f"pool group {pg} needs {need[pg]} blocks, {pool.num_free + back[pg]} are free",
@@ -151,7 +157,6 @@ class Coordinator:
                     free=pool.num_free,
                     released=back[pg],
                 )
-        return plans
 
     # -- ops ---------------------------------------------------------------------------------
 
@@ -208,15 +213,7 @@ class Coordinator:
             need[pg] += add
             back[pg] += rel_new - rel_old
             steps.append((g, pg, current, add, rel_old, rel_new))
-        for pg, pool in enumerate(self.pools):
-            if need[pg] > pool.num_free + back[pg]:
-                raise OutOfBlocks(
-                    f"pool group {pg} needs {need[pg]} blocks, {pool.num_free + back[pg]} are free",
-                    pool_group=pg,
-                    needed=need[pg],
-                    free=pool.num_free,
-                    released=back[pg],
-                )
+        self._check_fits(need, back)
         for g, pg, _, _, rel_old, rel_new in steps:
             if rel_new > rel_old:
                 seg = self.tables[g][row, rel_old:rel_new]
