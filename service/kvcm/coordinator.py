@@ -324,30 +324,38 @@ class Coordinator:
 
     # -- prefix hits ---------------------------------------------------------------------------
 
-    def hit_need(self, hits: list[np.ndarray], capacity: int) -> list[int]:
-        """Free slots per pool group a new request with these hit blocks needs in all.
+    def hit_need(self, hits: list[np.ndarray], capacity: int) -> tuple[list[int], list[np.ndarray]]:
+        """Free slots per pool group a new request with these hit blocks needs in all, and
+        per layer group the hit slots nobody holds (they come out of the queue).
 
         ``hits[g]`` holds the slot of each of the first blocks (-1 where a window does not
-        need it); slots nobody holds come out of the queue, and the blocks past the hit up to
-        ``capacity`` tokens are new.
+        need it); the blocks past the hit up to ``capacity`` tokens are new.
         """
         want = -(-capacity // self.tokens_per_block)
         need = [0] * len(self.pools)
+        idle = []
         for g, slots in enumerate(hits):
             pg = self.group_pool[g]
-            live = slots[slots >= 0]
-            need[pg] += max(want - slots.size, 0) + int((self.refs[pg][live] == 0).sum())
-        return need
+            live = slots[slots >= 0] if self.windowed[g] else slots
+            unheld = live[self.refs[pg][live] == 0]
+            idle.append(unheld)
+            need[pg] += max(want - slots.size, 0) + unheld.size
+        return need, idle
 
     def place_hits(
-        self, row: int, hits: list[np.ndarray], released_end: list[int], num_tokens: int
+        self,
+        row: int,
+        hits: list[np.ndarray],
+        idle: list[np.ndarray],
+        released_end: list[int],
+        num_tokens: int,
     ) -> None:
-        """Give an empty row the hit blocks (shared, refs + 1) as its first ``num_tokens``."""
+        """Give an empty row the hit blocks (shared, refs + 1) as its first ``num_tokens``;
+        ``idle`` (from ``hit_need``) are those in the free queue."""
         for g, slots in enumerate(hits):
             pg = self.group_pool[g]
-            live = slots[slots >= 0]
-            idle = live[self.refs[pg][live] == 0]
-            self.pools[pg].claim(idle)
+            live = slots[slots >= 0] if self.windowed[g] else slots
+            self.pools[pg].claim(idle[g])
             self.refs[pg][live] += 1
             n = slots.size
             self.tables[g][row, :n] = slots

@@ -353,7 +353,7 @@ class KVCacheManager:
         row = self._free_rows[-1]
         c = self._coord
         if hit:
-            need = c.hit_need(hits, num_tokens + lookahead)
+            need, idle = c.hit_need(hits, num_tokens + lookahead)
             for pg, pool in enumerate(c.pools):
                 if need[pg] > pool.num_free:
                     raise OutOfBlocks(
@@ -364,7 +364,7 @@ class KVCacheManager:
                         released=0,
                     )
             hit_tokens = hit * self.tokens_per_block
-            c.place_hits(row, hits, ends, hit_tokens)
+            c.place_hits(row, hits, idle, ends, hit_tokens)
             c.grow(np.array([row]), np.array([num_tokens - hit_tokens]), np.array([lookahead]))
         else:
             hit_tokens = 0
@@ -435,7 +435,7 @@ class KVCacheManager:
         root = root_key(lora_id, cache_salt)
         keys = self._keys_of(tokens, data, root, multimodal_items(multimodal), block_keys)
         hit, _, _ = find_hit(
-            self._coord.cache, keys, len(tokens), self.tokens_per_block, self._windows
+            self._coord.cache, keys, len(tokens), self.tokens_per_block, self._windows, True
         )
         return hit * self.tokens_per_block
 

@@ -157,6 +157,7 @@ def find_hit(
     num_tokens: int,
     tokens_per_block: int,
     windows: list[tuple[int | None, int]],
+    length_only: bool = False,
 ) -> tuple[int, list[np.ndarray], list[int]]:
     """The longest block-aligned prefix every layer group can serve, at most num_tokens - 1.
 
@@ -166,9 +167,10 @@ def find_hit(
     tpb)``; a group with ``reuse="none"`` serves nothing, so then nothing is reused.
 
     Returns (hit blocks b, per group the slots of blocks [0, b) with -1 where a window does not
-    need them, per group the end of the released run). Example: W = 8, tpb 4, no sinks, 3
-    cached blocks, 13 tokens: b = 3 (H = 12) needs blocks [(12 + 1 - 8) // 4, 3) = [1, 3), so
-    the slots are [-1, s1, s2] and the released run ends at 1.
+    need them, per group the end of the released run); with ``length_only`` (a probe) just b.
+    Example: W = 8, tpb 4, no sinks, 3 cached blocks, 13 tokens: b = 3 (H = 12) needs blocks
+    [(12 + 1 - 8) // 4, 3) = [1, 3), so the slots are [-1, s1, s2] and the released run ends
+    at 1.
     """
     tpb = tokens_per_block
     cap = min(len(keys), (num_tokens - 1) // tpb)
@@ -192,6 +194,8 @@ def find_hit(
                 break
             starts.append(start)
         else:
+            if length_only:
+                return b, [], []
             hits, ends = [], []
             for g, (window, sinks) in enumerate(windows):
                 lookup = cache.index[g].__getitem__
