@@ -17,6 +17,8 @@ from pydantic import BaseModel, TypeAdapter
 
 from .errors import KVCMError, error_from_dict
 from .models import (
+    ConsumerInfo,
+    Consumers,
     Estimate,
     IndexRow,
     IndexRows,
@@ -28,6 +30,7 @@ from .models import (
     RequestInfo,
     SessionClosed,
     SessionInfo,
+    SharedLayout,
     Stats,
     StepResponse,
 )
@@ -324,3 +327,19 @@ def _pool_group_value(values: dict[int, int], pool_group: int) -> int:
     if key not in values:
         raise InvalidArgument(f"no pool group {pool_group}", pool_group=pool_group)
     return values[key]
+
+
+def pools() -> Call[SharedLayout]:
+    return _get("/v1/pools", _model(SharedLayout))
+
+
+def register_consumer(pid: int, generation: str) -> Call[ConsumerInfo]:
+    return _post("/v1/consumers", _model(ConsumerInfo), pid=pid, generation=generation)
+
+
+def unregister_consumer(consumer_id: str) -> Call[None]:
+    return Call("DELETE", f"/v1/consumers/{consumer_id}", _none, idempotent=True)
+
+
+def consumers() -> Call[list[ConsumerInfo]]:
+    return _get("/v1/consumers", lambda raw: Consumers.model_validate_json(raw).consumers)

@@ -22,13 +22,14 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
 
 from . import _calls as calls
 from .errors import ServiceUnavailable
 from .models import (
+    ConsumerInfo,
     Estimate,
     KVEvents,
     Layout,
@@ -36,8 +37,12 @@ from .models import (
     RequestInfo,
     SessionClosed,
     SessionInfo,
+    SharedLayout,
     Stats,
 )
+
+if TYPE_CHECKING:
+    from .shared import Attachment
 
 T = TypeVar("T")
 
@@ -247,6 +252,26 @@ class KVCacheClient:
     def num_total_blocks(self, pool_group: int | None = None) -> int:
         return calls.total_blocks(self.stats(), pool_group)
 
+    # -- shared memory (the inference server's side) -------------------------------------------
+
+    def pools(self) -> SharedLayout:
+        """Descriptors of the service's shared pools and page tables."""
+        return self._run(calls.pools())
+
+    def attach(self) -> Attachment:
+        """Map the pools and page tables here and register this process as a consumer;
+        ``close()`` on the result unregisters it."""
+        from .shared import Attachment
+
+        layout = self.pools()
+        info = self._run(calls.register_consumer(os.getpid(), layout.generation))
+        return Attachment(
+            layout, on_close=lambda: self._run(calls.unregister_consumer(info.consumer_id))
+        )
+
+    def consumers(self) -> list[ConsumerInfo]:
+        return self._run(calls.consumers())
+
     # -- leases --------------------------------------------------------------------------------
 
     def open_session(self, ttl_s: float | None = None) -> SessionInfo:
@@ -449,6 +474,26 @@ class AsyncKVCacheClient:
 
     async def num_total_blocks(self, pool_group: int | None = None) -> int:
         return calls.total_blocks(await self.stats(), pool_group)
+
+    async def pools(self) -> SharedLayout:
+        return await self._run(calls.pools())
+
+    async def attach(self) -> Attachment:
+        """As ``KVCacheClient.attach``; call ``detach(attachment)`` to unregister."""
+        from .shared import Attachment
+
+        layout = await self.pools()
+        info = await self._run(calls.register_consumer(os.getpid(), layout.generation))
+        attachment = Attachment(layout)
+        attachment.consumer_id = info.consumer_id  # type: ignore[attr-defined]
+        return attachment
+
+    async def detach(self, attachment: Attachment) -> None:
+        await self._run(calls.unregister_consumer(attachment.consumer_id))  # type: ignore[attr-defined]
+        attachment.close()
+
+    async def consumers(self) -> list[ConsumerInfo]:
+        return await self._run(calls.consumers())
 
     async def open_session(self, ttl_s: float | None = None) -> SessionInfo:
         info = await self._run(calls.open_session(ttl_s))

@@ -102,6 +102,13 @@ class PrefixCacheInUse(KVCMError):
     status = 409
 
 
+class StaleGeneration(KVCMError):
+    """Shared-memory descriptors of an earlier start of the service (or a gone segment)."""
+
+    code = "stale_generation"
+    status = 409
+
+
 class StepAborted(KVCMError):
     """An op of an all-or-nothing step that was not applied because another op failed."""
 
@@ -178,6 +185,7 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         InsufficientMemory,
         DeviceUnavailable,
         StepAborted,
+        StaleGeneration,
         RewindIntoSharedBlock,
         PrefixCacheInUse,
         MalformedRequest,

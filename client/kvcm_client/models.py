@@ -116,6 +116,9 @@ class ManagerConfig(_Frozen):
     max_seq_len: PosInt = 8192
     num_blocks: PosInt | None = None
     memory_bytes: PosInt | None = None
+    share: bool = False
+    """Put the pools and page tables where another process can map them (POSIX shared memory
+    on the CPU); ``pools()`` describes them and ``kvcm_client.attach`` maps them."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:
@@ -453,3 +456,61 @@ class SessionClosed(_Frozen):
 
 class EmptyBody(_Frozen):
     """The body of routes that take no arguments (``{}``)."""
+
+
+# --- shared memory (the inference server's view of the pools) ----------------------------------
+
+
+class SharedSegment(_Frozen):
+    """One mappable allocation: a POSIX shared-memory segment (``name``) on the CPU."""
+
+    kind: Literal["shm"]
+    name: str
+    nbytes: int
+
+
+class SharedBuffer(_Frozen):
+    """Where (layer, role) lives in its pool's segment: a strided view in ``dtype`` elements,
+    ``[num_slots, tokens_per_block, ...]``, the page of slot s at ``view[s]``."""
+
+    layer_id: int
+    role: Role
+    layer_group: int
+    pool: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+
+class SharedLayout(_Frozen):
+    """Everything a consumer needs to map the pools and page tables without copying.
+
+    ``generation`` changes at every start of the service: descriptors of an earlier start
+    describe memory that no longer exists, and ``attach`` refuses them.
+    """
+
+    generation: str
+    device: str
+    tokens_per_block: int
+    layers: list[LayerSpec]
+    layer_group_of: dict[int, int]
+    pools: list[SharedSegment]
+    buffers: list[SharedBuffer]
+    page_tables: SharedSegment
+    page_table_shape: tuple[int, int, int]
+
+
+class ConsumerRequest(_Frozen):
+    pid: Annotated[int, Strict(), Field(gt=0)]
+    generation: str
+
+
+class ConsumerInfo(_Frozen):
+    consumer_id: str
+    pid: int
+    generation: str
+
+
+class Consumers(_Frozen):
+    consumers: list[ConsumerInfo]

@@ -42,6 +42,15 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--device", {"help": "cpu or cuda[:N]"}),
     ("--max-requests", {"type": int}),
     ("--max-seq-len", {"type": int}),
+    (
+        "--no-share",
+        {
+            "action": "store_const",
+            "const": False,
+            "dest": "share",
+            "help": "keep the pools private (default: POSIX shared memory on the CPU)",
+        },
+    ),
 ]
 _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", {"help": "bind address (default 127.0.0.1: loopback only)"}),
@@ -234,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = _settings(args)
         if args.command == "estimate":
-            manager = KVCacheManager(settings.manager_config())
+            config = settings.manager_config().model_copy(update={"share": False})
+            manager = KVCacheManager(config)
             seq_lens = args.seq_len or sorted({1024, 4096, manager.config.max_seq_len})
             print(report(manager, seq_lens))
             return 0

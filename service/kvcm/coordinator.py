@@ -73,6 +73,7 @@ class Coordinator:
         slots: dict[PoolGroupId, int],
         max_requests: int,
         max_blocks: int,
+        tables_buffer: memoryview | None = None,
     ) -> None:
         tpb = layout.tokens_per_block
         self.tokens_per_block = tpb
@@ -94,7 +95,12 @@ class Coordinator:
         self.num_blocks = [np.zeros(max_requests, dtype=np.int64) for _ in range(ng)]
         self.released_end = [np.full(max_requests, s, dtype=np.int64) for s in self.sinks]
         #: Host page tables of all layer groups in one array, ``[groups, rows, blocks]``.
-        self.tables = np.full((ng, max_requests, max_blocks), -1, dtype=np.int32)
+        shape = (ng, max_requests, max_blocks)
+        if tables_buffer is None:
+            self.tables = np.full(shape, -1, dtype=np.int32)
+        else:  # in shared memory, so another process sees every edit at once
+            self.tables = np.ndarray(shape, dtype=np.int32, buffer=tables_buffer)
+            self.tables.fill(-1)
         #: Table edits since the last ``take_edits`` (only kept for device tables):
         #: (layer group, rows, positions, slots or None for -1).
         self.edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None = None

@@ -7,6 +7,7 @@ Every op is atomic: it raises before anything changes, or it completes.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ from kvcm_client.models import (
     RequestInfo,
     RewindOp,
     Role,
+    SharedBuffer,
+    SharedLayout,
+    SharedSegment,
     Stats,
 )
 from kvcm_client.models import Layout as LayoutInfo
@@ -68,6 +72,7 @@ from .layout import BufferPlacement, build_layout
 from .ops import plain_ops
 from .pools import PoolMemory, role_dtype
 from .prefix_cache import find_hit
+from .shared_memory import SharedSegments
 from .sizing import Sizing
 
 _OPS = TypeAdapter(list[Op])
@@ -207,9 +212,30 @@ class KVCacheManager:
         else:
             assert cfg.memory_bytes is not None
             self._slots = self._sizing.slots_for_budget(cfg.memory_bytes)
-        self.memory = PoolMemory(self.layout, self._slots, self.device)
+        #: Changes at every construction: shared descriptors of another one are refused.
+        self.generation = uuid.uuid4().hex
+        self._segments: SharedSegments | None = None
+        tables_buffer = None
+        if cfg.share:
+            if self.device.type != "cpu":
+                raise DeviceUnavailable(
+                    "share=True maps pools through POSIX shared memory on the CPU; CUDA pools "
+                    "are not exportable yet (CUDA IPC is not implemented)",
+                    device=str(self.device),
+                )
+            self._segments = SharedSegments(self.generation)
+        self.memory = PoolMemory(self.layout, self._slots, self.device, self._segments)
+        if self._segments is not None:
+            ng = len(self.layout.layer_groups)
+            table_bytes = 4 * ng * cfg.max_requests * self.max_blocks_per_request
+            self._table_segment = self._segments.allocate(table_bytes)
+            tables_buffer = self._table_segment.buf[:table_bytes]
         self._coord = Coordinator(
-            self.layout, self._slots, cfg.max_requests, self.max_blocks_per_request
+            self.layout,
+            self._slots,
+            cfg.max_requests,
+            self.max_blocks_per_request,
+            tables_buffer,
         )
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
@@ -1195,6 +1221,58 @@ class KVCacheManager:
                 cached_blocks={i: cache.num_cached(i) for i in free},
             ),
         )
+
+    def pools(self) -> SharedLayout:
+        """Descriptors of the shared pools and page tables (needs ``share=True``).
+
+        A consumer maps them with ``kvcm_client.attach``: views per (layer, role) with the
+        strides of ``layer_view`` and the page tables ``[groups, max_requests, max_blocks]``,
+        which the manager edits in place (on the CPU they are the manager's own tables).
+        """
+        if self._segments is None:
+            raise InvalidArgument("this manager was built without share=True: nothing to map")
+        lay = self.layout
+        buffers = []
+        for (lid, role), place in sorted(
+            lay.placements.items(), key=lambda kv: (kv[0][0], ROLES.index(kv[0][1]))
+        ):
+            view = self.memory.layer_view(lid, role)
+            buffers.append(
+                SharedBuffer(
+                    layer_id=lid,
+                    role=role,
+                    layer_group=place.layer_group,
+                    pool=place.pool,
+                    dtype=str(view.dtype).removeprefix("torch."),
+                    shape=tuple(view.shape),
+                    strides=tuple(view.stride()),
+                    offset=view.storage_offset(),
+                )
+            )
+        tables = self._coord.tables
+        return SharedLayout(
+            generation=self.generation,
+            device=str(self.device),
+            tokens_per_block=self.tokens_per_block,
+            layers=list(self.config.layers),
+            layer_group_of={
+                int(layer.layer_id): int(g.group_id) for g in lay.layer_groups for layer in g.layers
+            },
+            pools=[
+                SharedSegment(kind="shm", name=name, nbytes=t.numel())
+                for name, t in zip(self.memory.segment_names, self.memory.tensors, strict=True)
+            ],
+            buffers=buffers,
+            page_tables=SharedSegment(
+                kind="shm", name=self._table_segment.name, nbytes=tables.nbytes
+            ),
+            page_table_shape=tables.shape,
+        )
+
+    def close(self) -> None:
+        """Unlink the shared segments (mappings that exist stay valid until unmapped)."""
+        if self._segments is not None:
+            self._segments.close()
 
     def layer_group_of(self, layer_id: int) -> LayerGroupId:
         return self._placement(layer_id, "key").layer_group

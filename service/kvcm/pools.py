@@ -21,6 +21,7 @@ from kvcm_client.models import LayerSpec, Role
 
 from .ids import LayerId, PoolGroupId
 from .layout import BufferPlacement, Layout
+from .shared_memory import SharedSegments
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -55,13 +56,28 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class PoolMemory:
-    def __init__(self, layout: Layout, slots: dict[PoolGroupId, int], device: torch.device) -> None:
+    """One raw allocation per pool; from named shared-memory segments when ``segments``."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        slots: dict[PoolGroupId, int],
+        device: torch.device,
+        segments: SharedSegments | None = None,
+    ) -> None:
         self.layout = layout
         self.device = device
-        self.tensors = [
-            torch.empty((slots[pool.pool_group], pool.slot_bytes), dtype=torch.uint8, device=device)
-            for pool in layout.pools
-        ]
+        self.segment_names: list[str] = []
+        self.tensors = []
+        for pool in layout.pools:
+            shape = (slots[pool.pool_group], pool.slot_bytes)
+            if segments is None:
+                self.tensors.append(torch.empty(shape, dtype=torch.uint8, device=device))
+                continue
+            segment = segments.allocate(shape[0] * shape[1])
+            self.segment_names.append(segment.name)
+            raw = torch.frombuffer(segment.buf, dtype=torch.uint8, count=shape[0] * shape[1])
+            self.tensors.append(raw.view(shape))
 
     def base_address(self, pool_id: int) -> int:
         return self.tensors[pool_id].data_ptr()

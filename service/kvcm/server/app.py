@@ -44,6 +44,9 @@ from kvcm_client.errors import (
 from kvcm_client.models import (
     AllocateOp,
     CommitOp,
+    ConsumerInfo,
+    ConsumerRequest,
+    Consumers,
     EmptyBody,
     Estimate,
     ExtendManyRequest,
@@ -63,6 +66,7 @@ from kvcm_client.models import (
     SessionClosed,
     SessionInfo,
     SessionRequest,
+    SharedLayout,
     SlotMappingRequest,
     Stats,
     StepRequest,
@@ -310,6 +314,28 @@ def create_app(
     async def committed_tokens(request_id: str) -> Response:
         return _json(IndexRow(row=m.committed_tokens(request_id)))
 
+    # -- shared memory -------------------------------------------------------------------------
+
+    @app.get("/v1/pools", response_model=SharedLayout, tags=["shared memory"])
+    async def pools() -> Response:
+        return _json(m.pools())
+
+    @app.post("/v1/consumers", response_model=ConsumerInfo, tags=["shared memory"])
+    async def register_consumer(request: Request, body: ConsumerRequest) -> Response:
+        authorize(request)
+        return _json(state.register_consumer(body))
+
+    @app.get("/v1/consumers", response_model=Consumers, tags=["shared memory"])
+    async def consumers() -> Response:
+        state.prune_consumers()
+        return _json(Consumers(consumers=list(state.consumers.values())))
+
+    @app.delete("/v1/consumers/{consumer_id}", status_code=204, tags=["shared memory"])
+    async def unregister_consumer(request: Request, consumer_id: str) -> Response:
+        authorize(request)
+        state.unregister_consumer(consumer_id)
+        return Response(status_code=204)
+
     # -- sessions ------------------------------------------------------------------------------
 
     @app.post("/v1/sessions", response_model=SessionInfo, tags=["sessions"])
@@ -412,6 +438,7 @@ async def _reap(state: ServiceState) -> None:
         await asyncio.sleep(delay)
         try:
             freed = state.expire()
+            state.prune_consumers()
         except Exception:  # never let the reaper die; the next round tries again
             log.exception("lease reaper failed")
             continue

@@ -21,9 +21,10 @@ _BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e
 
 
 class _StateCollector(Collector):
-    def __init__(self, manager: KVCacheManager, leases: Leases) -> None:
+    def __init__(self, manager: KVCacheManager, leases: Leases, consumers: dict) -> None:
         self.manager = manager
         self.leases = leases
+        self.consumers = consumers
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.manager.stats()
@@ -40,6 +41,9 @@ class _StateCollector(Collector):
             "kvcm_requests_running", "Requests holding a page-table row", stats.num_requests
         )
         yield GaugeMetricFamily("kvcm_sessions_active", "Open lease sessions", len(self.leases))
+        yield GaugeMetricFamily(
+            "kvcm_consumers_attached", "Processes that mapped the pools", len(self.consumers)
+        )
         cache = stats.prefix_cache
         if cache is None:
             return
@@ -60,9 +64,9 @@ class _StateCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, manager: KVCacheManager, leases: Leases) -> None:
+    def __init__(self, manager: KVCacheManager, leases: Leases, consumers: dict) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(manager, leases))
+        self.registry.register(_StateCollector(manager, leases, consumers))
         self.ops = Counter(
             "kvcm_ops",
             "Ops run, by op and result (ok or the error code)",

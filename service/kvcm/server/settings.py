@@ -76,6 +76,8 @@ class Settings(BaseSettings):
     device: str | None = None
     max_requests: int | None = Field(default=None, gt=0)
     max_seq_len: int | None = Field(default=None, gt=0)
+    share: bool | None = None
+    """Map pools and page tables into shared memory; None (auto): on for the CPU."""
     # -- serving --
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
@@ -119,6 +121,10 @@ class Settings(BaseSettings):
             value = getattr(self, key)
             if value is not None:
                 raw[key] = value
+        if self.share is not None:
+            raw["share"] = self.share
+        elif "share" not in raw:
+            raw["share"] = str(raw.get("device", "cpu")) == "cpu"
         if self.memory is not None:
             raw["memory_bytes"], raw["num_blocks"] = self.memory, None
         elif self.num_blocks is not None:

@@ -9,6 +9,8 @@ manager's contract), so neither the leases nor the counters see half an op.
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
@@ -17,10 +19,12 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import ValidationError
 
-from kvcm_client.errors import KVCMError, invalid_from_validation
+from kvcm_client.errors import KVCMError, StaleGeneration, invalid_from_validation
 from kvcm_client.models import (
     AllocateOp,
     CommitOp,
+    ConsumerInfo,
+    ConsumerRequest,
     ExtendManyRequest,
     ExtendOp,
     FreeOp,
@@ -38,6 +42,21 @@ from .metrics import Metrics
 T = TypeVar("T")
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (needs a shared pid namespace across containers)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class ServiceState:
     def __init__(
         self,
@@ -47,7 +66,9 @@ class ServiceState:
     ) -> None:
         self.manager = manager
         self.leases = Leases(lease_ttl_s, clock)
-        self.metrics = Metrics(manager, self.leases)
+        #: Processes that mapped the shared pools, by consumer id.
+        self.consumers: dict[str, ConsumerInfo] = {}
+        self.metrics = Metrics(manager, self.leases, self.consumers)
         self.ready = False
         #: Set (and replaced) whenever new KV events exist: long-polling readers wait on it.
         self.event_wave: asyncio.Event | None = None
@@ -170,6 +191,31 @@ class ServiceState:
         if extends:
             tally["extend", "ok"] = extends
         self.metrics.count_ops(tally)
+
+    # -- consumers (processes that mapped the shared pools) -------------------------------------
+
+    def register_consumer(self, req: ConsumerRequest) -> ConsumerInfo:
+        if req.generation != self.manager.generation:
+            raise StaleGeneration(
+                f"descriptors of generation {req.generation[:12]}; this service is "
+                f"{self.manager.generation[:12]}: fetch /v1/pools again",
+                generation=req.generation,
+            )
+        info = ConsumerInfo(
+            consumer_id=secrets.token_urlsafe(9), pid=req.pid, generation=req.generation
+        )
+        self.consumers[info.consumer_id] = info
+        return info
+
+    def unregister_consumer(self, consumer_id: str) -> None:
+        self.consumers.pop(consumer_id, None)
+
+    def prune_consumers(self) -> int:
+        """Forget consumers whose process is gone (died without detaching)."""
+        dead = [c for c, info in self.consumers.items() if not _alive(info.pid)]
+        for consumer_id in dead:
+            del self.consumers[consumer_id]
+        return len(dead)
 
     # -- sessions ------------------------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""Map the service's pools and page tables into this process: the inference server's side.
+
+``attach(layout)`` opens the shared-memory segments that ``pools()`` describes and returns
+torch views that alias them (nothing is copied): per (layer, role) the same
+``[num_slots, tokens_per_block, heads, head_dim]`` strided view the manager has, and the page
+tables ``[groups, max_requests, max_blocks_per_request]`` int32, which the manager edits in
+place. ``KVCacheClient.attach()`` also registers this process with the service, which counts
+attached consumers; a consumer that dies without detaching is noticed by its pid.
+
+Needs torch (the inference server has it); ``import kvcm_client`` alone does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+from .errors import InvalidArgument, StaleGeneration
+from .models import SharedLayout, SharedSegment
+
+
+def _open(segment: SharedSegment) -> shared_memory.SharedMemory:
+    try:
+        shm = shared_memory.SharedMemory(name=segment.name, create=False)
+    except FileNotFoundError:
+        raise StaleGeneration(
+            f"shared segment {segment.name} is gone: the service restarted or stopped",
+            name=segment.name,
+        ) from None
+    # The service owns and unlinks the segment; this process only maps it (Python < 3.13
+    # registers every opened segment for unlinking at exit).
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+class Attachment:
+    """Views of one service generation's pools and page tables (see the module docstring)."""
+
+    def __init__(
+        self,
+        layout: SharedLayout,
+        expected_generation: str | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        import torch
+
+        if expected_generation is not None and layout.generation != expected_generation:
+            raise StaleGeneration(
+                f"descriptors of generation {layout.generation[:12]}, expected "
+                f"{expected_generation[:12]}",
+                generation=layout.generation,
+            )
+        if layout.device != "cpu":
+            raise InvalidArgument(f"cannot map {layout.device} pools here (CPU only)")
+        self.layout = layout
+        self.generation = layout.generation
+        self._segments: list[shared_memory.SharedMemory] = []
+        self._on_close = on_close
+
+        def raw(segment: SharedSegment) -> Any:
+            shm = _open(segment)
+            self._segments.append(shm)
+            return torch.frombuffer(shm.buf, dtype=torch.uint8, count=segment.nbytes)
+
+        pools = [raw(seg) for seg in layout.pools]
+        self.views: dict[tuple[int, str], Any] = {}
+        for b in layout.buffers:
+            typed = pools[b.pool].view(getattr(torch, b.dtype))
+            self.views[(b.layer_id, b.role)] = typed.as_strided(b.shape, b.strides, b.offset)
+        self.page_tables = raw(layout.page_tables).view(torch.int32).view(layout.page_table_shape)
+        self.closed = False
+
+    def layer_view(self, layer_id: int, role: str = "key") -> Any:
+        try:
+            return self.views[(layer_id, role)]
+        except KeyError:
+            raise InvalidArgument(f"no buffer for layer {layer_id}, role {role!r}") from None
+
+    def page_table(self, layer_group: int) -> Any:
+        return self.page_tables[layer_group]
+
+    def close(self) -> None:
+        """Unregister from the service and drop this object's views and mappings.
+
+        A mapping stays until every tensor made from it is gone; views the caller still
+        holds keep it alive (and valid) until then.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        if self._on_close is not None:
+            self._on_close()
+        self.views.clear()
+        del self.page_tables
+        for shm in self._segments:
+            with contextlib.suppress(BufferError):
+                shm.close()
+        self._segments.clear()
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def attach(layout: SharedLayout, expected_generation: str | None = None) -> Attachment:
+    """Map ``layout`` (from ``pools()``) without registering with a service."""
+    return Attachment(layout, expected_generation)
