@@ -37,18 +37,24 @@ LAYERS = [
 Q_HEADS = {0: 4, 1: 4, 2: 2, 3: 2}
 
 
-@pytest.fixture
-def service(tmp_path: Path) -> object:
+def write_config(tmp_path: Path, device: str = "cpu") -> Path:
     cfg = {
         "layers": LAYERS,
         "tokens_per_block": TPB,
         "max_requests": 4,
         "max_seq_len": 160,
         "num_blocks": 200,
+        "device": device,
+        "share": True,
     }
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
-    with serve_process("--config", str(path)) as (url, proc, _):
+    return path
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> object:
+    with serve_process("--config", str(write_config(tmp_path))) as (url, proc, _):
         yield url, proc
 
 
@@ -72,7 +78,12 @@ def dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, spec: dict)
 
 
 def test_prefill_then_100_decode_steps_match_dense_attention(service: tuple[str, object]) -> None:
-    url, _ = service
+    assert decode_against_dense(service[0], steps=100) < 1e-5
+
+
+def decode_against_dense(url: str, steps: int) -> float:
+    """Prefill 3 requests, decode ``steps`` tokens; at every step and layer the consumer's
+    paged attention must equal dense SDPA. Returns the worst absolute difference."""
     gen = torch.Generator().manual_seed(0)
     prompts = {"a": 9, "b": 17, "c": 5}
     with KVCacheClient(url) as kv, kv.attach() as att:
@@ -83,7 +94,7 @@ def test_prefill_then_100_decode_steps_match_dense_attention(service: tuple[str,
             kv.allocate(rid, n)
         new = dict(prompts)
         worst = 0.0
-        for step in range(101):  # the prefill, then 100 decode steps
+        for step in range(steps + 1):  # the prefill, then the decode steps
             if step:
                 kv.extend_many(ids)
                 new = dict.fromkeys(ids, 1)
@@ -105,16 +116,18 @@ def test_prefill_then_100_decode_steps_match_dense_attention(service: tuple[str,
                     keys = history.setdefault((rid, lid), [])
                     keys.append(torch.stack([k, k if key_only else v]))
                     all_kv = torch.cat(keys, dim=1)
-                    got = attention(att, lid, info.row, info.num_tokens, q)
+                    got = attention(att, lid, info.row, info.num_tokens, q).cpu()
                     want = dense(q, all_kv[0], all_kv[1], spec)
                     worst = max(worst, float((got - want).abs().max()))
                     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (step, rid, lid)
         # Windows really released blocks: row of "b" in layer 1's group starts with sinks.
         row_b = att.page_table(att.layout.layer_group_of[1])[kv.request("b").row]
         assert int(row_b[0]) >= 0 and int(row_b[1]) == -1
-        assert worst < 1e-5
+        for rid in ids:
+            kv.free(rid)
     with KVCacheClient(url) as kv:
         assert kv.consumers() == []  # close() unregistered
+    return worst
 
 
 def test_a_consumer_that_dies_without_detaching_is_forgotten(

@@ -462,10 +462,13 @@ class EmptyBody(_Frozen):
 
 
 class SharedSegment(_Frozen):
-    """One mappable allocation: a POSIX shared-memory segment (``name``) on the CPU."""
+    """One mappable allocation: a POSIX shared-memory segment (``name``) on the CPU, or a
+    CUDA allocation (``handle``: its base64 CUDA IPC handle, on the GPU ``device_uuid``)."""
 
-    kind: Literal["shm"]
-    name: str
+    kind: Literal["shm", "cuda_ipc"]
+    name: str | None = None
+    handle: str | None = None
+    device_uuid: str | None = None
     nbytes: int
 
 

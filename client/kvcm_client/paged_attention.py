@@ -33,12 +33,15 @@ def write_kv(
 ) -> None:
     """Store ``key``/``value`` ``[tokens, heads, head_dim]`` at the slots (-1 = padding)."""
     tpb = attachment.layout.tokens_per_block
+    view = attachment.layer_view(layer_id, "key")
+    slot_mapping = slot_mapping.to(view.device)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // tpb, slots % tpb
-    attachment.layer_view(layer_id, "key")[blocks, offsets] = key[keep]
+    view[blocks, offsets] = key.to(view.device)[keep]
     if value is not None:
-        attachment.layer_view(layer_id, "value")[blocks, offsets] = value[keep]
+        values = attachment.layer_view(layer_id, "value")
+        values[blocks, offsets] = value.to(values.device)[keep]
 
 
 def _spec(attachment: Attachment, layer_id: int) -> object:
@@ -53,8 +56,8 @@ def key_mask(
     sink_tokens: int,
 ) -> torch.Tensor:
     """bool ``[num_queries, num_tokens]``: which key each of the last queries may see."""
-    q = torch.arange(num_tokens - num_queries, num_tokens)[:, None]
-    k = torch.arange(num_tokens)[None, :]
+    q = torch.arange(num_tokens - num_queries, num_tokens, device=held.device)[:, None]
+    k = torch.arange(num_tokens, device=held.device)[None, :]
     allowed = (k <= q) & held[None, :num_tokens]
     if window is not None:
         allowed &= (q - k < window) | (k < sink_tokens)
@@ -96,6 +99,7 @@ def attention(
     group_size = query.shape[1] // keys.shape[1]
     k = keys.float().repeat_interleave(group_size, dim=1)  # [T, Hq, D]
     v = values.float().repeat_interleave(group_size, dim=1)
+    query = query.to(k.device)
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) / math.sqrt(query.shape[-1])
     scores = scores.masked_fill(~mask[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)

@@ -53,14 +53,15 @@ class Attachment:
                 f"{expected_generation[:12]}",
                 generation=layout.generation,
             )
-        if layout.device != "cpu":
-            raise InvalidArgument(f"cannot map {layout.device} pools here (CPU only)")
         self.layout = layout
         self.generation = layout.generation
         self._segments: list[shared_memory.SharedMemory] = []
+        self._ipc: list[tuple[int, int]] = []  # (device index, pointer) opened here
         self._on_close = on_close
 
         def raw(segment: SharedSegment) -> Any:
+            if segment.kind == "cuda_ipc":
+                return self._open_ipc(segment)
             shm = _open(segment)
             self._segments.append(shm)
             return torch.frombuffer(shm.buf, dtype=torch.uint8, count=segment.nbytes)
@@ -72,6 +73,27 @@ class Attachment:
             self.views[(b.layer_id, b.role)] = typed.as_strided(b.shape, b.strides, b.offset)
         self.page_tables = raw(layout.page_tables).view(torch.int32).view(layout.page_table_shape)
         self.closed = False
+
+    def _open_ipc(self, segment: SharedSegment) -> Any:
+        """Open a CUDA IPC handle on the local device with the segment's UUID (zero-copy)."""
+        import base64
+
+        import cupy
+        import torch
+
+        index = _device_with_uuid(segment.device_uuid or "")
+        with cupy.cuda.Device(index):
+            pointer = cupy.cuda.runtime.ipcOpenMemHandle(
+                base64.b64decode(segment.handle or ""),
+                cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess,
+            )
+            memory = cupy.cuda.UnownedMemory(pointer, segment.nbytes, owner=None, device_id=index)
+            array = cupy.ndarray(
+                (segment.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0)
+            )
+            tensor = torch.as_tensor(array, device=f"cuda:{index}")
+        self._ipc.append((index, pointer))
+        return tensor
 
     def layer_view(self, layer_id: int, role: str = "key") -> Any:
         try:
@@ -99,12 +121,31 @@ class Attachment:
             with contextlib.suppress(BufferError):
                 shm.close()
         self._segments.clear()
+        if self._ipc:
+            import cupy
+
+            for index, pointer in self._ipc:
+                with cupy.cuda.Device(index), contextlib.suppress(Exception):
+                    cupy.cuda.runtime.ipcCloseMemHandle(pointer)
+            self._ipc.clear()
 
     def __enter__(self) -> Attachment:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _device_with_uuid(uuid: str) -> int:
+    import cupy
+
+    for index in range(cupy.cuda.runtime.getDeviceCount()):
+        if bytes(cupy.cuda.runtime.getDeviceProperties(index)["uuid"]).hex() == uuid:
+            return index
+    raise InvalidArgument(
+        f"no visible CUDA device has UUID {uuid}: the consumer must see the service's GPU",
+        device_uuid=uuid,
+    )
 
 
 def attach(layout: SharedLayout, expected_generation: str | None = None) -> Attachment:

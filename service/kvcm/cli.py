@@ -43,6 +43,14 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-requests", {"type": int}),
     ("--max-seq-len", {"type": int}),
     (
+        "--share",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "map pools and page tables for other processes (CUDA: IPC; needs CuPy)",
+        },
+    ),
+    (
         "--no-share",
         {
             "action": "store_const",

@@ -76,7 +76,10 @@ class Uploader:
 
 
 class DeviceTables:
-    def __init__(self, coordinator: Coordinator, device: torch.device) -> None:
+    def __init__(
+        self, coordinator: Coordinator, device: torch.device, memory: torch.Tensor | None = None
+    ) -> None:
+        """``memory`` (uint8, on ``device``): where the CUDA tables live when shared."""
         self._coord = coordinator
         self.device = device
         host = coordinator.tables
@@ -84,7 +87,11 @@ class DeviceTables:
             self.tensor = torch.from_numpy(host)
             self._upload: Uploader | None = None
         else:
-            self.tensor = torch.from_numpy(host).to(device)
+            if memory is None:
+                self.tensor = torch.from_numpy(host).to(device)
+            else:
+                self.tensor = memory.view(torch.int32).view(host.shape)
+                self.tensor.copy_(torch.from_numpy(host))
             coordinator.edits = []
             self._upload = Uploader(device, torch.int64)
 

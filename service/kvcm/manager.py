@@ -53,7 +53,6 @@ from kvcm_client.models import (
     Role,
     SharedBuffer,
     SharedLayout,
-    SharedSegment,
     Stats,
 )
 from kvcm_client.models import Layout as LayoutInfo
@@ -72,7 +71,7 @@ from .layout import BufferPlacement, build_layout
 from .ops import plain_ops
 from .pools import PoolMemory, role_dtype
 from .prefix_cache import find_hit
-from .shared_memory import SharedSegments
+from .shared_memory import CudaSegments, SharedSegments
 from .sizing import Sizing
 
 _OPS = TypeAdapter(list[Op])
@@ -214,22 +213,22 @@ class KVCacheManager:
             self._slots = self._sizing.slots_for_budget(cfg.memory_bytes)
         #: Changes at every construction: shared descriptors of another one are refused.
         self.generation = uuid.uuid4().hex
-        self._segments: SharedSegments | None = None
+        self._segments: SharedSegments | CudaSegments | None = None
         tables_buffer = None
+        table_memory = None
         if cfg.share:
-            if self.device.type != "cpu":
-                raise DeviceUnavailable(
-                    "share=True maps pools through POSIX shared memory on the CPU; CUDA pools "
-                    "are not exportable yet (CUDA IPC is not implemented)",
-                    device=str(self.device),
-                )
-            self._segments = SharedSegments(self.generation)
+            self._segments = (
+                SharedSegments(self.generation)
+                if self.device.type == "cpu"
+                else CudaSegments(self.generation, self.device)
+            )
         self.memory = PoolMemory(self.layout, self._slots, self.device, self._segments)
         if self._segments is not None:
             ng = len(self.layout.layer_groups)
             table_bytes = 4 * ng * cfg.max_requests * self.max_blocks_per_request
-            self._table_segment = self._segments.allocate(table_bytes)
-            tables_buffer = self._table_segment.buf[:table_bytes]
+            self._table_segment, table_memory = self._segments.allocate(table_bytes)
+            if self.device.type == "cpu":  # the host tables are the shared ones
+                tables_buffer = table_memory.numpy().data
         self._coord = Coordinator(
             self.layout,
             self._slots,
@@ -248,7 +247,9 @@ class KVCacheManager:
         self._committed = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Undo actions for token-list edits while an all-or-nothing step runs.
         self._undo: list[Callable[[], None]] | None = None
-        self._tables = DeviceTables(self._coord, self.device)
+        self._tables = DeviceTables(
+            self._coord, self.device, None if self.device.type == "cpu" else table_memory
+        )
         self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
         self._upload = None if self.device.type == "cpu" else Uploader(self.device, torch.int64)
         self._pointer_table, self._layer_pool_map, self._layer_pointers = self._build_pointers()
@@ -1249,6 +1250,7 @@ class KVCacheManager:
                     offset=view.storage_offset(),
                 )
             )
+        self.sync_tables()  # CUDA: what a consumer maps is up to date
         tables = self._coord.tables
         return SharedLayout(
             generation=self.generation,
@@ -1258,14 +1260,9 @@ class KVCacheManager:
             layer_group_of={
                 int(layer.layer_id): int(g.group_id) for g in lay.layer_groups for layer in g.layers
             },
-            pools=[
-                SharedSegment(kind="shm", name=name, nbytes=t.numel())
-                for name, t in zip(self.memory.segment_names, self.memory.tensors, strict=True)
-            ],
+            pools=list(self.memory.segments),
             buffers=buffers,
-            page_tables=SharedSegment(
-                kind="shm", name=self._table_segment.name, nbytes=tables.nbytes
-            ),
+            page_tables=self._table_segment,
             page_table_shape=tables.shape,
         )
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from kvcm_client.models import LayerSpec, Role
+from kvcm_client.models import LayerSpec, Role, SharedSegment
 
 from .ids import LayerId, PoolGroupId
 from .layout import BufferPlacement, Layout
-from .shared_memory import SharedSegments
+from .shared_memory import CudaSegments, SharedSegments
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -63,20 +63,19 @@ class PoolMemory:
         layout: Layout,
         slots: dict[PoolGroupId, int],
         device: torch.device,
-        segments: SharedSegments | None = None,
+        segments: SharedSegments | CudaSegments | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
-        self.segment_names: list[str] = []
+        self.segments: list[SharedSegment] = []
         self.tensors = []
         for pool in layout.pools:
             shape = (slots[pool.pool_group], pool.slot_bytes)
             if segments is None:
                 self.tensors.append(torch.empty(shape, dtype=torch.uint8, device=device))
                 continue
-            segment = segments.allocate(shape[0] * shape[1])
-            self.segment_names.append(segment.name)
-            raw = torch.frombuffer(segment.buf, dtype=torch.uint8, count=shape[0] * shape[1])
+            segment, raw = segments.allocate(shape[0] * shape[1])
+            self.segments.append(segment)
             self.tensors.append(raw.view(shape))
 
     def base_address(self, pool_id: int) -> int:

@@ -1,29 +1,40 @@
-"""Named POSIX shared-memory segments that hold the pools and page tables when sharing is on.
+"""Mappable allocations for the pools and page tables when sharing is on.
 
-The manager's process creates and owns them; the inference server maps them by name
-(``kvcm_client.attach``). They are unlinked when the manager closes or its process exits:
-processes that still map one keep their mapping until they unmap it (POSIX semantics), so a
-consumer never reads freed memory, but nothing new can attach to an old generation.
+On the CPU each one is a named POSIX shared-memory segment; on CUDA its own ``cudaMalloc``
+allocation (rounded up to 2 MiB, never carved from a caching allocator, so that its IPC
+handle covers exactly it) exported with ``cudaIpcGetMemHandle``. The manager's process owns
+them. POSIX segments are unlinked when the manager closes or its process exits: processes that
+still map one keep their mapping until they unmap it, so a consumer never reads freed memory,
+but nothing new attaches to an old generation. CUDA allocations live until the process exits.
 """
 
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
 import uuid
 from multiprocessing import shared_memory
+from typing import Any
 
-from kvcm_client.errors import InsufficientMemory
+import torch
+
+from kvcm_client.errors import DeviceUnavailable, InsufficientMemory
+from kvcm_client.models import SharedSegment
+
+CUDA_ALIGN = 2 << 20
 
 
 class SharedSegments:
+    """POSIX shared-memory segments (the CPU)."""
+
     def __init__(self, generation: str) -> None:
         self.generation = generation
         self._segments: list[shared_memory.SharedMemory] = []
         atexit.register(self.close)
 
-    def allocate(self, nbytes: int) -> shared_memory.SharedMemory:
-        """A new zero-filled segment of at least ``nbytes`` (at least one page)."""
+    def allocate(self, nbytes: int) -> tuple[SharedSegment, torch.Tensor]:
+        """A new zero-filled segment of ``nbytes`` and a uint8 tensor over it."""
         name = f"kvcm-{self.generation[:12]}-{len(self._segments)}-{uuid.uuid4().hex[:6]}"
         try:
             segment = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
@@ -34,7 +45,8 @@ class SharedSegments:
                 nbytes=nbytes,
             ) from None
         self._segments.append(segment)
-        return segment
+        tensor = torch.frombuffer(segment.buf, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
+        return SharedSegment(kind="shm", name=segment.name, nbytes=nbytes), tensor
 
     def close(self) -> None:
         """Unlink every segment (idempotent)."""
@@ -42,3 +54,57 @@ class SharedSegments:
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
         self._segments.clear()
+
+
+def device_uuid(index: int) -> str:
+    """The CUDA device's UUID as hex: how a consumer finds the same GPU whatever its
+    CUDA_VISIBLE_DEVICES numbering."""
+    import cupy
+
+    return bytes(cupy.cuda.runtime.getDeviceProperties(index)["uuid"]).hex()
+
+
+class CudaSegments:
+    """Plain ``cudaMalloc`` allocations with CUDA IPC handles (through CuPy)."""
+
+    def __init__(self, generation: str, device: torch.device) -> None:
+        try:
+            import cupy
+        except ImportError:
+            raise DeviceUnavailable(
+                "sharing CUDA pools needs CuPy (the gpu extra) for CUDA IPC"
+            ) from None
+        self.generation = generation
+        self.device = device
+        self.index = 0 if device.index is None else device.index
+        self.uuid = device_uuid(self.index)
+        self._cupy = cupy
+        self._keep: list[Any] = []
+
+    def allocate(self, nbytes: int) -> tuple[SharedSegment, torch.Tensor]:
+        cupy = self._cupy
+        size = -(-max(nbytes, 1) // CUDA_ALIGN) * CUDA_ALIGN
+        with cupy.cuda.Device(self.index):
+            try:
+                memory = cupy.cuda.Memory(size)  # cudaMalloc, not a memory pool
+            except cupy.cuda.memory.OutOfMemoryError:
+                raise InsufficientMemory(
+                    f"cannot allocate {size} bytes on {self.device}", nbytes=size
+                ) from None
+            cupy.cuda.runtime.memset(memory.ptr, 0, size)
+            handle = cupy.cuda.runtime.ipcGetMemHandle(memory.ptr)
+            array = cupy.ndarray(
+                (nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0)
+            )
+            tensor = torch.as_tensor(array, device=self.device)
+        self._keep.append((memory, array))
+        segment = SharedSegment(
+            kind="cuda_ipc",
+            handle=base64.b64encode(bytes(handle)).decode(),
+            device_uuid=self.uuid,
+            nbytes=nbytes,
+        )
+        return segment, tensor
+
+    def close(self) -> None:
+        """CUDA allocations stay until the process exits (consumers may map them)."""
