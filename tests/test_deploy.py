@@ -48,6 +48,7 @@ def test_kubernetes_sidecar_shares_gpu_processes_and_socket() -> None:
     for c in (kvcm, server):
         assert {"name": claim} in c["resources"]["claims"]  # the same GPU claim
     args = _serve_args(kvcm["args"])
+    assert args.share is True and args.device.startswith("cuda")
     socket_dir = str(Path(args.uds).parent)
     mounts = {
         c["name"]: {m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (kvcm, server)
@@ -76,7 +77,8 @@ def test_compose_agrees_with_the_cli_and_shares_pid_gpu_and_socket() -> None:
     doc = yaml.safe_load(COMPOSE.read_text())
     kvcm, server = doc["services"]["kvcm"], doc["services"]["inference-server"]
     args = _serve_args(kvcm["command"])
-    assert server["pid"] == "service:kvcm"
+    assert server["pid"] == "service:kvcm" and server["ipc"] == "service:kvcm"
+    assert args.share is True
     gpus = [
         s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in (kvcm, server)
     ]
