@@ -5,5 +5,6 @@ Depends on httpx and pydantic only (no torch, no numpy), so a scheduler can inst
 
 from . import errors, models
 from .client import AsyncKVCacheClient, KVCacheClient
+from .shared import Attachment, attach  # torch is imported only when attaching
 
-__all__ = ["AsyncKVCacheClient", "KVCacheClient", "errors", "models"]
+__all__ = ["AsyncKVCacheClient", "Attachment", "KVCacheClient", "attach", "errors", "models"]
