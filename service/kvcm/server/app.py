@@ -127,6 +127,7 @@ def create_app(
             reaper.cancel()
             with suppress(asyncio.CancelledError):
                 await reaper
+            manager.close()  # unlink shared segments; existing mappings stay valid
 
     app = FastAPI(
         title="kvcm",
