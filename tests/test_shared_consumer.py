@@ -177,3 +177,24 @@ def test_views_alias_the_service_memory(service: tuple[str, object]) -> None:
         kv.allocate("x", 6)
         row = kv.request("x").row
         assert first.page_table(0)[row, :2].tolist() == kv.block_table("x")[0]
+
+
+def test_the_async_client_attaches_and_detaches(service: tuple[str, object]) -> None:
+    import asyncio
+
+    from kvcm_client import AsyncKVCacheClient
+
+    async def run() -> tuple[list[int], list[int], float]:
+        async with AsyncKVCacheClient(service[0]) as kv:
+            att = await kv.attach()
+            attached = [c.pid for c in await kv.consumers()]
+            info = await kv.allocate("z", 5)
+            slots = torch.tensor(await kv.slot_mapping(["z"], 0))
+            write_kv(att, 0, slots, torch.ones(5, 2, 8), torch.full((5, 2, 8), 2.0))
+            out = attention(att, 0, info.row, 5, torch.zeros(1, 4, 8))
+            await kv.detach(att)
+            return attached, [c.pid for c in await kv.consumers()], float(out.mean())
+
+    attached, after, mean = asyncio.run(run())
+    assert attached == [os.getpid()] and after == []
+    assert mean == 2.0  # zero queries: uniform weights over values that are all 2
