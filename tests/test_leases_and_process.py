@@ -71,17 +71,17 @@ def test_an_expired_lease_frees_exactly_its_sessions_requests() -> None:
 
 
 def test_a_scheduler_that_stops_renewing_loses_its_requests_on_a_real_server() -> None:
-    app = create_app(KVCacheManager(CONFIG), lease_ttl_s=0.4)
+    app = create_app(KVCacheManager(CONFIG), lease_ttl_s=1.0)
     with serve_in_thread(app) as url, KVCacheClient(url) as kv, KVCacheClient(url) as other:
         kv.open_session()
         kv.allocate("a", 8)
         kv.allocate("b", 4)
         other.allocate("mine", 4)
-        for _ in range(8):  # 0.8 s of calls, twice the TTL: the lease holds
-            time.sleep(0.1)
+        for _ in range(10):  # 2 s of calls every 0.2 s, twice the TTL: the lease holds
+            time.sleep(0.2)
             kv.extend("a", 1)
         assert sorted(kv.request_ids()) == ["a", "b", "mine"]
-        time.sleep(1.0)  # silence: the reaper frees a and b
+        time.sleep(2.5)  # silence past the TTL: the reaper frees a and b
         assert other.request_ids() == ["mine"]
         with pytest.raises(UnknownSession):
             kv.extend("a", 1)
