@@ -800,15 +800,8 @@ class KVCacheManager:
         finally:
             self._undo = None
 
-    def batch_result_dicts(self, request_ids: Sequence[str]) -> list[dict[str, Any]]:
-        """The ``OpResult`` of each request after a successful batch, as plain dicts.
-
-        For callers that encode results themselves (the service's decode-step path): the
-        dicts have exactly the fields and order of ``OpResult.model_dump()``.
-        """
-        return self._result_dicts(request_ids, self._rows_of(request_ids))
-
     def _result_dicts(self, request_ids: Sequence[str], rows: np.ndarray) -> list[dict[str, Any]]:
+        """The ``OpResult`` dicts of successful extends of these rows (``model_dump`` form)."""
         c = self._coord
         lengths = c.num_tokens[rows]
         capacity = (lengths + c.lookahead[rows]).tolist()
