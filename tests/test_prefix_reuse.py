@@ -16,6 +16,7 @@ from kvcm.prefix_cache import EventLog
 from kvcm_client.errors import (
     DuplicateRequest,
     InvalidArgument,
+    KVCMError,
     OutOfBlocks,
     PrefixCacheInUse,
     RequestLimitReached,
@@ -293,8 +294,9 @@ def test_random_sharing_keeps_reference_counts_and_the_free_list_consistent(
     )
     prompts = [list(rng.integers(0, 50, 64)) for _ in range(3)]
     live: dict[str, list[int]] = {}
+    most_shared = 0
     for i in range(400):
-        kind = int(rng.integers(0, 4))
+        kind = int(rng.integers(0, 6))
         if kind == 0 or not live:
             base = prompts[int(rng.integers(3))]
             n = int(rng.integers(2, 64))
@@ -318,8 +320,25 @@ def test_random_sharing_keeps_reference_counts_and_the_free_list_consistent(
             rid = list(live)[int(rng.integers(len(live)))]
             m.free(rid)
             del live[rid]
-        else:
+        elif kind == 3:
             m.probe([int(t) for t in prompts[int(rng.integers(3))][:40]])
+        elif kind == 4:
+            rid = list(live)[int(rng.integers(len(live)))]
+            n = int(rng.integers(1, 6))
+            try:
+                info = m.rewind(rid, n)
+            except KVCMError:  # past a window, into a shared block, or too far
+                continue
+            del live[rid][info.num_tokens :]
+        else:
+            ids = list(live)
+            try:
+                m.extend_many(ids)  # one batch over every request
+            except OutOfBlocks:
+                continue
+            for rid in ids:
+                live[rid].append(int(rng.integers(0, 50)))
+                m.commit(rid, live[rid][-1:])
         for pg in range(len(m._coord.pools)):
             held = np.zeros(m.num_total_blocks(pg), dtype=np.int32)
             for rid in live:
@@ -332,6 +351,8 @@ def test_random_sharing_keeps_reference_counts_and_the_free_list_consistent(
             assert m._coord.refs[pg].tolist() == held.tolist()
             free = order(m, pg)
             assert sorted(free) == np.flatnonzero(held == 0).tolist()
+            most_shared = max(most_shared, int(held.max()))
+    assert most_shared >= 3  # prefixes were really shared, by several requests at once
 
 
 def test_block_pool_matches_a_list_model_with_claims(rng: np.random.Generator) -> None:
