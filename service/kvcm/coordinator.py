@@ -133,10 +133,8 @@ class Coordinator:
             pg = self.group_pool[g]
             need[pg] += num_add
             back[pg] += num_released
-            if in_order and self.windowed[g]:
+            if in_order:
                 net[pg] = net[pg] + add - (rel_new - rel_old)
-            elif in_order:
-                net[pg] = net[pg] + add
             plans.append(_GroupPlan(g, add, num_add, rel_old, rel_new, num_released, current))
         for pg, pool in enumerate(self.pools):
             # In order, row i runs after rows < i: it needs what they took net of what they
@@ -149,11 +147,12 @@ class Coordinator:
                     free=pool.num_free,
                     released=back[pg],
                 )
-        self._check_fits(need, back)
+        self.check_fits(need, back)
         return plans
 
-    def _check_fits(self, need: list[int], back: list[int]) -> None:
+    def check_fits(self, need: list[int], back: list[int] | None = None) -> None:
         """Refuse an op that needs more slots than are free once its releases are back."""
+        back = back or [0] * len(self.pools)
         for pg, pool in enumerate(self.pools):
             if need[pg] > pool.num_free + back[pg]:
                 raise OutOfBlocks(
@@ -219,26 +218,14 @@ class Coordinator:
             need[pg] += add
             back[pg] += rel_new - rel_old
             steps.append((g, pg, current, add, rel_old, rel_new))
-        self._check_fits(need, back)
+        self.check_fits(need, back)
         for g, pg, _, _, rel_old, rel_new in steps:
             if rel_new > rel_old:
-                seg = self.tables[g][row, rel_old:rel_new]
-                self._unref(pg, seg.copy())
-                seg[:] = -1
-                if self.edits is not None:
-                    self.edits.append(
-                        (g, np.full(rel_new - rel_old, row), np.arange(rel_old, rel_new), None)
-                    )
+                self._unref(pg, self.tables[g][row, rel_old:rel_new].copy())
+                self._set(g, row, slice(rel_old, rel_new), None)
         for g, pg, current, add, _, rel_new in steps:
             if add:
-                slots = self.pools[pg].pop(add)
-                self.refs[pg][slots] = 1
-                self.cache.evict(pg, slots)
-                self.tables[g][row, current : current + add] = slots
-                if self.edits is not None:
-                    self.edits.append(
-                        (g, np.full(add, row), np.arange(current, current + add), slots)
-                    )
+                self._set(g, row, slice(current, current + add), self._take(pg, add))
             self.num_blocks[g][row] = current + add
             self.released_end[g][row] = rel_new
         self.num_tokens[row] = length
@@ -250,22 +237,38 @@ class Coordinator:
         items, offsets = segments(plan.released_new - plan.released_old)
         r = rows[items]
         pos = plan.released_old[items] + offsets
-        table = self.tables[plan.group]
-        self._unref(self.group_pool[plan.group], table[r, pos])
-        table[r, pos] = -1
-        if self.edits is not None:
-            self.edits.append((plan.group, r, pos, None))
+        self._unref(self.group_pool[plan.group], self.tables[plan.group][r, pos])
+        self._set(plan.group, r, pos, None)
 
     def _allocate(self, plan: _GroupPlan, rows: np.ndarray) -> None:
         items, offsets = segments(plan.add)
-        pg = self.group_pool[plan.group]
-        slots = self.pools[pg].pop(plan.num_add)
+        slots = self._take(self.group_pool[plan.group], plan.num_add)
+        self._set(plan.group, rows[items], plan.current[items] + offsets, slots)
+
+    def _take(self, pg: int, k: int) -> np.ndarray:
+        """k slots off the queue's head, held once; blocks cached in them are evicted."""
+        slots = self.pools[pg].pop(k)
         self.refs[pg][slots] = 1
         self.cache.evict(pg, slots)
-        r, pos = rows[items], plan.current[items] + offsets
-        self.tables[plan.group][r, pos] = slots
-        if self.edits is not None:
-            self.edits.append((plan.group, r, pos, slots))
+        return slots
+
+    def _set(
+        self,
+        g: int,
+        rows: int | np.ndarray,
+        positions: slice | np.ndarray,
+        slots: np.ndarray | None,
+    ) -> None:
+        """Write table cells of layer group g (slots, or -1 for None) and log them for the
+        device tables. A single row with a slice of positions is written as a slice."""
+        self.tables[g][rows, positions] = -1 if slots is None else slots
+        if self.edits is None:
+            return
+        if isinstance(positions, slice):
+            positions = np.arange(positions.start, positions.stop)
+        if isinstance(rows, int):
+            rows = np.full(positions.size, rows)
+        self.edits.append((g, rows, positions, slots))
 
     def rewind(self, row: int, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens; blocks past the new capacity are freed."""
@@ -305,10 +308,8 @@ class Coordinator:
         live = seg[seg >= 0][::-1]
         if live.size:
             self._unref(self.group_pool[g], live)
-        seg[:] = -1
+        self._set(g, row, slice(keep, count), None)
         self.num_blocks[g][row] = keep
-        if self.edits is not None:
-            self.edits.append((g, np.full(count - keep, row), np.arange(keep, count), None))
 
     def _unref(self, pg: int, slots: np.ndarray) -> None:
         """Drop one reference from each slot; those nobody holds go to the queue, in order."""
@@ -364,11 +365,9 @@ class Coordinator:
             self.pools[pg].claim(idle[g])
             self.refs[pg][live] += 1
             n = slots.size
-            self.tables[g][row, :n] = slots
+            self._set(g, row, slice(0, n), slots)
             self.num_blocks[g][row] = n
             self.released_end[g][row] = released_end[g]
-            if self.edits is not None and n:
-                self.edits.append((g, np.full(n, row), np.arange(n), slots.astype(np.int64)))
         self.num_tokens[row] = num_tokens
         self.history[row] = num_tokens
         self.ops_since_take += 1
@@ -408,17 +407,7 @@ class Coordinator:
         that was undone on the host never reaches the device.
         """
         return _Checkpoint(
-            arrays=[
-                a.copy()
-                for a in (
-                    self.num_tokens,
-                    self.history,
-                    self.lookahead,
-                    *self.num_blocks,
-                    *self.released_end,
-                    self.tables,
-                )
-            ],
+            arrays=[a.copy() for a in self._state_arrays()],
             pools=[p.checkpoint() for p in self.pools],
             refs=[r.copy() for r in self.refs],
             cache=self.cache.checkpoint(),
@@ -426,8 +415,9 @@ class Coordinator:
             ops_since_take=self.ops_since_take,
         )
 
-    def restore(self, saved: _Checkpoint) -> None:
-        live = (
+    def _state_arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-row arrays and tables that a checkpoint copies."""
+        return (
             self.num_tokens,
             self.history,
             self.lookahead,
@@ -435,7 +425,9 @@ class Coordinator:
             *self.released_end,
             self.tables,
         )
-        for dst, src in zip(live, saved.arrays, strict=True):
+
+    def restore(self, saved: _Checkpoint) -> None:
+        for dst, src in zip(self._state_arrays(), saved.arrays, strict=True):
             dst[...] = src
         for pool, state in zip(self.pools, saved.pools, strict=True):
             pool.restore(state)

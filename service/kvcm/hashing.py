@@ -156,8 +156,10 @@ def block_keys(
 
 
 def multimodal_items(
-    items: Sequence[MultimodalItem | dict[str, object]] | None,
+    items: Sequence[MultimodalItem | dict[str, object] | object] | None,
 ) -> tuple[MultimodalItem, ...]:
+    """Items as ``MultimodalItem``: from themselves, dicts, or objects with the same fields
+    (the wire model ``MultimodalInput``)."""
     if not items:
         return ()
     out = []
@@ -166,8 +168,11 @@ def multimodal_items(
             out.append(item)
             continue
         try:
-            digest, start, length = item["digest"], item["start"], item["length"]
-        except (KeyError, TypeError):
+            if isinstance(item, dict):
+                digest, start, length = item["digest"], item["start"], item["length"]
+            else:
+                digest, start, length = item.digest, item.start, item.length  # type: ignore[attr-defined]
+        except (KeyError, TypeError, AttributeError):
             raise InvalidArgument("multimodal items need digest, start and length") from None
         if not isinstance(digest, str) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in (start, length)

@@ -23,7 +23,6 @@ from kvcm_client.errors import (
     DuplicateRequest,
     InvalidArgument,
     KVCMError,
-    OutOfBlocks,
     PrefixCacheInUse,
     RequestLimitReached,
     RewindIntoSharedBlock,
@@ -381,15 +380,7 @@ class KVCacheManager:
         c = self._coord
         if hit:
             need, idle = c.hit_need(hits, num_tokens + lookahead)
-            for pg, pool in enumerate(c.pools):
-                if need[pg] > pool.num_free:
-                    raise OutOfBlocks(
-                        f"pool group {pg} needs {need[pg]} blocks, {pool.num_free} are free",
-                        pool_group=pg,
-                        needed=need[pg],
-                        free=pool.num_free,
-                        released=0,
-                    )
+            c.check_fits(need)
             hit_tokens = hit * self.tokens_per_block
             c.place_hits(row, hits, idle, ends, hit_tokens)
             c.grow(np.array([row]), np.array([num_tokens - hit_tokens]), np.array([lookahead]))
@@ -475,6 +466,11 @@ class KVCacheManager:
                 num_requests=len(self._rows),
             )
         self._coord.cache.clear()
+
+    @property
+    def last_event_seq(self) -> int:
+        """Sequence number of the newest KV event (0 before any)."""
+        return self._coord.cache.log.last_seq
 
     def events(self, after: int = 0, limit: int = 1000) -> KVEvents:
         """KV events with a sequence number above ``after`` (at most ``limit``)."""
@@ -721,16 +717,15 @@ class KVCacheManager:
             run = ops[start:end]
             rows = None
             if end - start > 1:
+                ids = [op["request_id"] for op in run]
                 rows = self._try_batch(
-                    [op["request_id"] for op in run],
-                    [op["num_new_tokens"] for op in run],
-                    [op["lookahead"] for op in run],
+                    ids, [op["num_new_tokens"] for op in run], [op["lookahead"] for op in run]
                 )
             if rows is not None:
                 if brief:
                     results += [{"ok": True, "request": None, "error": None} for _ in run]
                 else:
-                    results += self._result_dicts([op["request_id"] for op in run], rows)
+                    results += self._result_dicts(ids, rows)
                 continue
             for op in run:
                 results.append(self._run(op, brief))

@@ -182,17 +182,18 @@ def find_hit(
             present = map(cache.index[g].__contains__, keys[:cap])
             cap = next(compress(count(), map(operator.not_, present)), cap)
     for b in range(cap, 0, -1):
-        starts = []
+        starts, needed = [], []
         for g, (window, sinks) in enumerate(windows):
             if window is None:
                 starts.append(0)
+                needed.append([])
                 continue
             start = max(sinks, (b * tpb + 1 - window) // tpb)
-            index = cache.index[g]
-            needed = [*range(min(sinks, b)), *range(start, b)]
-            if not all(keys[i] in index for i in needed):
+            blocks = [*range(min(sinks, b)), *range(start, b)]
+            if not all(keys[i] in cache.index[g] for i in blocks):
                 break
             starts.append(start)
+            needed.append(blocks)
         else:
             if length_only:
                 return b, [], []
@@ -204,7 +205,7 @@ def find_hit(
                     ends.append(sinks)
                 else:
                     slots = np.full(b, -1, dtype=np.int32)
-                    for i in [*range(min(sinks, b)), *range(starts[g], b)]:
+                    for i in needed[g]:
                         slots[i] = lookup(keys[i])
                     ends.append(starts[g])
                 hits.append(slots)

@@ -254,7 +254,7 @@ def create_app(
                 r.token_ids,
                 r.lora_id,
                 r.cache_salt,
-                None if r.multimodal is None else [i.model_dump() for i in r.multimodal],
+                r.multimodal,
                 r.block_keys,
             )
         ),

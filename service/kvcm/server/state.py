@@ -76,7 +76,7 @@ class ServiceState:
 
     def notify_events(self) -> None:
         """Wake the ``/v1/events`` long-polls if the manager logged events since last time."""
-        last = self.manager._coord.cache.log.last_seq
+        last = self.manager.last_event_seq
         if last != self._seen_seq:
             self._seen_seq = last
             if self.event_wave is not None:
@@ -111,7 +111,7 @@ class ServiceState:
                 op.lookahead,
                 op.lora_id,
                 op.cache_salt,
-                None if op.multimodal is None else [i.model_dump() for i in op.multimodal],
+                op.multimodal,
                 op.block_keys,
             ),
         )
