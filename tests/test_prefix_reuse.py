@@ -22,7 +22,7 @@ from kvcm_client.errors import (
     RequestLimitReached,
     RewindIntoSharedBlock,
 )
-from kvcm_client.models import AllocateOp, CommitOp
+from kvcm_client.models import AllocateOp, CommitOp, RewindOp
 
 P = list(range(100, 148))  # a 48-token shared prefix: 3 blocks of 16
 
@@ -380,3 +380,26 @@ def test_block_pool_matches_a_list_model_with_claims(rng: np.random.Generator) -
                 model = [s for s in model if s not in pick]
                 held += pick
             assert pool.free_order().tolist() == model and pool.num_free == len(model)
+
+
+def test_an_aborted_step_restores_the_block_keys_a_rewind_dropped() -> None:
+    m = full16(num_blocks=8)
+    m.allocate("a", 40, token_ids=[*P[:32], *[0] * 8])
+    m.commit("a", [*P[:32], *[0] * 8])
+    keys = list(m._prefix["a"].keys)
+    assert len(keys) == 2
+    results = m.step(
+        [RewindOp(request_id="a", num_tokens=20), AllocateOp(request_id="b", num_tokens=200)],
+        atomic=True,
+    )
+    assert [r.error.code for r in results if r.error] == ["step_aborted", "out_of_blocks"]
+    assert m._prefix["a"].keys == keys and m.committed_tokens("a") == [*P[:32], *[0] * 8]
+
+
+def test_probe_takes_a_numpy_prompt_with_its_keys() -> None:
+    m = full16()
+    m.allocate("a", 33, token_ids=[*P[:32], 0])
+    m.commit("a", [*P[:32], 0])
+    prompt = np.array([*P[:32], 5])
+    assert m.probe(prompt, block_keys=block_keys(prompt.tolist(), 16)) == 32
+    assert m.probe(np.array([], dtype=np.int64), block_keys=[]) == 0

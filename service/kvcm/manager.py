@@ -448,7 +448,7 @@ class KVCacheManager:
             tokens, data = token_ids, b""  # type: ignore[assignment]  # only its length is used
         else:
             tokens, data = _token_ids(token_ids)
-        if not tokens:
+        if len(tokens) == 0:
             return 0
         root = root_key(lora_id, cache_salt)
         keys = self._keys_of(tokens, data, root, multimodal_items(multimodal), block_keys)
@@ -539,7 +539,10 @@ class KVCacheManager:
         for pg, slots in writable.items():
             self._coord.cache.uncache(pg, slots)
         state = self._prefix[request_id]
+        dropped = state.keys[new_len // self.tokens_per_block :]
         del state.keys[new_len // self.tokens_per_block :]
+        if self._undo is not None and dropped:
+            self._undo.append(lambda: state.keys.extend(dropped))
         tokens = self._tokens[request_id]
         if len(tokens) > new_len:
             tail = tokens[new_len:]
