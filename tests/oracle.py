@@ -111,4 +111,7 @@ class Oracle:
                 self.free[g.pool_group].append(slot)
 
     def num_free(self) -> int:
-        return sum(len(f) for f in self.free)
+        """Blocks a new request can get in every layer group: per pool group, free slots //
+        the layer groups sharing it, the least over pool groups."""
+        sharing = [sum(g.pool_group == pg for g in self.groups) for pg in range(len(self.free))]
+        return min(len(f) // n for f, n in zip(self.free, sharing, strict=True))

@@ -29,6 +29,7 @@ def test_estimate_with_a_config_file_and_seq_len(tmp_path: Path) -> None:
         "layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8, "sliding_window": 64}],
         "num_blocks": 10,
         "max_seq_len": 256,
+        "max_prefill_chunk": 1,
     }
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
@@ -128,7 +129,7 @@ def test_the_api_token_is_never_printed(monkeypatch: pytest.MonkeyPatch) -> None
 def test_real_model_configs_give_the_expected_layout(
     name: str, bytes_per_token: dict[int, int], groups: int
 ) -> None:
-    cfg = Settings(hf_model_config=FIXTURES / name, memory="256MiB").manager_config()
+    cfg = Settings(hf_model_config=FIXTURES / name, num_blocks=64).manager_config()
     from kvcm import KVCacheManager
 
     m = KVCacheManager(cfg)
@@ -177,3 +178,34 @@ def test_window_patterns_and_tensor_parallel() -> None:
         layers_from_hf_config(
             {"num_hidden_layers": 2, "num_attention_heads": 3, "head_dim": 8}, tensor_parallel=2
         )
+
+
+def test_a_budget_below_one_max_seq_len_request_is_refused_by_serve_and_flagged_by_estimate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The default model takes 128 KiB per token: 64 MiB hold 512 tokens, max_seq_len is 8192.
+    run = subprocess.run(
+        [sys.executable, "-m", "kvcm", "serve", "--memory", "64MiB", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "insufficient_memory" in run.stderr
+    assert "the largest max_seq_len this budget holds is 512" in run.stderr
+    assert main(["estimate", "--memory", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: insufficient_memory" in out and "holds is 512" in out
+    # A max_seq_len the budget holds: no warning.
+    assert main(["estimate", "--memory", "64MiB", "--max-seq-len", "512"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_estimate_reports_the_step_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "--max-prefill-chunk", "256", "--max-lookahead", "3", "--seq-len", "4096"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "ops of at most 256 new tokens, lookahead 3" in out
+    # 1 GiB = 512 slots of 2 MiB; 4096 tokens + 3 draft slots take 257 blocks: 1 request.
+    # One request reaches max_seq_len less its draft slots: 8189 + 3 = 512 blocks.
+    assert ["4096", "1", "memory", "8189"] in [line.split() for line in out.splitlines()]

@@ -36,7 +36,7 @@ def test_different_shapes_get_separate_pool_groups() -> None:
     info = m.describe()
     assert [g.pool_group for g in info.layer_groups] == [0, 1]
     assert [pg.slot_bytes for pg in info.pool_groups] == [128, 256]
-    assert m.num_total_blocks() == 10 and m.num_total_blocks(1) == 5
+    assert m.num_total_blocks() == 5 and m.num_total_blocks(1) == 5
 
 
 def test_draft_layers_form_their_own_layer_group() -> None:

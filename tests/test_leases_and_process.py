@@ -123,11 +123,17 @@ def test_serve_on_a_unix_socket_with_a_token(tmp_path: Path) -> None:
 def test_serve_a_hugging_face_model_config_over_tcp() -> None:
     model = Path(__file__).parent / "fixtures" / "models" / "gpt-oss-20b.json"
     args = ("--model-config", str(model), "--memory", "256MiB", "--max-seq-len", "4096")
+    args += ("--max-prefill-chunk", "512")
     with serve_process(*args) as (url, _, _), KVCacheClient(url) as kv:
         assert url.startswith("http://127.0.0.1:")
         layout = kv.describe()
         assert [g.sliding_window for g in layout.layer_groups] == [128, None]
-        assert kv.estimate(4096).max_requests == 2  # 265 slots of 384 KiB per request
+        # One pool group of 682 slots of 384 KiB (12 layers x K+V x 16 tokens x 8 x 64 x 2 bytes
+        # per layer group); a request of 4096 tokens in 512-token chunks peaks at 256 full
+        # blocks + 41 window blocks (from h = 16k + r, 0 < r < 15: k + 33 held, k - 8 released).
+        assert kv.estimate(4096).max_requests == 682 // 297 == 2
+        # A whole 4096-token prompt per op takes 512 slots: one request.
+        assert kv.estimate(4096, prefill_chunk=4096).max_requests == 1
 
 
 def _closing_server() -> tuple[socket.socket, list[int]]:

@@ -81,7 +81,9 @@ def test_after_freeing_everything_the_free_count_equals_the_total() -> None:
     assert m.num_free_blocks() < m.num_total_blocks()
     for i in range(5):
         m.free(f"r{i}")
-    assert m.num_free_blocks() == m.num_total_blocks() == 120
+    # One pool group of 120 slots shared by two layer groups: 60 blocks in each for a new request.
+    assert m.num_free_blocks() == m.num_total_blocks() == 60
+    assert m.num_free_blocks(0) == m.num_total_blocks(0) == 120
     assert bool((m.page_table(0) == -1).all()) and bool((m.page_table(1) == -1).all())
 
 

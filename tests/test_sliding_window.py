@@ -59,7 +59,7 @@ def test_32_layer_hybrid_decoded_to_1000_tokens_has_exact_rows_at_every_step() -
             assert (ful[: len(full_live)] >= 0).tolist() == full_live
             assert (win[len(window_live) :] == -1).all() and (ful[len(full_live) :] == -1).all()
         held = 3 * (sum(window_live) + len(full_live))
-        assert m.num_free_blocks() == m.num_total_blocks() - held
+        assert m.num_free_blocks(0) == m.num_total_blocks(0) - held
         if (length - 1) % 16 == 0 or (length - 128) % 16 == 0:
             checked_boundaries += 1
             assert_matches(m, o)  # exact block ids at every block boundary

@@ -287,8 +287,17 @@ def describe() -> Call[Layout]:
     return _get("/v1/layout", _model(Layout))
 
 
-def estimate(seq_len: int, num_requests: int | None) -> Call[Estimate]:
-    return _get("/v1/estimate", _model(Estimate), seq_len=seq_len, num_requests=num_requests)
+def estimate(
+    seq_len: int, num_requests: int | None, prefill_chunk: int | None, lookahead: int | None
+) -> Call[Estimate]:
+    return _get(
+        "/v1/estimate",
+        _model(Estimate),
+        seq_len=seq_len,
+        num_requests=num_requests,
+        prefill_chunk=prefill_chunk,
+        lookahead=lookahead,
+    )
 
 
 def stats() -> Call[Stats]:
@@ -310,13 +319,13 @@ def close_session(session_id: str) -> Call[SessionClosed]:
 def free_blocks(stats: Stats, pool_group: int | None) -> int:
     """``num_free_blocks`` from a ``Stats`` (the client's source for it)."""
     if pool_group is None:
-        return sum(stats.free_blocks.values())
+        return stats.request_free_blocks
     return _pool_group_value(stats.free_blocks, pool_group)
 
 
 def total_blocks(stats: Stats, pool_group: int | None) -> int:
     if pool_group is None:
-        return sum(stats.total_blocks.values())
+        return stats.request_total_blocks
     return _pool_group_value(stats.total_blocks, pool_group)
 
 

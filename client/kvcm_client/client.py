@@ -240,8 +240,15 @@ class KVCacheClient:
     def describe(self) -> Layout:
         return self._run(calls.describe())
 
-    def estimate(self, seq_len: int, num_requests: int | None = None) -> Estimate:
-        return self._run(calls.estimate(seq_len, num_requests))
+    def estimate(
+        self,
+        seq_len: int,
+        num_requests: int | None = None,
+        *,
+        prefill_chunk: int | None = None,
+        lookahead: int | None = None,
+    ) -> Estimate:
+        return self._run(calls.estimate(seq_len, num_requests, prefill_chunk, lookahead))
 
     def stats(self) -> Stats:
         return self._run(calls.stats())
@@ -463,8 +470,15 @@ class AsyncKVCacheClient:
     async def describe(self) -> Layout:
         return await self._run(calls.describe())
 
-    async def estimate(self, seq_len: int, num_requests: int | None = None) -> Estimate:
-        return await self._run(calls.estimate(seq_len, num_requests))
+    async def estimate(
+        self,
+        seq_len: int,
+        num_requests: int | None = None,
+        *,
+        prefill_chunk: int | None = None,
+        lookahead: int | None = None,
+    ) -> Estimate:
+        return await self._run(calls.estimate(seq_len, num_requests, prefill_chunk, lookahead))
 
     async def stats(self) -> Stats:
         return await self._run(calls.stats())

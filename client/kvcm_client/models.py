@@ -119,6 +119,11 @@ class ManagerConfig(_Frozen):
     share: bool = False
     """Put the pools and page tables where another process can map them (POSIX shared memory
     on the CPU); ``pools()`` describes them and ``kvcm_client.attach`` maps them."""
+    max_prefill_chunk: PosInt | None = None
+    """Most new tokens one op (allocate or extend) adds: the engine's prefill chunk. None: a
+    whole prompt in one op. Sizing only (docs/sizing.md): ops are not refused past it."""
+    max_lookahead: NonNegInt = 0
+    """Draft slots each request reserves (speculative decoding). Sizing only, like the chunk."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:
@@ -131,6 +136,12 @@ class ManagerConfig(_Frozen):
                     {"layer_id": layer.layer_id},
                 )
             seen.add(layer.layer_id)
+        if self.max_lookahead >= self.max_seq_len:
+            raise PydanticCustomError(
+                "lookahead_too_long",
+                "max_lookahead ({max_lookahead}) must be below max_seq_len ({max_seq_len})",
+                {"max_lookahead": self.max_lookahead, "max_seq_len": self.max_seq_len},
+            )
         if (self.num_blocks is None) == (self.memory_bytes is None):
             raise PydanticCustomError(
                 "blocks_or_memory",
@@ -302,9 +313,13 @@ class PoolGroupEstimate(_Frozen):
 
 
 class Estimate(_Frozen):
-    """Capacity at ``seq_len`` for requests that grow one token per step (see docs/sizing.md)."""
+    """Capacity at ``seq_len`` for requests that grow by ops of at most ``prefill_chunk`` new
+    tokens (None: a whole prompt in one op), each reserving ``lookahead`` draft slots
+    (docs/sizing.md)."""
 
     seq_len: int
+    prefill_chunk: int | None = None
+    lookahead: int = 0
     bytes_per_token: dict[int, int]
     fixed_bytes_per_request: int
     max_tokens: int
@@ -333,10 +348,16 @@ class PrefixCacheStats(_Frozen):
 
 
 class Stats(_Frozen):
+    """Slot counts per pool group, and what one new request can get in every layer group
+    (``request_free_blocks``: ``num_free_blocks()``; ``request_total_blocks``: the same on an
+    empty manager)."""
+
     num_requests: int
     free_blocks: dict[int, int]
     used_blocks: dict[int, int]
     total_blocks: dict[int, int]
+    request_free_blocks: int
+    request_total_blocks: int
     prefix_cache: PrefixCacheStats | None = None
 
 

@@ -43,6 +43,11 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-requests", {"type": int}),
     ("--max-seq-len", {"type": int}),
     (
+        "--max-prefill-chunk",
+        {"type": int, "help": "most new tokens one op adds (sizing; default: a whole prompt)"},
+    ),
+    ("--max-lookahead", {"type": int, "help": "draft slots per request (sizing; default 0)"}),
+    (
         "--share",
         {
             "action": "store_const",
@@ -118,7 +123,12 @@ def _table(rows: list[list[str]]) -> str:
 def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
     """The layout (layer groups, pool groups) and max requests per sequence length."""
     info = manager.describe()
-    out = [f"device {info.device}, {info.tokens_per_block} tokens per block"]
+    cfg = manager.config
+    chunk = cfg.max_prefill_chunk or "whole prompts"
+    out = [
+        f"device {info.device}, {info.tokens_per_block} tokens per block; sized for ops of "
+        f"at most {chunk} new tokens, lookahead {cfg.max_lookahead}"
+    ]
     out.append(
         _table(
             [["layer group", "layers", "window", "sink blocks", "pool group", "bytes/token"]]
@@ -252,9 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         settings = _settings(args)
         if args.command == "estimate":
             config = settings.manager_config().model_copy(update={"share": False})
-            manager = KVCacheManager(config)
-            seq_lens = args.seq_len or sorted({1024, 4096, manager.config.max_seq_len})
+            manager = KVCacheManager(config, check_budget=False)
+            longest = config.max_seq_len - config.max_lookahead
+            seq_lens = args.seq_len or sorted({min(n, longest) for n in (1024, 4096, longest)})
             print(report(manager, seq_lens))
+            try:
+                manager.check_budget()
+            except KVCMError as exc:
+                print(f"\nwarning: {exc.code}: {exc.message}")
             return 0
         return serve(settings)
     except ValidationError as exc:

@@ -71,7 +71,7 @@ from .ops import plain_ops
 from .pools import PoolMemory, role_dtype
 from .prefix_cache import find_hit
 from .shared_memory import CudaSegments, SharedSegments
-from .sizing import Sizing
+from .sizing import Sizing, StepShape
 
 _OPS = TypeAdapter(list[Op])
 #: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
@@ -197,19 +197,26 @@ def _extend_runs(ops: list[dict[str, Any]]) -> list[tuple[int, int]]:
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of one rank."""
 
-    def __init__(self, config: ManagerConfig | dict[str, Any]) -> None:
+    def __init__(self, config: ManagerConfig | dict[str, Any], check_budget: bool = True) -> None:
+        """Build the pools; a ``memory_bytes`` budget that cannot hold one ``max_seq_len``
+        request is refused (``InsufficientMemory``) unless ``check_budget`` is False (for
+        tools that report the layout anyway, like ``kvcm estimate``)."""
         self.config = ManagerConfig.model_validate(config)
         cfg = self.config
         self.device = _resolve_device(cfg.device)
         self.tokens_per_block = cfg.tokens_per_block
         self.max_blocks_per_request = cfg.max_blocks_per_request
         self.layout = build_layout(cfg.layers, cfg.tokens_per_block)
-        self._sizing = Sizing(self.layout, cfg.max_seq_len)
+        self._sizing = Sizing(
+            self.layout, cfg.max_seq_len, StepShape(cfg.max_prefill_chunk, cfg.max_lookahead)
+        )
         if cfg.num_blocks is not None:
             self._slots = {pg.pool_group_id: cfg.num_blocks for pg in self.layout.pool_groups}
         else:
             assert cfg.memory_bytes is not None
             self._slots = self._sizing.slots_for_budget(cfg.memory_bytes)
+            if check_budget:
+                self.check_budget()
         #: Changes at every construction: shared descriptors of another one are refused.
         self.generation = uuid.uuid4().hex
         self._segments: SharedSegments | CudaSegments | None = None
@@ -1174,18 +1181,61 @@ class KVCacheManager:
             buffers=tuple(buffers),
         )
 
-    def estimate(self, seq_len: int, num_requests: int | None = None) -> Estimate:
-        return self._sizing.estimate(seq_len, self._slots, self.config.max_requests, num_requests)
+    def estimate(
+        self,
+        seq_len: int,
+        num_requests: int | None = None,
+        *,
+        prefill_chunk: int | None = None,
+        lookahead: int | None = None,
+    ) -> Estimate:
+        """Capacity for requests of ``seq_len`` tokens grown by ops of at most
+        ``prefill_chunk`` new tokens, each with ``lookahead`` draft slots (both default to the
+        config's ``max_prefill_chunk`` and ``max_lookahead``; a chunk >= seq_len is a whole
+        prompt in one op). Exact: N fit and N + 1 do not (docs/sizing.md)."""
+        shape = self._sizing.shape
+        if prefill_chunk is not None:
+            shape = StepShape(_count("prefill_chunk", prefill_chunk, 1), shape.lookahead)
+        if lookahead is not None:
+            shape = StepShape(shape.chunk, _count("lookahead", lookahead, 0))
+        seq_len = _count("seq_len", seq_len, 1)
+        return self._sizing.estimate(
+            seq_len, self._usable_slots(), self.config.max_requests, num_requests, shape
+        )
+
+    def check_budget(self) -> None:
+        """Raise ``InsufficientMemory`` if not one ``max_seq_len`` request fits the budget
+        (with the config's prefill chunk and lookahead); the error names the largest
+        ``max_seq_len`` that would. Nothing to check with ``num_blocks``."""
+        if self.config.memory_bytes is not None:
+            self._sizing.check_budget(self.config.memory_bytes, self._slots, 0)
+
+    def _usable_slots(self) -> dict[PoolGroupId, int]:
+        return dict(self._slots)
 
     def num_free_blocks(self, pool_group: int | None = None) -> int:
+        """Free slots of ``pool_group``; without one, the blocks a new request can still get
+        in every layer group: per pool group its free slots // the layer groups sharing it,
+        the least over pool groups (a request takes a block in each layer group at once).
+
+        Example: one pool group of 100 free slots shared by a window and a full group: 50.
+        """
         pools = self._coord.pools
         if pool_group is None:
-            return sum(p.num_free for p in pools)
+            return min(
+                pool.num_free // len(pg.layer_groups)
+                for pool, pg in zip(pools, self.layout.pool_groups, strict=True)
+            )
         return pools[self._pool_group(pool_group)].num_free
 
     def num_total_blocks(self, pool_group: int | None = None) -> int:
+        """Slots of ``pool_group``; without one, what ``num_free_blocks()`` gives on an empty
+        manager (so the two are equal once every request is freed)."""
         if pool_group is None:
-            return sum(self._slots.values())
+            return min(
+                self._slots[pg.pool_group_id] // len(pg.layer_groups)
+                for pg in self.layout.pool_groups
+            )
         return self._slots[PoolGroupId(self._pool_group(pool_group))]
 
     def _pool_group(self, pool_group: int) -> int:
@@ -1203,6 +1253,8 @@ class KVCacheManager:
             free_blocks=free,
             used_blocks={i: total[i] - free[i] for i in free},
             total_blocks=total,
+            request_free_blocks=self.num_free_blocks(),
+            request_total_blocks=self.num_total_blocks(),
             prefix_cache=PrefixCacheStats(
                 queries=st.queries,
                 query_tokens=st.query_tokens,

@@ -1,95 +1,220 @@
 """Sizing: memory budget to slots, and capacity estimates that agree exactly with the allocator.
 
-The unit of every estimate is a request that grows one token per step (decode, or chunked
-prefill in chunks of one token) with lookahead 0. Such a request of history h holds, in each
-layer group, ``policy.held_after_step(h)`` blocks right after its op. A pool group's need for a
-request of L tokens is the peak over h < L of the sum over its layer groups: the allocator
-checks each op against free slots, so N such requests fit up to L tokens exactly when
-N x peak <= slots. A single ``allocate(L)`` (whole prefill in one step) needs
-ceil(L / tokens_per_block) blocks in every layer group, sliding or not.
+The unit of every estimate is the engine's step shape: a request reaches L tokens through ops
+(its allocate, then extends) that each add at most C tokens (``prefill_chunk``; a whole prompt
+in one op when C >= L) and reserve D draft slots (``lookahead``). An op that takes a request
+from history h to e = min(h + C, L) tokens leaves a layer group holding
+
+    held(h) = ceil((e + D) / tpb) - max(0, (h + 1 - W) // tpb - S)
+
+blocks (the second term only for a sliding window W with S sink blocks: the released run
+``[S, (h + 1 - W) // tpb)``, see attention.py). A pool group's need for a request of L tokens
+is the peak over every history h < L of the sum over its layer groups. Every h is reachable by
+such a request (an allocate of h <= C tokens, or of C and extends up to h), and every op of any
+request that keeps to the shape holds at most that peak, smaller chunks, rewinds and lower
+lookahead included. So with ``slots >= N x peak``, any N requests that keep to the shape fit
+up to L tokens, in lockstep or not; and N + 1 requests that all take the worst history do not.
+
+Worked example (tpb 16, window 128, no sinks, L = 1024, C = 512, D = 0): from h = 510 the op
+reaches 1022 tokens: ceil(1022 / 16) = 64 blocks, minus (511 - 128) // 16 = 23 released, so 41
+blocks. The aligned chunks (h = 0, 512) peak at 40; the misaligned history 510 is the worst.
+
+Computing the peak for every L at once (h runs over [0, L)): for h <= L - C - 1 the op is not
+clipped by L, and its held count does not depend on L, so a running maximum of the unclipped
+curve covers those h; for h >= L - C the op reaches L, and the largest of those held counts is
+at h = max(0, L - C), since the released count only grows with h.
 
 Budget split between pool groups (docs/sizing.md): each pool group gets the share of
-``memory_bytes`` that one ``max_seq_len`` request takes in it, so all pool groups run out at
-the same number of max-length requests:
-``slots[pg] = memory_bytes * peak[pg] // sum(peak[q] * slot_bytes[q])``.
+``memory_bytes`` that one request of ``max_seq_len - D`` tokens takes in it, so all pool groups
+run out at the same number of such requests:
+``slots[pg] = reserved + budget * peak[pg] // sum(peak[q] * slot_bytes[q])``, where
+``budget`` is what is left after the ``reserved`` slots (the null page) of every pool group.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvcm_client.errors import InsufficientMemory, InvalidArgument
 from kvcm_client.models import Estimate, LayerGroupEstimate, PoolGroupEstimate
 
-from .attention import AttentionPolicy, policy_for
 from .ids import PoolGroupId
 from .layout import Layout
 
 
-class Sizing:
-    """Peak-block curves of a layout up to ``max_seq_len``, computed once."""
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """How requests grow: at most ``chunk`` new tokens per op, ``lookahead`` draft slots."""
 
-    def __init__(self, layout: Layout, max_seq_len: int) -> None:
+    chunk: int | None
+    lookahead: int
+
+
+@dataclass(frozen=True, slots=True)
+class Curves:
+    """Peak blocks per request for every length L in [1, max_len] (index L - 1)."""
+
+    max_len: int
+    group: list[np.ndarray]
+    """Blocks each layer group alone needs."""
+    pool: list[np.ndarray]
+    """Slots each pool group needs (its layer groups together, at the same history)."""
+    fixed: list[int | None]
+    """Peak of each sliding-window group however long the request grows (None: full
+    attention, or a window group when one op may add a whole prompt)."""
+
+
+class Sizing:
+    """Peak-block curves of a layout by step shape, computed once per shape."""
+
+    #: Shapes whose curves are kept (estimates are asked for a handful of shapes).
+    CACHED = 8
+
+    def __init__(self, layout: Layout, max_seq_len: int, shape: StepShape) -> None:
         self.layout = layout
         self.max_seq_len = max_seq_len
-        tpb = layout.tokens_per_block
-        self.policies: list[AttentionPolicy] = [
-            policy_for(g.sliding_window, g.sink_blocks, tpb) for g in layout.layer_groups
-        ]
-        history = np.arange(max_seq_len, dtype=np.int64)
-        self.held = [p.held_after_step(history) for p in self.policies]
-        #: peak_group[g][L - 1]: blocks layer group g alone needs for a request of L tokens.
-        self.peak_group = [np.maximum.accumulate(h) for h in self.held]
-        #: peak_pool[pg][L - 1]: slots pool group pg needs for a request of L tokens.
-        self.peak_pool: list[np.ndarray] = []
-        for pg in layout.pool_groups:
-            total = np.zeros(max_seq_len, dtype=np.int64)
-            for g in pg.layer_groups:
-                total += self.held[g]
-            self.peak_pool.append(np.maximum.accumulate(total))
+        self.shape = shape
+        self._cache: dict[StepShape, Curves] = {}
 
-    def slots_for_budget(self, memory_bytes: int) -> dict[PoolGroupId, int]:
-        weights = [
-            int(peak[-1]) * pg.slot_bytes
-            for peak, pg in zip(self.peak_pool, self.layout.pool_groups, strict=True)
+    def curves(self, shape: StepShape) -> Curves:
+        found = self._cache.get(shape)
+        if found is None:
+            if len(self._cache) >= self.CACHED:
+                self._cache.pop(next(iter(self._cache)))
+            found = self._cache[shape] = self._compute(shape)
+        return found
+
+    def _compute(self, shape: StepShape) -> Curves:
+        tpb = self.layout.tokens_per_block
+        max_len = self.max_seq_len - shape.lookahead
+        chunk = max_len if shape.chunk is None else min(shape.chunk, max_len)
+        ahead = shape.lookahead
+        h = np.arange(max_len, dtype=np.int64)  # histories
+        length = h + 1  # lengths L, index L - 1
+        start = np.maximum(0, length - chunk)  # first history whose op reaches L
+
+        def blocks(tokens: np.ndarray) -> np.ndarray:
+            return -(-(tokens + ahead) // tpb)
+
+        def released(history: np.ndarray, window: int | None, sinks: int) -> np.ndarray:
+            if window is None:
+                return np.zeros_like(history)
+            return np.maximum(0, (history + 1 - window) // tpb - sinks)
+
+        unclipped, clipped, fixed = [], [], []
+        for g in self.layout.layer_groups:
+            unclipped.append(blocks(h + chunk) - released(h, g.sliding_window, g.sink_blocks))
+            clipped.append(blocks(length) - released(start, g.sliding_window, g.sink_blocks))
+            if g.sliding_window is None or shape.chunk is None:
+                fixed.append(None)
+                continue
+            # Past h = W - 1 + S x tpb the unclipped count repeats with period tpb.
+            horizon = np.arange(g.sliding_window + (g.sink_blocks + 1) * tpb, dtype=np.int64)
+            held = blocks(horizon + chunk) - released(horizon, g.sliding_window, g.sink_blocks)
+            fixed.append(int(held.max()))
+
+        def peak(members: list[int]) -> np.ndarray:
+            free_running = np.maximum.accumulate(sum(unclipped[g] for g in members))
+            before = length - chunk - 1  # last history whose op is not clipped by L
+            earlier = np.where(before >= 0, free_running[np.maximum(before, 0)], 0)
+            return np.maximum(earlier, sum(clipped[g] for g in members))
+
+        return Curves(
+            max_len=max_len,
+            group=[peak([g.group_id]) for g in self.layout.layer_groups],
+            pool=[peak(list(pg.layer_groups)) for pg in self.layout.pool_groups],
+            fixed=fixed,
+        )
+
+    def _weights(self, curves: Curves, length: int) -> list[int]:
+        """Bytes one request of ``length`` tokens takes in each pool group."""
+        return [
+            int(peak[length - 1]) * pg.slot_bytes
+            for peak, pg in zip(curves.pool, self.layout.pool_groups, strict=True)
         ]
+
+    def slots_for_budget(self, memory_bytes: int, reserved: int = 0) -> dict[PoolGroupId, int]:
+        """Slots per pool group for a budget, ``reserved`` of them outside the split."""
+        curves = self.curves(self.shape)
+        weights = self._weights(curves, curves.max_len)
         total = sum(weights)
+        budget = memory_bytes - reserved * sum(pg.slot_bytes for pg in self.layout.pool_groups)
         slots = {
-            pg.pool_group_id: memory_bytes * int(peak[-1]) // total
-            for peak, pg in zip(self.peak_pool, self.layout.pool_groups, strict=True)
+            pg.pool_group_id: reserved + max(budget, 0) * int(peak[-1]) // total
+            for peak, pg in zip(curves.pool, self.layout.pool_groups, strict=True)
         }
         for pg in self.layout.pool_groups:
-            if slots[pg.pool_group_id] == 0:
+            if slots[pg.pool_group_id] == reserved:
                 raise InsufficientMemory(
                     f"memory_bytes={memory_bytes} leaves pool group {pg.pool_group_id} no slot "
                     f"(one slot there is {pg.slot_bytes} bytes; the budget needs at least "
-                    f"{-(-total // int(self.peak_pool[pg.pool_group_id][-1]))} bytes)",
+                    f"{memory_bytes - budget + -(-total // int(curves.pool[pg.pool_group_id][-1]))}"
+                    " bytes)",
                     memory_bytes=memory_bytes,
                     pool_group=pg.pool_group_id,
                 )
         return slots
 
+    def check_budget(self, memory_bytes: int, slots: dict[PoolGroupId, int], reserved: int) -> None:
+        """Refuse a budget that cannot hold one request of ``max_seq_len`` tokens.
+
+        Names the largest ``max_seq_len`` this budget would hold: one request of L tokens fits
+        the split made for L exactly when the budget left after the reserved slots covers
+        ``sum(peak[q](L) x slot_bytes[q])`` (then the floor in the split takes nothing from
+        it), so it is the last L whose cost is within that budget, plus the lookahead.
+        """
+        curves = self.curves(self.shape)
+        pools = self.layout.pool_groups
+        if all(
+            slots[pg.pool_group_id] - reserved >= int(curves.pool[pg.pool_group_id][-1])
+            for pg in pools
+        ):
+            return
+        budget = memory_bytes - reserved * sum(pg.slot_bytes for pg in pools)
+        cost = sum(peak * pg.slot_bytes for peak, pg in zip(curves.pool, pools, strict=True))
+        longest = int(np.searchsorted(cost, budget, side="right"))
+        fits = longest + self.shape.lookahead if longest else 0
+        raise InsufficientMemory(
+            f"memory_bytes={memory_bytes} cannot hold one request of max_seq_len="
+            f"{self.max_seq_len} tokens (prefill chunk {self.shape.chunk or 'whole prompt'}, "
+            f"lookahead {self.shape.lookahead}; it needs {int(cost[-1]) + memory_bytes - budget}"
+            f" bytes); the largest max_seq_len this budget holds is {fits}",
+            memory_bytes=memory_bytes,
+            max_seq_len=self.max_seq_len,
+            max_seq_len_that_fits=fits,
+            needed_bytes=int(cost[-1]) + memory_bytes - budget,
+        )
+
     def estimate(
         self,
         seq_len: int,
-        slots: dict[PoolGroupId, int],
+        usable: dict[PoolGroupId, int],
         max_requests: int,
         num_requests: int | None = None,
+        shape: StepShape | None = None,
     ) -> Estimate:
-        if not 1 <= seq_len <= self.max_seq_len:
+        """Capacity at ``seq_len`` for ``shape`` (the config's by default) over ``usable``
+        slots per pool group (slots less any reserved null page)."""
+        shape = shape or self.shape
+        if not 1 <= seq_len <= self.max_seq_len - shape.lookahead:
             raise InvalidArgument(
-                f"seq_len must be in [1, max_seq_len={self.max_seq_len}], got {seq_len}",
+                f"seq_len must be in [1, max_seq_len - lookahead = "
+                f"{self.max_seq_len - shape.lookahead}], got {seq_len}",
                 seq_len=seq_len,
+                lookahead=shape.lookahead,
             )
         if num_requests is not None and num_requests < 0:
             raise InvalidArgument(
                 f"num_requests must be >= 0, got {num_requests}", num_requests=num_requests
             )
+        curves = self.curves(shape)
         tpb = self.layout.tokens_per_block
         pool_estimates = []
-        max_tokens = self.max_seq_len
-        for pg, peak in zip(self.layout.pool_groups, self.peak_pool, strict=True):
-            n_slots = slots[pg.pool_group_id]
+        max_tokens = curves.max_len
+        for pg, peak in zip(self.layout.pool_groups, curves.pool, strict=True):
+            n_slots = usable[pg.pool_group_id]
             per_request = int(peak[seq_len - 1])
             # Largest L with peak[L - 1] <= slots: peak is non-decreasing.
             max_tokens = min(max_tokens, int(np.searchsorted(peak, n_slots, side="right")))
@@ -106,21 +231,24 @@ class Sizing:
         memory_limit = min(p.max_requests for p in pool_estimates)
         group_estimates = []
         fixed_bytes = 0
-        for g, policy in zip(self.layout.layer_groups, self.policies, strict=True):
-            fixed = policy.fixed_blocks()
+        for g, fixed, peak in zip(
+            self.layout.layer_groups, curves.fixed, curves.group, strict=True
+        ):
             if fixed is not None:
                 fixed_bytes += fixed * g.bytes_per_token * tpb
             group_estimates.append(
                 LayerGroupEstimate(
                     group_id=g.group_id,
                     bytes_per_token=g.bytes_per_token,
-                    blocks_per_request=int(self.peak_group[g.group_id][seq_len - 1]),
+                    blocks_per_request=int(peak[seq_len - 1]),
                     fixed_blocks=fixed,
                 )
             )
         fit = min(memory_limit, max_requests)
         return Estimate(
             seq_len=seq_len,
+            prefill_chunk=shape.chunk,
+            lookahead=shape.lookahead,
             bytes_per_token={g.group_id: g.bytes_per_token for g in self.layout.layer_groups},
             fixed_bytes_per_request=fixed_bytes,
             max_tokens=max_tokens,

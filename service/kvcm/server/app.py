@@ -116,7 +116,7 @@ def create_app(
             "kvcm ready: %d layers, %d layer groups, %d slots, device %s, auth %s",
             len(manager.config.layers),
             len(manager.layout.layer_groups),
-            manager.num_total_blocks(),
+            sum(manager.num_total_blocks(pg) for pg in range(len(manager.layout.pool_groups))),
             manager.device,
             "on" if api_token else "off",
         )
@@ -292,8 +292,15 @@ def create_app(
         return _json(m.describe())
 
     @app.get("/v1/estimate", response_model=Estimate, tags=["layout"])
-    async def estimate(seq_len: int, num_requests: int | None = None) -> Response:
-        return _json(m.estimate(seq_len, num_requests))
+    async def estimate(
+        seq_len: int,
+        num_requests: int | None = None,
+        prefill_chunk: int | None = None,
+        lookahead: int | None = None,
+    ) -> Response:
+        return _json(
+            m.estimate(seq_len, num_requests, prefill_chunk=prefill_chunk, lookahead=lookahead)
+        )
 
     @app.get("/v1/stats", response_model=Stats, tags=["layout"])
     async def stats() -> Response:

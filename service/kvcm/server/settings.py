@@ -3,7 +3,8 @@
 The model comes from one source, first match wins: ``config`` (a JSON ``ManagerConfig``),
 ``layers`` (a JSON list of layer specs), ``model_config`` (a Hugging Face ``config.json``), or
 the embedded default model. The sizing flags (``memory``, ``num_blocks``, ``tokens_per_block``,
-``device``, ``max_requests``, ``max_seq_len``) override what that source says.
+``device``, ``max_requests``, ``max_seq_len``, ``max_prefill_chunk``, ``max_lookahead``)
+override what that source says.
 
 The bearer token is read from ``KVCM_API_TOKEN`` only (never a flag: flags show up in process
 lists) and is never logged or printed.
@@ -76,6 +77,8 @@ class Settings(BaseSettings):
     device: str | None = None
     max_requests: int | None = Field(default=None, gt=0)
     max_seq_len: int | None = Field(default=None, gt=0)
+    max_prefill_chunk: int | None = Field(default=None, gt=0)
+    max_lookahead: int | None = Field(default=None, ge=0)
     share: bool | None = None
     """Map pools and page tables into shared memory; None (auto): on for the CPU."""
     # -- serving --
@@ -117,7 +120,14 @@ class Settings(BaseSettings):
             raw = dict(DEFAULT_CONFIG)
         if self.kv_dtype is not None and self.hf_model_config is None:
             raw["layers"] = [{**layer, "dtype": self.kv_dtype} for layer in raw["layers"]]
-        for key in ("tokens_per_block", "device", "max_requests", "max_seq_len"):
+        for key in (
+            "tokens_per_block",
+            "device",
+            "max_requests",
+            "max_seq_len",
+            "max_prefill_chunk",
+            "max_lookahead",
+        ):
             value = getattr(self, key)
             if value is not None:
                 raw[key] = value
