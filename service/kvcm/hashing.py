@@ -56,6 +56,8 @@ def root_key(lora_id: int | str | None = None, cache_salt: str | None = None) ->
     if lora_id is not None:
         if isinstance(lora_id, bool) or not isinstance(lora_id, int | str):
             raise InvalidArgument("lora_id must be an int, a str or None", lora_id=None)
+        if isinstance(lora_id, int) and not -(2**63) <= lora_id < 2**63:
+            raise InvalidArgument("an int lora_id must fit in 64 bits (signed)", lora_id=None)
         seed += (
             b"Li" + struct.pack("<q", lora_id)
             if isinstance(lora_id, int)

@@ -98,11 +98,24 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _count(name: str, value: Any, minimum: int) -> int:
+#: Largest count (tokens, positions, lookahead) any op takes. Counts are bounded before any
+#: arithmetic, so that no int64 sum of a few of them can wrap (2**63 - 1 + 2 would).
+MAX_COUNT = 2**31 - 1
+
+
+def _shown(value: int) -> int | str:
+    """An int for an error's detail: as a string past int64, which JSON encoders refuse."""
+    return int(value) if -(2**63) <= value < 2**63 else str(value)
+
+
+def _count(name: str, value: Any, minimum: int, maximum: int = MAX_COUNT) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}", **{name: None})
-    if value < minimum:
-        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}", **{name: int(value)})
+    if not minimum <= value <= maximum:
+        raise InvalidArgument(
+            f"{name} must be in [{minimum}, {maximum}], got {_shown(value)}",
+            **{name: _shown(value)},
+        )
     return int(value)
 
 
@@ -113,8 +126,12 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
     arr = np.asarray(value)
     if arr.shape != (n,) or (arr.dtype.kind not in "iu" and arr.size):
         raise InvalidArgument(f"{name} must be an int or {n} ints", **{name: None})
-    if n and int(arr.min()) < minimum:
-        raise InvalidArgument(f"{name} must be >= {minimum}", **{name: int(arr.min())})
+    # Checked before the cast: a uint64 of 2**63 would turn negative in int64.
+    if n and not (minimum <= int(arr.min()) and int(arr.max()) <= MAX_COUNT):
+        raise InvalidArgument(
+            f"{name} must be ints in [{minimum}, {MAX_COUNT}]",
+            **{name: _shown(int(arr.min()) if int(arr.min()) < minimum else int(arr.max()))},
+        )
     return arr.astype(np.int64, copy=False)
 
 
@@ -340,11 +357,14 @@ class KVCacheManager:
             raise InvalidArgument("request_id must be a non-empty string", request_id=None)
         num_tokens = _count("num_tokens", num_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
-        # With block_keys the caller vouches for the tokens (both come from one block_keys
-        # call), so they are only counted: validating 4k ids would cost more than the rest.
+        # With block_keys the caller's keys save the hashing but not the check of the ids:
+        # an id outside [0, 2**31) would make the request's later commits unhashable.
         tokens, data = None, b""
         if token_ids is not None:
             if block_keys is not None:
+                if not isinstance(token_ids, Sequence | np.ndarray):
+                    raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
+                token_bytes(token_ids)
                 tokens = token_ids if type(token_ids) is list else list(token_ids)
             else:
                 tokens, data = _token_ids(token_ids)
@@ -481,7 +501,7 @@ class KVCacheManager:
 
     def events(self, after: int = 0, limit: int = 1000) -> KVEvents:
         """KV events with a sequence number above ``after`` (at most ``limit``)."""
-        after = _count("after", after, 0)
+        after = _count("after", after, 0, 2**63 - 1)
         limit = _count("limit", limit, 1)
         log = self._coord.cache.log
         events, lost = log.after(after, limit)
@@ -607,14 +627,19 @@ class KVCacheManager:
                 num_new=len(tokens),
             )
         held = self._tokens[request_id]
-        held.extend(tokens)
-        self._committed[row] = done + len(tokens)
         state = self._prefix[request_id]
         have = len(state.keys)
+        held.extend(tokens)
+        try:
+            self._publish(state, row, held)
+        except BaseException:  # a refused commit changes nothing
+            del held[done:]
+            del state.keys[have:]
+            raise
+        self._committed[row] = done + len(tokens)
         if self._undo is not None:
             self._undo.append(lambda: held.__delitem__(slice(done, None)))
             self._undo.append(lambda: state.keys.__delitem__(slice(have, None)))
-        self._publish(state, row, held)
         return self._info(request_id, row)
 
     def _publish(self, state: _PrefixState, row: int, tokens: list[int]) -> None:

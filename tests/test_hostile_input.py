@@ -1,0 +1,145 @@
+"""Hostile input: edge integers and refused calls change nothing, in process and over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+from helpers import layer
+from servers import serve_in_thread
+
+from kvcm import InvalidArgument, KVCacheManager
+from kvcm.server.app import create_app
+
+CONFIG = {
+    "layers": [layer(0, sliding_window=8), layer(1)],
+    "tokens_per_block": 4,
+    "max_requests": 4,
+    "max_seq_len": 32,
+    "num_blocks": 16,
+}
+HUGE = [2**31, 2**62, 2**63 - 1, 2**63, 2**64 + 5]
+
+
+def _state(m: KVCacheManager) -> tuple[object, ...]:
+    return (
+        sorted((r, m.request(r).num_tokens, m.request(r).capacity) for r in m.request_ids()),
+        [m.block_table(r) for r in sorted(m.request_ids())],
+        m.num_free_blocks(0),
+        m.page_tables().clone().numpy().tolist(),
+    )
+
+
+@pytest.mark.parametrize("big", HUGE)
+def test_counts_past_the_bound_are_refused_before_any_arithmetic(big: int) -> None:
+    m = KVCacheManager(CONFIG)
+    m.allocate("a", 2)
+    m.allocate("b", 2)
+    before = _state(m)
+    calls = [
+        lambda: m.extend_many(["a", "b"], big),
+        lambda: m.extend_many(["a", "b"], 1, big),
+        lambda: m.extend_many(["a", "b"], [1, big]),
+        lambda: m.extend("a", big),
+        lambda: m.extend("a", 1, lookahead=big),
+        lambda: m.allocate("c", big),
+        lambda: m.allocate("c", 2**62, lookahead=big),
+        lambda: m.rewind("a", big),
+        lambda: m.step([{"op": "extend", "request_id": "a", "num_new_tokens": big}] * 1),
+        lambda: m.slot_mappings(["a"], pad_to=big),
+        lambda: m.copy_tokens(["a"], [big], [0]),
+    ]
+    for call in calls:
+        try:
+            out = call()
+        except (InvalidArgument, OverflowError) as exc:
+            assert not isinstance(exc, OverflowError), "untyped error"
+        else:  # step reports the error in the op's result
+            assert isinstance(out, list) and not out[0].ok
+        assert _state(m) == before
+    assert m.request("a").num_tokens == 2 and m.request("b").num_tokens == 2
+
+
+def test_unsigned_arrays_do_not_wrap_into_negative_counts() -> None:
+    m = KVCacheManager(CONFIG)
+    m.allocate("a", 2)
+    m.allocate("b", 2)
+    with pytest.raises(InvalidArgument):
+        m.extend_many(["a", "b"], np.array([2**63, 1], dtype=np.uint64))
+    m.extend_many(["a", "b"], np.array([3, 1], dtype=np.uint64))
+    assert [m.request(r).num_tokens for r in ("a", "b")] == [5, 3]
+
+
+@pytest.mark.parametrize("lora", [2**63, -(2**63) - 1, 2**100])
+def test_lora_ids_past_64_bits_are_a_typed_error(lora: int) -> None:
+    m = KVCacheManager(CONFIG)
+    with pytest.raises(InvalidArgument):
+        m.allocate("a", 4, token_ids=[1, 2, 3, 4], lora_id=lora)
+    with pytest.raises(InvalidArgument):
+        m.probe([1, 2, 3, 4], lora_id=lora)
+    assert m.request_ids() == []
+    # The largest that fits is a valid key.
+    m.allocate("a", 4, token_ids=[1, 2, 3, 4], lora_id=2**63 - 1)
+
+
+def test_token_ids_are_checked_even_with_block_keys() -> None:
+    from kvcm import block_keys
+
+    m = KVCacheManager(CONFIG)
+    keys = block_keys([1] * 12, 4)
+    before = _state(m)
+    with pytest.raises(InvalidArgument):
+        m.allocate("a", 13, token_ids=[-5] * 13, block_keys=keys)
+    assert _state(m) == before and m.request_ids() == []
+    # A refused commit changes nothing either (its ids are checked before anything moves).
+    m.allocate("a", 13, token_ids=[1] * 13, block_keys=keys)
+    m.rewind("a", 7)
+    m.extend("a", 2)
+    committed = m.request("a").num_committed
+    with pytest.raises(InvalidArgument):
+        m.commit("a", [1, -2])
+    assert m.request("a").num_committed == committed
+    assert m.committed_tokens("a") == [1] * committed
+
+
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    with (
+        serve_in_thread(create_app(KVCacheManager(CONFIG))) as url,
+        httpx.Client(base_url=url) as client,
+    ):
+        yield client
+
+
+def test_over_http_edge_integers_are_422_and_the_tables_stay_readable(
+    http: httpx.Client,
+) -> None:
+    for rid in ("a", "b", "y"):
+        assert http.post("/v1/allocate", json={"request_id": rid, "num_tokens": 2}).status_code
+    for big in (2**63 - 1, 2**64):
+        r = http.post("/v1/extend_many", json={"request_ids": ["a", "b"], "num_new_tokens": big})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_argument"
+        body = {"request_id": "a", "num_new_tokens": 2**62, "lookahead": big}
+        r = http.post("/v1/extend", json=body)
+        assert r.status_code == 422 and r.json()["code"] == "invalid_argument"
+    r = http.post("/v1/slot_mappings", json={"request_ids": ["a", "b"]})
+    assert r.status_code == 200
+    for path, body in (
+        ("/v1/allocate", {"request_id": "z", "num_tokens": 4, "token_ids": [1] * 4}),
+        ("/v1/probe", {"token_ids": [1] * 4}),
+    ):
+        r = http.post(path, json=body | {"lora_id": 2**63})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_argument", r.text
+    # A step whose last op is refused: the earlier ops applied, each result says so.
+    ops = [
+        {"op": "free", "request_id": "y"},
+        {"op": "allocate", "request_id": "z", "num_tokens": 2},
+        {"op": "allocate", "request_id": "w", "num_tokens": 4, "token_ids": [1] * 4}
+        | {"lora_id": 2**63},
+    ]
+    r = http.post("/v1/step", json={"ops": ops})
+    assert r.status_code == 200
+    assert [res["ok"] for res in r.json()["results"]] == [True, True, False]
+    assert sorted(http.get("/v1/requests").json()["request_ids"]) == ["a", "b", "z"]
