@@ -143,3 +143,70 @@ def test_over_http_edge_integers_are_422_and_the_tables_stay_readable(
     assert r.status_code == 200
     assert [res["ok"] for res in r.json()["results"]] == [True, True, False]
     assert sorted(http.get("/v1/requests").json()["request_ids"]) == ["a", "b", "z"]
+
+
+def _published(m: KVCacheManager, rid: str, prompt: list[int], **extras: object) -> list[str]:
+    """Allocate and commit ``prompt`` under ``extras``; the block keys its events show."""
+    after = m.last_event_seq
+    m.allocate(rid, len(prompt), token_ids=prompt, **extras)  # type: ignore[arg-type]
+    m.commit(rid, prompt)
+    return [k for e in m.events(after).events for k in e.block_keys]
+
+
+@pytest.mark.parametrize(
+    "victim,attacker",
+    [
+        ({"cache_salt": "tenant-a"}, {}),
+        ({"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}),
+        ({"lora_id": 7}, {"lora_id": 8}),
+        ({"lora_id": 7, "cache_salt": "s"}, {"lora_id": 7}),
+        ({}, {"cache_salt": "x"}),
+    ],
+    ids=str,
+)
+def test_block_keys_from_another_scope_never_hit(
+    victim: dict[str, object], attacker: dict[str, object]
+) -> None:
+    from kvcm import block_keys
+
+    m = KVCacheManager(CONFIG | {"layers": [layer(0), layer(1)]})
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    seen = _published(m, "victim", prompt, **victim)
+    keys = [bytes.fromhex(k) for k in seen[:2]]
+    assert keys == block_keys(prompt, 4, **victim)[:2]  # type: ignore[arg-type]
+    junk = [0] * 9
+    assert m.probe(junk, block_keys=keys, **attacker) == 0  # type: ignore[arg-type]
+    info = m.allocate("attacker", 9, token_ids=junk, block_keys=keys, **attacker)  # type: ignore[arg-type]
+    assert info.num_hit_tokens == 0
+    assert not set(m.block_table("attacker")[0]) & set(m.block_table("victim")[0])
+    # The same scope with the same keys hits (keys within a scope are trusted).
+    assert m.probe(prompt, **victim) == 8  # type: ignore[arg-type]
+
+
+def test_salted_prompts_do_not_leave_in_events() -> None:
+    m = KVCacheManager(CONFIG | {"layers": [layer(0), layer(1)]})
+    _published(m, "open", [1, 2, 3, 4, 5])
+    _published(m, "salted", [6, 7, 8, 9, 10], cache_salt="secret")
+    stored = [e for e in m.events().events if e.kind == "block_stored"]
+    assert [e.token_ids for e in stored] == [[1, 2, 3, 4], None]
+    assert [e.has_salt for e in stored] == [False, True]
+
+
+def test_routes_that_reveal_prompts_need_the_token_when_one_is_set() -> None:
+    app = create_app(KVCacheManager(CONFIG), api_token="tok")
+    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+        auth = {"Authorization": "Bearer tok"}
+        body = {"request_id": "a", "num_tokens": 4, "token_ids": [1, 2, 3, 4]}
+        assert http.post("/v1/allocate", json=body, headers=auth).status_code == 200
+        for path in ("/v1/committed_tokens?request_id=a", "/v1/events"):
+            assert http.get(path).status_code == 401
+            assert http.get(path, headers=auth).status_code == 200
+        # Layout and estimates reveal no prompt: open to probes and dashboards.
+        assert http.get("/v1/layout").status_code == 200
+
+
+def test_events_long_poll_refuses_non_finite_timeouts(http: httpx.Client) -> None:
+    for bad in ("nan", "inf", "-inf"):
+        r = http.get(f"/v1/events?timeout_s={bad}")
+        assert r.status_code == 422 and r.json()["code"] == "invalid_argument"
+    assert http.get("/v1/events?timeout_s=0.01").status_code == 200

@@ -363,8 +363,9 @@ class Stats(_Frozen):
 
 class KVEvent(_Frozen):
     """One change of the prefix cache. ``block_stored``: ``block_keys`` (hex) of one layer
-    group, their ``parent_key`` (None for a first block), their ``token_ids``, the LoRA id and
-    whether a cache salt was used; ``block_removed``: keys evicted or taken out;
+    group, their ``parent_key`` (None for a first block), their ``token_ids`` (None for salted
+    blocks: a salted tenant's prompt never leaves in events), the LoRA id and whether a cache
+    salt was used; ``block_removed``: keys evicted or taken out;
     ``all_blocks_cleared``: everything forgotten."""
 
     seq: int

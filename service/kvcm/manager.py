@@ -401,7 +401,7 @@ class KVCacheManager:
                 )
             keys = self._keys_of(tokens, data, root, items, block_keys)
             hit, hits, ends = find_hit(
-                self._coord.cache, keys, num_tokens, self.tokens_per_block, self._windows
+                self._coord.cache, root, keys, num_tokens, self.tokens_per_block, self._windows
             )
         row = self._free_rows[-1]
         c = self._coord
@@ -480,7 +480,7 @@ class KVCacheManager:
         root = root_key(lora_id, cache_salt)
         keys = self._keys_of(tokens, data, root, multimodal_items(multimodal), block_keys)
         hit, _, _ = find_hit(
-            self._coord.cache, keys, len(tokens), self.tokens_per_block, self._windows, True
+            self._coord.cache, root, keys, len(tokens), self.tokens_per_block, self._windows, True
         )
         return hit * self.tokens_per_block
 
@@ -658,7 +658,7 @@ class KVCacheManager:
             if not cache.reusable[g]:
                 continue
             pg = c.group_pool[g]
-            index, cached = cache.index[g], cache.cached[pg]
+            index, cached = cache.scope(g, state.root), cache.cached[pg]
             slots = c.tables[g][row, have:full].tolist()
             run: list[int] = []  # block positions of a contiguous run of new blocks
             for b in range(have, full + 1):
@@ -669,6 +669,7 @@ class KVCacheManager:
                 if run:
                     cache.store(
                         g,
+                        state.root,
                         [state.keys[i] for i in run],
                         [slots[i - have] for i in run],
                         state.keys[run[0] - 1] if run[0] else None,

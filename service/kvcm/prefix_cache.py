@@ -5,6 +5,12 @@ reference count is positive, and free (in its pool group's LRU queue) otherwise.
 slot keeps its key until the queue hands the slot out again (eviction), so the blocks freed
 longest ago are evicted first.
 
+The index is partitioned by scope, the root key of a request's extra keys (LoRA id, cache
+salt): a lookup only sees blocks published under the same root. Honest keys of two scopes
+never collide anyway (the chain starts at the root), so this changes nothing for them; it
+makes a hit across scopes impossible for a client that sends block keys it read elsewhere
+(events, another tenant's traffic) with its own, other, extra keys.
+
 KV events (for routers that track what each replica caches) have increasing sequence numbers
 and live in a bounded log; a reader that asks for events the log has already dropped is told
 so (``lost``) and should resynchronise, e.g. by treating the replica's cache as unknown.
@@ -59,14 +65,18 @@ class EventLog:
         self.last_seq = last_seq
 
 
+_EMPTY: dict[bytes, int] = {}
+
+
 class PrefixCache:
     def __init__(self, layout: Layout, slots: dict[Any, int], event_capacity: int = 10_000):
         groups = layout.layer_groups
         self.reusable = [g.reuse == "reusable" for g in groups]
         self.group_pool = [int(g.pool_group) for g in groups]
-        self.index: list[dict[bytes, int]] = [{} for _ in groups]
-        #: Per pool group: slot -> (layer group, key) of the cached slots.
-        self.slot_key: list[dict[int, tuple[int, bytes]]] = [{} for _ in layout.pool_groups]
+        #: Per layer group: scope (root key) -> block key -> slot.
+        self.index: list[dict[bytes, dict[bytes, int]]] = [{} for _ in groups]
+        #: Per pool group: slot -> (layer group, scope, key) of the cached slots.
+        self.slot_key: list[dict[int, tuple[int, bytes, bytes]]] = [{} for _ in layout.pool_groups]
         self.cached = [np.zeros(slots[pg.pool_group_id], dtype=bool) for pg in layout.pool_groups]
         self.stats = CacheStats()
         self.log = EventLog(event_capacity)
@@ -74,9 +84,15 @@ class PrefixCache:
     def num_cached(self, pool_group: int) -> int:
         return len(self.slot_key[pool_group])
 
+    def scope(self, group: int, root: bytes) -> dict[bytes, int]:
+        """Key -> slot of layer group ``group``'s blocks published under ``root`` (read only;
+        an empty dict when there are none)."""
+        return self.index[group].get(root, _EMPTY)
+
     def store(
         self,
         group: int,
+        root: bytes,
         keys: list[bytes],
         slots: list[int],
         parent: bytes | None,
@@ -86,9 +102,10 @@ class PrefixCache:
     ) -> None:
         """Publish full blocks of one layer group (already filtered: new keys, live slots)."""
         pg = self.group_pool[group]
+        index = self.index[group].setdefault(root, {})
         for key, slot in zip(keys, slots, strict=True):
-            self.index[group][key] = slot
-            self.slot_key[pg][slot] = (group, key)
+            index[key] = slot
+            self.slot_key[pg][slot] = (group, root, key)
             self.cached[pg][slot] = True
         self.stats.stored_blocks += len(keys)
         self.log.append(
@@ -96,7 +113,8 @@ class PrefixCache:
             layer_group=group,
             block_keys=[k.hex() for k in keys],
             parent_key=None if parent is None else parent.hex(),
-            token_ids=token_ids,
+            # A salted tenant asked for isolation: its prompts do not leave in events.
+            token_ids=None if has_salt else token_ids,
             lora_id=lora_id,
             has_salt=has_salt,
         )
@@ -115,8 +133,11 @@ class PrefixCache:
     def _remove(self, pool_group: int, slots: list[int]) -> None:
         by_group: dict[int, list[str]] = {}
         for slot in slots:
-            group, key = self.slot_key[pool_group].pop(slot)
-            del self.index[group][key]
+            group, root, key = self.slot_key[pool_group].pop(slot)
+            scoped = self.index[group][root]
+            del scoped[key]
+            if not scoped:
+                del self.index[group][root]
             self.cached[pool_group][slot] = False
             by_group.setdefault(group, []).append(key.hex())
         for group, keys in by_group.items():
@@ -134,7 +155,7 @@ class PrefixCache:
 
     def checkpoint(self) -> tuple[Any, ...]:
         return (
-            [dict(i) for i in self.index],
+            [{root: dict(keys) for root, keys in i.items()} for i in self.index],
             [dict(k) for k in self.slot_key],
             [m.copy() for m in self.cached],
             replace(self.stats),
@@ -153,6 +174,7 @@ class PrefixCache:
 
 def find_hit(
     cache: PrefixCache,
+    root: bytes,
     keys: list[bytes],
     num_tokens: int,
     tokens_per_block: int,
@@ -176,10 +198,11 @@ def find_hit(
     cap = min(len(keys), (num_tokens - 1) // tpb)
     if cap <= 0 or not all(cache.reusable):
         return 0, [], []
+    index = [cache.scope(g, root) for g in range(len(windows))]
     for g, (window, _) in enumerate(windows):
         if window is None:
             # Length of the cached run of keys (C-level iteration: prompts have 100s of blocks).
-            present = map(cache.index[g].__contains__, keys[:cap])
+            present = map(index[g].__contains__, keys[:cap])
             cap = next(compress(count(), map(operator.not_, present)), cap)
     for b in range(cap, 0, -1):
         starts, needed = [], []
@@ -190,7 +213,7 @@ def find_hit(
                 continue
             start = max(sinks, (b * tpb + 1 - window) // tpb)
             blocks = [*range(min(sinks, b)), *range(start, b)]
-            if not all(keys[i] in cache.index[g] for i in blocks):
+            if not all(keys[i] in index[g] for i in blocks):
                 break
             starts.append(start)
             needed.append(blocks)
@@ -199,7 +222,7 @@ def find_hit(
                 return b, [], []
             hits, ends = [], []
             for g, (window, sinks) in enumerate(windows):
-                lookup = cache.index[g].__getitem__
+                lookup = index[g].__getitem__
                 if window is None:
                     slots = np.fromiter(map(lookup, keys[:b]), dtype=np.int32, count=b)
                     ends.append(sinks)

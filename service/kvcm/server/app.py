@@ -19,6 +19,7 @@ import gc
 import hmac
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from time import perf_counter
@@ -270,8 +271,14 @@ def create_app(
     )
 
     @app.get("/v1/events", response_model=KVEvents, tags=["prefix cache"])
-    async def events(after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> Response:
-        """KV events after ``after``; waits up to ``timeout_s`` (at most 60) for one."""
+    async def events(
+        request: Request, after: int = 0, limit: int = 1000, timeout_s: float = 0.0
+    ) -> Response:
+        """KV events after ``after``; waits up to ``timeout_s`` (at most 60) for one. Needs the
+        token when one is set: events name what is cached (token ids of unsalted blocks)."""
+        authorize(request)
+        if not math.isfinite(timeout_s):
+            raise InvalidArgument("timeout_s must be a finite number of seconds")
         batch = m.events(after, limit)
         deadline = asyncio.get_running_loop().time() + min(max(timeout_s, 0.0), 60.0)
         while not batch.events and not batch.lost:
@@ -319,7 +326,9 @@ def create_app(
         return _json(IndexRows(rows=m.block_table(request_id)))
 
     @app.get("/v1/committed_tokens", response_model=IndexRow, tags=["tables"])
-    async def committed_tokens(request_id: str) -> Response:
+    async def committed_tokens(request: Request, request_id: str) -> Response:
+        """A request's prompt so far: needs the token when one is set."""
+        authorize(request)
         return _json(IndexRow(row=m.committed_tokens(request_id)))
 
     # -- shared memory -------------------------------------------------------------------------
