@@ -210,3 +210,109 @@ def test_events_long_poll_refuses_non_finite_timeouts(http: httpx.Client) -> Non
         r = http.get(f"/v1/events?timeout_s={bad}")
         assert r.status_code == 422 and r.json()["code"] == "invalid_argument"
     assert http.get("/v1/events?timeout_s=0.01").status_code == 200
+
+
+def test_a_bug_inside_a_step_reports_exactly_what_was_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An untyped exception in one op (a bug) is that op's ``internal_error``; the ops before
+    it stay applied and say so, the ops after it are not run; the lease table follows."""
+    from kvcm.server.state import ServiceState
+
+    m = KVCacheManager(CONFIG)
+    state = ServiceState(m, lease_ttl_s=30.0)
+    session = state.open_session(None).session_id
+    for rid in ("y", "x"):
+        state.step_json(
+            b'{"ops": [{"op": "allocate", "request_id": "%s", "num_tokens": 2}]}' % rid.encode(),
+            session,
+        )
+    real = m.allocate
+
+    def broken(request_id: str, *args: object) -> object:
+        if request_id == "boom":
+            raise ZeroDivisionError("a bug")
+        return real(request_id, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(m, "allocate", broken)
+    body = {
+        "ops": [
+            {"op": "free", "request_id": "y"},
+            {"op": "allocate", "request_id": "z", "num_tokens": 2},
+            {"op": "allocate", "request_id": "boom", "num_tokens": 2},
+            {"op": "free", "request_id": "x"},
+        ]
+    }
+    import orjson
+
+    results = orjson.loads(state.step_json(orjson.dumps(body), session))["results"]
+    assert [r["ok"] for r in results] == [True, True, False, False]
+    assert [r["error"]["code"] for r in results[2:]] == ["internal_error", "step_aborted"]
+    assert sorted(m.request_ids()) == ["x", "z"]
+    assert state.leases.close(session) == ["x", "z"]
+
+
+def test_consumer_pids_past_32_bits_are_refused_and_listing_stays_up(http: httpx.Client) -> None:
+    for pid in (2**63, 2**31, 0, -1):
+        r = http.post("/v1/consumers", json={"pid": pid, "generation": "g"})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_argument"
+    assert http.get("/v1/consumers").status_code == 200
+    r = http.delete("/v1/consumers/nope")
+    assert r.status_code == 404 and r.json()["code"] == "unknown_consumer"
+
+
+def test_sessions_consumers_and_request_ids_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcm.manager import MAX_REQUEST_ID
+    from kvcm.server.leases import Leases
+    from kvcm.server.state import ServiceState
+    from kvcm_client.errors import LimitReached
+    from kvcm_client.models import ConsumerRequest
+
+    monkeypatch.setattr(Leases, "MAX_SESSIONS", 3)
+    monkeypatch.setattr(ServiceState, "MAX_CONSUMERS", 2)
+    m = KVCacheManager(CONFIG | {"share": True})
+    try:
+        state = ServiceState(m, lease_ttl_s=30.0)
+        for _ in range(3):
+            state.open_session(None)
+        with pytest.raises(LimitReached) as exc:
+            state.open_session(None)
+        assert exc.value.status == 429
+        import os
+
+        for _ in range(2):
+            state.register_consumer(ConsumerRequest(pid=os.getpid(), generation=m.generation))
+        with pytest.raises(LimitReached):
+            state.register_consumer(ConsumerRequest(pid=os.getpid(), generation=m.generation))
+    finally:
+        m.close()
+    m = KVCacheManager(CONFIG)
+    m.allocate("x" * MAX_REQUEST_ID, 1)
+    with pytest.raises(InvalidArgument) as exc2:
+        m.allocate("x" * (MAX_REQUEST_ID + 1), 1)
+    assert len(exc2.value.message) < 200
+    long_id = "y" * 1_000_000
+    from kvcm import UnknownRequest
+
+    with pytest.raises(UnknownRequest) as exc3:
+        m.extend(long_id, 1)
+    assert len(exc3.value.message) < 200 and len(exc3.value.detail["request_id"]) <= 64
+
+
+def test_client_session_misuse_and_long_polls_past_the_client_timeout() -> None:
+    from kvcm_client import KVCacheClient
+    from kvcm_client.errors import UnknownSession
+
+    with (
+        serve_in_thread(create_app(KVCacheManager(CONFIG))) as url,
+        KVCacheClient(url, timeout=0.5, retries=0) as kv,
+    ):
+        with pytest.raises(UnknownSession):
+            kv.renew_session()
+        with pytest.raises(UnknownSession):
+            kv.close_session()
+        import time
+
+        start = time.monotonic()
+        batch = kv.events(timeout_s=1.0)  # longer than the client's 0.5 s read timeout
+        assert batch.events == [] and 0.9 < time.monotonic() - start < 5

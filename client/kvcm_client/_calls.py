@@ -8,6 +8,7 @@ service with the same error types the in-process manager raises.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class Call(Generic[T]):
     params: dict[str, Any] | None = None
     idempotent: bool = False
     """Safe to resend after the connection broke mid-call (the op may have been applied)."""
+    wait_s: float = 0.0
+    """How long the service may hold the call on purpose (a long-poll): added to the
+    client's read timeout, so a poll is not cut off and resent."""
 
 
 def _default(value: Any) -> Any:
@@ -187,9 +191,11 @@ def reset_prefix_cache() -> Call[None]:
 
 
 def events(after: int, limit: int, timeout_s: float) -> Call[KVEvents]:
-    return _get(
+    call = _get(
         "/v1/events", _model(KVEvents), after=after, limit=limit, timeout_s=timeout_s or None
     )
+    # The service waits at most 60 s.
+    return dataclasses.replace(call, wait_s=min(max(float(timeout_s), 0.0), 60.0))
 
 
 def extend(request_id: str, num_new_tokens: int, lookahead: int) -> Call[RequestInfo]:

@@ -18,6 +18,7 @@ retries run out the call raises ``ServiceUnavailable``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import httpx
 
 from . import _calls as calls
-from .errors import ServiceUnavailable
+from .errors import ServiceUnavailable, UnknownConsumer, UnknownSession
 from .models import (
     ConsumerInfo,
     Estimate,
@@ -68,6 +69,24 @@ def _unavailable(exc: httpx.TransportError, call: calls.Call[Any], attempts: int
         path=call.path,
         attempts=attempts,
     )
+
+
+def _timeout(default: httpx.Timeout, call: calls.Call[Any]) -> httpx.Timeout:
+    """The client's timeouts, with a long-poll's wait added to the read timeout."""
+    if not call.wait_s or default.read is None:
+        return default
+    return httpx.Timeout(
+        connect=default.connect,
+        read=default.read + call.wait_s,
+        write=default.write,
+        pool=default.pool,
+    )
+
+
+def _session(session_id: str | None) -> str:
+    if session_id is None:
+        raise UnknownSession("no session on this client: call open_session() first")
+    return session_id
 
 
 class KVCacheClient:
@@ -115,6 +134,7 @@ class KVCacheClient:
                     content=call.body,
                     params=call.params,
                     headers={"content-type": "application/json", **(headers or {})},
+                    timeout=_timeout(self._http.timeout, call),
                 )
                 break
             except httpx.TransportError as exc:
@@ -272,9 +292,12 @@ class KVCacheClient:
 
         layout = self.pools()
         info = self._run(calls.register_consumer(os.getpid(), layout.generation))
-        return Attachment(
-            layout, on_close=lambda: self._run(calls.unregister_consumer(info.consumer_id))
-        )
+        return Attachment(layout, on_close=lambda: self._unregister(info.consumer_id))
+
+    def _unregister(self, consumer_id: str) -> None:
+        # Already gone (a retried delete, or the service forgot a consumer it thought dead).
+        with contextlib.suppress(UnknownConsumer):
+            self._run(calls.unregister_consumer(consumer_id))
 
     def consumers(self) -> list[ConsumerInfo]:
         return self._run(calls.consumers())
@@ -288,13 +311,11 @@ class KVCacheClient:
         return info
 
     def renew_session(self) -> SessionInfo:
-        assert self.session_id is not None, "open_session() first"
-        return self._run(calls.renew_session(self.session_id))
+        return self._run(calls.renew_session(_session(self.session_id)))
 
     def close_session(self) -> SessionClosed:
         """End the lease now; the service frees its requests."""
-        assert self.session_id is not None, "open_session() first"
-        closed = self._run(calls.close_session(self.session_id))
+        closed = self._run(calls.close_session(_session(self.session_id)))
         self.session_id = None
         return closed
 
@@ -344,6 +365,7 @@ class AsyncKVCacheClient:
                     content=call.body,
                     params=call.params,
                     headers={"content-type": "application/json", **(headers or {})},
+                    timeout=_timeout(self._http.timeout, call),
                 )
                 break
             except httpx.TransportError as exc:
@@ -503,7 +525,9 @@ class AsyncKVCacheClient:
         return attachment
 
     async def detach(self, attachment: Attachment) -> None:
-        await self._run(calls.unregister_consumer(attachment.consumer_id))  # type: ignore[attr-defined]
+        consumer_id = attachment.consumer_id  # type: ignore[attr-defined]
+        with contextlib.suppress(UnknownConsumer):  # already gone: as in the sync client
+            await self._run(calls.unregister_consumer(consumer_id))
         attachment.close()
 
     async def consumers(self) -> list[ConsumerInfo]:
@@ -515,11 +539,9 @@ class AsyncKVCacheClient:
         return info
 
     async def renew_session(self) -> SessionInfo:
-        assert self.session_id is not None, "open_session() first"
-        return await self._run(calls.renew_session(self.session_id))
+        return await self._run(calls.renew_session(_session(self.session_id)))
 
     async def close_session(self) -> SessionClosed:
-        assert self.session_id is not None, "open_session() first"
-        closed = await self._run(calls.close_session(self.session_id))
+        closed = await self._run(calls.close_session(_session(self.session_id)))
         self.session_id = None
         return closed

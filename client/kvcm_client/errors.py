@@ -163,6 +163,20 @@ class InternalError(KVCMError):
     status = 500
 
 
+class UnknownConsumer(KVCMError):
+    """No consumer with that id (never registered, detached already, or forgotten dead)."""
+
+    code = "unknown_consumer"
+    status = 404
+
+
+class LimitReached(KVCMError):
+    """A bounded service resource is full (sessions, consumers); retry after freeing some."""
+
+    code = "limit_reached"
+    status = 429
+
+
 class ServiceUnavailable(KVCMError):
     """The client could not reach the service (after its retries, where the op allowed them)."""
 
@@ -195,6 +209,8 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         UnknownSession,
         PayloadTooLarge,
         InternalError,
+        LimitReached,
+        UnknownConsumer,
         ServiceUnavailable,
     )
 }

@@ -527,7 +527,8 @@ class SharedLayout(_Frozen):
 
 
 class ConsumerRequest(_Frozen):
-    pid: Annotated[int, Strict(), Field(gt=0)]
+    pid: Annotated[int, Strict(), Field(gt=0, le=2**31 - 1)]
+    """A process id (pid_t is a 32-bit int)."""
     generation: str
 
 

@@ -7,6 +7,7 @@ Every op is atomic: it raises before anything changes, or it completes.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ import kvcm_kernels
 from kvcm_client.errors import (
     DeviceUnavailable,
     DuplicateRequest,
+    InternalError,
     InvalidArgument,
     KVCMError,
     PrefixCacheInUse,
@@ -73,6 +75,7 @@ from .prefix_cache import find_hit
 from .shared_memory import CudaSegments, SharedSegments
 from .sizing import Sizing, StepShape
 
+_log = logging.getLogger("kvcm")
 _OPS = TypeAdapter(list[Op])
 #: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
 _FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp)
@@ -101,6 +104,8 @@ def _resolve_device(name: str) -> torch.device:
 #: Largest count (tokens, positions, lookahead) any op takes. Counts are bounded before any
 #: arithmetic, so that no int64 sum of a few of them can wrap (2**63 - 1 + 2 would).
 MAX_COUNT = 2**31 - 1
+#: Longest request id: ids are echoed in results and kept per request.
+MAX_REQUEST_ID = 256
 
 
 def _shown(value: int) -> int | str:
@@ -293,9 +298,8 @@ class KVCacheManager:
         try:
             return self._rows[request_id]
         except (KeyError, TypeError):
-            raise UnknownRequest(
-                f"unknown request {request_id!r}", request_id=str(request_id)
-            ) from None
+            shown = str(request_id)[:64]
+            raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
 
     def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
         rows = self._rows
@@ -305,7 +309,8 @@ class KVCacheManager:
             )
         except (KeyError, TypeError):
             missing = next(r for r in request_ids if not isinstance(r, str) or r not in rows)
-            raise UnknownRequest(f"unknown request {missing!r}", request_id=str(missing)) from None
+            shown = str(missing)[:64]
+            raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
 
     def _check_len(self, request_id: str, total: int) -> None:
         if total > self.config.max_seq_len:
@@ -353,8 +358,11 @@ class KVCacheManager:
         returns the first result and allocates nothing, so a scheduler can retry an allocate
         whose answer it lost. Other arguments for a live id raise ``DuplicateRequest``.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument("request_id must be a non-empty string", request_id=None)
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
+            raise InvalidArgument(
+                f"request_id must be a string of 1 to {MAX_REQUEST_ID} characters",
+                request_id=None,
+            )
         num_tokens = _count("num_tokens", num_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
         # With block_keys the caller's keys save the hashing but not the check of the ids:
@@ -765,8 +773,14 @@ class KVCacheManager:
                 continue
             for op in run:
                 results.append(self._run(op, brief))
-                if stop_on_error and not results[-1]["ok"]:
+                if results[-1]["ok"]:
+                    continue
+                if stop_on_error:
                     return results
+                if results[-1]["error"]["code"] == InternalError.code:
+                    # A bug, not a refusal: the ops after it are not run, and each result
+                    # still says exactly which ops were applied.
+                    return self._aborted(len(ops), len(results) - 1, results[-1], results)
         return results
 
     def _try_batch(self, ids: list[str], new: list[int], ahead: list[int]) -> np.ndarray | None:
@@ -776,18 +790,28 @@ class KVCacheManager:
             return None
 
     @staticmethod
-    def _aborted(n: int, failed: int, result: dict[str, Any]) -> list[dict[str, Any]]:
+    def _aborted(
+        n: int,
+        failed: int,
+        result: dict[str, Any],
+        applied: list[dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Results of a step stopped at op ``failed``: ``applied`` (the results before it,
+        kept; None for an all-or-nothing step, whose earlier ops were undone), that op's
+        result, and ``step_aborted`` for every op not applied."""
         code = result["error"]["code"]
+        what = "of this all-or-nothing step " if applied is None else ""
         aborted = {
             "ok": False,
             "request": None,
             "error": {
                 "code": StepAborted.code,
-                "message": f"not applied: op {failed} of this all-or-nothing step failed ({code})",
+                "message": f"not applied: op {failed} {what}failed ({code})",
                 "detail": {"failed_op": failed},
             },
         }
-        return [result if i == failed else aborted for i in range(n)]
+        head = applied[:failed] if applied is not None else [aborted] * failed
+        return [*head, result, *([aborted] * (n - failed - 1))]
 
     @contextmanager
     def transaction(self) -> Iterator[Callable[[], None]]:
@@ -882,6 +906,14 @@ class KVCacheManager:
                 return {"ok": True, "request": None, "error": None}
         except KVCMError as exc:
             error = {"code": exc.code, "message": exc.message, "detail": exc.detail}
+            return {"ok": False, "request": None, "error": error}
+        except Exception as exc:  # a bug: logged, reported as this op's result
+            _log.exception("op %s failed with an internal error", kind)
+            error = {
+                "code": InternalError.code,
+                "message": f"internal error in op {kind!r} ({type(exc).__name__}); logged",
+                "detail": {},
+            }
             return {"ok": False, "request": None, "error": error}
         if brief and kind == "extend":
             return {"ok": True, "request": None, "error": None}

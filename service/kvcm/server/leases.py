@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvcm_client.errors import UnknownSession
+from kvcm_client.errors import LimitReached, UnknownSession
 from kvcm_client.models import SessionInfo
 
 
@@ -27,6 +27,9 @@ class _Session:
 
 
 class Leases:
+    #: Most sessions at once: each costs memory and a reaper check (one per scheduler).
+    MAX_SESSIONS = 1024
+
     def __init__(self, default_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.default_ttl_s = default_ttl_s
         self.clock = clock
@@ -38,6 +41,11 @@ class Leases:
 
     def open(self, ttl_s: float | None = None) -> SessionInfo:
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
+        if len(self._sessions) >= self.MAX_SESSIONS:
+            raise LimitReached(
+                f"{self.MAX_SESSIONS} sessions are open; close one or let it expire",
+                max_sessions=self.MAX_SESSIONS,
+            )
         sid = secrets.token_urlsafe(12)
         self._sessions[sid] = _Session(ttl, self.clock() + ttl)
         return self.info(sid)

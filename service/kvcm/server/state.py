@@ -9,6 +9,7 @@ manager's contract), so neither the leases nor the counters see half an op.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import time
@@ -19,7 +20,14 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import ValidationError
 
-from kvcm_client.errors import KVCMError, StaleGeneration, invalid_from_validation
+from kvcm_client.errors import (
+    KVCMError,
+    LimitReached,
+    StaleGeneration,
+    UnknownConsumer,
+    UnknownRequest,
+    invalid_from_validation,
+)
 from kvcm_client.models import (
     AllocateOp,
     CommitOp,
@@ -46,7 +54,7 @@ def _alive(pid: int) -> bool:
     """Whether process ``pid`` runs (needs a shared pid namespace across containers)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):  # no such pid can exist
         return False
     except PermissionError:
         return True
@@ -194,7 +202,17 @@ class ServiceState:
 
     # -- consumers (processes that mapped the shared pools) -------------------------------------
 
+    #: Most consumers at once (one per inference-server process, a few per GPU).
+    MAX_CONSUMERS = 256
+
     def register_consumer(self, req: ConsumerRequest) -> ConsumerInfo:
+        if len(self.consumers) >= self.MAX_CONSUMERS:
+            self.prune_consumers()
+        if len(self.consumers) >= self.MAX_CONSUMERS:
+            raise LimitReached(
+                f"{self.MAX_CONSUMERS} consumers are attached; detach one first",
+                max_consumers=self.MAX_CONSUMERS,
+            )
         if req.generation != self.manager.generation:
             raise StaleGeneration(
                 f"descriptors of generation {req.generation[:12]}; this service is "
@@ -208,7 +226,9 @@ class ServiceState:
         return info
 
     def unregister_consumer(self, consumer_id: str) -> None:
-        self.consumers.pop(consumer_id, None)
+        if self.consumers.pop(consumer_id, None) is None:
+            shown = consumer_id[:64]
+            raise UnknownConsumer(f"no consumer {shown!r}", consumer_id=shown)
 
     def prune_consumers(self) -> int:
         """Forget consumers whose process is gone (died without detaching)."""
@@ -235,7 +255,8 @@ class ServiceState:
         freed = 0
         for _, request_ids in self.leases.expired():
             for rid in request_ids:
-                self.manager.free(rid)
+                with contextlib.suppress(UnknownRequest):  # freed some other way meanwhile
+                    self.manager.free(rid)
             freed += len(request_ids)
             self.metrics.lease_sessions_expired.inc()
         if freed:
