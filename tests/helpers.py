@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from oracle import Oracle, OracleGroup
 
 from kvcm import KVCacheManager
@@ -24,6 +25,28 @@ def manager(layers: list[dict[str, object]], **kw: object) -> KVCacheManager:
     if "memory_bytes" not in cfg:
         cfg.setdefault("num_blocks", 16)
     return KVCacheManager(cfg)
+
+
+def relocations(
+    rng: np.random.Generator, num_rows: int, num_positions: int, num_ops: int
+) -> np.ndarray:
+    """Random token-copy ops, int64 ``[num_ops, 3]`` (row, src, dst), destinations distinct.
+
+    Each row's sources start as a shuffle of its destinations (cycles and swaps), then about
+    a third are redrawn anywhere in the row: that opens cycles into chains and makes sources
+    repeat or lie where no op writes. Example: a row with destinations 3, 7, 9 might get
+    sources 9, 3, 7 (a 3-cycle), then 9, 3, 4 (4 -> 9 -> 3 -> 7, a chain).
+    """
+    keys = rng.choice(num_rows * num_positions, size=num_ops, replace=False)
+    rows, dst = keys // num_positions, keys % num_positions
+    # Both orders list the ops row by row; the second shuffles them within each row.
+    by_row = np.argsort(rows, kind="stable")
+    shuffled = np.lexsort((rng.random(num_ops), rows))
+    src = np.empty_like(dst)
+    src[by_row] = dst[shuffled]
+    redraw = rng.random(num_ops) < 1 / 3
+    src[redraw] = rng.integers(num_positions, size=int(redraw.sum()))
+    return np.stack([rows, src, dst], axis=1).astype(np.int64)
 
 
 def oracle_for(m: KVCacheManager) -> Oracle:
