@@ -1,63 +1,246 @@
+"""``copy_tokens``: copy by value in every layer and role.
+
+The oracle snapshots every request's per-token KV of every (layer, role) through its block
+table, applies the expected moves to the snapshot by value, and compares every token of every
+request after the call, plus every slot no request holds.
+"""
+
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import layer, manager
 
-from kvcm import InvalidArgument
+from kvcm import InvalidArgument, KVCacheManager
+
+TPB = 4
+
+LAYOUTS: dict[str, list[dict[str, object]]] = {
+    "full": [layer(0), layer(1)],
+    # Groups {0} (window 8, 2 sink tokens = 1 block) and {1} (full) share pool group 0;
+    # group {2} (window 12, key only, other shape) has pool group 1.
+    "hybrid": [
+        layer(0, sliding_window=8, sink_tokens=2),
+        layer(1),
+        layer(2, sliding_window=12, kv_factor=1, head_dim=8),
+    ],
+    "key_only": [layer(0, kv_factor=1), layer(1, kv_factor=1, num_kv_heads=1, dtype="fp32")],
+    "nvfp4": [
+        layer(0, num_kv_heads=2, head_dim=16, dtype="nvfp4"),
+        layer(1, kv_factor=1, num_kv_heads=1, head_dim=32, dtype="nvfp4"),
+    ],
+    "everything": [
+        layer(0),
+        layer(1, sliding_window=8),
+        layer(2, kv_factor=1, num_kv_heads=1),
+        layer(3, num_kv_heads=2, head_dim=16, dtype="nvfp4"),
+    ],
+}
 
 
-def _model():  # type: ignore[no-untyped-def]
-    return manager(
-        [
-            layer(0),
-            layer(1, sliding_window=8),
-            layer(2, kv_factor=1, num_kv_heads=1),
-            layer(3, num_kv_heads=2, head_dim=16, dtype="nvfp4"),
-        ],
-        num_blocks=32,
-    )
-
-
-def test_copy_tokens_moves_every_layer_role_and_scale() -> None:
-    m = _model()
-    torch.manual_seed(0)
+def _model(name: str = "everything", num_blocks: int = 64) -> KVCacheManager:
+    m = manager(LAYOUTS[name], num_blocks=num_blocks, max_seq_len=64, max_requests=8)
+    gen = torch.Generator().manual_seed(0)
     for t in m.memory.tensors:
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
-    m.allocate("a", 10, lookahead=3)  # capacity 13: positions 0..12
-    m.allocate("b", 5)
-    before = {
-        (lid, role): m.layer_view(lid, role).clone()
-        for lid, spec in m.layout.layers.items()
-        for role in spec.roles()
-    }
-    tpb = m.tokens_per_block
-    # Accepted drafts at 11 and 12 move to 9 and 10; b's token 4 moves to 0.
-    m.copy_tokens(["a", "a", "b"], [11, 12, 4], [9, 10, 0])
-    moves = {"a": [(11, 9), (12, 10)], "b": [(4, 0)]}
-    for (lid, role), old in before.items():
-        view = m.layer_view(lid, role)
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+    return m
+
+
+Snapshot = dict[tuple[int, str, str], dict[int, torch.Tensor]]
+
+
+def _snapshot(m: KVCacheManager) -> Snapshot:
+    """Per (layer, role, request): position -> a copy of that token's bytes, for every
+    position of the request's capacity whose block its layer group holds."""
+    out: Snapshot = {}
+    for lid, spec in m.layout.layers.items():
         group = m.layer_group_of(lid)
-        expect = old.clone()
-        for rid, pairs in moves.items():
-            blocks = m.block_table(rid)[group]
-            for src, dst in pairs:
-                expect[blocks[dst // tpb], dst % tpb] = old[blocks[src // tpb], src % tpb]
-        assert torch.equal(view.view(torch.uint8), expect.view(torch.uint8)), (lid, role)
+        for role in spec.roles():
+            view = m.layer_view(lid, role)
+            for rid in m.request_ids():
+                slots = np.array(m.block_table(rid)[group])
+                out[(lid, role, rid)] = {
+                    p: view[int(slots[p // TPB]), p % TPB].clone()
+                    for p in range(m.request(rid).capacity)
+                    if slots[p // TPB] >= 0
+                }
+    return out
 
 
-def test_copy_tokens_validates_positions() -> None:
+def _free_slot_bytes(m: KVCacheManager) -> list[torch.Tensor]:
+    """The bytes of every pool's slots that no request holds."""
+    held: list[set[int]] = [set() for _ in m.layout.pool_groups]
+    for rid in m.request_ids():
+        for g, blocks in enumerate(m.block_table(rid)):
+            held[m.layout.layer_groups[g].pool_group].update(b for b in blocks if b >= 0)
+    out = []
+    for pool, mem in zip(m.layout.pools, m.memory.tensors, strict=True):
+        free = [s for s in range(mem.shape[0]) if s not in held[pool.pool_group]]
+        out.append(mem[free].clone())
+    return out
+
+
+def _check_copy(m: KVCacheManager, request_ids: list[str], src: list[int], dst: list[int]) -> None:
+    """``copy_tokens`` against the by-value oracle: each destination gets what its source
+    held before the call; every other token and every free slot keeps its bytes."""
+    before, free_before = _snapshot(m), _free_slot_bytes(m)
+    expect = {key: dict(tokens) for key, tokens in before.items()}
+    for (lid, role, rid), tokens in before.items():
+        for r, s, d in zip(request_ids, src, dst, strict=True):
+            if r == rid:
+                expect[(lid, role, rid)][d] = tokens[s]
+    m.copy_tokens(request_ids, src, dst)
+    after = _snapshot(m)
+    assert after.keys() == expect.keys()
+    for key, tokens in expect.items():
+        assert tokens.keys() == after[key].keys(), key
+        for p, value in tokens.items():
+            got = after[key][p]
+            assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), (key, p)
+    for old, new in zip(free_before, _free_slot_bytes(m), strict=True):
+        assert torch.equal(old, new)
+
+
+def _pool_bytes(m: KVCacheManager) -> list[torch.Tensor]:
+    return [t.clone() for t in m.memory.tensors]
+
+
+def _unchanged(m: KVCacheManager, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, m.memory.tensors, strict=True))
+
+
+# -- copy by value ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tree_speculation_accepted_paths_relocate(layout: str) -> None:
+    m = _model(layout)
+    # 44 verified tokens, then a draft tree at positions 44..51 (lookahead slots included).
+    m.allocate("t", 40, lookahead=12)
+    m.extend("t", 8, lookahead=4)  # length 48, capacity 52: blocks 0..12
+    # A path through the tree 45 -> 44, 46 -> 45, 47 -> 46 (a chain: each destination is the
+    # next op's source), crossing into block 11 from block 11's own tokens.
+    _check_copy(m, ["t"] * 3, [45, 46, 47], [44, 45, 46])
+    # Non-contiguous accepted nodes, out of order: 50 (block 12) -> 45, 47 -> 46.
+    _check_copy(m, ["t", "t"], [50, 47], [45, 46])
+    # The path in reverse order and a node that stays where it is (47 -> 47).
+    _check_copy(m, ["t"] * 4, [51, 49, 47, 46], [47, 46, 45, 44])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cycles_swaps_and_repeated_sources(layout: str) -> None:
+    m = _model(layout)
+    m.allocate("a", 30, lookahead=6)  # capacity 36
+    m.allocate("b", 13)
+    m.extend("b", 3, lookahead=2)  # capacity 18
+    _check_copy(m, ["a", "a"], [33, 29], [29, 33])  # a swap across blocks 7 and 8
+    _check_copy(m, ["a"] * 3, [31, 34, 28], [28, 31, 34])  # a 3-cycle
+    _check_copy(m, ["b"] * 3, [15, 15, 15], [16, 17, 14])  # one source, three destinations
+    # Both requests in one call: a's chain 32 -> 31 -> 30, b's token 16 -> 15 and back.
+    _check_copy(m, ["a", "b", "a", "b"], [31, 16, 32, 15], [30, 15, 31, 16])
+
+
+def _positions(m: KVCacheManager, rid: str) -> tuple[np.ndarray, np.ndarray]:
+    """(readable, writable) positions of a request: blocks held in every layer group; and of
+    those, blocks past its committed full blocks (hit or published ones are never written)."""
+    info = m.request(rid)
+    pos = np.arange(info.capacity)
+    live = np.all([np.array(b)[pos // TPB] >= 0 for b in m.block_table(rid)], axis=0)
+    readable = pos[live]
+    return readable, readable[readable >= info.num_committed // TPB * TPB]
+
+
+def _random_ops(
+    rng: np.random.Generator, m: KVCacheManager
+) -> tuple[list[str], list[int], list[int]]:
+    """Tree paths, chains, cycles, broadcasts and stray copies over the live requests, with
+    distinct destinations per request."""
+    ids: list[str] = []
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for rid in m.request_ids():
+        readable, writable = _positions(m, rid)
+        used: set[int] = set()
+        for _ in range(int(rng.integers(0, 4)) if writable.size else 0):
+            kind = rng.integers(4)
+            k = int(rng.integers(1, min(6, writable.size) + 1))
+            if kind == 0:  # an accepted path: k nodes of the draft region onto its start
+                start = int(rng.integers(max(writable.size - 10, 0), writable.size))
+                region = writable[start:]
+                k = min(k, region.size)
+                src = rng.choice(region, size=k, replace=False)
+                dst = region[:k]
+            elif kind == 1:  # a chain shifting a run of positions back by one
+                start = int(rng.integers(0, writable.size - k + 1))
+                dst = writable[start : start + k]
+                src = dst + 1
+            elif kind == 2:  # a cycle
+                dst = rng.choice(writable, size=k, replace=False)
+                src = np.roll(dst, 1)
+            else:  # from anywhere readable, shared blocks included
+                dst = rng.choice(writable, size=k, replace=False)
+                src = rng.choice(readable, size=k)
+            keep = [
+                i
+                for i in range(len(dst))
+                if int(dst[i]) not in used and int(src[i]) in set(readable.tolist())
+            ]
+            for i in keep:
+                used.add(int(dst[i]))
+                ids.append(rid)
+                srcs.append(int(src[i]))
+                dsts.append(int(dst[i]))
+    order = rng.permutation(len(ids))
+    return [ids[i] for i in order], [srcs[i] for i in order], [dsts[i] for i in order]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seed", range(8))
+def test_random_relocations_copy_by_value(layout: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    m = _model(layout, num_blocks=128)
+    prompt = [int(t) for t in rng.integers(0, 1000, size=20)]
+    m.allocate("p", 20, token_ids=prompt)
+    m.commit("p", prompt)  # blocks 0..4 published
+    # q hits p's prefix: 16 tokens in full groups, the sinks and window in windowed ones.
+    m.allocate("q", 23, token_ids=[*prompt, 1, 2, 3], lookahead=3)
+    for i in range(3):
+        n = int(rng.integers(1, 30))
+        m.allocate(f"r{i}", n, lookahead=int(rng.integers(0, 6)))
+        m.extend(f"r{i}", int(rng.integers(1, 20)), lookahead=int(rng.integers(0, 8)))
+    for _ in range(3):
+        _check_copy(m, *_random_ops(rng, m))
+
+
+def test_copy_tokens_of_no_ops_is_a_no_op() -> None:
+    m = _model()
+    m.allocate("a", 5)
+    before = _pool_bytes(m)
+    m.copy_tokens([], [], [])
+    assert _unchanged(m, before)
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+def test_invalid_positions_are_refused_and_change_nothing() -> None:
     m = _model()
     m.allocate("a", 16)
-    m.extend("a", 1)  # window group: block 0 released ((16 + 1 - 8) // 4 = 2 -> blocks 0, 1)
+    m.extend("a", 1)  # window group: blocks 0, 1 released ((16 + 1 - 8) // 4 = 2)
+    before = _pool_bytes(m)
     with pytest.raises(InvalidArgument):
-        m.copy_tokens(["a"], [17], [2])  # past capacity
+        m.copy_tokens(["a"], [17], [2])  # past capacity (17 tokens)
     with pytest.raises(InvalidArgument):
-        m.copy_tokens(["a"], [16], [1])  # released block
-    with pytest.raises(InvalidArgument):
+        m.copy_tokens(["a"], [2], [16])  # past capacity: the source
+    with pytest.raises(InvalidArgument, match="layer group 1 released"):
+        m.copy_tokens(["a"], [16], [1])  # a destination in a released window block
+    with pytest.raises(InvalidArgument, match="layer group 1 released"):
+        m.copy_tokens(["a", "a"], [14, 5], [12, 13])  # a source in a released window block
+    with pytest.raises(InvalidArgument, match="distinct"):
         m.copy_tokens(["a", "a"], [14, 15], [12, 12])  # duplicate destination
     with pytest.raises(InvalidArgument):
-        m.copy_tokens(["a", "a"], [14, 12], [12, 13])  # a destination is a source
-    with pytest.raises(InvalidArgument):
         m.copy_tokens(["a"], [14, 15], [12])
-    m.copy_tokens([], [], [])
+    with pytest.raises(InvalidArgument):
+        m.copy_tokens(["a"], [-1], [12])
+    assert _unchanged(m, before)

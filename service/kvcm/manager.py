@@ -118,6 +118,15 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
     return arr.astype(np.int64, copy=False)
 
 
+def _live(slots: np.ndarray) -> np.ndarray:
+    """Where page-table entries hold a block; -1 means "no page" (released or past the end).
+
+    The one test of a block's presence behind ``copy_tokens``' checks: where "no page" gets
+    another value, this is what changes.
+    """
+    return slots >= 0
+
+
 def _token_ids(value: Any) -> tuple[list[int], bytes]:
     """Validated token ids as plain ints and as the int32 bytes block keys hash.
 
@@ -1014,10 +1023,16 @@ class KVCacheManager:
     ) -> None:
         """Copy the KV of token ``src_positions[i]`` to ``dst_positions[i]`` of request i.
 
-        Every layer's key, value and scale entries move (the primitive for relocating accepted
-        draft tokens). Positions must lie in the request's capacity and in blocks it holds; the
-        destinations must be distinct and none may be a source, so the order of copies does
-        not matter.
+        Every layer's key, value and scale entries move: the primitive that relocates the
+        accepted path of (tree) speculation onto the positions after the verified prefix. The
+        copy is by value, all reads before all writes, so chains (45 -> 44, 46 -> 45), cycles
+        (a swap) and repeated sources mean what they say: ``dst[i]`` gets what ``src[i]`` held
+        before the call. Destinations must be distinct (two writes to one token would be
+        ambiguous).
+
+        Positions must lie in the request's capacity and in blocks it holds in every layer
+        group (a sliding window may have released them). All or nothing: on any refusal no
+        byte changes.
         """
         rows = self._rows_of(request_ids)
         n = rows.size
@@ -1027,19 +1042,32 @@ class KVCacheManager:
         capacity = c.num_tokens[rows] + c.lookahead[rows]
         if n and bool(((src >= capacity) | (dst >= capacity)).any()):
             raise InvalidArgument("a position lies past its request's capacity")
-        tpb = self.tokens_per_block
-        for g in range(len(self.layout.layer_groups)):
-            table = c.tables[g]
-            if n and bool(((table[rows, src // tpb] < 0) | (table[rows, dst // tpb] < 0)).any()):
-                raise InvalidArgument(
-                    f"a position lies in a block layer group {g} released", layer_group=g
-                )
         span = self.config.max_seq_len
         src_keys, dst_keys = rows * span + src, rows * span + dst
-        if np.unique(dst_keys).size != n or np.intersect1d(src_keys, dst_keys).size:
-            raise InvalidArgument("destinations must be distinct and disjoint from sources")
+        if np.unique(dst_keys).size != n:
+            raise InvalidArgument("destinations must be distinct")
+        self._held_slots(rows, src)
+        self._held_slots(rows, dst)
         ops = np.stack([rows, src, dst], axis=1)
-        kvcm_kernels.copy_tokens(self._tables.sync(), self._to_device(ops), self._copy_pools, tpb)
+        kvcm_kernels.copy_tokens(
+            self._tables.sync(),
+            self._to_device(ops),
+            self._copy_pools,
+            self.tokens_per_block,
+            disjoint=not bool(np.isin(dst_keys, src_keys).any()),
+        )
+
+    def _held_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Slots ``[layer groups, n]`` of the blocks holding each row's position; refuses a
+        position whose block a layer group has released (a sliding window's stale block)."""
+        slots = self._coord.tables[:, rows, positions // self.tokens_per_block]
+        dead = ~_live(slots)
+        if dead.any():
+            g = int(np.nonzero(dead)[0][0])
+            raise InvalidArgument(
+                f"a position lies in a block layer group {g} released", layer_group=g
+            )
+        return slots
 
     def _build_pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_layer_ids = max(self.layout.layers) + 1
