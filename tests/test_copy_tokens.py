@@ -1,4 +1,4 @@
-"""``copy_tokens``: copy by value in every layer and role.
+"""``copy_tokens``: copy by value in every layer and role, and never into another request's KV.
 
 The oracle snapshots every request's per-token KV of every (layer, role) through its block
 table, applies the expected moves to the snapshot by value, and compares every token of every
@@ -13,6 +13,7 @@ import torch
 from helpers import layer, manager
 
 from kvcm import InvalidArgument, KVCacheManager
+from kvcm_client.errors import CopyIntoSharedBlock
 
 TPB = 4
 
@@ -222,6 +223,73 @@ def test_copy_tokens_of_no_ops_is_a_no_op() -> None:
 
 
 # -- refusals ----------------------------------------------------------------------------------
+
+
+def _shared_pair(layout: str) -> KVCacheManager:
+    """a committed 13 tokens (full blocks 0..2 published); b hit them (shared, refs 2)."""
+    m = _model(layout)
+    prompt = list(range(100, 112))
+    m.allocate("a", 13, token_ids=[*prompt, 7], lookahead=3)
+    m.commit("a", [*prompt, 7])
+    info = m.allocate("b", 14, token_ids=[*prompt, 8, 9], lookahead=2)
+    assert info.num_hit_tokens == 12
+    return m
+
+
+@pytest.mark.parametrize("rid,dst", [("b", 5), ("a", 5), ("b", 0), ("a", 11)])
+def test_copy_into_a_block_shared_through_a_prefix_hit_is_refused(rid: str, dst: int) -> None:
+    m = _shared_pair("full")
+    before = _pool_bytes(m)
+    with pytest.raises(CopyIntoSharedBlock) as err:
+        # The first op is fine; the second writes into the shared block: nothing happens.
+        m.copy_tokens([rid, rid], [13, 14], [15, dst])
+    assert err.value.code == "copy_into_shared_block" and err.value.status == 409
+    assert err.value.detail["position"] == dst and err.value.detail["holders"] == 2
+    assert _unchanged(m, before)
+
+
+def test_copy_into_a_published_block_held_by_this_request_alone_is_refused() -> None:
+    m = _model("hybrid")
+    prompt = list(range(10, 22))
+    m.allocate("a", 12, token_ids=prompt, lookahead=4)
+    m.commit("a", prompt)  # blocks 0..2 published; nobody else holds them
+    before = _pool_bytes(m)
+    with pytest.raises(CopyIntoSharedBlock) as err:
+        m.copy_tokens(["a"], [13], [9])
+    assert err.value.detail == {
+        "request_id": "a",
+        "position": 9,
+        "layer_group": 0,
+        "holders": 1,
+        "published": True,
+    }
+    assert _unchanged(m, before)
+    _check_copy(m, ["a"], [9], [13])  # out of it is fine, and so is the unpublished tail
+
+
+def test_copy_into_a_block_published_in_one_layer_group_only_is_refused() -> None:
+    """Group 0 never publishes (reuse none), group 1 does: refused all the same."""
+    m = manager([layer(0, reuse="none"), layer(1)], num_blocks=32)
+    prompt = list(range(8))
+    m.allocate("a", 9, token_ids=[*prompt, 8])
+    m.commit("a", prompt)
+    a = m.block_table("a")  # both groups in pool group 0
+    assert not m._coord.cache.cached[0][a[0][1]] and m._coord.cache.cached[0][a[1][1]]
+    before = _pool_bytes(m)
+    with pytest.raises(CopyIntoSharedBlock) as err:
+        m.copy_tokens(["a"], [8], [7])
+    assert err.value.detail["layer_group"] == 1
+    assert _unchanged(m, before)
+
+
+@pytest.mark.parametrize("layout", ["full", "hybrid", "everything"])
+def test_sources_in_shared_blocks_may_be_read(layout: str) -> None:
+    m = _shared_pair(layout)
+    readable, _ = _positions(m, "b")
+    shared = [int(p) for p in readable if p < 12]
+    # b's own tokens 12..15 get copies of shared tokens; a's tail 13..15 too.
+    _check_copy(m, ["b", "b", "a"], [shared[0], shared[-1], shared[-1]], [12, 15, 14])
+    assert m.block_table("a")[0][:3] == m.block_table("b")[0][:3]
 
 
 def test_invalid_positions_are_refused_and_change_nothing() -> None:

@@ -19,6 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 
 import kvcm_kernels
 from kvcm_client.errors import (
+    CopyIntoSharedBlock,
     DeviceUnavailable,
     DuplicateRequest,
     InvalidArgument,
@@ -1031,8 +1032,11 @@ class KVCacheManager:
         ambiguous).
 
         Positions must lie in the request's capacity and in blocks it holds in every layer
-        group (a sliding window may have released them). All or nothing: on any refusal no
-        byte changes.
+        group (a sliding window may have released them). A destination may not lie in a block
+        other requests share or that the prefix cache publishes, in any layer group
+        (``CopyIntoSharedBlock``): that KV is what other requests read, or will get on a hit,
+        for the tokens it was computed from. Sources there are fine. All or nothing: on any
+        refusal no byte changes.
         """
         rows = self._rows_of(request_ids)
         n = rows.size
@@ -1047,7 +1051,7 @@ class KVCacheManager:
         if np.unique(dst_keys).size != n:
             raise InvalidArgument("destinations must be distinct")
         self._held_slots(rows, src)
-        self._held_slots(rows, dst)
+        self._refuse_shared(request_ids, dst, self._held_slots(rows, dst))
         ops = np.stack([rows, src, dst], axis=1)
         kvcm_kernels.copy_tokens(
             self._tables.sync(),
@@ -1068,6 +1072,36 @@ class KVCacheManager:
                 f"a position lies in a block layer group {g} released", layer_group=g
             )
         return slots
+
+    def _refuse_shared(
+        self, request_ids: Sequence[str], dst: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Raise ``CopyIntoSharedBlock`` if a destination block (``slots`` per layer group) is
+        held by more than one request or published in the prefix cache.
+
+        A published block held only by this request is refused too: its KV is what the next
+        hit on its key gets, and only blocks whose tokens are all committed are published, so
+        the copy would overwrite committed KV. A scheduler that means it rewinds first (which
+        takes a block this request holds alone out of the cache), then copies.
+        """
+        c = self._coord
+        for g in range(slots.shape[0]):
+            pg = c.group_pool[g]
+            refs = c.refs[pg][slots[g]]
+            published = c.cache.cached[pg][slots[g]]
+            bad = (refs > 1) | published
+            if bad.any():
+                i = int(np.argmax(bad))
+                why = "other requests share" if refs[i] > 1 else "the prefix cache publishes"
+                raise CopyIntoSharedBlock(
+                    f"copying into position {int(dst[i])} of {request_ids[i]!r} would "
+                    f"overwrite a block {why} (layer group {g})",
+                    request_id=str(request_ids[i]),
+                    position=int(dst[i]),
+                    layer_group=g,
+                    holders=int(refs[i]),
+                    published=bool(published[i]),
+                )
 
     def _build_pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_layer_ids = max(self.layout.layers) + 1
