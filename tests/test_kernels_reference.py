@@ -237,7 +237,7 @@ def _run_cuda_descriptors(
                             flat[b : b + tb] = scratch[c : c + tb]
 
 
-@pytest.mark.parametrize("scratch_bytes", [1, 200, 64 << 20])
+@pytest.mark.parametrize("scratch_bytes", [1, 200, 1000, 64 << 20])
 @pytest.mark.parametrize("seed", range(3))
 def test_cuda_descriptors_split_into_passes_that_copy_by_value(
     monkeypatch: pytest.MonkeyPatch, scratch_bytes: int, seed: int

@@ -97,12 +97,13 @@ def _descriptors(
     buffer, buffers, token bytes, copy width, scratch offset in an op's staged bytes). Staged,
     a pool's buffers are split into rows that fill passes of at most ``SCRATCH_BYTES`` over
     all ops, each row's region aligned to 16 bytes for int4 copies. Example: 1000 ops and a
-    pool of 300 buffers of 576-byte tokens: 64 MiB / 1000 ops = 67108 bytes per op, 116
-    buffers per pass, so rows of 116, 116 and 68 buffers in three passes. ``direct``: one row
-    per pool, one pass, no scratch.
+    pool of 300 buffers of 576-byte tokens: 64 MiB / 1000 ops = 67108, 67104 bytes per op
+    once aligned, 116 buffers per pass, so rows of 116, 116 and 68 buffers in three passes.
+    ``direct``: one row per pool, one pass, no scratch.
     """
     tpb = tokens_per_block
-    budget = SCRATCH_BYTES // max(num_ops, 1)
+    # Scratch bytes per op, a multiple of ALIGN, so that aligning a row keeps it within.
+    budget = SCRATCH_BYTES // max(num_ops, 1) // ALIGN * ALIGN
     rows: list[list[int]] = []
     passes: list[tuple[int, int, int]] = []
     first = used = 0
