@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import layer, manager
+from helpers import copy_positions, layer, manager, random_copy_ops
 
 from kvcm import InvalidArgument, KVCacheManager
 from kvcm_client.errors import CopyIntoSharedBlock
@@ -142,60 +142,6 @@ def test_cycles_swaps_and_repeated_sources(layout: str) -> None:
     _check_copy(m, ["a", "b", "a", "b"], [31, 16, 32, 15], [30, 15, 31, 16])
 
 
-def _positions(m: KVCacheManager, rid: str) -> tuple[np.ndarray, np.ndarray]:
-    """(readable, writable) positions of a request: blocks held in every layer group; and of
-    those, blocks past its committed full blocks (hit or published ones are never written)."""
-    info = m.request(rid)
-    pos = np.arange(info.capacity)
-    live = np.all([np.array(b)[pos // TPB] >= 0 for b in m.block_table(rid)], axis=0)
-    readable = pos[live]
-    return readable, readable[readable >= info.num_committed // TPB * TPB]
-
-
-def _random_ops(
-    rng: np.random.Generator, m: KVCacheManager
-) -> tuple[list[str], list[int], list[int]]:
-    """Tree paths, chains, cycles, broadcasts and stray copies over the live requests, with
-    distinct destinations per request."""
-    ids: list[str] = []
-    srcs: list[int] = []
-    dsts: list[int] = []
-    for rid in m.request_ids():
-        readable, writable = _positions(m, rid)
-        used: set[int] = set()
-        for _ in range(int(rng.integers(0, 4)) if writable.size else 0):
-            kind = rng.integers(4)
-            k = int(rng.integers(1, min(6, writable.size) + 1))
-            if kind == 0:  # an accepted path: k nodes of the draft region onto its start
-                start = int(rng.integers(max(writable.size - 10, 0), writable.size))
-                region = writable[start:]
-                k = min(k, region.size)
-                src = rng.choice(region, size=k, replace=False)
-                dst = region[:k]
-            elif kind == 1:  # a chain shifting a run of positions back by one
-                start = int(rng.integers(0, writable.size - k + 1))
-                dst = writable[start : start + k]
-                src = dst + 1
-            elif kind == 2:  # a cycle
-                dst = rng.choice(writable, size=k, replace=False)
-                src = np.roll(dst, 1)
-            else:  # from anywhere readable, shared blocks included
-                dst = rng.choice(writable, size=k, replace=False)
-                src = rng.choice(readable, size=k)
-            keep = [
-                i
-                for i in range(len(dst))
-                if int(dst[i]) not in used and int(src[i]) in set(readable.tolist())
-            ]
-            for i in keep:
-                used.add(int(dst[i]))
-                ids.append(rid)
-                srcs.append(int(src[i]))
-                dsts.append(int(dst[i]))
-    order = rng.permutation(len(ids))
-    return [ids[i] for i in order], [srcs[i] for i in order], [dsts[i] for i in order]
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", range(8))
 def test_random_relocations_copy_by_value(layout: str, seed: int) -> None:
@@ -204,14 +150,14 @@ def test_random_relocations_copy_by_value(layout: str, seed: int) -> None:
     prompt = [int(t) for t in rng.integers(0, 1000, size=20)]
     m.allocate("p", 20, token_ids=prompt)
     m.commit("p", prompt)  # blocks 0..4 published
-    # q hits p's prefix: 16 tokens in full groups, the sinks and window in windowed ones.
+    # q hits p's 5 blocks (20 tokens): all of them in full groups, sinks and window otherwise.
     m.allocate("q", 23, token_ids=[*prompt, 1, 2, 3], lookahead=3)
     for i in range(3):
         n = int(rng.integers(1, 30))
         m.allocate(f"r{i}", n, lookahead=int(rng.integers(0, 6)))
         m.extend(f"r{i}", int(rng.integers(1, 20)), lookahead=int(rng.integers(0, 8)))
     for _ in range(3):
-        _check_copy(m, *_random_ops(rng, m))
+        _check_copy(m, *random_copy_ops(rng, m))
 
 
 def test_copy_tokens_of_no_ops_is_a_no_op() -> None:
@@ -285,7 +231,7 @@ def test_copy_into_a_block_published_in_one_layer_group_only_is_refused() -> Non
 @pytest.mark.parametrize("layout", ["full", "hybrid", "everything"])
 def test_sources_in_shared_blocks_may_be_read(layout: str) -> None:
     m = _shared_pair(layout)
-    readable, _ = _positions(m, "b")
+    readable, _ = copy_positions(m, "b")
     shared = [int(p) for p in readable if p < 12]
     # b's own tokens 12..15 get copies of shared tokens; a's tail 13..15 too.
     _check_copy(m, ["b", "b", "a"], [shared[0], shared[-1], shared[-1]], [12, 15, 14])
