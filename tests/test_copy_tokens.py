@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import copy_positions, layer, manager, random_copy_ops
 
+import kvcm_kernels
 from kvcm import InvalidArgument, KVCacheManager
 from kvcm_client.errors import CopyIntoSharedBlock
 
@@ -158,6 +159,22 @@ def test_random_relocations_copy_by_value(layout: str, seed: int) -> None:
         m.extend(f"r{i}", int(rng.integers(1, 20)), lookahead=int(rng.integers(0, 8)))
     for _ in range(3):
         _check_copy(m, *random_copy_ops(rng, m))
+
+
+def test_the_kernel_is_told_when_no_destination_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``disjoint=True`` (one launch on CUDA, racy if wrong) only when no op reads a
+    (request, position) that another op writes."""
+    calls: list[bool] = []
+    monkeypatch.setattr(kvcm_kernels, "copy_tokens", lambda *args, disjoint: calls.append(disjoint))
+    m = _model("full")
+    m.allocate("a", 12)
+    m.allocate("b", 12)
+    m.copy_tokens(["a", "a"], [9, 10], [1, 2])  # reads 9, 10, writes 1, 2
+    m.copy_tokens(["a", "b"], [5, 6], [6, 5])  # same numbers, different requests
+    m.copy_tokens(["a", "a"], [10, 11], [9, 10])  # a chain: 10 is read and written
+    m.copy_tokens(["a", "a"], [3, 7], [7, 3])  # a swap
+    m.copy_tokens(["b"], [4], [4])  # onto itself
+    assert calls == [True, True, False, False, False]
 
 
 def test_copy_tokens_of_no_ops_is_a_no_op() -> None:

@@ -181,8 +181,9 @@ def copy_tokens(
     """Copy token entries in place, by value; ``tables`` int32 ``[G, R, B]``, ``ops`` int64
     ``[K, 3]`` (row, src, dst) with distinct destinations.
 
-    ``disjoint=True`` promises that no destination is another op's source (nor its own), which
-    lets CUDA copy in one launch instead of a gather and a scatter.
+    ``disjoint=True`` promises that no destination is another op's source, which lets CUDA
+    copy in one launch instead of a gather and a scatter (an op that copies a token onto
+    itself is harmless there: each thread reads its bytes before writing them).
     """
     if gpu_path(tables, ops, *(p.memory for p in pools)):
         copy_tokens_cuda(tables.contiguous(), ops.contiguous(), pools, tokens_per_block, disjoint)

@@ -1053,12 +1053,15 @@ class KVCacheManager:
         self._held_slots(rows, src)
         self._refuse_shared(request_ids, dst, self._held_slots(rows, dst))
         ops = np.stack([rows, src, dst], axis=1)
+        # No destination is read (one launch on CUDA) when no (row, position) is both: equal
+        # bytes are equal pairs, since a destination's block is this request's alone.
+        disjoint = not bool(np.isin(dst_keys, src_keys).any())
         kvcm_kernels.copy_tokens(
             self._tables.sync(),
             self._to_device(ops),
             self._copy_pools,
             self.tokens_per_block,
-            disjoint=not bool(np.isin(dst_keys, src_keys).any()),
+            disjoint=disjoint,
         )
 
     def _held_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
