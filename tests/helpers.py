@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from oracle import Oracle, OracleGroup
 
 from kvcm import KVCacheManager
@@ -24,6 +25,79 @@ def manager(layers: list[dict[str, object]], **kw: object) -> KVCacheManager:
     if "memory_bytes" not in cfg:
         cfg.setdefault("num_blocks", 16)
     return KVCacheManager(cfg)
+
+
+def relocations(
+    rng: np.random.Generator, num_rows: int, num_positions: int, num_ops: int
+) -> np.ndarray:
+    """Random token-copy ops, int64 ``[num_ops, 3]`` (row, src, dst), destinations distinct.
+
+    Each row's sources start as a shuffle of its destinations (cycles and swaps), then about
+    a third are redrawn anywhere in the row: that opens cycles into chains and makes sources
+    repeat or lie where no op writes. Example: a row with destinations 3, 7, 9 might get
+    sources 9, 3, 7 (a 3-cycle), then 9, 3, 4 (4 -> 9 -> 3 -> 7, a chain).
+    """
+    keys = rng.choice(num_rows * num_positions, size=num_ops, replace=False)
+    rows, dst = keys // num_positions, keys % num_positions
+    # Both orders list the ops row by row; the second shuffles them within each row.
+    by_row = np.argsort(rows, kind="stable")
+    shuffled = np.lexsort((rng.random(num_ops), rows))
+    src = np.empty_like(dst)
+    src[by_row] = dst[shuffled]
+    redraw = rng.random(num_ops) < 1 / 3
+    src[redraw] = rng.integers(num_positions, size=int(redraw.sum()))
+    return np.stack([rows, src, dst], axis=1).astype(np.int64)
+
+
+def copy_positions(m: KVCacheManager, rid: str) -> tuple[np.ndarray, np.ndarray]:
+    """(readable, writable) positions of a request: blocks held in every layer group; and of
+    those, blocks past its committed full blocks (hit or published ones are never written)."""
+    info, tpb = m.request(rid), m.tokens_per_block
+    pos = np.arange(info.capacity)
+    live = np.all([np.array(b)[pos // tpb] >= 0 for b in m.block_table(rid)], axis=0)
+    readable = pos[live]
+    return readable, readable[readable >= info.num_committed // tpb * tpb]
+
+
+def random_copy_ops(
+    rng: np.random.Generator, m: KVCacheManager
+) -> tuple[list[str], list[int], list[int]]:
+    """Tree paths, chains, cycles, broadcasts and stray copies over the live requests, with
+    distinct destinations per request."""
+    ids: list[str] = []
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for rid in m.request_ids():
+        readable, writable = copy_positions(m, rid)
+        can_read = set(readable.tolist())
+        used: set[int] = set()
+        for _ in range(int(rng.integers(0, 4)) if writable.size else 0):
+            kind = rng.integers(4)
+            k = int(rng.integers(1, min(6, writable.size) + 1))
+            if kind == 0:  # an accepted path: k nodes of the draft region onto its start
+                start = int(rng.integers(max(writable.size - 10, 0), writable.size))
+                region = writable[start:]
+                k = min(k, region.size)
+                src = rng.choice(region, size=k, replace=False)
+                dst = region[:k]
+            elif kind == 1:  # a chain shifting a run of positions back by one
+                start = int(rng.integers(0, writable.size - k + 1))
+                dst = writable[start : start + k]
+                src = dst + 1
+            elif kind == 2:  # a cycle
+                dst = rng.choice(writable, size=k, replace=False)
+                src = np.roll(dst, 1)
+            else:  # from anywhere readable, shared blocks included
+                dst = rng.choice(writable, size=k, replace=False)
+                src = rng.choice(readable, size=k)
+            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                if d not in used and s in can_read:
+                    used.add(d)
+                    ids.append(rid)
+                    srcs.append(s)
+                    dsts.append(d)
+    order = rng.permutation(len(ids))
+    return [ids[i] for i in order], [srcs[i] for i in order], [dsts[i] for i in order]
 
 
 def oracle_for(m: KVCacheManager) -> Oracle:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import relocations
 
 import kvcm_kernels
+from kvcm_kernels import kv_copy
 
 
 def _random_table(rng: np.random.Generator, rows: int, cols: int) -> torch.Tensor:
@@ -100,6 +102,35 @@ def test_layer_pointers_reference(rng: np.random.Generator) -> None:
             assert int(got[layer, role]) == want
 
 
+def _byte_copies(
+    tables: torch.Tensor,
+    ops: torch.Tensor,
+    pools: list[kvcm_kernels.TokenCopyPool],
+    tpb: int,
+) -> list[torch.Tensor]:
+    """The pools after ``ops``, copied byte range by byte range from a snapshot (by value)."""
+    out = [p.memory.clone() for p in pools]
+    for p, mem in zip(pools, out, strict=True):
+        tb = p.bytes_per_buffer // tpb
+        for row, src, dst in ops.tolist():
+            s = int(tables[p.group, row, src // tpb])
+            d = int(tables[p.group, row, dst // tpb])
+            if s < 0 or d < 0:
+                continue
+            for j in range(p.num_buffers):
+                a = j * p.bytes_per_buffer + (src % tpb) * tb
+                b = j * p.bytes_per_buffer + (dst % tpb) * tb
+                mem[d, b : b + tb] = p.memory[s, a : a + tb]
+    # Pools that share memory (layer groups of one pool group) hold distinct slots: merge.
+    for i, p in enumerate(pools):
+        for j in range(i):
+            if pools[j].memory.data_ptr() == p.memory.data_ptr():
+                changed = out[i] != p.memory
+                out[j][changed] = out[i][changed]
+                out[i] = out[j]
+    return out
+
+
 def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator) -> None:
     tpb = 4
     tables = torch.from_numpy(
@@ -115,19 +146,133 @@ def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator) -> 
     ]
     # (row, src, dst): row 0 moves token 6 to 1; row 1 moves token 2 to 5 (group 1 block 1 is -1).
     ops = torch.tensor([[0, 6, 1], [1, 2, 5]])
-    expect = [p.memory.clone() for p in pools]
-    for p, mem in zip(pools, expect, strict=True):
-        tb = p.bytes_per_buffer // tpb
-        for row, src, dst in ops.tolist():
-            s = int(tables[p.group, row, src // tpb])
-            d = int(tables[p.group, row, dst // tpb])
-            if s < 0 or d < 0:
-                continue
-            for j in range(p.num_buffers):
-                a = j * p.bytes_per_buffer + (src % tpb) * tb
-                b = j * p.bytes_per_buffer + (dst % tpb) * tb
-                mem[d, b : b + tb] = p.memory[s, a : a + tb]
+    expect = _byte_copies(tables, ops, pools, tpb)
     kvcm_kernels.copy_tokens(tables, ops, pools, tpb)
+    for p, mem in zip(pools, expect, strict=True):
+        assert torch.equal(p.memory, mem)
+
+
+def _copy_case(
+    rng: np.random.Generator, num_ops: int, tpb: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, list[kvcm_kernels.TokenCopyPool]]:
+    """Tables of two layer groups that share pool memory (distinct slots, like one pool
+    group) plus a third group with its own pools, and overlapping relocations over them."""
+    rows, cols, slots = 6, 5, 64
+    perm = rng.permutation(slots)
+    tables = np.stack(
+        [
+            perm[: rows * cols].reshape(rows, cols),
+            perm[rows * cols : 2 * rows * cols].reshape(rows, cols),
+            rng.permutation(slots)[: rows * cols].reshape(rows, cols),
+        ]
+    ).astype(np.int32)
+    tables[rng.random(tables.shape) < 0.05] = -1
+
+    def mem(num_buffers: int, token_bytes: int) -> torch.Tensor:
+        size = (slots, num_buffers * tpb * token_bytes)
+        return torch.from_numpy(rng.integers(0, 256, size, np.uint8))
+
+    shared_data, shared_scale = mem(3, 24), mem(2, 3)
+    pools = [
+        kvcm_kernels.TokenCopyPool(0, shared_data, tpb * 24, 3),
+        kvcm_kernels.TokenCopyPool(0, shared_scale, tpb * 3, 2),
+        kvcm_kernels.TokenCopyPool(1, shared_data, tpb * 24, 3),
+        kvcm_kernels.TokenCopyPool(1, shared_scale, tpb * 3, 2),
+        kvcm_kernels.TokenCopyPool(2, mem(1, 576), tpb * 576, 1),
+        kvcm_kernels.TokenCopyPool(2, mem(4, 1), tpb * 1, 4),
+    ]
+    ops = torch.from_numpy(relocations(rng, rows, cols * tpb, num_ops))
+    return torch.from_numpy(tables), ops, pools
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_copy_tokens_reference_copies_by_value(seed: int) -> None:
+    """Chains, cycles and repeated sources: every op reads what its source held before."""
+    rng = np.random.default_rng(seed)
+    tables, ops, pools = _copy_case(rng, int(rng.integers(1, 60)))
+    expect = _byte_copies(tables, ops, pools, 4)
+    kvcm_kernels.copy_tokens(tables, ops, pools, 4)
+    for p, mem in zip(pools, expect, strict=True):
+        assert torch.equal(p.memory, mem)
+
+
+def _run_cuda_descriptors(
+    tables: torch.Tensor,
+    ops: torch.Tensor,
+    pools: list[kvcm_kernels.TokenCopyPool],
+    tpb: int,
+    disjoint: bool,
+) -> None:
+    """kv_copy.cu in Python, one op after another, on the descriptors and passes that
+    ``copy_tokens_cuda`` would launch: checks the host side of the CUDA path without a GPU."""
+    num_ops = ops.shape[0]
+    desc, passes = kv_copy._descriptors(pools, tpb, num_ops, disjoint)
+    stride = max(per_op for _, _, per_op in passes)
+    assert stride % kv_copy.ALIGN == 0 and (desc[:, 7] % kv_copy.ALIGN == 0).all()
+    assert (desc[:, 5] % desc[:, 6] == 0).all()  # whole units of the copy width
+    memories = {p.memory.data_ptr(): p.memory.view(-1) for p in pools}
+    scratch = torch.zeros(num_ops * stride, dtype=torch.uint8)
+    for first, count, per_op in passes:
+        rows = desc[first : first + count]
+        # A pass stays within the scratch budget unless it is one buffer of one row.
+        assert per_op * num_ops <= kv_copy.SCRATCH_BYTES or disjoint or rows[:, 4].sum() == 1
+        for mode in (kv_copy.DIRECT,) if disjoint else (kv_copy.GATHER, kv_copy.SCATTER):
+            for group, address, slot_bytes, bpb, nbuf, tb, _, offset in rows.tolist():
+                base = max(b for b in memories if b <= address)
+                flat, start = memories[base], address - base
+                for k, (row, src, dst) in enumerate(ops.tolist()):
+                    s = int(tables[group, row, src // tpb])
+                    d = int(tables[group, row, dst // tpb])
+                    if s < 0 or d < 0:
+                        continue
+                    for j in range(nbuf):
+                        a = start + s * slot_bytes + j * bpb + (src % tpb) * tb
+                        b = start + d * slot_bytes + j * bpb + (dst % tpb) * tb
+                        c = k * stride + offset + j * tb
+                        if mode == kv_copy.DIRECT:
+                            flat[b : b + tb] = flat[a : a + tb].clone()
+                        elif mode == kv_copy.GATHER:
+                            scratch[c : c + tb] = flat[a : a + tb]
+                        else:
+                            flat[b : b + tb] = scratch[c : c + tb]
+
+
+@pytest.mark.parametrize("scratch_bytes", [1, 200, 1000, 64 << 20])
+@pytest.mark.parametrize("seed", range(3))
+def test_cuda_descriptors_split_into_passes_that_copy_by_value(
+    monkeypatch: pytest.MonkeyPatch, scratch_bytes: int, seed: int
+) -> None:
+    """Staged passes cover every buffer once and stay exact however small the scratch."""
+    monkeypatch.setattr(kv_copy, "SCRATCH_BYTES", scratch_bytes)
+    rng = np.random.default_rng(seed)
+    tables, ops, pools = _copy_case(rng, 12)
+    desc, passes = kv_copy._descriptors(pools, 4, ops.shape[0], direct=False)
+    covered = sorted(
+        (address + j * bpb, group)
+        for group, address, _, bpb, nbuf, *_ in desc.tolist()
+        for j in range(nbuf)
+    )
+    every = sorted(
+        (p.memory.data_ptr() + j * p.bytes_per_buffer, p.group)
+        for p in pools
+        for j in range(p.num_buffers)
+    )
+    assert covered == every
+    assert sum(count for _, count, _ in passes) == len(desc)
+    expect = _byte_copies(tables, ops, pools, 4)
+    _run_cuda_descriptors(tables, ops, pools, 4, disjoint=False)
+    for p, mem in zip(pools, expect, strict=True):
+        assert torch.equal(p.memory, mem)
+
+
+def test_cuda_descriptors_copy_disjoint_ops_directly(rng: np.random.Generator) -> None:
+    tables, _, pools = _copy_case(rng, 0)
+    # Sources 0..9 of every row, destinations 10..19: no destination is read.
+    ops = torch.tensor([[r, i, 10 + (i * 7) % 10] for r in range(6) for i in range(10)])
+    desc, passes = kv_copy._descriptors(pools, 4, ops.shape[0], direct=True)
+    assert len(desc) == len(pools) and passes == [(0, len(pools), 0)]
+    expect = _byte_copies(tables, ops, pools, 4)
+    _run_cuda_descriptors(tables, ops, pools, 4, disjoint=True)
     for p, mem in zip(pools, expect, strict=True):
         assert torch.equal(p.memory, mem)
 

@@ -95,6 +95,17 @@ class RewindIntoSharedBlock(KVCMError):
     status = 409
 
 
+class CopyIntoSharedBlock(KVCMError):
+    """A token copy would overwrite a block other requests share or the prefix cache publishes.
+
+    Such a block's KV is what other requests read, or will get on a prefix hit, under the key
+    of the tokens it was computed for; writing another token's KV there would corrupt them.
+    """
+
+    code = "copy_into_shared_block"
+    status = 409
+
+
 class PrefixCacheInUse(KVCMError):
     """``reset_prefix_cache`` while requests hold blocks."""
 
@@ -201,6 +212,7 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         StepAborted,
         StaleGeneration,
         RewindIntoSharedBlock,
+        CopyIntoSharedBlock,
         PrefixCacheInUse,
         MalformedRequest,
         Unauthorized,

@@ -20,6 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 
 import kvcm_kernels
 from kvcm_client.errors import (
+    CopyIntoSharedBlock,
     DeviceUnavailable,
     DuplicateRequest,
     InternalError,
@@ -138,6 +139,15 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
             **{name: _shown(int(arr.min()) if int(arr.min()) < minimum else int(arr.max()))},
         )
     return arr.astype(np.int64, copy=False)
+
+
+def _live(slots: np.ndarray) -> np.ndarray:
+    """Where page-table entries hold a block; -1 means "no page" (released or past the end).
+
+    The one test of a block's presence behind ``copy_tokens``' checks: where "no page" gets
+    another value, this is what changes.
+    """
+    return slots >= 0
 
 
 def _token_ids(value: Any) -> tuple[list[int], bytes]:
@@ -1079,10 +1089,19 @@ class KVCacheManager:
     ) -> None:
         """Copy the KV of token ``src_positions[i]`` to ``dst_positions[i]`` of request i.
 
-        Every layer's key, value and scale entries move (the primitive for relocating accepted
-        draft tokens). Positions must lie in the request's capacity and in blocks it holds; the
-        destinations must be distinct and none may be a source, so the order of copies does
-        not matter.
+        Every layer's key, value and scale entries move: the primitive that relocates the
+        accepted path of (tree) speculation onto the positions after the verified prefix. The
+        copy is by value, all reads before all writes, so chains (45 -> 44, 46 -> 45), cycles
+        (a swap) and repeated sources mean what they say: ``dst[i]`` gets what ``src[i]`` held
+        before the call. Destinations must be distinct (two writes to one token would be
+        ambiguous).
+
+        Positions must lie in the request's capacity and in blocks it holds in every layer
+        group (a sliding window may have released them). A destination may not lie in a block
+        other requests share or that the prefix cache publishes, in any layer group
+        (``CopyIntoSharedBlock``): that KV is what other requests read, or will get on a hit,
+        for the tokens it was computed from. Sources there are fine. All or nothing: on any
+        refusal no byte changes.
         """
         rows = self._rows_of(request_ids)
         n = rows.size
@@ -1092,19 +1111,65 @@ class KVCacheManager:
         capacity = c.num_tokens[rows] + c.lookahead[rows]
         if n and bool(((src >= capacity) | (dst >= capacity)).any()):
             raise InvalidArgument("a position lies past its request's capacity")
-        tpb = self.tokens_per_block
-        for g in range(len(self.layout.layer_groups)):
-            table = c.tables[g]
-            if n and bool(((table[rows, src // tpb] < 0) | (table[rows, dst // tpb] < 0)).any()):
-                raise InvalidArgument(
-                    f"a position lies in a block layer group {g} released", layer_group=g
-                )
         span = self.config.max_seq_len
         src_keys, dst_keys = rows * span + src, rows * span + dst
-        if np.unique(dst_keys).size != n or np.intersect1d(src_keys, dst_keys).size:
-            raise InvalidArgument("destinations must be distinct and disjoint from sources")
+        if np.unique(dst_keys).size != n:
+            raise InvalidArgument("destinations must be distinct")
+        self._held_slots(rows, src)
+        self._refuse_shared(request_ids, dst, self._held_slots(rows, dst))
         ops = np.stack([rows, src, dst], axis=1)
-        kvcm_kernels.copy_tokens(self._tables.sync(), self._to_device(ops), self._copy_pools, tpb)
+        # No destination is read (one launch on CUDA) when no (row, position) is both: equal
+        # bytes are equal pairs, since a destination's block is this request's alone.
+        disjoint = not bool(np.isin(dst_keys, src_keys).any())
+        kvcm_kernels.copy_tokens(
+            self._tables.sync(),
+            self._to_device(ops),
+            self._copy_pools,
+            self.tokens_per_block,
+            disjoint=disjoint,
+        )
+
+    def _held_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Slots ``[layer groups, n]`` of the blocks holding each row's position; refuses a
+        position whose block a layer group has released (a sliding window's stale block)."""
+        slots = self._coord.tables[:, rows, positions // self.tokens_per_block]
+        dead = ~_live(slots)
+        if dead.any():
+            g = int(np.nonzero(dead)[0][0])
+            raise InvalidArgument(
+                f"a position lies in a block layer group {g} released", layer_group=g
+            )
+        return slots
+
+    def _refuse_shared(
+        self, request_ids: Sequence[str], dst: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Raise ``CopyIntoSharedBlock`` if a destination block (``slots`` per layer group) is
+        held by more than one request or published in the prefix cache.
+
+        A published block held only by this request is refused too: its KV is what the next
+        hit on its key gets, and only blocks whose tokens are all committed are published, so
+        the copy would overwrite committed KV. A scheduler that means it rewinds first (which
+        takes a block this request holds alone out of the cache), then copies.
+        """
+        c = self._coord
+        for g in range(slots.shape[0]):
+            pg = c.group_pool[g]
+            refs = c.refs[pg][slots[g]]
+            published = c.cache.cached[pg][slots[g]]
+            bad = (refs > 1) | published
+            if bad.any():
+                i = int(np.argmax(bad))
+                why = "other requests share" if refs[i] > 1 else "the prefix cache publishes"
+                raise CopyIntoSharedBlock(
+                    f"copying into position {int(dst[i])} of {request_ids[i]!r} would "
+                    f"overwrite a block {why} (layer group {g})",
+                    request_id=str(request_ids[i]),
+                    position=int(dst[i]),
+                    layer_group=g,
+                    holders=int(refs[i]),
+                    published=bool(published[i]),
+                )
 
     def _build_pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_layer_ids = max(self.layout.layers) + 1

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+from helpers import random_copy_ops
 
 from kvcm import KVCacheManager, OutOfBlocks, RequestLimitReached
+from kvcm_client.errors import CopyIntoSharedBlock
 
 LAYERS = [
     {"layer_id": 0, "num_kv_heads": 2, "head_dim": 8, "sliding_window": 12, "sink_tokens": 3},
@@ -75,16 +78,30 @@ def test_cuda_manager_matches_cpu_on_random_ops() -> None:
 
 
 def test_cuda_copy_tokens_matches_cpu() -> None:
+    """Relocations (tree paths, chains, cycles, repeated sources, reads of blocks shared
+    through a prefix hit) and refusals leave the same bytes on cuda:0 as on the CPU."""
+    rng = np.random.default_rng()
     cpu, gpu = _pair()
-    torch.manual_seed(3)
     for a, b in zip(cpu.memory.tensors, gpu.memory.tensors, strict=True):
         a.copy_(torch.randint(0, 256, a.shape, dtype=torch.uint8))
         b.copy_(a)
+    prompt = [int(t) for t in rng.integers(0, 1000, size=20)]
     for m in (cpu, gpu):
+        m.allocate("p", 20, token_ids=prompt)
+        m.commit("p", prompt)
+        m.allocate("q", 23, token_ids=[*prompt, 1, 2, 3], lookahead=3)  # hits 20 tokens
         m.allocate("a", 20, lookahead=4)
         m.allocate("b", 9)
         m.extend_many(["a", "b"], [2, 1], [4, 0])
-        m.copy_tokens(["a", "a", "b", "a"], [22, 23, 9, 1], [20, 21, 5, 0])
+        m.extend("a", 20, lookahead=8)  # the window releases a's early blocks
+    for _ in range(30):
+        ops = random_copy_ops(rng, cpu)
+        cpu.copy_tokens(*ops)
+        gpu.copy_tokens(*ops)
+    for ids, src, dst in ((["q", "a"], [20, 40], [3, 41]), (["p"], [19], [2])):
+        for m in (cpu, gpu):
+            with pytest.raises(CopyIntoSharedBlock):
+                m.copy_tokens(ids, src, dst)
     for a, b in zip(cpu.memory.tensors, gpu.memory.tensors, strict=True):
         assert torch.equal(a, b.cpu())
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import relocations
 
 import kvcm_kernels
-from kvcm_kernels import _dispatch
+from kvcm_kernels import _dispatch, kv_copy
 from kvcm_kernels.kv_copy import copy_tokens_reference
 from kvcm_kernels.page_indices import kernel_page_indices_reference
 from kvcm_kernels.page_table_edits import apply_page_table_edits_reference
@@ -21,6 +22,7 @@ pytest.importorskip("cupy", reason="the GPU kernels need CuPy")
 CUDA = torch.device("cuda", 0)
 POISON32 = 0x5A5A5A5A
 POISON64 = 0x5A5A5A5A5A5A5A5A
+COPY_TPB = 16
 
 
 @pytest.fixture
@@ -165,44 +167,92 @@ def test_layer_pointers(rng: np.random.Generator, layers: int, pools: int) -> No
     assert torch.equal(got.cpu(), expect)
 
 
-@pytest.mark.parametrize("num_ops", [0, 1, 64, 3000])
-@pytest.mark.parametrize("token_bytes", [1, 2, 6, 8, 16, 24, 576])
-def test_copy_tokens(rng: np.random.Generator, num_ops: int, token_bytes: int) -> None:
-    tpb, rows, cols, slots = 16, 256, 32, 3 * 256 * 32
-    tables = np.stack(
-        [rng.permutation(slots)[: rows * cols].reshape(rows, cols) for _ in range(2)]
-    ).astype(np.int32)
+def _copy_case(
+    rng: np.random.Generator, num_ops: int, token_bytes: int, disjoint: bool
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]], list[torch.Tensor]]:
+    """Tables, ops and pools for a token copy: layer groups 0 and 1 share two memories with
+    distinct slots (one pool group, as in the manager), group 2 has two of its own. Pools
+    are (group, memory, buffers, token bytes); the fixed ones (6, 576 and 40 bytes per token)
+    mix copy widths 2, 16 and 8 with the parametrized one in one launch, so a wide pool's
+    scratch region after a narrow one must stay aligned."""
+    rows, cols = 128, 16
+    cells = rows * cols
+    slots = 2 * cells + 64
+    perm = rng.permutation(slots)
+    tables = np.stack([perm[:cells], perm[cells : 2 * cells], rng.permutation(slots)[:cells]])
+    tables = tables.reshape(3, rows, cols).astype(np.int32)
     tables[rng.random(tables.shape) < 0.05] = -1
-    specs = [(0, 3), (1, 2), (1, 1)]  # (layer group, buffers)
-    mems = [
-        rng.integers(0, 256, size=(slots, nb * tpb * token_bytes), dtype=np.uint8)
-        for _, nb in specs
+    pools = [
+        (0, 0, 3, token_bytes),
+        (1, 0, 3, token_bytes),
+        (0, 1, 2, 6),
+        (1, 1, 2, 6),
+        (2, 2, 1, 576),
+        (2, 3, 5, 40),
     ]
-    # Disjoint sources and destinations: each (row, position) is used by one op at most.
-    seen: set[tuple[int, int]] = set()
-    op_list: list[tuple[int, int, int]] = []
-    while len(op_list) < num_ops:
-        r = int(rng.integers(rows))
-        src, dst = (int(x) for x in rng.choice(cols * tpb, size=2, replace=False))
-        if (r, src) in seen or (r, dst) in seen:
-            continue
-        seen |= {(r, src), (r, dst)}
-        op_list.append((r, src, dst))
-    ops = np.array(op_list, dtype=np.int64).reshape(-1, 3)
+    sizes = {mem: nb * COPY_TPB * tb for _, mem, nb, tb in pools}
+    mems = [
+        torch.randint(0, 256, (slots, sizes[i]), dtype=torch.uint8, device=CUDA).cpu()
+        for i in range(len(sizes))
+    ]
+    half = cols * COPY_TPB // 2
+    if disjoint:  # sources from the first half of a row, destinations from the second
+        keys = rng.choice(rows * half, size=num_ops, replace=False)
+        src = rng.integers(0, half, size=num_ops)
+        ops = np.stack([keys // half, src, keys % half + half], axis=1).astype(np.int64)
+    else:
+        ops = relocations(rng, rows, 2 * half, num_ops)
+    return tables, ops, pools, mems
 
-    def pools(device: torch.device) -> list[kvcm_kernels.TokenCopyPool]:
+
+def _check_copy(
+    tables: np.ndarray,
+    ops: np.ndarray,
+    pools: list[tuple[int, int, int, int]],
+    mems: list[torch.Tensor],
+    disjoint: bool = False,
+) -> None:
+    """The CuPy copy against the reference, from the same bytes."""
+
+    def copy_pools(device: torch.device) -> list[kvcm_kernels.TokenCopyPool]:
+        on_device = [m.clone().to(device) for m in mems]
         return [
-            kvcm_kernels.TokenCopyPool(
-                g, torch.from_numpy(m.copy()).to(device), tpb * token_bytes, nb
-            )
-            for (g, nb), m in zip(specs, mems, strict=True)
+            kvcm_kernels.TokenCopyPool(g, on_device[mem], COPY_TPB * tb, nb)
+            for g, mem, nb, tb in pools
         ]
 
-    cpu_pools = pools(torch.device("cpu"))
-    copy_tokens_reference(torch.from_numpy(tables), torch.from_numpy(ops), cpu_pools, tpb)
-    gpu_pools = pools(CUDA)
+    cpu_pools = copy_pools(torch.device("cpu"))
+    copy_tokens_reference(torch.from_numpy(tables), torch.from_numpy(ops), cpu_pools, COPY_TPB)
+    gpu_pools = copy_pools(CUDA)
     kvcm_kernels.copy_tokens(
-        torch.from_numpy(tables).to(CUDA), torch.from_numpy(ops).to(CUDA), gpu_pools, tpb
+        torch.from_numpy(tables).to(CUDA),
+        torch.from_numpy(ops).to(CUDA),
+        gpu_pools,
+        COPY_TPB,
+        disjoint=disjoint,
     )
     for a, b in zip(cpu_pools, gpu_pools, strict=True):
         assert torch.equal(a.memory, b.memory.cpu())
+
+
+@pytest.mark.parametrize("num_ops", [0, 1, 64, 3000, 12000])
+@pytest.mark.parametrize("token_bytes", [1, 2, 6, 8, 16, 24, 576])
+@pytest.mark.parametrize("disjoint", [False, True])
+def test_copy_tokens(
+    rng: np.random.Generator, num_ops: int, token_bytes: int, disjoint: bool
+) -> None:
+    """Chains, cycles and repeated sources (gather then scatter), or with ``disjoint`` ops
+    whose destinations nobody reads (one launch), against the reference."""
+    _check_copy(*_copy_case(rng, num_ops, token_bytes, disjoint), disjoint=disjoint)
+
+
+@pytest.mark.parametrize("scratch_bytes", [1, 4096, 1 << 20])
+def test_copy_tokens_in_several_passes(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, scratch_bytes: int
+) -> None:
+    """A small scratch splits the copy by buffers into many gather/scatter passes."""
+    monkeypatch.setattr(kv_copy, "SCRATCH_BYTES", scratch_bytes)
+    tables, ops, pools, mems = _copy_case(rng, 3000, 24, disjoint=False)
+    per_op = sum(nb * tb for _, _, nb, tb in pools)  # staged bytes per op, unaligned
+    assert per_op * len(ops) > scratch_bytes  # more than one pass
+    _check_copy(tables, ops, pools, mems)
