@@ -8,13 +8,20 @@ Pure bookkeeping: no memory is touched here, so sizing can run before anything i
   share a *pool*: slot s holds all of them, layer order then role order (K0 V0 K1 V1 ...).
   kv_factor is part of the key (a refinement of DESIGN.md) so that the kernel-mode index
   slot x num_buffers / kv_factor is always a whole number.
-- Layer groups whose pools have identical slot layouts share one *pool group*: the same physical
-  memory and one slot allocator, so blocks move between them on demand.
+- The pools of a layer group are in a canonical order: data before scale, then kv_factor,
+  bytes per buffer and buffer count, largest first, then coalescing group. The order in which
+  a group lists its layers (or dtypes) does not change it, so two groups with the same pools
+  have the same *pool signature* (the tuple of their pools' shape keys).
+- Layer groups with the same pool signature share one *pool group*: the same physical memory
+  and one slot allocator, so blocks move between them on demand. Their pools are matched by
+  position in that canonical order.
 
 Worked example (tokens_per_block 16): layers 0..3 alternate window-128 and full attention, all
 8 heads x 128 dims bf16 key/value. Layer group 0 = {0, 2} (window), 1 = {1, 3} (full). Each has
 one pool of 4 buffers (K V K V) of 16 * 8 * 128 * 2 = 32 KiB, so the slot layouts match and
-both groups live in pool group 0 with slot_bytes 128 KiB.
+both groups live in pool group 0 with slot_bytes 128 KiB. Had group 0 been {fp8 layer 0,
+bf16 layer 2} and group 1 {bf16 layer 1, fp8 layer 3}, both would still list the bf16 pool
+(2 buffers of 32 KiB) before the fp8 pool (2 of 16 KiB) and share one pool group.
 """
 
 from __future__ import annotations
@@ -51,6 +58,17 @@ class PoolLayout:
     def shape_key(self) -> tuple[str, int, int, int]:
         """What must match for two layer groups to share this pool's memory."""
         return (self.kind, self.kv_factor, self.bytes_per_buffer, self.num_buffers)
+
+    @property
+    def order_key(self) -> tuple[bool, int, int, int, int]:
+        """The canonical position of the pool in its layer group (see the module docstring)."""
+        return (
+            self.kind == "scale",
+            -self.kv_factor,
+            -self.bytes_per_buffer,
+            -self.num_buffers,
+            self.coalescing_group,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +164,7 @@ def _pools_of(layers: list[LayerSpec], tokens_per_block: int) -> tuple[PoolLayou
             bpb = layer.bytes_per_token(role) * tokens_per_block
             key = (layer.coalescing_group, kind, layer.kv_factor, bpb)
             buckets.setdefault(key, []).append((LayerId(layer.layer_id), role))
-    return tuple(
+    pools = (
         PoolLayout(
             kind=kind,  # type: ignore[arg-type]
             kv_factor=kv,
@@ -156,6 +174,7 @@ def _pools_of(layers: list[LayerSpec], tokens_per_block: int) -> tuple[PoolLayou
         )
         for (cg, kind, kv, bpb), bufs in buckets.items()
     )
+    return tuple(sorted(pools, key=lambda pool: pool.order_key))
 
 
 def build_layout(layers: list[LayerSpec], tokens_per_block: int) -> Layout:
@@ -164,7 +183,7 @@ def build_layout(layers: list[LayerSpec], tokens_per_block: int) -> Layout:
     for layer in ordered:
         by_key.setdefault(_group_key(layer, tokens_per_block), []).append(layer)
 
-    # Pool groups: layer groups with the same sequence of pool shapes share memory.
+    # Pool groups: layer groups with the same pool signature (canonical order) share memory.
     signatures: dict[tuple[tuple[str, int, int, int], ...], PoolGroupId] = {}
     members: dict[PoolGroupId, list[LayerGroupId]] = {}
     grouped: list[tuple[tuple[int | None, int, str, str], list[LayerSpec], tuple[PoolLayout, ...]]]
