@@ -2,6 +2,15 @@
 
 Pure bookkeeping: no memory is touched here, so sizing can run before anything is allocated.
 
+- A layer without KV heads (``num_kv_heads`` 0, attention-free) has no buffers: it is left
+  out of every group and listed in ``Layout.dropped`` with the reason ``no_kv_heads``.
+- A layer's buffers are its roles (``LayerSpec.buffers``): key, value, its extra buffers
+  (key-only pages, kv_factor 1, e.g. a sparse-attention indexer's keys) and nvfp4 scales.
+  Extra buffers pool like any other buffer of their layer group.
+- ``Layout.roles`` is the role index order of the pointer tables: ``ROLES`` (key, value,
+  key_scale, value_scale), then the sorted distinct extra roles of the kept layers. It
+  depends only on which role names the model has, not on layer order.
+
 - A *layer group* is the set of layers whose blocks are born and die together: equal
   (sliding_window, sink blocks, owner, reuse). A request owns one block list per layer group.
 - Inside a layer group, buffers with equal (coalescing_group, kind, kv_factor, bytes per block)
@@ -29,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcm_client.models import LayerSpec, Role
+from kvcm_client.models import ROLES, LayerSpec, Role
 
 from .ids import LayerGroupId, LayerId, PoolGroupId, PoolId
 
@@ -149,6 +158,16 @@ class Layout:
     pools: tuple[PhysicalPool, ...]
     placements: dict[tuple[LayerId, Role], BufferPlacement]
     layers: dict[LayerId, LayerSpec]
+    """The layers that have buffers (dropped layers are not here)."""
+    dropped: dict[LayerId, str]
+    """Layers left out of the layout, with the reason code (``no_kv_heads``)."""
+    roles: tuple[Role, ...]
+    """Role index order of the pointer tables (see the module docstring)."""
+
+    @property
+    def num_layer_ids(self) -> int:
+        """Rows of the per-layer tables: every layer id of the config, dropped ones included."""
+        return max([*self.layers, *self.dropped]) + 1
 
 
 def _group_key(layer: LayerSpec, tokens_per_block: int) -> tuple[int | None, int, str, str]:
@@ -159,11 +178,10 @@ def _group_key(layer: LayerSpec, tokens_per_block: int) -> tuple[int | None, int
 def _pools_of(layers: list[LayerSpec], tokens_per_block: int) -> tuple[PoolLayout, ...]:
     buckets: dict[tuple[int, str, int, int], list[tuple[LayerId, Role]]] = {}
     for layer in layers:
-        for role in layer.roles():
-            kind = "scale" if role.endswith("_scale") else "data"
-            bpb = layer.bytes_per_token(role) * tokens_per_block
-            key = (layer.coalescing_group, kind, layer.kv_factor, bpb)
-            buckets.setdefault(key, []).append((LayerId(layer.layer_id), role))
+        for buf in layer.buffers():
+            bpb = buf.bytes_per_token * tokens_per_block
+            key = (layer.coalescing_group, buf.kind, buf.kv_factor, bpb)
+            buckets.setdefault(key, []).append((LayerId(layer.layer_id), buf.role))
     pools = (
         PoolLayout(
             kind=kind,  # type: ignore[arg-type]
@@ -177,8 +195,15 @@ def _pools_of(layers: list[LayerSpec], tokens_per_block: int) -> tuple[PoolLayou
     return tuple(sorted(pools, key=lambda pool: pool.order_key))
 
 
+def role_order(layers: list[LayerSpec]) -> tuple[Role, ...]:
+    """``ROLES``, then the sorted distinct extra roles (e.g. index_key) of ``layers``."""
+    extra = {role for layer in layers for role in layer.roles() if role not in ROLES}
+    return (*ROLES, *sorted(extra))
+
+
 def build_layout(layers: list[LayerSpec], tokens_per_block: int) -> Layout:
-    ordered = sorted(layers, key=lambda spec: spec.layer_id)
+    dropped = {LayerId(s.layer_id): "no_kv_heads" for s in layers if not s.num_kv_heads}
+    ordered = sorted((spec for spec in layers if spec.num_kv_heads), key=lambda spec: spec.layer_id)
     by_key: dict[tuple[int | None, int, str, str], list[LayerSpec]] = {}
     for layer in ordered:
         by_key.setdefault(_group_key(layer, tokens_per_block), []).append(layer)
@@ -242,4 +267,6 @@ def build_layout(layers: list[LayerSpec], tokens_per_block: int) -> Layout:
         pools=tuple(physical),
         placements=placements,
         layers={LayerId(spec.layer_id): spec for spec in ordered},
+        dropped=dropped,
+        roles=role_order(ordered),
     )
