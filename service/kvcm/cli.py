@@ -41,7 +41,14 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--tokens-per-block", {"type": int}),
     ("--device", {"help": "cpu or cuda[:N]"}),
     ("--max-requests", {"type": int}),
-    ("--max-seq-len", {"type": int}),
+    (
+        "--max-seq-len",
+        {
+            "type": int,
+            "help": "longest request in tokens (default 8192; with --model-config, the model's "
+            "max_position_embeddings)",
+        },
+    ),
     (
         "--share",
         {
