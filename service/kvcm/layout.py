@@ -95,7 +95,7 @@ class LayerGroupLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return sum(layer.bytes_per_token(role) for layer in self.layers for role in layer.roles())
+        return sum(buf.bytes_per_token for layer in self.layers for buf in layer.buffers())
 
 
 @dataclass(frozen=True, slots=True)

@@ -893,24 +893,26 @@ class KVCacheManager:
         return self._upload(array)
 
     def _placement(self, layer_id: int, role: str) -> BufferPlacement:
+        try:
+            return self.layout.placements[(LayerId(layer_id), role)]
+        except (KeyError, TypeError):
+            pass
         layer = self.layout.layers.get(LayerId(layer_id))
         if layer is None:
             reason = self.layout.dropped.get(LayerId(layer_id))
             if reason is not None:
                 raise UnknownLayer(
-                    f"layer {layer_id} has no KV cache ({reason}: num_kv_heads is 0); it was "
-                    "dropped from the layout (describe().dropped_layers)",
+                    f"layer {layer_id} has no KV cache ({reason}); it was dropped from the "
+                    "layout (describe().dropped_layers)",
                     layer_id=layer_id,
                     reason=reason,
                 )
             raise UnknownLayer(f"unknown layer {layer_id}", layer_id=layer_id)
-        if role not in layer.roles():
-            raise InvalidArgument(
-                f"layer {layer_id} has no role {role!r}; it has {list(layer.roles())}",
-                layer_id=layer_id,
-                role=str(role),
-            )
-        return self.layout.placements[(LayerId(layer_id), role)]  # type: ignore[index]
+        raise InvalidArgument(
+            f"layer {layer_id} has no role {role!r}; it has {list(layer.roles())}",
+            layer_id=layer_id,
+            role=str(role),
+        )
 
     def page_indices(
         self,
