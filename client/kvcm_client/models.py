@@ -141,8 +141,8 @@ class LayerSpec(_Frozen):
         if self.extra_buffers and not self.num_kv_heads:
             raise PydanticCustomError(
                 "extra_buffers_without_kv",
-                "layer {layer_id}: has no KV heads (num_kv_heads=0), so it has no blocks to "
-                "hold extra buffers",
+                "layer {layer_id}: extra buffers need KV heads (num_kv_heads=0 leaves the "
+                "layer without blocks to hold them)",
                 {"layer_id": lid},
             )
         seen: set[str] = set(ROLES)
@@ -178,7 +178,7 @@ class LayerSpec(_Frozen):
 
     def buffers(self) -> tuple[RoleBuffer, ...]:
         """Every role's buffer in slot order: key, value, the extra buffers in the order given,
-        then the nvfp4 scales of those (key_scale, value_scale, <extra>_scale). None for a
+        then the nvfp4 scales of those (key_scale, value_scale, <extra>_scale). Empty for a
         layer without KV heads.
         """
         if not self.num_kv_heads:

@@ -2,15 +2,6 @@
 
 Pure bookkeeping: no memory is touched here, so sizing can run before anything is allocated.
 
-- A layer without KV heads (``num_kv_heads`` 0, attention-free) has no buffers: it is left
-  out of every group and listed in ``Layout.dropped`` with the reason ``no_kv_heads``.
-- A layer's buffers are its roles (``LayerSpec.buffers``): key, value, its extra buffers
-  (key-only pages, kv_factor 1, e.g. a sparse-attention indexer's keys) and nvfp4 scales.
-  Extra buffers pool like any other buffer of their layer group.
-- ``Layout.roles`` is the role index order of the pointer tables: ``ROLES`` (key, value,
-  key_scale, value_scale), then the sorted distinct extra roles of the kept layers. It
-  depends only on which role names the model has, not on layer order.
-
 - A *layer group* is the set of layers whose blocks are born and die together: equal
   (sliding_window, sink blocks, owner, reuse). A request owns one block list per layer group.
 - Inside a layer group, buffers with equal (coalescing_group, kind, kv_factor, bytes per block)
@@ -24,6 +15,14 @@ Pure bookkeeping: no memory is touched here, so sizing can run before anything i
 - Layer groups with the same pool signature share one *pool group*: the same physical memory
   and one slot allocator, so blocks move between them on demand. Their pools are matched by
   position in that canonical order.
+- A layer's buffers are its roles (``LayerSpec.buffers``): key, value, its extra buffers
+  (key-only pages, kv_factor 1, e.g. a sparse-attention indexer's keys) and nvfp4 scales.
+  Extra buffers pool like any other buffer of their layer group.
+- A layer without KV heads (``num_kv_heads`` 0, attention-free) has no buffers: it is left
+  out of every group and listed in ``Layout.dropped`` with the reason ``no_kv_heads``.
+- ``Layout.roles`` is the role index order of the pointer tables: ``ROLES`` (key, value,
+  key_scale, value_scale), then the sorted distinct extra roles of the kept layers. It
+  depends only on which role names the model has, not on layer order.
 
 Worked example (tokens_per_block 16): layers 0..3 alternate window-128 and full attention, all
 8 heads x 128 dims bf16 key/value. Layer group 0 = {0, 2} (window), 1 = {1, 3} (full). Each has
