@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from servers import serve_process
 
 from kvcm import InvalidArgument, LayerSpec, ManagerConfig, UnknownLayer
+from kvcm.cli import report
 from kvcm_client import KVCacheClient
 
 INDEX_KEY = {"role": "index_key", "num_heads": 1, "head_dim": 128, "dtype": "fp8_e4m3"}
@@ -325,6 +326,7 @@ def test_a_layer_without_kv_heads_is_dropped_and_reported() -> None:
     # The per-layer tables keep a row for the dropped id, with no pool and no address.
     assert m.layer_pool_map()[1].eq(-1).all() and m.layer_pointer_table()[1].eq(0).all()
     assert m.page_indices(["a"], 2, mode="kernel")[0, :2].tolist() == [0, 1]  # the rest works
+    assert "dropped layers: 1 (no_kv_heads)" in report(m, [64])  # kvcm estimate's layout
 
 
 def test_a_dropped_last_layer_still_has_a_table_row() -> None:

@@ -126,6 +126,9 @@ def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
     """The layout (layer groups, pool groups) and max requests per sequence length."""
     info = manager.describe()
     out = [f"device {info.device}, {info.tokens_per_block} tokens per block"]
+    if info.dropped_layers:
+        dropped = ", ".join(f"{d.layer_id} ({d.reason})" for d in info.dropped_layers)
+        out[0] += f"; dropped layers: {dropped}"
     out.append(
         _table(
             [["layer group", "layers", "window", "sink blocks", "pool group", "bytes/token"]]
