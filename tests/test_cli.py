@@ -129,11 +129,12 @@ def test_the_api_token_is_never_printed(monkeypatch: pytest.MonkeyPatch) -> None
 def test_real_model_configs_give_the_expected_layout(
     name: str, bytes_per_token: dict[int, int], groups: int
 ) -> None:
-    cfg = Settings(hf_model_config=FIXTURES / name, num_blocks=64).manager_config()
+    # max_seq_len would be the model's max_position_embeddings; 256 keeps the pools small.
+    settings = Settings(hf_model_config=FIXTURES / name, num_blocks=16, max_seq_len=256)
     from kvcm import KVCacheManager
 
-    m = KVCacheManager(cfg)
-    est = m.estimate(1024)
+    m = KVCacheManager(settings.manager_config().model_copy(update={"share": False}))
+    est = m.estimate(256)
     assert est.bytes_per_token == bytes_per_token
     assert len(m.layout.layer_groups) == groups
 

@@ -94,7 +94,7 @@ def test_layer_pointers_reference(rng: np.random.Generator) -> None:
     pool_map[3, 1] = torch.tensor([0, 2])
     pool_map[3, 3] = torch.tensor([1, 2])
     pool_map[4, 2] = torch.tensor([2, 5])
-    got = kvcm_kernels.layer_pointers(pointers, pool_map, page_bytes)
+    got = kvcm_kernels.layer_pointers(pointers, pool_map, page_bytes, torch.tensor([0, 1, 0, 1]))
     for layer in range(5):
         for role in range(4):
             pool, offset = pool_map[layer, role].tolist()
@@ -306,6 +306,10 @@ def test_every_kernel_writes_a_given_output_in_full(rng: np.random.Generator) ->
     pool_map = torch.tensor([[[0, 1], [0, 1], [-1, -1], [-1, -1]]], dtype=torch.int32)
     ptrs = torch.full((1, 4), poison, dtype=torch.int64)
     got = kvcm_kernels.layer_pointers(
-        torch.tensor([[1000, 1100]]), pool_map, torch.tensor([200]), ptrs
+        torch.tensor([[1000, 1100]]),
+        pool_map,
+        torch.tensor([200]),
+        torch.tensor([0, 1, 0, 1]),
+        ptrs,
     )
     assert got.data_ptr() == ptrs.data_ptr() and ptrs.tolist() == [[1200, 1300, 0, 0]]

@@ -110,3 +110,49 @@ def test_view_errors() -> None:
     with pytest.raises(InvalidArgument) as exc:
         m.layer_view(0, "value")
     assert exc.value.code == "invalid_argument" and "no role 'value'" in exc.value.message
+
+
+def test_groups_listing_dtypes_in_other_orders_share_one_pool_group() -> None:
+    # Window group {fp8 layer 0, fp16 layer 2}, full group {fp16 layer 1, fp8 layer 3}: each
+    # group holds one fp16 pool (K V of 4 tokens x 2 heads x 4 dims x 2 bytes = 64 B) and one
+    # fp8 pool (K V of 32 B); the canonical order puts the larger first in both.
+    m = manager(
+        [
+            layer(0, dtype="fp8_e4m3", sliding_window=8),
+            layer(1),
+            layer(2, sliding_window=8),
+            layer(3, dtype="fp8_e4m3"),
+        ]
+    )
+    info = m.describe()
+    assert [g.layer_ids for g in info.layer_groups] == [(0, 2), (1, 3)]
+    assert [g.pool_group for g in info.layer_groups] == [0, 0]
+    assert len(info.pool_groups) == 1 and info.pool_groups[0].slot_bytes == 2 * 64 + 2 * 32
+    assert [(p.bytes_per_buffer, p.num_buffers) for p in info.pools] == [(64, 2), (32, 2)]
+    place = {(b.layer_id, b.role): (b.pool, b.offset_bytes) for b in info.buffers}
+    assert place == {
+        (0, "key"): (1, 0),
+        (0, "value"): (1, 32),
+        (1, "key"): (0, 0),
+        (1, "value"): (0, 64),
+        (2, "key"): (0, 0),
+        (2, "value"): (0, 64),
+        (3, "key"): (1, 0),
+        (3, "value"): (1, 32),
+    }
+    assert m.layer_view(0, "key").dtype == torch.float8_e4m3fn
+    assert m.layer_view(3, "value").shape == (16, 4, 2, 4)
+    # Both groups draw slots from the one allocator; every (layer, role) written through its
+    # view at its own group's slots reads back intact.
+    m.allocate("a", 8)
+    m.allocate("b", 5)
+    written = {}
+    for n, ((lid, role), _) in enumerate(sorted(place.items())):
+        group = m.layer_group_of(lid)
+        for rid in ("a", "b"):
+            for slot in m.block_table(rid)[group]:
+                m.layer_view(lid, role)[slot] = float(n + 1)
+                written[(lid, role, slot)] = float(n + 1)
+    assert len({slot for (_, _, slot) in written}) == m.num_total_blocks(0) - m.num_free_blocks(0)
+    for (lid, role, slot), value in written.items():
+        assert bool((m.layer_view(lid, role)[slot].float() == value).all()), (lid, role, slot)

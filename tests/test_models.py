@@ -56,7 +56,7 @@ def test_sink_tokens_need_a_window() -> None:
     "field,value",
     [
         ("sliding_window", 0),
-        ("num_kv_heads", 0),
+        ("num_kv_heads", -1),
         ("head_dim", -1),
         ("dtype", "int8"),
         ("kv_factor", 3),

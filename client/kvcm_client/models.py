@@ -7,14 +7,21 @@ rule before any memory is touched. Custom rules raise ``PydanticCustomError`` wi
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
 DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
-Role = Literal["key", "value", "key_scale", "value_scale"]
-ROLES: tuple[Role, ...] = ("key", "value", "key_scale", "value_scale")
+StandardRole = Literal["key", "value", "key_scale", "value_scale"]
+#: The four standard roles. A layer may add extra roles (``LayerSpec.extra_buffers``), so a
+#: role in general is a ``str``: a standard role, an extra buffer's role, or ``<extra>_scale``.
+ROLES: tuple[StandardRole, ...] = ("key", "value", "key_scale", "value_scale")
+Role = str
+#: What an extra buffer's role looks like: a lowercase identifier.
+ROLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 #: Storage bits per element. nvfp4 packs two values per byte; its scales are fp8 (see below).
 DTYPE_BITS: dict[str, int] = {
@@ -39,11 +46,77 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+@dataclass(frozen=True, slots=True)
+class RoleBuffer:
+    """What one role of a layer stores per token, and which pools it may join.
+
+    ``kind`` "scale" is an nvfp4 scale buffer: one fp8 scale per 16 values of the data role it
+    belongs to (its ``dtype`` is that role's, nvfp4). ``kv_factor`` is the page width of the
+    pools the buffer may join: the layer's for key, value and their scales, 1 for extra
+    buffers, which are key-only pages (one entry per token).
+    """
+
+    role: Role
+    kind: Literal["data", "scale"]
+    kv_factor: int
+    num_heads: int
+    head_dim: int
+    dtype: DType
+
+    @property
+    def bytes_per_token(self) -> int:
+        """heads x head_dim x dtype bytes; a scale buffer is heads x head_dim / 16 bytes."""
+        values = self.num_heads * self.head_dim
+        if self.kind == "scale":
+            return values // NVFP4_GROUP
+        return values * DTYPE_BITS[self.dtype] // 8
+
+
+class ExtraBuffer(_Frozen):
+    """A per-token buffer of a layer beside its key and value, e.g. the key of DeepSeek-V3.2's
+    lightning indexer (1 head x 128 dims): a key-only page (one entry per token) in the
+    layer's blocks, so it is allocated, released and reused with them.
+
+    ``role`` names it in views, page indices, pointer tables and shared descriptors. The rules
+    that involve the layer (name, uniqueness, nvfp4 shape) are checked by ``LayerSpec``, so
+    that the error names the layer. An nvfp4 extra buffer gets a ``<role>_scale`` buffer, as
+    the key does.
+    """
+
+    role: str
+    num_heads: PosInt
+    head_dim: PosInt
+    dtype: DType = "bf16"
+
+
+def _nvfp4_rules(lid: int, what: str, heads: int, head_dim: int) -> None:
+    if head_dim % 2:
+        raise PydanticCustomError(
+            "nvfp4_head_dim",
+            "layer {layer_id}: nvfp4 needs an even head_dim (two values per byte), "
+            "got {head_dim}{what}",
+            {"layer_id": lid, "head_dim": head_dim, "what": what},
+        )
+    if (heads * head_dim) % NVFP4_GROUP:
+        raise PydanticCustomError(
+            "nvfp4_group",
+            "layer {layer_id}: nvfp4 needs heads x head_dim divisible by 16 "
+            "(one scale per 16 values), got {n}{what}",
+            {"layer_id": lid, "n": heads * head_dim, "what": what},
+        )
+
+
 class LayerSpec(_Frozen):
-    """One attention layer on this rank (ids are rank-local; heads already divided by TP)."""
+    """One attention layer on this rank (ids are rank-local; heads already divided by TP).
+
+    ``num_kv_heads`` 0 is a layer without KV cache (attention-free, e.g. in some hybrid
+    configs): the layout drops it and ``describe().dropped_layers`` reports it, so that layer
+    ids can stay the model's. ``extra_buffers`` are key-only buffers that live and die with
+    the layer's blocks (see ``ExtraBuffer``).
+    """
 
     layer_id: NonNegInt
-    num_kv_heads: PosInt
+    num_kv_heads: NonNegInt
     head_dim: PosInt
     kv_factor: Literal[1, 2] = 2
     dtype: DType = "bf16"
@@ -52,53 +125,98 @@ class LayerSpec(_Frozen):
     reuse: Literal["reusable", "none"] = "reusable"
     owner: Literal["target", "draft"] = "target"
     coalescing_group: NonNegInt = 0
+    extra_buffers: tuple[ExtraBuffer, ...] = ()
 
     @model_validator(mode="after")
     def _rules(self) -> LayerSpec:
         lid = self.layer_id
         if self.dtype == "nvfp4":
-            if self.head_dim % 2:
-                raise PydanticCustomError(
-                    "nvfp4_head_dim",
-                    "layer {layer_id}: nvfp4 needs an even head_dim (two values per byte), "
-                    "got {head_dim}",
-                    {"layer_id": lid, "head_dim": self.head_dim},
-                )
-            if (self.num_kv_heads * self.head_dim) % NVFP4_GROUP:
-                raise PydanticCustomError(
-                    "nvfp4_group",
-                    "layer {layer_id}: nvfp4 needs num_kv_heads x head_dim divisible by 16 "
-                    "(one scale per 16 values), got {n}",
-                    {"layer_id": lid, "n": self.num_kv_heads * self.head_dim},
-                )
+            _nvfp4_rules(lid, "", self.num_kv_heads, self.head_dim)
         if self.sink_tokens and self.sliding_window is None:
             raise PydanticCustomError(
                 "sink_without_window",
                 "layer {layer_id}: sink_tokens ({sink_tokens}) need a sliding_window",
                 {"layer_id": lid, "sink_tokens": self.sink_tokens},
             )
+        if self.extra_buffers and not self.num_kv_heads:
+            raise PydanticCustomError(
+                "extra_buffers_without_kv",
+                "layer {layer_id}: extra buffers need KV heads (num_kv_heads=0 leaves the "
+                "layer without blocks to hold them)",
+                {"layer_id": lid},
+            )
+        seen: set[str] = set(ROLES)
+        for extra in self.extra_buffers:
+            role = extra.role
+            if role in ROLES:
+                raise PydanticCustomError(
+                    "extra_role_reserved",
+                    "layer {layer_id}: extra buffer role '{role}' is a standard role "
+                    "(key, value, key_scale, value_scale)",
+                    {"layer_id": lid, "role": role},
+                )
+            if not ROLE_NAME.fullmatch(role):
+                raise PydanticCustomError(
+                    "extra_role_name",
+                    "layer {layer_id}: extra buffer role '{role}' must be a lowercase "
+                    "identifier (a-z, 0-9, _; first a letter; at most 64 characters)",
+                    {"layer_id": lid, "role": role},
+                )
+            if extra.dtype == "nvfp4":
+                _nvfp4_rules(lid, f" (extra buffer '{role}')", extra.num_heads, extra.head_dim)
+            names = (role, f"{role}_scale") if extra.dtype == "nvfp4" else (role,)
+            for name in names:
+                if name in seen:
+                    raise PydanticCustomError(
+                        "duplicate_extra_role",
+                        "layer {layer_id}: role '{role}' appears twice (an nvfp4 extra "
+                        "buffer also has a <role>_scale buffer)",
+                        {"layer_id": lid, "role": name},
+                    )
+                seen.add(name)
         return self
 
+    def buffers(self) -> tuple[RoleBuffer, ...]:
+        """Every role's buffer in slot order: key, value, the extra buffers in the order given,
+        then the nvfp4 scales of those (key_scale, value_scale, <extra>_scale). Empty for a
+        layer without KV heads.
+        """
+        if not self.num_kv_heads:
+            return ()
+        kv, heads, dim, dtype = self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype
+        data = [RoleBuffer("key", "data", kv, heads, dim, dtype)]
+        if kv == 2:
+            data.append(RoleBuffer("value", "data", kv, heads, dim, dtype))
+        data += [
+            RoleBuffer(e.role, "data", 1, e.num_heads, e.head_dim, e.dtype)
+            for e in self.extra_buffers
+        ]
+        scales = [
+            RoleBuffer(f"{b.role}_scale", "scale", b.kv_factor, b.num_heads, b.head_dim, b.dtype)
+            for b in data
+            if b.dtype == "nvfp4"
+        ]
+        return (*data, *scales)
+
+    def buffer(self, role: Role) -> RoleBuffer:
+        """The buffer of ``role``; ``KeyError`` if the layer has none."""
+        for buf in self.buffers():
+            if buf.role == role:
+                return buf
+        raise KeyError(f"layer {self.layer_id} has no role '{role}'")
+
     def roles(self) -> tuple[Role, ...]:
-        """Data roles first, then scale roles: the order buffers take inside a slot."""
-        data: tuple[Role, ...] = ("key", "value") if self.kv_factor == 2 else ("key",)
-        if self.dtype != "nvfp4":
-            return data
-        scales: tuple[Role, ...] = (
-            ("key_scale", "value_scale") if self.kv_factor == 2 else ("key_scale",)
-        )
-        return data + scales
+        """Role names in slot order (see ``buffers``)."""
+        return tuple(buf.role for buf in self.buffers())
 
     def bytes_per_token(self, role: Role) -> int:
         """heads x head_dim x dtype bytes; an nvfp4 scale role is heads x head_dim / 16 bytes.
 
         Example: 8 heads x 128 dims in nvfp4 is 8 * 128 / 2 = 512 bytes per token for "key" and
-        8 * 128 / 16 = 64 bytes per token for "key_scale".
+        8 * 128 / 16 = 64 bytes per token for "key_scale"; an fp8 extra buffer of 1 head x 128
+        dims is 128 bytes per token.
         """
-        values = self.num_kv_heads * self.head_dim
-        if role.endswith("_scale"):
-            return values // NVFP4_GROUP
-        return values * DTYPE_BITS[self.dtype] // 8
+        return self.buffer(role).bytes_per_token
 
 
 class ManagerConfig(_Frozen):
@@ -141,6 +259,12 @@ class ManagerConfig(_Frozen):
                 "lookahead_too_long",
                 "max_lookahead ({max_lookahead}) must be below max_seq_len ({max_seq_len})",
                 {"max_lookahead": self.max_lookahead, "max_seq_len": self.max_seq_len},
+            )
+        if not any(layer.num_kv_heads for layer in self.layers):
+            raise PydanticCustomError(
+                "no_kv_layers",
+                "every layer has num_kv_heads=0: there is no KV cache to manage",
+                {},
             )
         if (self.num_blocks is None) == (self.memory_bytes is None):
             raise PydanticCustomError(
@@ -281,15 +405,29 @@ class PoolGroupInfo(_Frozen):
     slot_bytes: int
 
 
+class DroppedLayer(_Frozen):
+    """A layer of the config that has no place in the layout; ``reason`` is a stable code
+    (``no_kv_heads``: num_kv_heads is 0, an attention-free layer)."""
+
+    layer_id: int
+    reason: str
+
+
 class Layout(_Frozen):
+    """What ``describe()`` reports. ``roles`` is the role index order of the pointer tables
+    (``layer_pool_map``, ``layer_pointer_table``): ``ROLES``, then the sorted distinct extra
+    roles of the layout's layers."""
+
     tokens_per_block: int
     device: str
     max_requests: int
     max_blocks_per_request: int
+    roles: tuple[str, ...]
     layer_groups: tuple[LayerGroupInfo, ...]
     pool_groups: tuple[PoolGroupInfo, ...]
     pools: tuple[PoolInfo, ...]
     buffers: tuple[BufferInfo, ...]
+    dropped_layers: tuple[DroppedLayer, ...] = ()
 
 
 # --- sizing -----------------------------------------------------------------------------------

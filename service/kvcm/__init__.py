@@ -13,7 +13,7 @@ from kvcm_client.errors import (
     UnknownLayer,
     UnknownRequest,
 )
-from kvcm_client.models import LayerSpec, ManagerConfig
+from kvcm_client.models import ExtraBuffer, LayerSpec, ManagerConfig
 
 from .hashing import MultimodalItem, block_keys
 from .manager import KVCacheManager
@@ -21,6 +21,7 @@ from .manager import KVCacheManager
 __all__ = [
     "DeviceUnavailable",
     "DuplicateRequest",
+    "ExtraBuffer",
     "InsufficientMemory",
     "InvalidArgument",
     "InvalidRewind",

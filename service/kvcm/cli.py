@@ -41,7 +41,14 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--tokens-per-block", {"type": int}),
     ("--device", {"help": "cpu or cuda[:N]"}),
     ("--max-requests", {"type": int}),
-    ("--max-seq-len", {"type": int}),
+    (
+        "--max-seq-len",
+        {
+            "type": int,
+            "help": "longest request in tokens (default 8192; with --model-config, the model's "
+            "max_position_embeddings)",
+        },
+    ),
     (
         "--max-prefill-chunk",
         {"type": int, "help": "most new tokens one op adds (sizing; default: a whole prompt)"},
@@ -129,6 +136,9 @@ def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
         f"device {info.device}, {info.tokens_per_block} tokens per block; sized for ops of "
         f"at most {chunk} new tokens, lookahead {cfg.max_lookahead}"
     ]
+    if info.dropped_layers:
+        dropped = ", ".join(f"{d.layer_id} ({d.reason})" for d in info.dropped_layers)
+        out[0] += f"; dropped layers: {dropped}"
     out.append(
         _table(
             [["layer group", "layers", "window", "sink blocks", "pool group", "bytes/token"]]

@@ -8,13 +8,28 @@ Pure bookkeeping: no memory is touched here, so sizing can run before anything i
   share a *pool*: slot s holds all of them, layer order then role order (K0 V0 K1 V1 ...).
   kv_factor is part of the key (a refinement of DESIGN.md) so that the kernel-mode index
   slot x num_buffers / kv_factor is always a whole number.
-- Layer groups whose pools have identical slot layouts share one *pool group*: the same physical
-  memory and one slot allocator, so blocks move between them on demand.
+- The pools of a layer group are in a canonical order: data before scale, then kv_factor,
+  bytes per buffer and buffer count, largest first, then coalescing group. The order in which
+  a group lists its layers (or dtypes) does not change it, so two groups with the same pools
+  have the same *pool signature* (the tuple of their pools' shape keys).
+- Layer groups with the same pool signature share one *pool group*: the same physical memory
+  and one slot allocator, so blocks move between them on demand. Their pools are matched by
+  position in that canonical order.
+- A layer's buffers are its roles (``LayerSpec.buffers``): key, value, its extra buffers
+  (key-only pages, kv_factor 1, e.g. a sparse-attention indexer's keys) and nvfp4 scales.
+  Extra buffers pool like any other buffer of their layer group.
+- A layer without KV heads (``num_kv_heads`` 0, attention-free) has no buffers: it is left
+  out of every group and listed in ``Layout.dropped`` with the reason ``no_kv_heads``.
+- ``Layout.roles`` is the role index order of the pointer tables: ``ROLES`` (key, value,
+  key_scale, value_scale), then the sorted distinct extra roles of the kept layers. It
+  depends only on which role names the model has, not on layer order.
 
 Worked example (tokens_per_block 16): layers 0..3 alternate window-128 and full attention, all
 8 heads x 128 dims bf16 key/value. Layer group 0 = {0, 2} (window), 1 = {1, 3} (full). Each has
 one pool of 4 buffers (K V K V) of 16 * 8 * 128 * 2 = 32 KiB, so the slot layouts match and
-both groups live in pool group 0 with slot_bytes 128 KiB.
+both groups live in pool group 0 with slot_bytes 128 KiB. Had group 0 been {fp8 layer 0,
+bf16 layer 2} and group 1 {bf16 layer 1, fp8 layer 3}, both would still list the bf16 pool
+(2 buffers of 32 KiB) before the fp8 pool (2 of 16 KiB) and share one pool group.
 """
 
 from __future__ import annotations
@@ -22,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcm_client.models import LayerSpec, Role
+from kvcm_client.models import ROLES, LayerSpec, Role
 
 from .ids import LayerGroupId, LayerId, PoolGroupId, PoolId
 
@@ -52,6 +67,17 @@ class PoolLayout:
         """What must match for two layer groups to share this pool's memory."""
         return (self.kind, self.kv_factor, self.bytes_per_buffer, self.num_buffers)
 
+    @property
+    def order_key(self) -> tuple[bool, int, int, int, int]:
+        """The canonical position of the pool in its layer group (see the module docstring)."""
+        return (
+            self.kind == "scale",
+            -self.kv_factor,
+            -self.bytes_per_buffer,
+            -self.num_buffers,
+            self.coalescing_group,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class LayerGroupLayout:
@@ -68,7 +94,7 @@ class LayerGroupLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return sum(layer.bytes_per_token(role) for layer in self.layers for role in layer.roles())
+        return sum(buf.bytes_per_token for layer in self.layers for buf in layer.buffers())
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +157,16 @@ class Layout:
     pools: tuple[PhysicalPool, ...]
     placements: dict[tuple[LayerId, Role], BufferPlacement]
     layers: dict[LayerId, LayerSpec]
+    """The layers that have buffers (dropped layers are not here)."""
+    dropped: dict[LayerId, str]
+    """Layers left out of the layout, with the reason code (``no_kv_heads``)."""
+    roles: tuple[Role, ...]
+    """Role index order of the pointer tables (see the module docstring)."""
+
+    @property
+    def num_layer_ids(self) -> int:
+        """Rows of the per-layer tables: every layer id of the config, dropped ones included."""
+        return max([*self.layers, *self.dropped]) + 1
 
 
 def _group_key(layer: LayerSpec, tokens_per_block: int) -> tuple[int | None, int, str, str]:
@@ -141,12 +177,11 @@ def _group_key(layer: LayerSpec, tokens_per_block: int) -> tuple[int | None, int
 def _pools_of(layers: list[LayerSpec], tokens_per_block: int) -> tuple[PoolLayout, ...]:
     buckets: dict[tuple[int, str, int, int], list[tuple[LayerId, Role]]] = {}
     for layer in layers:
-        for role in layer.roles():
-            kind = "scale" if role.endswith("_scale") else "data"
-            bpb = layer.bytes_per_token(role) * tokens_per_block
-            key = (layer.coalescing_group, kind, layer.kv_factor, bpb)
-            buckets.setdefault(key, []).append((LayerId(layer.layer_id), role))
-    return tuple(
+        for buf in layer.buffers():
+            bpb = buf.bytes_per_token * tokens_per_block
+            key = (layer.coalescing_group, buf.kind, buf.kv_factor, bpb)
+            buckets.setdefault(key, []).append((LayerId(layer.layer_id), buf.role))
+    pools = (
         PoolLayout(
             kind=kind,  # type: ignore[arg-type]
             kv_factor=kv,
@@ -156,15 +191,23 @@ def _pools_of(layers: list[LayerSpec], tokens_per_block: int) -> tuple[PoolLayou
         )
         for (cg, kind, kv, bpb), bufs in buckets.items()
     )
+    return tuple(sorted(pools, key=lambda pool: pool.order_key))
+
+
+def role_order(layers: list[LayerSpec]) -> tuple[Role, ...]:
+    """``ROLES``, then the sorted distinct extra roles (e.g. index_key) of ``layers``."""
+    extra = {role for layer in layers for role in layer.roles() if role not in ROLES}
+    return (*ROLES, *sorted(extra))
 
 
 def build_layout(layers: list[LayerSpec], tokens_per_block: int) -> Layout:
-    ordered = sorted(layers, key=lambda spec: spec.layer_id)
+    dropped = {LayerId(s.layer_id): "no_kv_heads" for s in layers if not s.num_kv_heads}
+    ordered = sorted((spec for spec in layers if spec.num_kv_heads), key=lambda spec: spec.layer_id)
     by_key: dict[tuple[int | None, int, str, str], list[LayerSpec]] = {}
     for layer in ordered:
         by_key.setdefault(_group_key(layer, tokens_per_block), []).append(layer)
 
-    # Pool groups: layer groups with the same sequence of pool shapes share memory.
+    # Pool groups: layer groups with the same pool signature (canonical order) share memory.
     signatures: dict[tuple[tuple[str, int, int, int], ...], PoolGroupId] = {}
     members: dict[PoolGroupId, list[LayerGroupId]] = {}
     grouped: list[tuple[tuple[int | None, int, str, str], list[LayerSpec], tuple[PoolLayout, ...]]]
@@ -223,4 +266,6 @@ def build_layout(layers: list[LayerSpec], tokens_per_block: int) -> Layout:
         pools=tuple(physical),
         placements=placements,
         layers={LayerId(spec.layer_id): spec for spec in ordered},
+        dropped=dropped,
+        roles=role_order(ordered),
     )

@@ -36,9 +36,9 @@ from kvcm_client.errors import (
     invalid_from_validation,
 )
 from kvcm_client.models import (
-    ROLES,
     BufferInfo,
     CommitOp,
+    DroppedLayer,
     Estimate,
     ExtendOp,
     FreeOp,
@@ -239,6 +239,8 @@ class KVCacheManager:
         self.tokens_per_block = cfg.tokens_per_block
         self.max_blocks_per_request = cfg.max_blocks_per_request
         self.layout = build_layout(cfg.layers, cfg.tokens_per_block)
+        #: Role index of the pointer tables: ``describe().roles`` order.
+        self._role_index = {role: i for i, role in enumerate(self.layout.roles)}
         self._sizing = Sizing(
             self.layout, cfg.max_seq_len, StepShape(cfg.max_prefill_chunk, cfg.max_lookahead)
         )
@@ -966,16 +968,26 @@ class KVCacheManager:
         return self._upload(array)
 
     def _placement(self, layer_id: int, role: str) -> BufferPlacement:
+        try:
+            return self.layout.placements[(LayerId(layer_id), role)]
+        except (KeyError, TypeError):
+            pass
         layer = self.layout.layers.get(LayerId(layer_id))
         if layer is None:
+            reason = self.layout.dropped.get(LayerId(layer_id))
+            if reason is not None:
+                raise UnknownLayer(
+                    f"layer {layer_id} has no KV cache ({reason}); it was dropped from the "
+                    "layout (describe().dropped_layers)",
+                    layer_id=layer_id,
+                    reason=reason,
+                )
             raise UnknownLayer(f"unknown layer {layer_id}", layer_id=layer_id)
-        if role not in layer.roles():
-            raise InvalidArgument(
-                f"layer {layer_id} has no role {role!r}; it has {list(layer.roles())}",
-                layer_id=layer_id,
-                role=str(role),
-            )
-        return self.layout.placements[(LayerId(layer_id), role)]  # type: ignore[index]
+        raise InvalidArgument(
+            f"layer {layer_id} has no role {role!r}; it has {list(layer.roles())}",
+            layer_id=layer_id,
+            role=str(role),
+        )
 
     def page_indices(
         self,
@@ -1172,51 +1184,56 @@ class KVCacheManager:
                 )
 
     def _build_pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        num_layer_ids = max(self.layout.layers) + 1
-        pointers = torch.zeros((len(self.layout.pools), 2), dtype=torch.int64)
-        for pool in self.layout.pools:
+        lay = self.layout
+        pointers = torch.zeros((len(lay.pools), 2), dtype=torch.int64)
+        for pool in lay.pools:
             base = self.memory.base_address(pool.pool_id)
             pointers[pool.pool_id, 0] = base
             if pool.kv_factor == 2:
                 pointers[pool.pool_id, 1] = base + pool.bytes_per_buffer
-        pool_map = torch.full((num_layer_ids, len(ROLES), 2), -1, dtype=torch.int32)
-        for (lid, role), place in self.layout.placements.items():
-            r = ROLES.index(role)
+        pool_map = torch.full((lay.num_layer_ids, len(lay.roles), 2), -1, dtype=torch.int32)
+        # The role's column in its page: the value (or value_scale) is the second of a
+        # key/value page; every other role is first (extra roles are key-only pages).
+        page_role = torch.zeros(len(lay.roles), dtype=torch.int32)
+        for (lid, role), place in lay.placements.items():
+            r = self._role_index[role]
             pool_map[lid, r, 0] = place.pool
             pool_map[lid, r, 1] = place.page_offset
+            page_role[r] = place.buffer_index % place.kv_factor
         page_bytes = torch.tensor(
-            [p.kv_factor * p.bytes_per_buffer for p in self.layout.pools], dtype=torch.int64
+            [p.kv_factor * p.bytes_per_buffer for p in lay.pools], dtype=torch.int64
         )
         dev = self.device
         pointers, pool_map = pointers.to(dev), pool_map.to(dev)
         return (
             pointers,
             pool_map,
-            kvcm_kernels.layer_pointers(pointers, pool_map, page_bytes.to(dev)),
+            kvcm_kernels.layer_pointers(pointers, pool_map, page_bytes.to(dev), page_role.to(dev)),
         )
 
     def pointer_table(self) -> torch.Tensor:
         """int64 ``[num_pools, 2]``: base address per (pool, role in page).
 
-        Column 0 is the first role of a page (key or key_scale), column 1 the second (value or
-        value_scale; 0 for key-only pools). The page of (layer, role, slot) starts at
-        ``pointer_table[pool, role % 2] + (slot * num_buffers / kv_factor + page_offset) *
-        kv_factor * bytes_per_buffer``, with (pool, page_offset) from ``layer_pool_map``.
+        Column 0 is the first role of a page (key, key_scale or an extra role), column 1 the
+        second (value or value_scale; 0 for key-only pools). The page of (layer, role, slot)
+        starts at ``pointer_table[pool, c] + (slot * num_buffers / kv_factor + page_offset) *
+        kv_factor * bytes_per_buffer``, with (pool, page_offset) from ``layer_pool_map`` and c
+        1 for value and value_scale, else 0.
         Example: pool K0 V0 K1 V1 of 256-byte buffers at base B: layer 1's value in slot 3 is
         at B + 256 + (3 * 2 + 1) * 512 = B + 3840 = B + 3 * 1024 + 3 * 256.
         """
         return self._pointer_table
 
     def layer_pool_map(self) -> torch.Tensor:
-        """int32 ``[max_layer_id + 1, 4, 2]``: (pool, page offset) per (layer, role); -1 absent.
+        """int32 ``[max_layer_id + 1, R, 2]``: (pool, page offset) per (layer, role); -1 absent.
 
-        Roles are indexed in ``kvcm_client.models.ROLES`` order (key, value, key_scale,
-        value_scale).
+        Roles are indexed in ``describe().roles`` order: ``kvcm_client.models.ROLES`` (key,
+        value, key_scale, value_scale), then the sorted distinct extra roles of the model.
         """
         return self._layer_pool_map
 
     def layer_pointer_table(self) -> torch.Tensor:
-        """int64 ``[max_layer_id + 1, 4]``: address of (layer, role) in slot 0; 0 if absent.
+        """int64 ``[max_layer_id + 1, R]``: address of (layer, role) in slot 0; 0 if absent.
 
         Slot s of that buffer is at this address + s * slot_bytes of its pool.
         """
@@ -1230,13 +1247,19 @@ class KVCacheManager:
         return self.memory.kv_view(LayerId(layer_id))
 
     def layer_view(self, layer_id: int, role: Role) -> torch.Tensor:
-        """``[num_slots, tokens_per_block, heads, head_dim]`` (scales: ``[..., heads*dim/16]``)."""
+        """``[num_slots, tokens_per_block, heads, head_dim]`` (scales: ``[..., heads*dim/16]``).
+
+        ``role`` is key, value, a scale role or an extra buffer's role (its own heads and dims).
+        """
         self._placement(layer_id, role)
         return self.memory.layer_view(LayerId(layer_id), role)
 
     # -- layout and sizing -------------------------------------------------------------------
 
     def describe(self) -> LayoutInfo:
+        """Layer groups, pool groups, pools and every (layer, role) buffer with its address;
+        ``roles`` is the role index order of the pointer tables, ``dropped_layers`` the layers
+        without KV cache."""
         lay = self.layout
         pointers = self._layer_pointers.cpu()
         buffers = []
@@ -1252,17 +1275,18 @@ class KVCacheManager:
                     offset_bytes=place.offset_bytes,
                     bytes_per_block=place.bytes_per_buffer,
                     page_stride_bytes=lay.pools[place.pool].slot_bytes,
-                    base_address=int(pointers[lid, ROLES.index(role)]),
+                    base_address=int(pointers[lid, self._role_index[role]]),
                     shape=tuple(view.shape),
                     dtype=str(role_dtype(layer, role)).removeprefix("torch."),
                 )
             )
-        buffers.sort(key=lambda b: (b.layer_id, ROLES.index(b.role)))
+        buffers.sort(key=lambda b: (b.layer_id, self._role_index[b.role]))
         return LayoutInfo(
             tokens_per_block=lay.tokens_per_block,
             device=str(self.device),
             max_requests=self.config.max_requests,
             max_blocks_per_request=self.max_blocks_per_request,
+            roles=lay.roles,
             layer_groups=tuple(
                 LayerGroupInfo(
                     group_id=g.group_id,
@@ -1302,6 +1326,9 @@ class KVCacheManager:
                 for p in lay.pools
             ),
             buffers=tuple(buffers),
+            dropped_layers=tuple(
+                DroppedLayer(layer_id=lid, reason=reason) for lid, reason in lay.dropped.items()
+            ),
         )
 
     def estimate(
@@ -1401,7 +1428,7 @@ class KVCacheManager:
         lay = self.layout
         buffers = []
         for (lid, role), place in sorted(
-            lay.placements.items(), key=lambda kv: (kv[0][0], ROLES.index(kv[0][1]))
+            lay.placements.items(), key=lambda kv: (kv[0][0], self._role_index[kv[0][1]])
         ):
             view = self.memory.layer_view(lid, role)
             buffers.append(

@@ -11,13 +11,15 @@ and has strides (512, 8, 4, 1) in fp16 elements.
 
 nvfp4 data views are uint8 with a last dimension of head_dim / 2 (two values per byte);
 scale views are float8_e4m3fn ``[num_slots, tokens_per_block, heads * head_dim / 16]``.
+Extra buffers (e.g. ``index_key``) are viewed like a key, with their own heads, head_dim and
+dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcm_client.models import LayerSpec, Role, SharedSegment
+from kvcm_client.models import NVFP4_GROUP, LayerSpec, Role, SharedSegment
 
 from .ids import LayerId, PoolGroupId
 from .layout import BufferPlacement, Layout
@@ -35,16 +37,18 @@ SCALE_DTYPE = torch.float8_e4m3fn
 
 
 def role_dtype(layer: LayerSpec, role: Role) -> torch.dtype:
-    return SCALE_DTYPE if role.endswith("_scale") else TORCH_DTYPES[layer.dtype]
+    buf = layer.buffer(role)
+    return SCALE_DTYPE if buf.kind == "scale" else TORCH_DTYPES[buf.dtype]
 
 
 def token_shape(layer: LayerSpec, role: Role) -> tuple[int, ...]:
     """Shape of one token's entry of (layer, role), in elements of ``role_dtype``."""
-    if role.endswith("_scale"):
-        return (layer.num_kv_heads * layer.head_dim // 16,)
-    if layer.dtype == "nvfp4":
-        return (layer.num_kv_heads, layer.head_dim // 2)
-    return (layer.num_kv_heads, layer.head_dim)
+    buf = layer.buffer(role)
+    if buf.kind == "scale":
+        return (buf.num_heads * buf.head_dim // NVFP4_GROUP,)
+    if buf.dtype == "nvfp4":
+        return (buf.num_heads, buf.head_dim // 2)
+    return (buf.num_heads, buf.head_dim)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -13,8 +13,23 @@ from kvcm_client.errors import CopyIntoSharedBlock
 LAYERS = [
     {"layer_id": 0, "num_kv_heads": 2, "head_dim": 8, "sliding_window": 12, "sink_tokens": 3},
     {"layer_id": 1, "num_kv_heads": 2, "head_dim": 8},
-    {"layer_id": 2, "num_kv_heads": 1, "head_dim": 16, "kv_factor": 1},
-    {"layer_id": 3, "num_kv_heads": 2, "head_dim": 16, "dtype": "nvfp4"},
+    {
+        "layer_id": 2,
+        "num_kv_heads": 1,
+        "head_dim": 16,
+        "kv_factor": 1,
+        "extra_buffers": [
+            {"role": "index_key", "num_heads": 1, "head_dim": 8, "dtype": "fp8_e4m3"}
+        ],
+    },
+    {
+        "layer_id": 3,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "dtype": "nvfp4",
+        "extra_buffers": [{"role": "idx", "num_heads": 1, "head_dim": 16, "dtype": "nvfp4"}],
+    },
+    {"layer_id": 4, "num_kv_heads": 0, "head_dim": 8},  # attention-free: dropped
 ]
 
 
@@ -69,12 +84,28 @@ def test_cuda_manager_matches_cpu_on_random_ops() -> None:
             assert dev.device.type == "cuda"
             assert torch.equal(dev.cpu(), cpu.page_table(g))
         if live:
-            for lid, role in ((0, "value"), (2, "key"), (3, "key_scale")):
+            for lid, role in (
+                (0, "value"),
+                (2, "key"),
+                (2, "index_key"),
+                (3, "key_scale"),
+                (3, "idx_scale"),
+            ):
                 for mode, per_layer in (("slot", False), ("kernel", False), ("kernel", True)):
                     a = cpu.page_indices(live, lid, role, mode=mode, per_layer=per_layer)
                     b = gpu.page_indices(live, lid, role, mode=mode, per_layer=per_layer)
                     assert torch.equal(a, b.cpu())
     assert torch.equal(cpu.layer_pointer_table().cpu() != 0, gpu.layer_pointer_table().cpu() != 0)
+
+
+def test_cuda_pointer_tables_locate_every_view_extra_roles_included() -> None:
+    _, gpu = _pair()
+    roles = gpu.describe().roles
+    assert roles[4:] == ("idx", "idx_scale", "index_key")
+    table = gpu.layer_pointer_table().cpu()
+    assert table.shape == (5, 7) and bool((table[4] == 0).all())  # layer 4 was dropped
+    for (lid, role), _ in gpu.layout.placements.items():
+        assert int(table[lid, roles.index(role)]) == gpu.layer_view(lid, role).data_ptr()
 
 
 def test_cuda_copy_tokens_matches_cpu() -> None:

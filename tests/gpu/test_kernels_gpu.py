@@ -151,17 +151,24 @@ def test_apply_edits_and_map_slots(
     assert torch.equal(dev_tables.cpu(), cpu_tables)
 
 
-@pytest.mark.parametrize("layers,pools", [(1, 1), (61, 7), (1000, 40)])
-def test_layer_pointers(rng: np.random.Generator, layers: int, pools: int) -> None:
+@pytest.mark.parametrize("layers,pools,roles", [(1, 1, 4), (61, 7, 5), (1000, 40, 7)])
+def test_layer_pointers(rng: np.random.Generator, layers: int, pools: int, roles: int) -> None:
     pointers = torch.from_numpy(rng.integers(1 << 30, 1 << 46, size=(pools, 2)))
     page_bytes = torch.from_numpy(rng.integers(1, 1 << 20, size=pools))
     pool_map = np.stack(
-        [rng.integers(-1, pools, size=(layers, 4)), rng.integers(0, 64, size=(layers, 4))], axis=2
+        [rng.integers(-1, pools, size=(layers, roles)), rng.integers(0, 64, size=(layers, roles))],
+        axis=2,
     ).astype(np.int32)
-    expect = layer_pointers_reference(pointers, torch.from_numpy(pool_map), page_bytes)
-    out = torch.full((layers, 4), POISON64, dtype=torch.int64, device=CUDA)
+    # An odd role count (extra roles) puts role r of layer l at an odd or even flat index.
+    page_role = torch.from_numpy(rng.integers(0, 2, size=roles).astype(np.int32))
+    expect = layer_pointers_reference(pointers, torch.from_numpy(pool_map), page_bytes, page_role)
+    out = torch.full((layers, roles), POISON64, dtype=torch.int64, device=CUDA)
     got = kvcm_kernels.layer_pointers(
-        pointers.to(CUDA), torch.from_numpy(pool_map).to(CUDA), page_bytes.to(CUDA), out
+        pointers.to(CUDA),
+        torch.from_numpy(pool_map).to(CUDA),
+        page_bytes.to(CUDA),
+        page_role.to(CUDA),
+        out,
     )
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.cpu(), expect)

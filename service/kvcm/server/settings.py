@@ -4,7 +4,8 @@ The model comes from one source, first match wins: ``config`` (a JSON ``ManagerC
 ``layers`` (a JSON list of layer specs), ``model_config`` (a Hugging Face ``config.json``), or
 the embedded default model. The sizing flags (``memory``, ``num_blocks``, ``tokens_per_block``,
 ``device``, ``max_requests``, ``max_seq_len``, ``max_prefill_chunk``, ``max_lookahead``)
-override what that source says.
+override what that source says. A Hugging Face config also sets ``max_seq_len`` to the model's
+``max_position_embeddings``; an explicit ``max_seq_len`` wins.
 
 The bearer token is read from ``KVCM_API_TOKEN`` only (never a flag: flags show up in process
 lists) and is never logged or printed.
@@ -23,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kvcm_client.errors import InvalidArgument
 from kvcm_client.models import DType, ManagerConfig
 
-from ..model_config import layers_from_hf_config
+from ..model_config import layers_from_hf_config, max_seq_len_from_hf_config
 
 #: The model served with no arguments: Llama-3-8B-like (32 full-attention layers, 8 KV heads x
 #: 128, bf16) with 1 GiB of KV on the CPU, so that ``kvcm serve`` works on any machine.
@@ -112,10 +113,14 @@ class Settings(BaseSettings):
         elif self.layers is not None:
             raw = {**DEFAULT_CONFIG, "layers": _read_json(self.layers)}
         elif self.hf_model_config is not None:
-            layers = layers_from_hf_config(
-                _read_json(self.hf_model_config), self.kv_dtype, self.tensor_parallel
-            )
-            raw = {**DEFAULT_CONFIG, "layers": layers}
+            model = _read_json(self.hf_model_config)
+            raw = {
+                **DEFAULT_CONFIG,
+                "layers": layers_from_hf_config(model, self.kv_dtype, self.tensor_parallel),
+            }
+            max_seq_len = max_seq_len_from_hf_config(model)
+            if max_seq_len is not None:
+                raw["max_seq_len"] = max_seq_len
         else:
             raw = dict(DEFAULT_CONFIG)
         if self.kv_dtype is not None and self.hf_model_config is None:
