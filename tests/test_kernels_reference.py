@@ -32,9 +32,12 @@ def test_kernel_page_indices_reference(
 
 @pytest.mark.parametrize("n", [0, 1, 5, 40])
 @pytest.mark.parametrize("tpb", [1, 16])
-def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int) -> None:
+@pytest.mark.parametrize("min_live", [0, 1])
+def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int, min_live: int) -> None:
+    """``min_live`` 1 is the null page: slot 0 is no page, like -1."""
     cols = 12
     table = _random_table(rng, 50, cols)
+    table[torch.from_numpy(rng.random((50, cols)) < 0.2)] = 0
     rows = torch.from_numpy(rng.choice(50, size=n, replace=False))
     counts = rng.integers(0, 9, size=n)
     qsl = np.concatenate([[0], np.cumsum(counts)])
@@ -43,7 +46,13 @@ def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int) -> N
     ).astype(np.int64)
     pad_to = int(qsl[-1]) + int(rng.integers(0, 5))
     got = kvcm_kernels.slot_mapping(
-        table, rows, torch.from_numpy(qsl), torch.from_numpy(positions), tpb, pad_to
+        table,
+        rows,
+        torch.from_numpy(qsl),
+        torch.from_numpy(positions),
+        tpb,
+        pad_to,
+        min_live=min_live,
     )
     assert got.shape == (pad_to,) and got.dtype == torch.int64
     expect = []
@@ -51,7 +60,7 @@ def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int) -> N
         for t in range(qsl[i], qsl[i + 1]):
             p = int(positions[t])
             s = int(table[rows[i], p // tpb])
-            expect.append(-1 if s < 0 else s * tpb + p % tpb)
+            expect.append(-1 if s < min_live else s * tpb + p % tpb)
     expect += [-1] * (pad_to - len(expect))
     assert got.tolist() == expect
 
@@ -100,7 +109,10 @@ def test_layer_pointers_reference(rng: np.random.Generator) -> None:
             assert int(got[layer, role]) == want
 
 
-def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("min_live", [0, 1])
+def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator, min_live: int) -> None:
+    """With ``min_live`` 1 (the null page) the ops reading or writing slot 0 are skipped: row 0
+    reads slot 0 in group 0 and writes slot 0 in group 1."""
     tpb = 4
     tables = torch.from_numpy(
         np.array([[[2, 0, -1], [1, 3, -1]], [[0, 1, 2], [3, -1, -1]]], dtype=np.int32)
@@ -121,15 +133,18 @@ def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator) -> 
         for row, src, dst in ops.tolist():
             s = int(tables[p.group, row, src // tpb])
             d = int(tables[p.group, row, dst // tpb])
-            if s < 0 or d < 0:
+            if s < min_live or d < min_live:
                 continue
             for j in range(p.num_buffers):
                 a = j * p.bytes_per_buffer + (src % tpb) * tb
                 b = j * p.bytes_per_buffer + (dst % tpb) * tb
                 mem[d, b : b + tb] = p.memory[s, a : a + tb]
-    kvcm_kernels.copy_tokens(tables, ops, pools, tpb)
-    for p, mem in zip(pools, expect, strict=True):
+    before = [p.memory.clone() for p in pools]
+    kvcm_kernels.copy_tokens(tables, ops, pools, tpb, min_live)
+    for p, mem, old in zip(pools, expect, before, strict=True):
         assert torch.equal(p.memory, mem)
+        if min_live:
+            assert torch.equal(p.memory[0], old[0])
 
 
 def test_every_kernel_writes_a_given_output_in_full(rng: np.random.Generator) -> None:
@@ -164,3 +179,15 @@ def test_every_kernel_writes_a_given_output_in_full(rng: np.random.Generator) ->
         torch.tensor([[1000, 1100]]), pool_map, torch.tensor([200]), ptrs
     )
     assert got.data_ptr() == ptrs.data_ptr() and ptrs.tolist() == [[1200, 1300, 0, 0]]
+
+
+def test_step_tables_reference_with_the_null_page() -> None:
+    """min_live 1: an edit that writes the null page (0) releases the block, so the token of
+    that block maps to -1, not to slot 0; the other token maps as usual."""
+    tables = torch.full((1, 4, 3), 0, dtype=torch.int32)
+    tables[0, 3, :2] = torch.tensor([9, 5], dtype=torch.int32)
+    edits = torch.tensor([[0, 3, 0, 0]])  # block 0 of row 3 released
+    args = (torch.tensor([3]), torch.tensor([0, 2]), torch.tensor([2, 5]), 4, 3)
+    got = kvcm_kernels.apply_edits_and_map_slots(tables, edits, *args, min_live=1)
+    assert got.tolist() == [[-1, 5 * 4 + 1, -1]]
+    assert tables[0, 3].tolist() == [0, 5, 0]

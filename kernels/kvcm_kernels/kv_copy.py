@@ -11,7 +11,8 @@ count. Token t of buffer j in slot s starts at byte
 Example (tokens_per_block 4, one pool K0 V0 of 32-byte buffers, token_bytes 8): op (row 0,
 src 5, dst 2) with table row [3, 9] copies bytes 9 * 64 + [8, 16) and 9 * 64 + 32 + [8, 16) to
 3 * 64 + [16, 24) and 3 * 64 + 32 + [16, 24). Sources and destinations must be disjoint;
-ops whose pages are -1 are skipped.
+ops whose source or destination has no page (a slot below ``min_live``: -1, or 0 with the null
+page, which must stay zero) are skipped.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def copy_tokens_reference(
     ops: torch.Tensor,
     pools: Sequence[TokenCopyPool],
     tokens_per_block: int,
+    min_live: int = 0,
 ) -> None:
     if ops.shape[0] == 0:
         return
@@ -50,7 +52,7 @@ def copy_tokens_reference(
         table = tables[pool.group]
         src_slot = table[rows, src // tokens_per_block].long()
         dst_slot = table[rows, dst // tokens_per_block].long()
-        ok = (src_slot >= 0) & (dst_slot >= 0)
+        ok = (src_slot >= min_live) & (dst_slot >= min_live)
         tokens = mem[src_slot[ok], :, (src % tokens_per_block)[ok], :]
         mem[dst_slot[ok], :, (dst % tokens_per_block)[ok], :] = tokens
 
@@ -64,6 +66,7 @@ def copy_tokens_cuda(
     ops: torch.Tensor,
     pools: Sequence[TokenCopyPool],
     tokens_per_block: int,
+    min_live: int = 0,
 ) -> None:
     if ops.shape[0] == 0 or not pools:
         return
@@ -90,7 +93,15 @@ def copy_tokens_cuda(
         tables.device,
         (ops.shape[0], len(pools)),
         (THREADS,),
-        (ptr(tables), ptr(ops), ptr(desc_dev), i32(rows), i32(cols), i32(tokens_per_block)),
+        (
+            ptr(tables),
+            ptr(ops),
+            ptr(desc_dev),
+            i32(rows),
+            i32(cols),
+            i32(tokens_per_block),
+            i32(min_live),
+        ),
     )
 
 
@@ -99,9 +110,11 @@ def copy_tokens(
     ops: torch.Tensor,
     pools: Sequence[TokenCopyPool],
     tokens_per_block: int,
+    min_live: int = 0,
 ) -> None:
-    """Copy token entries in place; ``tables`` int32 ``[G, R, B]``, ``ops`` int64 ``[K, 3]``."""
+    """Copy token entries in place; ``tables`` int32 ``[G, R, B]``, ``ops`` int64 ``[K, 3]``;
+    an op whose source or destination slot is below ``min_live`` is skipped."""
     if gpu_path(tables, ops, *(p.memory for p in pools)):
-        copy_tokens_cuda(tables.contiguous(), ops.contiguous(), pools, tokens_per_block)
+        copy_tokens_cuda(tables.contiguous(), ops.contiguous(), pools, tokens_per_block, min_live)
     else:
-        copy_tokens_reference(tables, ops, pools, tokens_per_block)
+        copy_tokens_reference(tables, ops, pools, tokens_per_block, min_live)
