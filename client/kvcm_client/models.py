@@ -119,6 +119,14 @@ class ManagerConfig(_Frozen):
     share: bool = False
     """Put the pools and page tables where another process can map them (POSIX shared memory
     on the CPU); ``pools()`` describes them and ``kvcm_client.attach`` maps them."""
+    null_page: bool = False
+    """Reserve slot 0 of every pool group as a zero-filled null page, and write its index (0)
+    instead of -1 wherever a kernel-facing table has no page (page tables, page indices, the
+    shared tables). Attention kernels that load whole tiles of pages read entries past a
+    request's live pages and those of released window blocks; -1 there is an out-of-bounds
+    read. ``block_table`` and slot mappings keep -1. Each pool group then has one usable slot
+    fewer than it allocates: ``num_blocks`` and ``memory_bytes`` still size the memory,
+    ``num_total_blocks`` and ``stats`` count usable slots (docs/index-contract.md)."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:
@@ -271,6 +279,9 @@ class PoolGroupInfo(_Frozen):
 
 
 class Layout(_Frozen):
+    """The manager's memory layout. ``num_slots`` and ``nbytes`` count allocated slots, the
+    null page's included; ``null_page``: slot 0 is the null page, 0 in a table is no page."""
+
     tokens_per_block: int
     device: str
     max_requests: int
@@ -279,6 +290,7 @@ class Layout(_Frozen):
     pool_groups: tuple[PoolGroupInfo, ...]
     pools: tuple[PoolInfo, ...]
     buffers: tuple[BufferInfo, ...]
+    null_page: bool = False
 
 
 # --- sizing -----------------------------------------------------------------------------------
@@ -502,6 +514,8 @@ class SharedLayout(_Frozen):
     buffers: list[SharedBuffer]
     page_tables: SharedSegment
     page_table_shape: tuple[int, int, int]
+    null_page: bool = False
+    """Where a page table has no page it holds 0 (the zeroed null page), not -1."""
 
 
 class ConsumerRequest(_Frozen):

@@ -21,6 +21,7 @@ import kvcm_kernels
 from kvcm_client.errors import (
     DeviceUnavailable,
     DuplicateRequest,
+    InsufficientMemory,
     InvalidArgument,
     KVCMError,
     PrefixCacheInUse,
@@ -129,6 +130,18 @@ def _token_ids(value: Any) -> tuple[list[int], bytes]:
     return np.frombuffer(data, dtype="<i4").tolist(), data
 
 
+def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
+    """Refuse pool groups that the null page, which takes slot 0, would leave no slot."""
+    for pg, n in slots.items():
+        if n < 2:
+            raise InsufficientMemory(
+                f"pool group {pg} has {n} slot and the null page takes it: null_page needs "
+                "at least 2 slots per pool group",
+                pool_group=int(pg),
+                num_slots=n,
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class _FirstAllocation:
     """What an allocate was called with and returned, so an identical retry returns it again."""
@@ -210,6 +223,8 @@ class KVCacheManager:
         else:
             assert cfg.memory_bytes is not None
             self._slots = self._sizing.slots_for_budget(cfg.memory_bytes)
+        if cfg.null_page:
+            _check_null_page_room(self._slots)
         #: Changes at every construction: shared descriptors of another one are refused.
         self.generation = uuid.uuid4().hex
         self._segments: SharedSegments | CudaSegments | None = None
@@ -221,7 +236,9 @@ class KVCacheManager:
                 if self.device.type == "cpu"
                 else CudaSegments(self.generation, self.device)
             )
-        self.memory = PoolMemory(self.layout, self._slots, self.device, self._segments)
+        self.memory = PoolMemory(
+            self.layout, self._slots, self.device, self._segments, cfg.null_page
+        )
         if self._segments is not None:
             ng = len(self.layout.layer_groups)
             table_bytes = 4 * ng * cfg.max_requests * self.max_blocks_per_request
@@ -234,7 +251,10 @@ class KVCacheManager:
             cfg.max_requests,
             self.max_blocks_per_request,
             tables_buffer,
+            cfg.null_page,
         )
+        #: Slots below this are no page in the kernels' eyes: 0 (-1 only), or 1 (null page).
+        self._min_live = self._coord.empty + 1
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
         self._first: dict[str, _FirstAllocation] = {}
@@ -565,7 +585,7 @@ class KVCacheManager:
         for g in range(len(self.layout.layer_groups)):
             pg = c.group_pool[g]
             held = c.tables[g][row, new_len // self.tokens_per_block : keep]
-            for slot in held[held >= 0].tolist():
+            for slot in held[held > c.empty].tolist():
                 if not c.cache.cached[pg][slot]:
                     continue
                 if c.refs[pg][slot] > 1:
@@ -622,6 +642,7 @@ class KVCacheManager:
         )
         c = self._coord
         cache = c.cache
+        empty = c.empty
         for g in range(len(self.layout.layer_groups)):
             if not cache.reusable[g]:
                 continue
@@ -630,8 +651,8 @@ class KVCacheManager:
             slots = c.tables[g][row, have:full].tolist()
             run: list[int] = []  # block positions of a contiguous run of new blocks
             for b in range(have, full + 1):
-                slot = slots[b - have] if b < full else -1
-                if slot >= 0 and state.keys[b] not in index and not cached[slot]:
+                slot = slots[b - have] if b < full else empty
+                if slot > empty and state.keys[b] not in index and not cached[slot]:
                     run.append(b)
                     continue
                 if run:
@@ -861,14 +882,18 @@ class KVCacheManager:
         return list(self._rows)
 
     def block_table(self, request_id: str) -> list[list[int]]:
-        """The request's block ids per layer group, by block position; -1 = released."""
+        """The request's block ids per layer group, by block position; -1 = released.
+
+        Bookkeeping, not a kernel input: -1 even with the null page (the page tables hold 0).
+        """
         row = self._row(request_id)
         return [self._coord.block_list(g.group_id, row) for g in self.layout.layer_groups]
 
     # -- tables ------------------------------------------------------------------------------
 
     def page_table(self, layer_group: int) -> torch.Tensor:
-        """The int32 ``[max_requests, max_blocks_per_request]`` table on the manager's device."""
+        """The int32 ``[max_requests, max_blocks_per_request]`` table on the manager's device;
+        -1 where there is no page, or 0 (the null page) with ``null_page``."""
         if not 0 <= layer_group < len(self.layout.layer_groups):
             raise InvalidArgument(f"no layer group {layer_group}", layer_group=layer_group)
         return self._tables.sync()[layer_group]
@@ -915,6 +940,8 @@ class KVCacheManager:
         ``slot``: the slot itself (use with the layer view's page stride). ``kernel``:
         slot x num_buffers / kv_factor of the layer's pool, plus the layer's page offset in the
         slot when ``per_layer`` (the index into the whole pool seen as pages of one layer).
+        With ``null_page`` there is no -1: no page is slot 0, whose kernel-mode index is 0, or
+        the layer's page offset in per-layer mode, a page inside the zeroed slot 0 either way.
         """
         place = self._placement(layer_id, role)
         if mode not in ("slot", "kernel"):
@@ -942,7 +969,8 @@ class KVCacheManager:
         """int64 ``[pad_to]`` slot mapping of the last ``num_tokens`` positions of each request.
 
         By default each request maps the tokens added by its latest allocate/extend (the
-        tokens computed in this step). Positions in released sliding-window blocks map to -1.
+        tokens computed in this step). Positions in released sliding-window blocks map to -1,
+        with the null page too: no token's KV is ever written into the null page.
         """
         group = self._placement(layer_id, "key").layer_group
         return self._slot_mapping(request_ids, num_tokens, pad_to, group)
@@ -1001,6 +1029,7 @@ class KVCacheManager:
             pad_to,
             first_group=group or 0,
             num_groups=None if group is None else 1,
+            min_live=self._min_live,
         )
         if uploader is not None:
             uploader.commit()
@@ -1030,7 +1059,8 @@ class KVCacheManager:
         tpb = self.tokens_per_block
         for g in range(len(self.layout.layer_groups)):
             table = c.tables[g]
-            if n and bool(((table[rows, src // tpb] < 0) | (table[rows, dst // tpb] < 0)).any()):
+            src_page, dst_page = table[rows, src // tpb], table[rows, dst // tpb]
+            if n and bool(((src_page <= c.empty) | (dst_page <= c.empty)).any()):
                 raise InvalidArgument(
                     f"a position lies in a block layer group {g} released", layer_group=g
                 )
@@ -1039,7 +1069,9 @@ class KVCacheManager:
         if np.unique(dst_keys).size != n or np.intersect1d(src_keys, dst_keys).size:
             raise InvalidArgument("destinations must be distinct and disjoint from sources")
         ops = np.stack([rows, src, dst], axis=1)
-        kvcm_kernels.copy_tokens(self._tables.sync(), self._to_device(ops), self._copy_pools, tpb)
+        kvcm_kernels.copy_tokens(
+            self._tables.sync(), self._to_device(ops), self._copy_pools, tpb, self._min_live
+        )
 
     def _build_pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_layer_ids = max(self.layout.layers) + 1
@@ -1172,10 +1204,12 @@ class KVCacheManager:
                 for p in lay.pools
             ),
             buffers=tuple(buffers),
+            null_page=self.config.null_page,
         )
 
     def estimate(self, seq_len: int, num_requests: int | None = None) -> Estimate:
-        return self._sizing.estimate(seq_len, self._slots, self.config.max_requests, num_requests)
+        usable = self._coord.usable_slots()
+        return self._sizing.estimate(seq_len, usable, self.config.max_requests, num_requests)
 
     def num_free_blocks(self, pool_group: int | None = None) -> int:
         pools = self._coord.pools
@@ -1184,9 +1218,11 @@ class KVCacheManager:
         return pools[self._pool_group(pool_group)].num_free
 
     def num_total_blocks(self, pool_group: int | None = None) -> int:
+        """Slots requests can hold (the null page's is not one of them)."""
+        usable = self._coord.usable_slots()
         if pool_group is None:
-            return sum(self._slots.values())
-        return self._slots[PoolGroupId(self._pool_group(pool_group))]
+            return sum(usable.values())
+        return usable[PoolGroupId(self._pool_group(pool_group))]
 
     def _pool_group(self, pool_group: int) -> int:
         if not 0 <= pool_group < len(self._coord.pools):
@@ -1195,7 +1231,7 @@ class KVCacheManager:
 
     def stats(self) -> Stats:
         free = {i: p.num_free for i, p in enumerate(self._coord.pools)}
-        total = {int(k): v for k, v in self._slots.items()}
+        total = {int(k): v for k, v in self._coord.usable_slots().items()}
         cache = self._coord.cache
         st = cache.stats
         return Stats(
@@ -1255,6 +1291,7 @@ class KVCacheManager:
             buffers=buffers,
             page_tables=self._table_segment,
             page_table_shape=tables.shape,
+            null_page=self.config.null_page,
         )
 
     def close(self) -> None:

@@ -11,6 +11,12 @@ and has strides (512, 8, 4, 1) in fp16 elements.
 
 nvfp4 data views are uint8 with a last dimension of head_dim / 2 (two values per byte);
 scale views are float8_e4m3fn ``[num_slots, tokens_per_block, heads * head_dim / 16]``.
+
+With the null page, slot 0 of every pool is zeroed here and then never written: it is never
+handed out, slot mappings never point into it and token copies skip it. Tile-reading kernels
+load it for every missing page and mask only the scores; a masked weight of 0 times a NaN value
+is still NaN, so the page must hold finite values in every dtype, and zero bytes are that
+(private pools come from ``torch.empty``, whose bytes could be anything).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class PoolMemory:
         slots: dict[PoolGroupId, int],
         device: torch.device,
         segments: SharedSegments | CudaSegments | None = None,
+        null_page: bool = False,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -77,6 +84,9 @@ class PoolMemory:
             segment, raw = segments.allocate(shape[0] * shape[1])
             self.segments.append(segment)
             self.tensors.append(raw.view(shape))
+        if null_page:
+            for tensor in self.tensors:
+                tensor[0].zero_()
 
     def base_address(self, pool_id: int) -> int:
         return self.tensors[pool_id].data_ptr()
