@@ -177,3 +177,28 @@ def test_window_patterns_and_tensor_parallel() -> None:
         layers_from_hf_config(
             {"num_hidden_layers": 2, "num_attention_heads": 3, "head_dim": 8}, tensor_parallel=2
         )
+
+
+def test_serve_turns_the_null_page_on_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On for the embedded default, a layers file and an HF config; a ManagerConfig file says
+    for itself; the flag and KVCM_NULL_PAGE override every source."""
+    layers = tmp_path / "layers.json"
+    layers.write_text(json.dumps([{"layer_id": 0, "num_kv_heads": 2, "head_dim": 16}]))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"layers": json.loads(layers.read_text()), "num_blocks": 8}))
+    hf = FIXTURES / "llama-3.1-8b.json"
+    assert Settings().manager_config().null_page
+    assert Settings(layers=layers).manager_config().null_page
+    assert Settings(hf_model_config=hf).manager_config().null_page
+    assert not Settings(config=plain).manager_config().null_page
+
+    def parsed(*argv: str) -> bool:
+        return _settings(build_parser().parse_args(["serve", *argv])).manager_config().null_page
+
+    assert parsed("--config", str(plain), "--null-page")
+    assert not parsed("--no-null-page")
+    monkeypatch.setenv("KVCM_NULL_PAGE", "false")
+    assert not parsed("--layers", str(layers))
+    assert parsed("--layers", str(layers), "--null-page")  # the flag wins

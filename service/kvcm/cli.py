@@ -59,6 +59,25 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
             "help": "keep the pools private (default: POSIX shared memory on the CPU)",
         },
     ),
+    (
+        "--null-page",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "reserve slot 0 as a zeroed null page that tables show where there is no "
+            "page, for kernels that read whole tiles of pages (the default, except for a "
+            "--config file that does not turn it on)",
+        },
+    ),
+    (
+        "--no-null-page",
+        {
+            "action": "store_const",
+            "const": False,
+            "dest": "null_page",
+            "help": "no null page: -1 where there is no page, every slot usable",
+        },
+    ),
 ]
 _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", {"help": "bind address (default 127.0.0.1: loopback only)"}),

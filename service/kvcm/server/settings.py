@@ -5,6 +5,12 @@ The model comes from one source, first match wins: ``config`` (a JSON ``ManagerC
 the embedded default model. The sizing flags (``memory``, ``num_blocks``, ``tokens_per_block``,
 ``device``, ``max_requests``, ``max_seq_len``) override what that source says.
 
+The service turns the null page on (``null_page``, docs/index-contract.md): the embedded default
+and the ``layers`` and ``model_config`` sources have it, since the attention kernels an
+inference server runs may read whole tiles of pages. A ``config`` file is a ``ManagerConfig``
+and says for itself (off when it does not name it); ``--null-page`` / ``--no-null-page``
+(``KVCM_NULL_PAGE``) override every source.
+
 The bearer token is read from ``KVCM_API_TOKEN`` only (never a flag: flags show up in process
 lists) and is never logged or printed.
 """
@@ -33,6 +39,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "max_requests": 256,
     "max_seq_len": 8192,
     "memory_bytes": 1 << 30,
+    "null_page": True,
 }
 
 DEFAULT_PORT = 8470
@@ -78,6 +85,9 @@ class Settings(BaseSettings):
     max_seq_len: int | None = Field(default=None, gt=0)
     share: bool | None = None
     """Map pools and page tables into shared memory; None (auto): on for the CPU."""
+    null_page: bool | None = None
+    """Reserve a zeroed null page for tile-reading kernels; None: what the model source says
+    (on, except in a ``config`` file that does not turn it on)."""
     # -- serving --
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
@@ -121,6 +131,8 @@ class Settings(BaseSettings):
             value = getattr(self, key)
             if value is not None:
                 raw[key] = value
+        if self.null_page is not None:
+            raw["null_page"] = self.null_page
         if self.share is not None:
             raw["share"] = self.share
         elif "share" not in raw:
