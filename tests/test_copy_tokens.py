@@ -7,7 +7,7 @@ from helpers import layer, manager
 from kvcm import InvalidArgument
 
 
-def _model():  # type: ignore[no-untyped-def]
+def _model(null_page: bool = False):  # type: ignore[no-untyped-def]
     return manager(
         [
             layer(0),
@@ -16,11 +16,13 @@ def _model():  # type: ignore[no-untyped-def]
             layer(3, num_kv_heads=2, head_dim=16, dtype="nvfp4"),
         ],
         num_blocks=32,
+        null_page=null_page,
     )
 
 
-def test_copy_tokens_moves_every_layer_role_and_scale() -> None:
-    m = _model()
+@pytest.mark.parametrize("null_page", [False, True])
+def test_copy_tokens_moves_every_layer_role_and_scale(null_page: bool) -> None:
+    m = _model(null_page)
     torch.manual_seed(0)
     for t in m.memory.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
@@ -46,8 +48,10 @@ def test_copy_tokens_moves_every_layer_role_and_scale() -> None:
         assert torch.equal(view.view(torch.uint8), expect.view(torch.uint8)), (lid, role)
 
 
-def test_copy_tokens_validates_positions() -> None:
-    m = _model()
+@pytest.mark.parametrize("null_page", [False, True])
+def test_copy_tokens_validates_positions(null_page: bool) -> None:
+    """With the null page a released block is 0 in the table: refused all the same."""
+    m = _model(null_page)
     m.allocate("a", 16)
     m.extend("a", 1)  # window group: block 0 released ((16 + 1 - 8) // 4 = 2 -> blocks 0, 1)
     with pytest.raises(InvalidArgument):
