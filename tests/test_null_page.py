@@ -379,17 +379,18 @@ def _masked_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_tokens: int, spec: dict
 ) -> torch.Tensor:
     """Attention of the last ``len(q)`` of ``num_tokens`` positions over ``keys`` / ``values``
-    ``[T, H, D]`` (T >= num_tokens), masked by position only: causal, window and sinks."""
-    held = torch.ones(num_tokens, dtype=torch.bool)  # position masks only: no table check
+    ``[T, H, D]`` (T >= num_tokens), masked by position only: causal, window and sinks.
+    Computed on the keys' device, returned on the CPU."""
+    held = torch.ones(num_tokens, dtype=torch.bool, device=keys.device)  # no table check
     window, sinks = spec.get("sliding_window"), spec.get("sink_tokens", 0)
     allowed = key_mask(num_tokens, q.shape[0], held, window, sinks)
     mask = torch.nn.functional.pad(allowed, (0, keys.shape[0] - num_tokens))  # False past T
     g = q.shape[1] // keys.shape[1]
     k = keys.float().repeat_interleave(g, dim=1)
     v = values.float().repeat_interleave(g, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[-1])
+    scores = torch.einsum("qhd,khd->hqk", q.to(k.device).float(), k) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).cpu()
 
 
 def tile_attention(
@@ -403,38 +404,36 @@ def tile_attention(
     return _masked_attention(q, keys, values, num_tokens, spec)
 
 
-@pytest.fixture
-def null_page_service(tmp_path: Path) -> Iterator[str]:
-    """``kvcm serve`` of a ``--config`` file that turns the null page on, sharing its memory."""
+def write_tile_config(tmp_path: Path, device: str = "cpu") -> Path:
+    """A ``--config`` file for ``kvcm serve`` that turns the null page on and shares memory."""
     path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(TILE_CONFIG | {"share": True, "null_page": True}))
-    with serve_process("--config", str(path)) as (url, _, _):
-        yield url
+    config = TILE_CONFIG | {"device": device, "share": True, "null_page": True}
+    path.write_text(json.dumps(config))
+    return path
 
 
-def test_a_tile_loading_consumer_equals_dense_attention_with_the_null_page(
-    null_page_service: str,
-) -> None:
-    """Three requests prefill then decode 40 steps, all past the window (24 tokens, one sink
-    block: blocks are released from history 55 on, so a's from step 35). At every step this
-    process, attached to the service's pools and tables, loads whole tiles of every row and
-    must equal dense attention over every key so far. The shared tables never hold -1:
-    released window blocks and the rows' tails are the null page, which is still zero at the
-    end."""
+def decode_tiles_against_dense(url: str, steps: int = 40) -> float:
+    """Three requests prefill, then decode ``steps`` steps. At every step this process,
+    attached to the service's pools and tables, loads whole tiles of every row, and the result
+    must equal dense attention over every key so far (the worst absolute difference is
+    returned). The shared tables never hold -1: released window blocks and the rows' tails are
+    the null page, which is still zero at the end."""
     gen = torch.Generator().manual_seed(0)
     prompts = {"a": 20, "b": 33, "c": 50}
     ids = list(prompts)
-    with KVCacheClient(null_page_service) as kv, kv.attach() as att:
+    worst = 0.0
+    with KVCacheClient(url) as kv, kv.attach() as att:
         assert att.layout.null_page and (att.page_tables == 0).all()
         rows = {rid: kv.allocate(rid, n).row for rid, n in prompts.items()}
         lengths, new = dict(prompts), dict(prompts)
         history: dict[tuple[str, int], list[torch.Tensor]] = {}
         null_pages_read = 0
-        for step in range(41):
+        for step in range(steps + 1):
             if step:
                 kv.extend_many(ids)
                 lengths = {rid: n + 1 for rid, n in lengths.items()}
                 new = dict.fromkeys(ids, 1)
+            # The step's slot mapping also brings CUDA tables up to date (edits are lazy).
             mappings = torch.tensor(kv.slot_mappings(ids))
             assert int(att.page_tables.min()) == 0
             start = 0
@@ -449,7 +448,7 @@ def test_a_tile_loading_consumer_equals_dense_attention_with_the_null_page(
                     every = torch.cat(history[(rid, lid)], dim=1)
                     want = _masked_attention(q, every[0], every[1], length, spec)
                     got = tile_attention(att, lid, row, length, q, spec)
-                    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (step, rid, lid)
+                    worst = max(worst, float((got - want).abs().max()))
                     live = _tile_pages(att.page_tables, group, row).flatten()[: -(-length // TPB)]
                     null_pages_read += int((live == 0).sum())
                 start += n
@@ -461,7 +460,27 @@ def test_a_tile_loading_consumer_equals_dense_attention_with_the_null_page(
             assert (view[0] == 0).all(), (lid, role)  # nobody wrote into the null page
         for rid in ids:
             kv.free(rid)
+        kv.slot_mappings([])  # CUDA: applies the frees' table edits
         assert (att.page_tables == 0).all()
+    return worst
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Tiny CPU ops run faster on one thread, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_tile_loading_consumer_equals_dense_attention_with_the_null_page(
+    tmp_path: Path, one_torch_thread: None
+) -> None:
+    """40 decode steps take every request past the window (24 tokens, one sink block: blocks
+    are released from history 55 on, so a's from step 35)."""
+    with serve_process("--config", str(write_tile_config(tmp_path))) as (url, _, _):
+        assert decode_tiles_against_dense(url) < 1e-5
 
 
 def test_without_the_null_page_the_tile_consumer_would_index_minus_one() -> None:
