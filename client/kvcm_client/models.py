@@ -345,6 +345,8 @@ class PrefixCacheStats(_Frozen):
 
 
 class Stats(_Frozen):
+    """Blocks per pool group, counted in usable slots (the null page's slot 0 is not one)."""
+
     num_requests: int
     free_blocks: dict[int, int]
     used_blocks: dict[int, int]
