@@ -38,10 +38,14 @@ def blocks_for(tokens: int, tpb: int) -> int:
 
 
 class Oracle:
-    def __init__(self, groups: list[OracleGroup], slots: list[int], tpb: int) -> None:
+    def __init__(
+        self, groups: list[OracleGroup], slots: list[int], tpb: int, first_slot: int = 0
+    ) -> None:
+        """``slots`` usable per pool group, numbered from ``first_slot`` (1 with the null page,
+        whose slot 0 is never handed out)."""
         self.groups = groups
         self.tpb = tpb
-        self.free = [deque(range(n)) for n in slots]
+        self.free = [deque(range(first_slot, first_slot + n)) for n in slots]
         self.requests: dict[str, OracleRequest] = {}
 
     def _stale(self, g: OracleGroup, h: int) -> range:

@@ -184,7 +184,8 @@ def test_window_patterns_and_tensor_parallel() -> None:
 def test_a_budget_below_one_max_seq_len_request_is_refused_by_serve_and_flagged_by_estimate(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The default model takes 128 KiB per token: 64 MiB hold 512 tokens, max_seq_len is 8192.
+    # The default model takes 128 KiB per token (2 MiB per block): 64 MiB are 32 slots, one of
+    # them the null page, so they hold 31 blocks = 496 tokens; max_seq_len is 4096.
     run = subprocess.run(
         [sys.executable, "-m", "kvcm", "serve", "--memory", "64MiB", "--port", "0"],
         capture_output=True,
@@ -193,20 +194,45 @@ def test_a_budget_below_one_max_seq_len_request_is_refused_by_serve_and_flagged_
     )
     assert run.returncode == 2
     assert "insufficient_memory" in run.stderr
-    assert "the largest max_seq_len this budget holds is 512" in run.stderr
+    assert "the largest max_seq_len this budget holds is 496" in run.stderr
     assert main(["estimate", "--memory", "64MiB"]) == 0
     out = capsys.readouterr().out
-    assert "warning: insufficient_memory" in out and "holds is 512" in out
+    assert "warning: insufficient_memory" in out and "holds is 496" in out
     # A max_seq_len the budget holds: no warning.
-    assert main(["estimate", "--memory", "64MiB", "--max-seq-len", "512"]) == 0
+    assert main(["estimate", "--memory", "64MiB", "--max-seq-len", "496"]) == 0
     assert "warning" not in capsys.readouterr().out
 
 
 def test_estimate_reports_the_step_shape(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["estimate", "--max-prefill-chunk", "256", "--max-lookahead", "3", "--seq-len", "4096"]
+    args = ["estimate", "--max-prefill-chunk", "256", "--max-lookahead", "3", "--seq-len", "4000"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "ops of at most 256 new tokens, lookahead 3" in out
-    # 1 GiB = 512 slots of 2 MiB; 4096 tokens + 3 draft slots take 257 blocks: 1 request.
-    # One request reaches max_seq_len less its draft slots: 8189 + 3 = 512 blocks.
-    assert ["4096", "1", "memory", "8189"] in [line.split() for line in out.splitlines()]
+    # 1 GiB = 512 slots of 2 MiB, 511 besides the null page; 4000 tokens + 3 draft slots take
+    # 251 blocks: 2 requests. One request reaches max_seq_len less its draft slots (4093).
+    assert ["4000", "2", "memory", "4093"] in [line.split() for line in out.splitlines()]
+
+
+def test_serve_turns_the_null_page_on_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On for the embedded default, a layers file and an HF config; a ManagerConfig file says
+    for itself; the flag and KVCM_NULL_PAGE override every source."""
+    layers = tmp_path / "layers.json"
+    layers.write_text(json.dumps([{"layer_id": 0, "num_kv_heads": 2, "head_dim": 16}]))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"layers": json.loads(layers.read_text()), "num_blocks": 8}))
+    hf = FIXTURES / "llama-3.1-8b.json"
+    assert Settings().manager_config().null_page
+    assert Settings(layers=layers).manager_config().null_page
+    assert Settings(hf_model_config=hf).manager_config().null_page
+    assert not Settings(config=plain).manager_config().null_page
+
+    def parsed(*argv: str) -> bool:
+        return _settings(build_parser().parse_args(["serve", *argv])).manager_config().null_page
+
+    assert parsed("--config", str(plain), "--null-page")
+    assert not parsed("--no-null-page")
+    monkeypatch.setenv("KVCM_NULL_PAGE", "false")
+    assert not parsed("--layers", str(layers))
+    assert parsed("--layers", str(layers), "--null-page")  # the flag wins

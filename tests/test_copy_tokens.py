@@ -41,8 +41,12 @@ LAYOUTS: dict[str, list[dict[str, object]]] = {
 }
 
 
-def _model(name: str = "everything", num_blocks: int = 64) -> KVCacheManager:
-    m = manager(LAYOUTS[name], num_blocks=num_blocks, max_seq_len=64, max_requests=8)
+def _model(
+    name: str = "everything", num_blocks: int = 64, null_page: bool = False
+) -> KVCacheManager:
+    m = manager(
+        LAYOUTS[name], num_blocks=num_blocks, max_seq_len=64, max_requests=8, null_page=null_page
+    )
     gen = torch.Generator().manual_seed(0)
     for t in m.memory.tensors:
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
@@ -115,9 +119,10 @@ def _unchanged(m: KVCacheManager, before: list[torch.Tensor]) -> bool:
 # -- copy by value ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("null_page", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_tree_speculation_accepted_paths_relocate(layout: str) -> None:
-    m = _model(layout)
+def test_tree_speculation_accepted_paths_relocate(layout: str, null_page: bool) -> None:
+    m = _model(layout, null_page=null_page)
     # 44 verified tokens, then a draft tree at positions 44..51 (lookahead slots included).
     m.allocate("t", 40, lookahead=12)
     m.extend("t", 8, lookahead=4)  # length 48, capacity 52: blocks 0..12
@@ -130,9 +135,10 @@ def test_tree_speculation_accepted_paths_relocate(layout: str) -> None:
     _check_copy(m, ["t"] * 4, [51, 49, 47, 46], [47, 46, 45, 44])
 
 
+@pytest.mark.parametrize("null_page", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_cycles_swaps_and_repeated_sources(layout: str) -> None:
-    m = _model(layout)
+def test_cycles_swaps_and_repeated_sources(layout: str, null_page: bool) -> None:
+    m = _model(layout, null_page=null_page)
     m.allocate("a", 30, lookahead=6)  # capacity 36
     m.allocate("b", 13)
     m.extend("b", 3, lookahead=2)  # capacity 18
@@ -165,7 +171,9 @@ def test_the_kernel_is_told_when_no_destination_is_read(monkeypatch: pytest.Monk
     """``disjoint=True`` (one launch on CUDA, racy if wrong) only when no op reads a
     (request, position) that another op writes."""
     calls: list[bool] = []
-    monkeypatch.setattr(kvcm_kernels, "copy_tokens", lambda *args, disjoint: calls.append(disjoint))
+    monkeypatch.setattr(
+        kvcm_kernels, "copy_tokens", lambda *args, disjoint, min_live: calls.append(disjoint)
+    )
     m = _model("full")
     m.allocate("a", 12)
     m.allocate("b", 12)
@@ -255,8 +263,10 @@ def test_sources_in_shared_blocks_may_be_read(layout: str) -> None:
     assert m.block_table("a")[0][:3] == m.block_table("b")[0][:3]
 
 
-def test_invalid_positions_are_refused_and_change_nothing() -> None:
-    m = _model()
+@pytest.mark.parametrize("null_page", [False, True])
+def test_invalid_positions_are_refused_and_change_nothing(null_page: bool) -> None:
+    """With the null page a released block is 0 in the table: refused all the same."""
+    m = _model(null_page=null_page)
     m.allocate("a", 16)
     m.extend("a", 1)  # window group: blocks 0, 1 released ((16 + 1 - 8) // 4 = 2)
     before = _pool_bytes(m)

@@ -125,29 +125,36 @@ def test_pointer_tables_locate_every_page() -> None:
                 assert address == view[slot].data_ptr(), (lid, role, slot)
 
 
-def test_slot_mapping_of_the_latest_tokens_padded() -> None:
-    m = manager([layer(0), layer(1, sliding_window=4)])
-    m.allocate("a", 6)  # group 0 blocks [0, 1]; group 1 blocks [2, 3]
+@pytest.mark.parametrize("null_page", [False, True])
+def test_slot_mapping_of_the_latest_tokens_padded(null_page: bool) -> None:
+    m = manager([layer(0), layer(1, sliding_window=4)], null_page=null_page)
+    k = int(null_page)  # with the null page every slot is one higher: slot 0 is never taken
+    m.allocate("a", 6)  # group 0 blocks [0, 1]; group 1 blocks [2, 3] (plus k)
     m.allocate("b", 3)  # group 0 [4]; group 1 [5]
-    # tokens_per_block 4: a's positions 0..5, b's 0..2.
-    got = m.slot_mapping(["a", "b"], 0, pad_to=12)
+    # tokens_per_block 4: a's positions 0..5, b's 0..2; slot s + k starts at 4 * (s + k).
+    got = m.slot_mapping(["a", "b"], 0, pad_to=12) - 4 * k * (torch.arange(12) < 9)
     assert got.dtype == torch.int64
     assert got.tolist() == [0, 1, 2, 3, 4, 5, 16, 17, 18, -1, -1, -1]
-    assert m.slot_mapping(["b", "a"], 1).tolist() == [20, 21, 22, 8, 9, 10, 11, 12, 13]
+    got = m.slot_mapping(["b", "a"], 1) - 4 * k
+    assert got.tolist() == [20, 21, 22, 8, 9, 10, 11, 12, 13]
     m.extend("a", 3)  # positions 6..8: group 0 block 1 then a new block (6)
     m.extend("b", 1)  # position 3
-    assert m.block_table("a")[0] == [0, 1, 6]
-    assert m.slot_mapping(["a", "b"], 0).tolist() == [6, 7, 24, 19]
-    assert m.slot_mapping(["a"], 0, num_tokens=[1]).tolist() == [24]
+    assert m.block_table("a")[0] == [0 + k, 1 + k, 6 + k]
+    assert (m.slot_mapping(["a", "b"], 0) - 4 * k).tolist() == [6, 7, 24, 19]
+    assert (m.slot_mapping(["a"], 0, num_tokens=[1]) - 4 * k).tolist() == [24]
     with pytest.raises(InvalidArgument):
         m.slot_mapping(["a"], 0, pad_to=2)
     with pytest.raises(InvalidArgument):
         m.slot_mapping(["b"], 0, num_tokens=[5])
 
 
-def test_slot_mapping_of_released_positions_is_minus_one() -> None:
-    m = manager([layer(0, sliding_window=4)])
+@pytest.mark.parametrize("null_page", [False, True])
+def test_slot_mapping_of_released_positions_is_minus_one(null_page: bool) -> None:
+    """-1 with the null page too: the table holds 0 there, and no token maps to slot 0."""
+    m = manager([layer(0, sliding_window=4)], null_page=null_page)
+    k = int(null_page)
     m.allocate("a", 8)
     m.extend("a", 1)
-    assert m.block_table("a") == [[-1, 1, 2]]
-    assert m.slot_mapping(["a"], 0, num_tokens=[9]).tolist() == [-1] * 4 + [4, 5, 6, 7, 8]
+    assert m.block_table("a") == [[-1, 1 + k, 2 + k]]
+    want = [-1] * 4 + [4 * (1 + k) + i for i in range(4)] + [4 * (2 + k)]
+    assert m.slot_mapping(["a"], 0, num_tokens=[9]).tolist() == want

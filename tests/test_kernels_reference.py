@@ -34,9 +34,12 @@ def test_kernel_page_indices_reference(
 
 @pytest.mark.parametrize("n", [0, 1, 5, 40])
 @pytest.mark.parametrize("tpb", [1, 16])
-def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int) -> None:
+@pytest.mark.parametrize("min_live", [0, 1])
+def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int, min_live: int) -> None:
+    """``min_live`` 1 is the null page: slot 0 is no page, like -1."""
     cols = 12
     table = _random_table(rng, 50, cols)
+    table[torch.from_numpy(rng.random((50, cols)) < 0.2)] = 0
     rows = torch.from_numpy(rng.choice(50, size=n, replace=False))
     counts = rng.integers(0, 9, size=n)
     qsl = np.concatenate([[0], np.cumsum(counts)])
@@ -45,7 +48,13 @@ def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int) -> N
     ).astype(np.int64)
     pad_to = int(qsl[-1]) + int(rng.integers(0, 5))
     got = kvcm_kernels.slot_mapping(
-        table, rows, torch.from_numpy(qsl), torch.from_numpy(positions), tpb, pad_to
+        table,
+        rows,
+        torch.from_numpy(qsl),
+        torch.from_numpy(positions),
+        tpb,
+        pad_to,
+        min_live=min_live,
     )
     assert got.shape == (pad_to,) and got.dtype == torch.int64
     expect = []
@@ -53,7 +62,7 @@ def test_slot_mapping_reference(rng: np.random.Generator, n: int, tpb: int) -> N
         for t in range(qsl[i], qsl[i + 1]):
             p = int(positions[t])
             s = int(table[rows[i], p // tpb])
-            expect.append(-1 if s < 0 else s * tpb + p % tpb)
+            expect.append(-1 if s < min_live else s * tpb + p % tpb)
     expect += [-1] * (pad_to - len(expect))
     assert got.tolist() == expect
 
@@ -107,6 +116,7 @@ def _byte_copies(
     ops: torch.Tensor,
     pools: list[kvcm_kernels.TokenCopyPool],
     tpb: int,
+    min_live: int = 0,
 ) -> list[torch.Tensor]:
     """The pools after ``ops``, copied byte range by byte range from a snapshot (by value)."""
     out = [p.memory.clone() for p in pools]
@@ -115,7 +125,7 @@ def _byte_copies(
         for row, src, dst in ops.tolist():
             s = int(tables[p.group, row, src // tpb])
             d = int(tables[p.group, row, dst // tpb])
-            if s < 0 or d < 0:
+            if s < min_live or d < min_live:
                 continue
             for j in range(p.num_buffers):
                 a = j * p.bytes_per_buffer + (src % tpb) * tb
@@ -131,7 +141,10 @@ def _byte_copies(
     return out
 
 
-def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("min_live", [0, 1])
+def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator, min_live: int) -> None:
+    """With ``min_live`` 1 (the null page) the ops reading or writing slot 0 are skipped: row 0
+    reads slot 0 in group 0 and writes slot 0 in group 1."""
     tpb = 4
     tables = torch.from_numpy(
         np.array([[[2, 0, -1], [1, 3, -1]], [[0, 1, 2], [3, -1, -1]]], dtype=np.int32)
@@ -146,10 +159,13 @@ def test_copy_tokens_reference_against_byte_copies(rng: np.random.Generator) -> 
     ]
     # (row, src, dst): row 0 moves token 6 to 1; row 1 moves token 2 to 5 (group 1 block 1 is -1).
     ops = torch.tensor([[0, 6, 1], [1, 2, 5]])
-    expect = _byte_copies(tables, ops, pools, tpb)
-    kvcm_kernels.copy_tokens(tables, ops, pools, tpb)
-    for p, mem in zip(pools, expect, strict=True):
+    expect = _byte_copies(tables, ops, pools, tpb, min_live)
+    before = [p.memory.clone() for p in pools]
+    kvcm_kernels.copy_tokens(tables, ops, pools, tpb, min_live=min_live)
+    for p, mem, old in zip(pools, expect, before, strict=True):
         assert torch.equal(p.memory, mem)
+        if min_live:
+            assert torch.equal(p.memory[0], old[0])
 
 
 def _copy_case(
@@ -313,3 +329,15 @@ def test_every_kernel_writes_a_given_output_in_full(rng: np.random.Generator) ->
         ptrs,
     )
     assert got.data_ptr() == ptrs.data_ptr() and ptrs.tolist() == [[1200, 1300, 0, 0]]
+
+
+def test_step_tables_reference_with_the_null_page() -> None:
+    """min_live 1: an edit that writes the null page (0) releases the block, so the token of
+    that block maps to -1, not to slot 0; the other token maps as usual."""
+    tables = torch.full((1, 4, 3), 0, dtype=torch.int32)
+    tables[0, 3, :2] = torch.tensor([9, 5], dtype=torch.int32)
+    edits = torch.tensor([[0, 3, 0, 0]])  # block 0 of row 3 released
+    args = (torch.tensor([3]), torch.tensor([0, 2]), torch.tensor([2, 5]), 4, 3)
+    got = kvcm_kernels.apply_edits_and_map_slots(tables, edits, *args, min_live=1)
+    assert got.tolist() == [[-1, 5 * 4 + 1, -1]]
+    assert tables[0, 3].tolist() == [0, 5, 0]

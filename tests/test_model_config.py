@@ -156,7 +156,8 @@ def test_deepseek_v3_2_as_newer_transformers_save_it() -> None:
 
 def test_the_estimate_command_counts_the_indexer(capsys: pytest.CaptureFixture[str]) -> None:
     path = str(FIXTURES / "deepseek-v3.2.json")
-    args = ["--model-config", path, "--num-blocks", "32", "--max-seq-len", "512"]
+    # 33 slots: the null page (on for served models) and 32 blocks of 16 tokens.
+    args = ["--model-config", path, "--num-blocks", "33", "--max-seq-len", "512"]
     assert main(["estimate", *args, "--seq-len", "512"]) == 0
     out = capsys.readouterr().out
     assert "78324" in out  # bytes per token of the one layer group

@@ -264,7 +264,10 @@ def test_random_ops_match_the_brute_force_model_full_attention(rng: np.random.Ge
     _random_ops(manager([layer(0), layer(1)], num_blocks=40), rng, 400)
 
 
-def test_random_ops_match_the_brute_force_model_hybrid(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("null_page", [False, True])
+def test_random_ops_match_the_brute_force_model_hybrid(
+    rng: np.random.Generator, null_page: bool
+) -> None:
     m = manager(
         [
             layer(0, sliding_window=6, sink_tokens=3),
@@ -273,6 +276,7 @@ def test_random_ops_match_the_brute_force_model_hybrid(rng: np.random.Generator)
             layer(3, num_kv_heads=1, kv_factor=1),
         ],
         num_blocks=60,
+        null_page=null_page,
     )
     assert len(m.layout.pool_groups) == 2
     _random_ops(m, rng, 500)

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from helpers import assert_matches, oracle_for
 
 from kvcm import KVCacheManager
 
 
-def _hybrid_32() -> KVCacheManager:
+def _hybrid_32(null_page: bool = False) -> KVCacheManager:
     layers = [
         {"layer_id": i, "num_kv_heads": 1, "head_dim": 8, "dtype": "fp16"}
         | ({"sliding_window": 128, "sink_tokens": 4} if i % 2 == 0 else {})
@@ -19,6 +20,7 @@ def _hybrid_32() -> KVCacheManager:
             "max_requests": 4,
             "max_seq_len": 1024,
             "num_blocks": 3 * 80,
+            "null_page": null_page,
         }
     )
 
@@ -31,8 +33,12 @@ def _expected_rows(length: int) -> tuple[list[bool], list[bool]]:
     return window, [True] * blocks
 
 
-def test_32_layer_hybrid_decoded_to_1000_tokens_has_exact_rows_at_every_step() -> None:
-    m = _hybrid_32()
+@pytest.mark.parametrize("null_page", [False, True])
+def test_32_layer_hybrid_decoded_to_1000_tokens_has_exact_rows_at_every_step(
+    null_page: bool,
+) -> None:
+    m = _hybrid_32(null_page)
+    empty = 0 if null_page else -1  # what the page tables hold where there is no page
     info = m.describe()
     assert [g.layer_ids for g in info.layer_groups] == [
         tuple(range(0, 32, 2)),
@@ -55,9 +61,10 @@ def test_32_layer_hybrid_decoded_to_1000_tokens_has_exact_rows_at_every_step() -
             row = m.request(rid).row
             win = m.page_table(0)[row].numpy()
             ful = m.page_table(1)[row].numpy()
-            assert (win[: len(window_live)] >= 0).tolist() == window_live
-            assert (ful[: len(full_live)] >= 0).tolist() == full_live
-            assert (win[len(window_live) :] == -1).all() and (ful[len(full_live) :] == -1).all()
+            assert (win[: len(window_live)] > empty).tolist() == window_live
+            assert (ful[: len(full_live)] > empty).tolist() == full_live
+            assert (win[len(window_live) :] == empty).all()
+            assert (ful[len(full_live) :] == empty).all()
         held = 3 * (sum(window_live) + len(full_live))
         assert m.num_free_blocks(0) == m.num_total_blocks(0) - held
         if (length - 1) % 16 == 0 or (length - 128) % 16 == 0:

@@ -242,6 +242,14 @@ class ManagerConfig(_Frozen):
     whole prompt in one op. Sizing only (docs/sizing.md): ops are not refused past it."""
     max_lookahead: NonNegInt = 0
     """Draft slots each request reserves (speculative decoding). Sizing only, like the chunk."""
+    null_page: bool = False
+    """Reserve slot 0 of every pool group as a zero-filled null page, and write its index (0)
+    instead of -1 wherever a kernel-facing table has no page (page tables, page indices, the
+    shared tables). Attention kernels that load whole tiles of pages read entries past a
+    request's live pages and those of released window blocks; -1 there is an out-of-bounds
+    read. ``block_table`` and slot mappings keep -1. Each pool group then has one usable slot
+    fewer than it allocates: ``num_blocks`` and ``memory_bytes`` still size the memory,
+    ``num_total_blocks`` and ``stats`` count usable slots (docs/index-contract.md)."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:
@@ -416,7 +424,8 @@ class DroppedLayer(_Frozen):
 class Layout(_Frozen):
     """What ``describe()`` reports. ``roles`` is the role index order of the pointer tables
     (``layer_pool_map``, ``layer_pointer_table``): ``ROLES``, then the sorted distinct extra
-    roles of the layout's layers."""
+    roles of the layout's layers. ``num_slots`` and ``nbytes`` count allocated slots, the null
+    page's included; ``null_page``: slot 0 is the null page, 0 in a table is no page."""
 
     tokens_per_block: int
     device: str
@@ -428,6 +437,7 @@ class Layout(_Frozen):
     pools: tuple[PoolInfo, ...]
     buffers: tuple[BufferInfo, ...]
     dropped_layers: tuple[DroppedLayer, ...] = ()
+    null_page: bool = False
 
 
 # --- sizing -----------------------------------------------------------------------------------
@@ -486,9 +496,9 @@ class PrefixCacheStats(_Frozen):
 
 
 class Stats(_Frozen):
-    """Slot counts per pool group, and what one new request can get in every layer group
-    (``request_free_blocks``: ``num_free_blocks()``; ``request_total_blocks``: the same on an
-    empty manager)."""
+    """Slot counts per pool group (usable slots: the null page's slot 0 is not one), and what
+    one new request can get in every layer group (``request_free_blocks``:
+    ``num_free_blocks()``; ``request_total_blocks``: the same on an empty manager)."""
 
     num_requests: int
     free_blocks: dict[int, int]
@@ -662,6 +672,8 @@ class SharedLayout(_Frozen):
     buffers: list[SharedBuffer]
     page_tables: SharedSegment
     page_table_shape: tuple[int, int, int]
+    null_page: bool = False
+    """Where a page table has no page it holds 0 (the zeroed null page), not -1."""
 
 
 class ConsumerRequest(_Frozen):

@@ -11,8 +11,9 @@ Index arithmetic (tokens_per_block 4): slot-mapping value 22 is slot 22 // 4 = 5
 page-table row starts [7, -1, 3] has keys 0..3 in slot 7, 4..7 released by its window, 8..9 in
 slot 3 at offsets 0 and 1.
 
-Masks: a query at position i sees key j if j <= i, j's block is held (not -1), and, for a
-sliding window W with S sink tokens, i - j < W or j < S.
+Masks: a query at position i sees key j if j <= i, j's block is held (not -1, and not the null
+page 0 when the layout has ``null_page``), and, for a sliding window W with S sink tokens,
+i - j < W or j < S.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def attention(
     group = attachment.layout.layer_group_of[layer_id]
     nblocks = -(-num_tokens // tpb)
     pages = attachment.page_tables[group, row, :nblocks].long()
-    held = (pages >= 0).repeat_interleave(tpb)
+    empty = 0 if attachment.layout.null_page else -1
+    held = (pages > empty).repeat_interleave(tpb)
     gather = pages.clamp(min=0)
     keys = attachment.layer_view(layer_id, "key")[gather].flatten(0, 1)[:num_tokens]
     values = (

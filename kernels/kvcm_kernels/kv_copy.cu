@@ -24,13 +24,14 @@ extern "C" __global__ void copy_tokens(const int* __restrict__ tables,
                                        const long long* __restrict__ ops,
                                        const long long* __restrict__ desc, int table_rows,
                                        int cols, int tpb, char* scratch,
-                                       long long scratch_stride, int mode) {
+                                       long long scratch_stride, int mode, int min_live) {
   const long long* d = desc + 8 * blockIdx.y;
   const long long* op = ops + 3 * (long long)blockIdx.x;
   const int* row = tables + (d[0] * table_rows + op[0]) * cols;
   const int src_slot = row[op[1] / tpb];
   const int dst_slot = row[op[2] / tpb];
-  if (src_slot < 0 || dst_slot < 0) return;  // the same ops are skipped in every mode
+  // No page (-1, or the null page 0 when min_live is 1): the same ops skip in every mode.
+  if (src_slot < min_live || dst_slot < min_live) return;
   char* base = reinterpret_cast<char*>(d[1]);
   const long long slot_bytes = d[2], bpb = d[3], nbuf = d[4], token_bytes = d[5], width = d[6];
   const char* src = base + src_slot * slot_bytes + (op[1] % tpb) * token_bytes;

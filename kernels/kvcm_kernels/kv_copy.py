@@ -10,7 +10,8 @@ count. Token t of buffer j in slot s starts at byte
 
 Example (tokens_per_block 4, one pool K0 V0 of 32-byte buffers, token_bytes 8): op (row 0,
 src 5, dst 2) with table row [3, 9] copies bytes 9 * 64 + [8, 16) and 9 * 64 + 32 + [8, 16) to
-3 * 64 + [16, 24) and 3 * 64 + 32 + [16, 24). Ops whose pages are -1 are skipped.
+3 * 64 + [16, 24) and 3 * 64 + 32 + [16, 24). Ops whose source or destination has no page (a
+slot below ``min_live``: -1, or 0 with the null page, which must stay zero) are skipped.
 
 Copies are by value: every read happens before every write, so ``dst[i]`` gets what
 ``src[i]`` held before the call even when it is another op's destination. Relocating an
@@ -62,6 +63,7 @@ def copy_tokens_reference(
     pools: Sequence[TokenCopyPool],
     tokens_per_block: int,
     disjoint: bool = False,
+    min_live: int = 0,
 ) -> None:
     """Gather the sources of all pools (advanced indexing copies), then scatter them all.
 
@@ -77,7 +79,7 @@ def copy_tokens_reference(
         table = tables[pool.group]
         src_slot = table[rows, src // tpb].long()
         dst_slot = table[rows, dst // tpb].long()
-        ok = (src_slot >= 0) & (dst_slot >= 0)
+        ok = (src_slot >= min_live) & (dst_slot >= min_live)
         tokens = mem[src_slot[ok], :, (src % tpb)[ok], :]
         moves.append((mem, dst_slot[ok], (dst % tpb)[ok], tokens))
     for mem, slot, offset, tokens in moves:
@@ -135,6 +137,7 @@ def copy_tokens_cuda(
     pools: Sequence[TokenCopyPool],
     tokens_per_block: int,
     disjoint: bool = False,
+    min_live: int = 0,
 ) -> None:
     num_ops = ops.shape[0]
     if num_ops == 0 or not pools:
@@ -167,6 +170,7 @@ def copy_tokens_cuda(
                     np.uint64(0) if scratch is None else ptr(scratch),
                     i64(stride),
                     i32(mode),
+                    i32(min_live),
                 ),
             )
 
@@ -177,15 +181,19 @@ def copy_tokens(
     pools: Sequence[TokenCopyPool],
     tokens_per_block: int,
     disjoint: bool = False,
+    min_live: int = 0,
 ) -> None:
     """Copy token entries in place, by value; ``tables`` int32 ``[G, R, B]``, ``ops`` int64
     ``[K, 3]`` (row, src, dst) with distinct destinations.
 
     ``disjoint=True`` promises that no destination is another op's source, which lets CUDA
     copy in one launch instead of a gather and a scatter (an op that copies a token onto
-    itself is harmless there: each thread reads its bytes before writing them).
+    itself is harmless there: each thread reads its bytes before writing them). An op whose
+    source or destination slot is below ``min_live`` (no page: -1, or the null page 0) is
+    skipped.
     """
+    args = (pools, tokens_per_block, disjoint, min_live)
     if gpu_path(tables, ops, *(p.memory for p in pools)):
-        copy_tokens_cuda(tables.contiguous(), ops.contiguous(), pools, tokens_per_block, disjoint)
+        copy_tokens_cuda(tables.contiguous(), ops.contiguous(), *args)
     else:
-        copy_tokens_reference(tables, ops, pools, tokens_per_block, disjoint)
+        copy_tokens_reference(tables, ops, *args)

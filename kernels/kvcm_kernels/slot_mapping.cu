@@ -1,12 +1,13 @@
 // Slot mapping of a batch for every layer group (blockIdx.y): out[g, i] for token i is
 // slot * tpb + position % tpb, with slot = table[g, rows[j], position / tpb] for the request j
-// whose tokens [qsl[j], qsl[j + 1]) hold i; -1 for a -1 page and for padding (i >= qsl[n]).
+// whose tokens [qsl[j], qsl[j + 1]) hold i; -1 for no page (slot < min_live: 0, or 1 with the
+// null page) and for padding (i >= qsl[n]).
 extern "C" __global__ void slot_mapping(const int* __restrict__ tables,
                                         const long long* __restrict__ rows,
                                         const long long* __restrict__ qsl,
                                         const long long* __restrict__ positions,
                                         long long* __restrict__ out, int n, int pad_to,
-                                        int table_rows, int cols, int tpb) {
+                                        int table_rows, int cols, int tpb, int min_live) {
   const int* table = tables + (long long)blockIdx.y * table_rows * cols;
   long long* dst = out + (long long)blockIdx.y * pad_to;
   const long long total = qsl[n];
@@ -20,7 +21,7 @@ extern "C" __global__ void slot_mapping(const int* __restrict__ tables,
       }
       const long long p = positions[i];
       const int s = table[rows[lo] * cols + p / tpb];
-      v = s >= 0 ? (long long)s * tpb + p % tpb : -1;
+      v = s >= min_live ? (long long)s * tpb + p % tpb : -1;
     }
     dst[i] = v;
   }

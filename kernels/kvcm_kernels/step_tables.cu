@@ -4,12 +4,14 @@
 // global writes before the barrier are visible to every thread after it. The tables are read
 // through a plain pointer (no read-only cache), since this kernel writes them. The inputs may
 // live in pinned host memory (read over the bus); qsl is staged in shared memory when it fits
-// (staged != 0) so the binary search does not pay a bus round trip per step.
+// (staged != 0) so the binary search does not pay a bus round trip per step. A slot below
+// min_live is no page (-1 in the mapping): 0 normally, 1 with the null page.
 extern "C" __global__ void apply_edits_and_map_slots(
     int* tables, const long long* __restrict__ edits, int num_edits,
     const long long* __restrict__ rows, const long long* __restrict__ qsl_in,
     const long long* __restrict__ positions, long long* __restrict__ out, int n, int pad_to,
-    int first_group, int num_groups, int table_rows, int cols, int tpb, int staged) {
+    int first_group, int num_groups, int table_rows, int cols, int tpb, int min_live,
+    int staged) {
   extern __shared__ long long shared_qsl[];
   const long long* qsl = qsl_in;
   if (staged) {
@@ -35,7 +37,7 @@ extern "C" __global__ void apply_edits_and_map_slots(
       const long long p = positions[i];
       const int* table = tables + (long long)(first_group + g) * table_rows * cols;
       const int s = table[rows[lo] * cols + p / tpb];
-      v = s >= 0 ? (long long)s * tpb + p % tpb : -1;
+      v = s >= min_live ? (long long)s * tpb + p % tpb : -1;
     }
     out[k] = v;
   }

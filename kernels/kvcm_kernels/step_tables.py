@@ -7,7 +7,9 @@ the layer groups ``[first_group, first_group + num_groups)``. Past ``SINGLE_BLOC
 of work (edits plus outputs), one block would be slow, and it runs as the two kernels.
 
 Example: edits [[0, 3, 1, 9]] then positions [17] of row 3 with tokens_per_block 16: the
-mapping reads the edited entry, 9 * 16 + 1 = 145.
+mapping reads the edited entry, 9 * 16 + 1 = 145. Entries below ``min_live`` are no page, as in
+``slot_mapping`` (1 with the null page: an edit [0, 3, 1, 0] releases the block, and position
+17 maps to -1).
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ def apply_edits_and_map_slots_reference(
     first_group: int,
     num_groups: int,
     out: torch.Tensor | None = None,
+    min_live: int = 0,
 ) -> torch.Tensor:
     apply_page_table_edits(tables, edits)
     window = tables[first_group : first_group + num_groups]
-    return slot_mapping(window, rows, query_start_loc, positions, tokens_per_block, pad_to, out)
+    return slot_mapping(
+        window, rows, query_start_loc, positions, tokens_per_block, pad_to, out, min_live
+    )
 
 
 def apply_edits_and_map_slots_cuda(
@@ -51,6 +56,7 @@ def apply_edits_and_map_slots_cuda(
     first_group: int,
     num_groups: int,
     out: torch.Tensor | None = None,
+    min_live: int = 0,
 ) -> torch.Tensor:
     if edits.shape[0] + num_groups * pad_to > SINGLE_BLOCK_LIMIT:
         # Too much for one block: the two kernels, with the inputs on the device (they may be
@@ -60,7 +66,7 @@ def apply_edits_and_map_slots_cuda(
             for t in (edits, rows, query_start_loc, positions)
         ]
         return apply_edits_and_map_slots_reference(
-            tables, *dev, tokens_per_block, pad_to, first_group, num_groups, out
+            tables, *dev, tokens_per_block, pad_to, first_group, num_groups, out, min_live
         )
     _, table_rows, cols = tables.shape
     staged = rows.numel() + 1 <= STAGED_QSL_LIMIT
@@ -88,6 +94,7 @@ def apply_edits_and_map_slots_cuda(
             i32(table_rows),
             i32(cols),
             i32(tokens_per_block),
+            i32(min_live),
             i32(int(staged)),
         ),
         shared_mem=8 * (rows.numel() + 1) if staged else 0,
@@ -106,10 +113,12 @@ def apply_edits_and_map_slots(
     first_group: int = 0,
     num_groups: int | None = None,
     out: torch.Tensor | None = None,
+    min_live: int = 0,
 ) -> torch.Tensor:
     """Edits (int64 ``[E, 4]``) applied to ``tables [G, R, B]`` in place; returns the int64
     ``[num_groups, pad_to]`` slot mapping of the batch on the edited tables (in ``out`` when
-    given). With CUDA tables, the four inputs may be CUDA tensors or pinned host tensors."""
+    given; entries below ``min_live`` are no page). With CUDA tables, the four inputs may be
+    CUDA tensors or pinned host tensors."""
     groups = tables.shape[0] - first_group if num_groups is None else num_groups
     inputs = (edits, rows, query_start_loc, positions)
     if gpu_path_pinned_inputs(tables, *inputs):
@@ -121,8 +130,9 @@ def apply_edits_and_map_slots(
             first_group,
             groups,
             out,
+            min_live,
         )
     on_device = (t.to(tables.device) for t in inputs)
     return apply_edits_and_map_slots_reference(
-        tables, *on_device, tokens_per_block, pad_to, first_group, groups, out
+        tables, *on_device, tokens_per_block, pad_to, first_group, groups, out, min_live
     )

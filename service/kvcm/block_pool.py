@@ -13,6 +13,9 @@ order.
 
 Example with 4 slots: the ring starts [0 1 2 3]; pop(3) gives [0 1 2]; push([2 0]) makes the
 free order [3 2 0]; claim([2]) makes it [3 0] (ring [3 -1 0]); pop(2) gives [3 0].
+
+Slots below ``reserved`` are never in the queue, so never handed out: with the null page,
+slot 0 (``reserved=1``); 4 slots then start as the ring [1 2 3], three of them usable.
 """
 
 from __future__ import annotations
@@ -23,16 +26,20 @@ _Saved = tuple[np.ndarray, np.ndarray, int, int, int]
 
 
 class BlockPool:
-    __slots__ = ("_count", "_head", "_len", "_pos", "_ring", "num_slots")
+    __slots__ = ("_count", "_head", "_len", "_pos", "_ring", "num_slots", "num_usable")
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, reserved: int = 0) -> None:
         self.num_slots = num_slots
+        #: Slots the queue can hand out: all but the reserved ones.
+        self.num_usable = num_slots - reserved
         self._ring = np.full(max(2 * num_slots, 1), -1, dtype=np.int32)
-        self._ring[:num_slots] = np.arange(num_slots, dtype=np.int32)
-        self._pos = np.arange(num_slots, dtype=np.int64)
+        self._ring[: self.num_usable] = np.arange(reserved, num_slots, dtype=np.int32)
+        # Ring position of each slot's entry: slot s starts at s - reserved (a reserved slot's
+        # value is never read: it is never pushed or claimed).
+        self._pos = np.arange(-reserved, self.num_usable, dtype=np.int64)
         self._head = 0  # absolute position of the first entry
-        self._len = num_slots  # entries, tombstones included
-        self._count = num_slots  # free slots
+        self._len = self.num_usable  # entries, tombstones included
+        self._count = self.num_usable  # free slots
 
     @property
     def num_free(self) -> int:

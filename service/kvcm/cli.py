@@ -45,7 +45,7 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
         "--max-seq-len",
         {
             "type": int,
-            "help": "longest request in tokens (default 8192; with --model-config, the model's "
+            "help": "longest request in tokens (default 4096; with --model-config, the model's "
             "max_position_embeddings)",
         },
     ),
@@ -69,6 +69,25 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
             "const": False,
             "dest": "share",
             "help": "keep the pools private (default: POSIX shared memory on the CPU)",
+        },
+    ),
+    (
+        "--null-page",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "reserve slot 0 as a zeroed null page that tables show where there is no "
+            "page, for kernels that read whole tiles of pages (the default, except for a "
+            "--config file that does not turn it on)",
+        },
+    ),
+    (
+        "--no-null-page",
+        {
+            "action": "store_const",
+            "const": False,
+            "dest": "null_page",
+            "help": "no null page: -1 where there is no page, every slot usable",
         },
     ),
 ]

@@ -7,7 +7,13 @@ fixed number of numpy calls per layer group, not N Python iterations:
   ``lookahead[row]``;
 - per layer group g: ``num_blocks[g][row]`` (block positions allocated, released ones included),
   ``released_end[g][row]`` (released run is [sink_blocks, released_end)) and the host page table
-  ``tables[g]`` int32 ``[max_requests, max_blocks_per_request]``, -1 where there is no page.
+  ``tables[g]`` int32 ``[max_requests, max_blocks_per_request]``, ``empty`` where there is no
+  page.
+
+``empty`` is -1, or 0 with the null page: slot 0 of every pool group is then reserved (never
+handed out), so in both modes a cell holds a live page exactly when it is ``> empty``. Example
+with the null page: a request of 3 blocks whose window released block 1 has the row
+[5, 0, 7, 0, 0, ...]; its block list is [5, -1, 7] (``block_list`` keeps -1 for bookkeeping).
 
 Every op first plans (computes and checks, touching nothing), then applies, so a failed op
 changes nothing. Within one op a layer group's stale blocks are released before new blocks are
@@ -74,11 +80,15 @@ class Coordinator:
         max_requests: int,
         max_blocks: int,
         tables_buffer: memoryview | None = None,
+        null_page: bool = False,
     ) -> None:
         tpb = layout.tokens_per_block
         self.tokens_per_block = tpb
         self.max_blocks = max_blocks
-        self.pools = [BlockPool(slots[pg.pool_group_id]) for pg in layout.pool_groups]
+        #: What a table cell holds where there is no page: the null page 0, or -1.
+        self.empty = 0 if null_page else -1
+        reserved = int(null_page)
+        self.pools = [BlockPool(slots[pg.pool_group_id], reserved) for pg in layout.pool_groups]
         #: Requests holding each slot (prefix hits share slots); a slot is free at 0.
         self.refs = [np.zeros(slots[pg.pool_group_id], dtype=np.int32) for pg in layout.pool_groups]
         self.cache = PrefixCache(layout, slots)
@@ -97,12 +107,12 @@ class Coordinator:
         #: Host page tables of all layer groups in one array, ``[groups, rows, blocks]``.
         shape = (ng, max_requests, max_blocks)
         if tables_buffer is None:
-            self.tables = np.full(shape, -1, dtype=np.int32)
+            self.tables = np.full(shape, self.empty, dtype=np.int32)
         else:  # in shared memory, so another process sees every edit at once
             self.tables = np.ndarray(shape, dtype=np.int32, buffer=tables_buffer)
-            self.tables.fill(-1)
+            self.tables.fill(self.empty)
         #: Table edits since the last ``take_edits`` (only kept for device tables):
-        #: (layer group, rows, positions, slots or None for -1).
+        #: (layer group, rows, positions, slots or None for ``empty``).
         self.edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None = None
         self.ops_since_take = 0
 
@@ -259,9 +269,9 @@ class Coordinator:
         positions: slice | np.ndarray,
         slots: np.ndarray | None,
     ) -> None:
-        """Write table cells of layer group g (slots, or -1 for None) and log them for the
-        device tables. A single row with a slice of positions is written as a slice."""
-        self.tables[g][rows, positions] = -1 if slots is None else slots
+        """Write table cells of layer group g (slots, or ``empty`` for None) and log them for
+        the device tables. A single row with a slice of positions is written as a slice."""
+        self.tables[g][rows, positions] = self.empty if slots is None else slots
         if self.edits is None:
             return
         if isinstance(positions, slice):
@@ -305,7 +315,7 @@ class Coordinator:
         if count <= keep:
             return
         seg = self.tables[g][row, keep:count]
-        live = seg[seg >= 0][::-1]
+        live = seg[seg > self.empty][::-1]
         if live.size:
             self._unref(self.group_pool[g], live)
         self._set(g, row, slice(keep, count), None)
@@ -365,7 +375,9 @@ class Coordinator:
             self.pools[pg].claim(idle[g])
             self.refs[pg][live] += 1
             n = slots.size
-            self._set(g, row, slice(0, n), slots)
+            # Hits mark blocks a window does not need with -1; the table holds ``empty``
+            # there: max(-1, empty) is empty in both modes, and live slots are above it.
+            self._set(g, row, slice(0, n), np.maximum(slots, self.empty))
             self.num_blocks[g][row] = n
             self.released_end[g][row] = released_end[g]
         self.num_tokens[row] = num_tokens
@@ -385,7 +397,7 @@ class Coordinator:
             out[:, 1] = np.concatenate([r[1] for r in records])
             out[:, 2] = np.concatenate([r[2] for r in records])
             out[:, 3] = np.concatenate(
-                [np.full(len(r[1]), -1) if r[3] is None else r[3] for r in records]
+                [np.full(len(r[1]), self.empty) if r[3] is None else r[3] for r in records]
             )
         if self.ops_since_take > 1 and n > 1:
             _, rows, cols = self.tables.shape
@@ -440,5 +452,11 @@ class Coordinator:
 
     # -- queries -----------------------------------------------------------------------------
 
+    def usable_slots(self) -> dict[PoolGroupId, int]:
+        """Slots per pool group that requests can hold: all of them but the null page."""
+        return {PoolGroupId(pg): pool.num_usable for pg, pool in enumerate(self.pools)}
+
     def block_list(self, g: LayerGroupId, row: int) -> list[int]:
-        return self.tables[g][row, : int(self.num_blocks[g][row])].tolist()
+        """The row's block slots by position, -1 where there is none (whatever ``empty`` is)."""
+        seg = self.tables[g][row, : int(self.num_blocks[g][row])]
+        return np.where(seg > self.empty, seg, -1).tolist()

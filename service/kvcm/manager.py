@@ -23,6 +23,7 @@ from kvcm_client.errors import (
     CopyIntoSharedBlock,
     DeviceUnavailable,
     DuplicateRequest,
+    InsufficientMemory,
     InternalError,
     InvalidArgument,
     KVCMError,
@@ -141,15 +142,6 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
     return arr.astype(np.int64, copy=False)
 
 
-def _live(slots: np.ndarray) -> np.ndarray:
-    """Where page-table entries hold a block; -1 means "no page" (released or past the end).
-
-    The one test of a block's presence behind ``copy_tokens``' checks: where "no page" gets
-    another value, this is what changes.
-    """
-    return slots >= 0
-
-
 def _token_ids(value: Any) -> tuple[list[int], bytes]:
     """Validated token ids as plain ints and as the int32 bytes block keys hash.
 
@@ -159,6 +151,18 @@ def _token_ids(value: Any) -> tuple[list[int], bytes]:
         raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
     data = token_bytes(value)
     return np.frombuffer(data, dtype="<i4").tolist(), data
+
+
+def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
+    """Refuse pool groups that the null page, which takes slot 0, would leave no slot."""
+    for pg, n in slots.items():
+        if n < 2:
+            raise InsufficientMemory(
+                f"pool group {pg} has {n} slot and the null page takes it: null_page needs "
+                "at least 2 slots per pool group",
+                pool_group=int(pg),
+                num_slots=n,
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,9 +252,11 @@ class KVCacheManager:
             self._slots = {pg.pool_group_id: cfg.num_blocks for pg in self.layout.pool_groups}
         else:
             assert cfg.memory_bytes is not None
-            self._slots = self._sizing.slots_for_budget(cfg.memory_bytes)
+            self._slots = self._sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
             if check_budget:
                 self.check_budget()
+        if cfg.null_page:
+            _check_null_page_room(self._slots)
         #: Changes at every construction: shared descriptors of another one are refused.
         self.generation = uuid.uuid4().hex
         self._segments: SharedSegments | CudaSegments | None = None
@@ -262,7 +268,9 @@ class KVCacheManager:
                 if self.device.type == "cpu"
                 else CudaSegments(self.generation, self.device)
             )
-        self.memory = PoolMemory(self.layout, self._slots, self.device, self._segments)
+        self.memory = PoolMemory(
+            self.layout, self._slots, self.device, self._segments, cfg.null_page
+        )
         if self._segments is not None:
             ng = len(self.layout.layer_groups)
             table_bytes = 4 * ng * cfg.max_requests * self.max_blocks_per_request
@@ -275,7 +283,10 @@ class KVCacheManager:
             cfg.max_requests,
             self.max_blocks_per_request,
             tables_buffer,
+            cfg.null_page,
         )
+        #: Slots below this are no page in the kernels' eyes: 0 (-1 only), or 1 (null page).
+        self._min_live = self._coord.empty + 1
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
         self._first: dict[str, _FirstAllocation] = {}
@@ -612,7 +623,7 @@ class KVCacheManager:
         for g in range(len(self.layout.layer_groups)):
             pg = c.group_pool[g]
             held = c.tables[g][row, new_len // self.tokens_per_block : keep]
-            for slot in held[held >= 0].tolist():
+            for slot in held[held > c.empty].tolist():
                 if not c.cache.cached[pg][slot]:
                     continue
                 if c.refs[pg][slot] > 1:
@@ -674,6 +685,7 @@ class KVCacheManager:
         )
         c = self._coord
         cache = c.cache
+        empty = c.empty
         for g in range(len(self.layout.layer_groups)):
             if not cache.reusable[g]:
                 continue
@@ -682,8 +694,8 @@ class KVCacheManager:
             slots = c.tables[g][row, have:full].tolist()
             run: list[int] = []  # block positions of a contiguous run of new blocks
             for b in range(have, full + 1):
-                slot = slots[b - have] if b < full else -1
-                if slot >= 0 and state.keys[b] not in index and not cached[slot]:
+                slot = slots[b - have] if b < full else empty
+                if slot > empty and state.keys[b] not in index and not cached[slot]:
                     run.append(b)
                     continue
                 if run:
@@ -938,14 +950,18 @@ class KVCacheManager:
         return list(self._rows)
 
     def block_table(self, request_id: str) -> list[list[int]]:
-        """The request's block ids per layer group, by block position; -1 = released."""
+        """The request's block ids per layer group, by block position; -1 = released.
+
+        Bookkeeping, not a kernel input: -1 even with the null page (the page tables hold 0).
+        """
         row = self._row(request_id)
         return [self._coord.block_list(g.group_id, row) for g in self.layout.layer_groups]
 
     # -- tables ------------------------------------------------------------------------------
 
     def page_table(self, layer_group: int) -> torch.Tensor:
-        """The int32 ``[max_requests, max_blocks_per_request]`` table on the manager's device."""
+        """The int32 ``[max_requests, max_blocks_per_request]`` table on the manager's device;
+        -1 where there is no page, or 0 (the null page) with ``null_page``."""
         if not 0 <= layer_group < len(self.layout.layer_groups):
             raise InvalidArgument(f"no layer group {layer_group}", layer_group=layer_group)
         return self._tables.sync()[layer_group]
@@ -1002,6 +1018,8 @@ class KVCacheManager:
         ``slot``: the slot itself (use with the layer view's page stride). ``kernel``:
         slot x num_buffers / kv_factor of the layer's pool, plus the layer's page offset in the
         slot when ``per_layer`` (the index into the whole pool seen as pages of one layer).
+        With ``null_page`` there is no -1: no page is slot 0, whose kernel-mode index is 0, or
+        the layer's page offset in per-layer mode, a page inside the zeroed slot 0 either way.
         """
         place = self._placement(layer_id, role)
         if mode not in ("slot", "kernel"):
@@ -1029,7 +1047,8 @@ class KVCacheManager:
         """int64 ``[pad_to]`` slot mapping of the last ``num_tokens`` positions of each request.
 
         By default each request maps the tokens added by its latest allocate/extend (the
-        tokens computed in this step). Positions in released sliding-window blocks map to -1.
+        tokens computed in this step). Positions in released sliding-window blocks map to -1,
+        with the null page too: no token's KV is ever written into the null page.
         """
         group = self._placement(layer_id, "key").layer_group
         return self._slot_mapping(request_ids, num_tokens, pad_to, group)
@@ -1088,6 +1107,7 @@ class KVCacheManager:
             pad_to,
             first_group=group or 0,
             num_groups=None if group is None else 1,
+            min_live=self._min_live,
         )
         if uploader is not None:
             uploader.commit()
@@ -1139,13 +1159,14 @@ class KVCacheManager:
             self._copy_pools,
             self.tokens_per_block,
             disjoint=disjoint,
+            min_live=self._min_live,
         )
 
     def _held_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Slots ``[layer groups, n]`` of the blocks holding each row's position; refuses a
         position whose block a layer group has released (a sliding window's stale block)."""
         slots = self._coord.tables[:, rows, positions // self.tokens_per_block]
-        dead = ~_live(slots)
+        dead = slots <= self._coord.empty
         if dead.any():
             g = int(np.nonzero(dead)[0][0])
             raise InvalidArgument(
@@ -1329,6 +1350,7 @@ class KVCacheManager:
             dropped_layers=tuple(
                 DroppedLayer(layer_id=lid, reason=reason) for lid, reason in lay.dropped.items()
             ),
+            null_page=self.config.null_page,
         )
 
     def estimate(
@@ -1358,10 +1380,12 @@ class KVCacheManager:
         (with the config's prefill chunk and lookahead); the error names the largest
         ``max_seq_len`` that would. Nothing to check with ``num_blocks``."""
         if self.config.memory_bytes is not None:
-            self._sizing.check_budget(self.config.memory_bytes, self._slots, 0)
+            self._sizing.check_budget(
+                self.config.memory_bytes, self._slots, int(self.config.null_page)
+            )
 
     def _usable_slots(self) -> dict[PoolGroupId, int]:
-        return dict(self._slots)
+        return self._coord.usable_slots()
 
     def num_free_blocks(self, pool_group: int | None = None) -> int:
         """Free slots of ``pool_group``; without one, the blocks a new request can still get
@@ -1379,14 +1403,15 @@ class KVCacheManager:
         return pools[self._pool_group(pool_group)].num_free
 
     def num_total_blocks(self, pool_group: int | None = None) -> int:
-        """Slots of ``pool_group``; without one, what ``num_free_blocks()`` gives on an empty
-        manager (so the two are equal once every request is freed)."""
+        """Usable slots of ``pool_group`` (the null page's is not one); without one, what
+        ``num_free_blocks()`` gives on an empty manager (so the two are equal once every
+        request is freed)."""
+        usable = self._usable_slots()
         if pool_group is None:
             return min(
-                self._slots[pg.pool_group_id] // len(pg.layer_groups)
-                for pg in self.layout.pool_groups
+                usable[pg.pool_group_id] // len(pg.layer_groups) for pg in self.layout.pool_groups
             )
-        return self._slots[PoolGroupId(self._pool_group(pool_group))]
+        return usable[PoolGroupId(self._pool_group(pool_group))]
 
     def _pool_group(self, pool_group: int) -> int:
         if not 0 <= pool_group < len(self._coord.pools):
@@ -1395,7 +1420,7 @@ class KVCacheManager:
 
     def stats(self) -> Stats:
         free = {i: p.num_free for i, p in enumerate(self._coord.pools)}
-        total = {int(k): v for k, v in self._slots.items()}
+        total = {int(k): v for k, v in self._coord.usable_slots().items()}
         cache = self._coord.cache
         st = cache.stats
         return Stats(
@@ -1457,6 +1482,7 @@ class KVCacheManager:
             buffers=buffers,
             page_tables=self._table_segment,
             page_table_shape=tables.shape,
+            null_page=self.config.null_page,
         )
 
     def close(self) -> None:

@@ -13,6 +13,12 @@ nvfp4 data views are uint8 with a last dimension of head_dim / 2 (two values per
 scale views are float8_e4m3fn ``[num_slots, tokens_per_block, heads * head_dim / 16]``.
 Extra buffers (e.g. ``index_key``) are viewed like a key, with their own heads, head_dim and
 dtype.
+
+With the null page, slot 0 of every pool is zeroed here and then never written: it is never
+handed out, slot mappings never point into it and token copies skip it. Tile-reading kernels
+load it for every missing page and mask only the scores; a masked weight of 0 times a NaN value
+is still NaN, so the page must hold finite values in every dtype, and zero bytes are that
+(private pools come from ``torch.empty``, whose bytes could be anything).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class PoolMemory:
         slots: dict[PoolGroupId, int],
         device: torch.device,
         segments: SharedSegments | CudaSegments | None = None,
+        null_page: bool = False,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -81,6 +88,9 @@ class PoolMemory:
             segment, raw = segments.allocate(shape[0] * shape[1])
             self.segments.append(segment)
             self.tensors.append(raw.view(shape))
+        if null_page:
+            for tensor in self.tensors:
+                tensor[0].zero_()
 
     def base_address(self, pool_id: int) -> int:
         return self.tensors[pool_id].data_ptr()

@@ -30,9 +30,12 @@ def rng() -> np.random.Generator:
     return np.random.default_rng()  # fresh inputs every run
 
 
-def _table(rng: np.random.Generator, shape: tuple[int, ...], high: int = 1 << 20) -> np.ndarray:
+def _table(
+    rng: np.random.Generator, shape: tuple[int, ...], high: int = 1 << 20, empty: int = -1
+) -> np.ndarray:
+    """Random slots, 30% of them ``empty`` (no page: -1, or the null page 0)."""
     t = rng.integers(0, high, size=shape).astype(np.int32)
-    t[rng.random(shape) < 0.3] = -1
+    t[rng.random(shape) < 0.3] = empty
     return t
 
 
@@ -63,9 +66,13 @@ def test_kernel_page_indices(
 
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("n,extra", [(0, 0), (0, 5), (1, 0), (37, 3), (1024, 100), (4096, 0)])
-def test_slot_mapping(rng: np.random.Generator, groups: int, n: int, extra: int) -> None:
+@pytest.mark.parametrize("min_live", [0, 1])
+def test_slot_mapping(
+    rng: np.random.Generator, groups: int, n: int, extra: int, min_live: int
+) -> None:
+    """min_live 1 is the null page: tables hold 0 where there is no page, mapped to -1."""
     rows_total, cols, tpb = max(n, 1) * 2, 64, 16
-    tables = _table(rng, (groups, rows_total, cols))
+    tables = _table(rng, (groups, rows_total, cols), empty=min_live - 1)
     rows = rng.choice(rows_total, size=n, replace=False)
     counts = rng.integers(0, 20, size=n)
     counts[rng.random(n) < 0.2] = 0
@@ -73,12 +80,16 @@ def test_slot_mapping(rng: np.random.Generator, groups: int, n: int, extra: int)
     positions = rng.integers(0, cols * tpb, size=int(qsl[-1])).astype(np.int64)
     pad_to = int(qsl[-1]) + extra
     cpu = [torch.from_numpy(a) for a in (tables, rows, qsl, positions)]
-    expect = slot_mapping_reference(*cpu, tpb, pad_to)
+    expect = slot_mapping_reference(*cpu, tpb, pad_to, min_live=min_live)
+    if min_live:
+        assert not ((expect >= 0) & (expect < tpb)).any()  # nothing maps into slot 0
     out = torch.full((groups, pad_to), POISON64, dtype=torch.int64, device=CUDA)
-    got = kvcm_kernels.slot_mapping(*(t.to(CUDA) for t in cpu), tpb, pad_to, out)
+    got = kvcm_kernels.slot_mapping(*(t.to(CUDA) for t in cpu), tpb, pad_to, out, min_live=min_live)
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.cpu(), expect)
-    single = kvcm_kernels.slot_mapping(*(t.to(CUDA) for t in [cpu[0][0], *cpu[1:]]), tpb, pad_to)
+    single = kvcm_kernels.slot_mapping(
+        *(t.to(CUDA) for t in [cpu[0][0], *cpu[1:]]), tpb, pad_to, min_live=min_live
+    )
     assert torch.equal(single.cpu(), expect[0])
 
 
@@ -94,11 +105,16 @@ def test_apply_page_table_edits(rng: np.random.Generator, num_edits: int) -> Non
     assert torch.equal(dev.cpu(), expect)
 
 
-def _unique_edits(rng: np.random.Generator, shape: tuple[int, int, int], k: int) -> np.ndarray:
+def _unique_edits(
+    rng: np.random.Generator, shape: tuple[int, int, int], k: int, empty: int = -1
+) -> np.ndarray:
+    """k edits of distinct cells; a quarter of them release (write ``empty``)."""
     cells = rng.choice(shape[0] * shape[1] * shape[2], size=k, replace=False)
     g, rest = np.divmod(cells, shape[1] * shape[2])
     r, p = np.divmod(rest, shape[2])
-    return np.stack([g, r, p, rng.integers(-1, 1 << 20, size=k)], axis=1).astype(np.int64)
+    slots = rng.integers(0, 1 << 20, size=k)
+    slots[rng.random(k) < 0.25] = empty
+    return np.stack([g, r, p, slots], axis=1).astype(np.int64)
 
 
 @pytest.mark.parametrize(
@@ -114,9 +130,11 @@ def _unique_edits(rng: np.random.Generator, shape: tuple[int, int, int], k: int)
     ],
 )
 @pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("min_live", [0, 1])
 def test_apply_edits_and_map_slots(
     rng: np.random.Generator,
     pinned: bool,
+    min_live: int,
     groups: int,
     first: int,
     count: int,
@@ -125,8 +143,8 @@ def test_apply_edits_and_map_slots(
     extra: int,
 ) -> None:
     shape, tpb = (groups, max(2 * n, 1), 64), 16
-    tables = _table(rng, shape)
-    edits = _unique_edits(rng, shape, num_edits)
+    tables = _table(rng, shape, empty=min_live - 1)
+    edits = _unique_edits(rng, shape, num_edits, empty=min_live - 1)
     rows = rng.choice(shape[1], size=n, replace=False)
     counts = rng.integers(0, 3, size=n)
     qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -134,7 +152,9 @@ def test_apply_edits_and_map_slots(
     pad_to = int(qsl[-1]) + extra
     cpu_tables = torch.from_numpy(tables.copy())
     cpu = [torch.from_numpy(a) for a in (edits, rows, qsl, positions)]
-    expect = apply_edits_and_map_slots_reference(cpu_tables, *cpu, tpb, pad_to, first, count)
+    expect = apply_edits_and_map_slots_reference(
+        cpu_tables, *cpu, tpb, pad_to, first, count, min_live=min_live
+    )
     dev_tables = torch.from_numpy(tables).to(CUDA)
     out = torch.full((count, pad_to), POISON64, dtype=torch.int64, device=CUDA)
     got = kvcm_kernels.apply_edits_and_map_slots(
@@ -145,6 +165,7 @@ def test_apply_edits_and_map_slots(
         first,
         count,
         out,
+        min_live,
     )
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.cpu(), expect)
@@ -175,7 +196,7 @@ def test_layer_pointers(rng: np.random.Generator, layers: int, pools: int, roles
 
 
 def _copy_case(
-    rng: np.random.Generator, num_ops: int, token_bytes: int, disjoint: bool
+    rng: np.random.Generator, num_ops: int, token_bytes: int, disjoint: bool, min_live: int = 0
 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]], list[torch.Tensor]]:
     """Tables, ops and pools for a token copy: layer groups 0 and 1 share two memories with
     distinct slots (one pool group, as in the manager), group 2 has two of its own. Pools
@@ -188,7 +209,7 @@ def _copy_case(
     perm = rng.permutation(slots)
     tables = np.stack([perm[:cells], perm[cells : 2 * cells], rng.permutation(slots)[:cells]])
     tables = tables.reshape(3, rows, cols).astype(np.int32)
-    tables[rng.random(tables.shape) < 0.05] = -1
+    tables[rng.random(tables.shape) < 0.05] = min_live - 1  # no page: -1, or the null page 0
     pools = [
         (0, 0, 3, token_bytes),
         (1, 0, 3, token_bytes),
@@ -218,8 +239,10 @@ def _check_copy(
     pools: list[tuple[int, int, int, int]],
     mems: list[torch.Tensor],
     disjoint: bool = False,
+    min_live: int = 0,
 ) -> None:
-    """The CuPy copy against the reference, from the same bytes."""
+    """The CuPy copy against the reference, from the same bytes; with ``min_live`` 1 (the
+    null page) ops whose source or destination page is 0 are skipped and slot 0 stays."""
 
     def copy_pools(device: torch.device) -> list[kvcm_kernels.TokenCopyPool]:
         on_device = [m.clone().to(device) for m in mems]
@@ -229,7 +252,9 @@ def _check_copy(
         ]
 
     cpu_pools = copy_pools(torch.device("cpu"))
-    copy_tokens_reference(torch.from_numpy(tables), torch.from_numpy(ops), cpu_pools, COPY_TPB)
+    copy_tokens_reference(
+        torch.from_numpy(tables), torch.from_numpy(ops), cpu_pools, COPY_TPB, min_live=min_live
+    )
     gpu_pools = copy_pools(CUDA)
     kvcm_kernels.copy_tokens(
         torch.from_numpy(tables).to(CUDA),
@@ -237,20 +262,25 @@ def _check_copy(
         gpu_pools,
         COPY_TPB,
         disjoint=disjoint,
+        min_live=min_live,
     )
-    for a, b in zip(cpu_pools, gpu_pools, strict=True):
+    for a, b, m in zip(cpu_pools, gpu_pools, mems, strict=True):
         assert torch.equal(a.memory, b.memory.cpu())
+        if min_live:
+            assert torch.equal(b.memory[0].cpu(), m[0])
 
 
 @pytest.mark.parametrize("num_ops", [0, 1, 64, 3000, 12000])
 @pytest.mark.parametrize("token_bytes", [1, 2, 6, 8, 16, 24, 576])
 @pytest.mark.parametrize("disjoint", [False, True])
+@pytest.mark.parametrize("min_live", [0, 1])
 def test_copy_tokens(
-    rng: np.random.Generator, num_ops: int, token_bytes: int, disjoint: bool
+    rng: np.random.Generator, num_ops: int, token_bytes: int, disjoint: bool, min_live: int
 ) -> None:
     """Chains, cycles and repeated sources (gather then scatter), or with ``disjoint`` ops
     whose destinations nobody reads (one launch), against the reference."""
-    _check_copy(*_copy_case(rng, num_ops, token_bytes, disjoint), disjoint=disjoint)
+    case = _copy_case(rng, num_ops, token_bytes, disjoint, min_live)
+    _check_copy(*case, disjoint=disjoint, min_live=min_live)
 
 
 @pytest.mark.parametrize("scratch_bytes", [1, 4096, 1 << 20])

@@ -31,7 +31,7 @@ class _StateCollector(Collector):
         for name, values, text in (
             ("kvcm_blocks_free", stats.free_blocks, "Free blocks (slots) per pool group"),
             ("kvcm_blocks_used", stats.used_blocks, "Blocks in use per pool group"),
-            ("kvcm_blocks_total", stats.total_blocks, "Slots per pool group"),
+            ("kvcm_blocks_total", stats.total_blocks, "Usable slots per pool group"),
         ):
             family = GaugeMetricFamily(name, text, labels=["pool_group"])
             for pg, value in sorted(values.items()):

@@ -7,6 +7,12 @@ the embedded default model. The sizing flags (``memory``, ``num_blocks``, ``toke
 override what that source says. A Hugging Face config also sets ``max_seq_len`` to the model's
 ``max_position_embeddings``; an explicit ``max_seq_len`` wins.
 
+The service turns the null page on (``null_page``, docs/index-contract.md): the embedded default
+and the ``layers`` and ``model_config`` sources have it, since the attention kernels an
+inference server runs may read whole tiles of pages. A ``config`` file is a ``ManagerConfig``
+and says for itself (off when it does not name it); ``--null-page`` / ``--no-null-page``
+(``KVCM_NULL_PAGE``) override every source.
+
 The bearer token is read from ``KVCM_API_TOKEN`` only (never a flag: flags show up in process
 lists) and is never logged or printed.
 """
@@ -33,8 +39,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "tokens_per_block": 16,
     "device": "cpu",
     "max_requests": 256,
-    "max_seq_len": 8192,
+    "max_seq_len": 4096,
     "memory_bytes": 1 << 30,
+    "null_page": True,
 }
 
 DEFAULT_PORT = 8470
@@ -82,6 +89,9 @@ class Settings(BaseSettings):
     max_lookahead: int | None = Field(default=None, ge=0)
     share: bool | None = None
     """Map pools and page tables into shared memory; None (auto): on for the CPU."""
+    null_page: bool | None = None
+    """Reserve a zeroed null page for tile-reading kernels; None: what the model source says
+    (on, except in a ``config`` file that does not turn it on)."""
     # -- serving --
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
@@ -136,6 +146,8 @@ class Settings(BaseSettings):
             value = getattr(self, key)
             if value is not None:
                 raw[key] = value
+        if self.null_page is not None:
+            raw["null_page"] = self.null_page
         if self.share is not None:
             raw["share"] = self.share
         elif "share" not in raw:
