@@ -87,8 +87,9 @@ def _median_ns(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
-def bench_decode(n: int, hybrid: bool, steps: int) -> tuple[float, float, float]:
-    """us per request per step: extend_many, step(ops), baseline."""
+def bench_decode(n: int, hybrid: bool, steps: int, **config: object) -> tuple[float, float, float]:
+    """us per request per step: extend_many, step(ops), baseline; ``config`` adds manager
+    settings (e.g. ``null_page=True``)."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(100, 2000, size=n)
     blocks = n * (2 * (2000 + 2 * steps) // TPB + 4)
@@ -98,6 +99,7 @@ def bench_decode(n: int, hybrid: bool, steps: int) -> tuple[float, float, float]
         "max_requests": n,
         "max_seq_len": 2000 + 3 * steps + 16,
         "num_blocks": blocks,
+        **config,
     }
     ids = [f"req-{i}" for i in range(n)]
 

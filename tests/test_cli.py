@@ -236,3 +236,17 @@ def test_serve_turns_the_null_page_on_unless_told_otherwise(
     monkeypatch.setenv("KVCM_NULL_PAGE", "false")
     assert not parsed("--layers", str(layers))
     assert parsed("--layers", str(layers), "--null-page")  # the flag wins
+
+
+def test_settings_errors_name_the_flag_without_pydantic_internals(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["estimate", "--max-requests", "-3"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-requests: Input should be greater than 0" in err
+    assert "pydantic" not in err and "http" not in err and "input_value" not in err
+    for blank in ("", "  "):
+        monkeypatch.setenv("KVCM_API_TOKEN", blank)
+        assert main(["serve", "--port", "0"]) == 2  # refused before anything binds
+        err = capsys.readouterr().err
+        assert "KVCM_API_TOKEN is set but empty" in err

@@ -316,3 +316,24 @@ def test_client_session_misuse_and_long_polls_past_the_client_timeout() -> None:
         start = time.monotonic()
         batch = kv.events(timeout_s=1.0)  # longer than the client's 0.5 s read timeout
         assert batch.events == [] and 0.9 < time.monotonic() - start < 5
+
+
+def test_sessions_and_consumers_check_the_token_first_and_limit_chunked_bodies() -> None:
+    app = create_app(KVCacheManager(CONFIG), api_token="tok", max_body_bytes=1024)
+    auth = {"Authorization": "Bearer tok"}
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"ttl_s": 1' + b" " * 4000
+        yield b"}"
+
+    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+        for path in ("/v1/sessions", "/v1/consumers"):
+            # No token: 401 whatever the body, before it is parsed.
+            assert http.post(path, content=b"{junk").status_code == 401
+            r = http.post(path, content=chunks(), headers=auth)  # chunked, no Content-Length
+            assert r.status_code == 413 and r.json()["code"] == "payload_too_large", r.text
+        r = http.post("/v1/sessions", json={"ttl_s": True}, headers=auth)
+        assert r.status_code == 422 and r.json()["code"] == "invalid_argument"
+        assert http.post("/v1/sessions", headers=auth).status_code == 200  # no body: defaults
+        r = http.post("/v1/sessions", json={"ttl_s": 2}, headers=auth)
+        assert r.status_code == 200 and r.json()["ttl_s"] == 2.0

@@ -602,7 +602,9 @@ class RequestIds(_Frozen):
 
 
 class SessionRequest(_Frozen):
-    ttl_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
+    ttl_s: Annotated[float, Strict(), Field(gt=0, le=86_400)] | None = None
+    """Seconds; strict, so ``true`` is refused (``1`` is taken as 1.0, as JSON has one number
+    type)."""
 
 
 class SessionInfo(_Frozen):

@@ -282,6 +282,28 @@ def serve(settings: Settings) -> int:
     return 0
 
 
+#: Settings fields whose flag is not the field's name with dashes.
+_FLAG_OF = {"hf_model_config": "--model-config", "api_token": "KVCM_API_TOKEN"}
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """Validation errors for people: the flag (or variable), the rule and its stable type, one
+    per line, with no input dumps or documentation links."""
+    lines = []
+    for err in exc.errors(include_url=False, include_input=False):
+        loc = [str(p) for p in err.get("loc", ())]
+        field = loc[0] if loc else ""
+        if exc.title == "Settings" and field:
+            where = _FLAG_OF.get(field, "--" + field.replace("_", "-"))
+            if len(loc) > 1:
+                where += " (" + ".".join(loc[1:]) + ")"
+        else:
+            where = ".".join(loc) or "config"
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        lines.append(f"{where}: {msg} ({err.get('type', 'invalid')})")
+    return "\n  ".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
@@ -302,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return serve(settings)
     except ValidationError as exc:
-        print(f"kvcm: invalid config: {exc}", file=sys.stderr)
+        print(f"kvcm: invalid config: {describe_errors(exc)}", file=sys.stderr)
         return 2
     except KVCMError as exc:
         print(f"kvcm: {exc.code}: {exc.message}", file=sys.stderr)

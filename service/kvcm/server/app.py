@@ -23,7 +23,7 @@ import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -82,6 +82,9 @@ log = logging.getLogger("kvcm.server")
 
 SESSION_HEADER = "x-kvcm-session"
 _JSON = "application/json"
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
@@ -337,10 +340,25 @@ def create_app(
     async def pools() -> Response:
         return _json(m.pools())
 
-    @app.post("/v1/consumers", response_model=ConsumerInfo, tags=["shared memory"])
-    async def register_consumer(request: Request, body: ConsumerRequest) -> Response:
+    async def parse_body(request: Request, model: type[M], optional: bool = False) -> M | None:
+        """The body as ``model``, read after the token check (an unauthenticated caller gets
+        401 before any parsing) and through the body limit (413 also for chunked bodies)."""
         authorize(request)
+        data = await request.body()
+        if optional and not data.strip():
+            return None
+        try:
+            return model.model_validate_json(data)
+        except ValidationError as exc:
+            raise invalid_from_validation(exc.errors()) from None
+
+    @app.post("/v1/consumers", response_model=ConsumerInfo, tags=["shared memory"])
+    async def register_consumer(request: Request) -> Response:
+        body = await parse_body(request, ConsumerRequest)
+        assert body is not None
         return _json(state.register_consumer(body))
+
+    bodies["/v1/consumers"] = ConsumerRequest
 
     @app.get("/v1/consumers", response_model=Consumers, tags=["shared memory"])
     async def consumers() -> Response:
@@ -356,9 +374,11 @@ def create_app(
     # -- sessions ------------------------------------------------------------------------------
 
     @app.post("/v1/sessions", response_model=SessionInfo, tags=["sessions"])
-    async def open_session(request: Request, body: SessionRequest | None = None) -> Response:
-        authorize(request)
+    async def open_session(request: Request) -> Response:
+        body = await parse_body(request, SessionRequest, optional=True)
         return _json(state.open_session(body.ttl_s if body else None))
+
+    bodies["/v1/sessions"] = SessionRequest
 
     @app.get("/v1/sessions/{session_id}", response_model=SessionInfo, tags=["sessions"])
     async def session_info(session_id: str) -> Response:

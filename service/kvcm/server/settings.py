@@ -109,6 +109,14 @@ class Settings(BaseSettings):
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
 
+    @field_validator("api_token")
+    @classmethod
+    def _token(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty or blank token would silently turn auth off: refuse to start instead.
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("KVCM_API_TOKEN is set but empty: unset it, or give a token")
+        return value
+
     @model_validator(mode="after")
     def _one_budget(self) -> Settings:
         if self.memory is not None and self.num_blocks is not None:
