@@ -264,10 +264,10 @@ def _check_copy(
         disjoint=disjoint,
         min_live=min_live,
     )
-    for a, b, m in zip(cpu_pools, gpu_pools, mems, strict=True):
+    for a, b, (_, mem, _, _) in zip(cpu_pools, gpu_pools, pools, strict=True):
         assert torch.equal(a.memory, b.memory.cpu())
-        if min_live:
-            assert torch.equal(b.memory[0].cpu(), m[0])
+        if min_live:  # the null page (slot 0) is neither read nor written
+            assert torch.equal(b.memory[0].cpu(), mems[mem][0])
 
 
 @pytest.mark.parametrize("num_ops", [0, 1, 64, 3000, 12000])
