@@ -46,21 +46,28 @@ def serve_in_thread(app: FastAPI) -> Iterator[str]:
 
 @contextmanager
 def serve_process(
-    *args: str, env: dict[str, str] | None = None, uds: Path | None = None
+    *args: str,
+    env: dict[str, str] | None = None,
+    uds: Path | None = None,
+    port: int = 0,
+    own_group: bool = False,
 ) -> Iterator[tuple[str, subprocess.Popen[str], list[str]]]:
     """``python -m kvcm serve ARGS`` in its own process, once ready.
 
-    Yields (url, process, the lines it printed up to the "serving on" line).
+    Yields (url, process, the lines it printed up to the "serving on" line). ``own_group``
+    starts it in a process group of its own, so that a test can kill it together with its
+    helpers (``os.killpg``), as a container kill would.
     """
     cmd = [sys.executable, "-m", "kvcm", "serve", *args]
     if uds is None:
-        cmd += ["--port", "0"]
+        cmd += ["--port", str(port)]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, **(env or {})},
+        start_new_session=own_group,
     )
     try:
         assert proc.stdout is not None

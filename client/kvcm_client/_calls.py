@@ -21,6 +21,7 @@ from .models import (
     ConsumerInfo,
     Consumers,
     Estimate,
+    Health,
     IndexRow,
     IndexRows,
     KVEvents,
@@ -342,6 +343,10 @@ def _pool_group_value(values: dict[int, int], pool_group: int) -> int:
     if key not in values:
         raise InvalidArgument(f"no pool group {pool_group}", pool_group=pool_group)
     return values[key]
+
+
+def livez() -> Call[Health]:
+    return _get("/livez", _model(Health))
 
 
 def pools() -> Call[SharedLayout]:

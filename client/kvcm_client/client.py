@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import httpx
 
 from . import _calls as calls
-from .errors import ServiceUnavailable, UnknownConsumer, UnknownSession
+from .errors import ServiceUnavailable, StaleGeneration, UnknownConsumer, UnknownSession
 from .models import (
     ConsumerInfo,
     Estimate,
@@ -49,6 +49,8 @@ T = TypeVar("T")
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 SESSION_HEADER = "X-KVCM-Session"
+#: The service generation: answered on every response; sent back once pinned (see _pin).
+GENERATION_HEADER = "X-KVCM-Generation"
 _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
@@ -83,6 +85,30 @@ def _timeout(default: httpx.Timeout, call: calls.Call[Any]) -> httpx.Timeout:
     )
 
 
+def _headers(session_id: str | None, generation: str | None) -> dict[str, str]:
+    headers = {"content-type": "application/json"}
+    if session_id:
+        headers[SESSION_HEADER] = session_id
+    if generation:
+        headers[GENERATION_HEADER] = generation
+    return headers
+
+
+def _pin(pinned: str | None, answered: str | None) -> str | None:
+    """The generation to keep: the first one a service answered with. Requests carry it, so
+    a restarted service refuses them (409 ``stale_generation``) before applying anything;
+    this check covers answers that did not go through that check."""
+    if answered is None or pinned is None:
+        return pinned or answered
+    if answered != pinned:
+        raise StaleGeneration(
+            f"the service restarted (generation {answered[:12]}, this client pinned "
+            f"{pinned[:12]}): call reconnect() and rebuild the requests",
+            generation=answered,
+        )
+    return pinned
+
+
 def _session(session_id: str | None) -> str:
     if session_id is None:
         raise UnknownSession("no session on this client: call open_session() first")
@@ -114,6 +140,8 @@ class KVCacheClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.session_id: str | None = None
+        #: The service generation this client pinned (the first one it saw); see reconnect().
+        self.generation: str | None = None
 
     def __enter__(self) -> KVCacheClient:
         return self
@@ -125,7 +153,7 @@ class KVCacheClient:
         self._http.close()
 
     def _run(self, call: calls.Call[T]) -> T:
-        headers = {SESSION_HEADER: self.session_id} if self.session_id else None
+        headers = _headers(self.session_id, self.generation)
         for attempt in range(self.retries + 1):
             try:
                 resp = self._http.request(
@@ -133,7 +161,7 @@ class KVCacheClient:
                     call.path,
                     content=call.body,
                     params=call.params,
-                    headers={"content-type": "application/json", **(headers or {})},
+                    headers=headers,
                     timeout=_timeout(self._http.timeout, call),
                 )
                 break
@@ -142,6 +170,7 @@ class KVCacheClient:
                     raise _unavailable(exc, call, attempt + 1) from exc
                 time.sleep(self.backoff_s * 2**attempt)
         calls.raise_for_status(resp.status_code, resp.content)
+        self.generation = _pin(self.generation, resp.headers.get(GENERATION_HEADER))
         return call.parse(resp.content)
 
     # -- the manager's methods -----------------------------------------------------------------
@@ -292,7 +321,11 @@ class KVCacheClient:
 
         layout = self.pools()
         info = self._run(calls.register_consumer(os.getpid(), layout.generation))
-        return Attachment(layout, on_close=lambda: self._unregister(info.consumer_id))
+        return Attachment(
+            layout,
+            on_close=lambda: self._unregister(info.consumer_id),
+            check=self.check_generation,
+        )
 
     def _unregister(self, consumer_id: str) -> None:
         # Already gone (a retried delete, or the service forgot a consumer it thought dead).
@@ -303,6 +336,19 @@ class KVCacheClient:
         return self._run(calls.consumers())
 
     # -- leases --------------------------------------------------------------------------------
+
+    def check_generation(self) -> str:
+        """One cheap call (``GET /livez``): the pinned generation, or ``StaleGeneration`` if
+        the service restarted since this client pinned it."""
+        self._run(calls.livez())
+        assert self.generation is not None
+        return self.generation
+
+    def reconnect(self) -> None:
+        """Forget the pinned generation and the session, after a ``StaleGeneration``: the next
+        call pins the new service (docs/service.md has the engine's whole procedure)."""
+        self.generation = None
+        self.session_id = None
 
     def open_session(self, ttl_s: float | None = None) -> SessionInfo:
         """Start a lease; later calls renew it and requests allocated here belong to it."""
@@ -345,6 +391,8 @@ class AsyncKVCacheClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.session_id: str | None = None
+        #: The service generation this client pinned (the first one it saw); see reconnect().
+        self.generation: str | None = None
 
     async def __aenter__(self) -> AsyncKVCacheClient:
         return self
@@ -356,7 +404,7 @@ class AsyncKVCacheClient:
         await self._http.aclose()
 
     async def _run(self, call: calls.Call[T]) -> T:
-        headers = {SESSION_HEADER: self.session_id} if self.session_id else None
+        headers = _headers(self.session_id, self.generation)
         for attempt in range(self.retries + 1):
             try:
                 resp = await self._http.request(
@@ -364,7 +412,7 @@ class AsyncKVCacheClient:
                     call.path,
                     content=call.body,
                     params=call.params,
-                    headers={"content-type": "application/json", **(headers or {})},
+                    headers=headers,
                     timeout=_timeout(self._http.timeout, call),
                 )
                 break
@@ -373,6 +421,7 @@ class AsyncKVCacheClient:
                     raise _unavailable(exc, call, attempt + 1) from exc
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         calls.raise_for_status(resp.status_code, resp.content)
+        self.generation = _pin(self.generation, resp.headers.get(GENERATION_HEADER))
         return call.parse(resp.content)
 
     async def allocate(
@@ -532,6 +581,17 @@ class AsyncKVCacheClient:
 
     async def consumers(self) -> list[ConsumerInfo]:
         return await self._run(calls.consumers())
+
+    async def check_generation(self) -> str:
+        """As ``KVCacheClient.check_generation``."""
+        await self._run(calls.livez())
+        assert self.generation is not None
+        return self.generation
+
+    def reconnect(self) -> None:
+        """As ``KVCacheClient.reconnect``."""
+        self.generation = None
+        self.session_id = None
 
     async def open_session(self, ttl_s: float | None = None) -> SessionInfo:
         info = await self._run(calls.open_session(ttl_s))

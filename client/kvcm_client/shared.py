@@ -13,6 +13,7 @@ Needs torch (the inference server has it); ``import kvcm_client`` alone does not
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -44,6 +45,7 @@ class Attachment:
         layout: SharedLayout,
         expected_generation: str | None = None,
         on_close: Callable[[], None] | None = None,
+        check: Callable[[], object] | None = None,
     ) -> None:
         import torch
 
@@ -58,6 +60,7 @@ class Attachment:
         self._segments: list[shared_memory.SharedMemory] = []
         self._ipc: list[tuple[int, int]] = []  # (device index, pointer) opened here
         self._on_close = on_close
+        self._check = check
 
         def raw(segment: SharedSegment) -> Any:
             if segment.kind == "cuda_ipc":
@@ -94,6 +97,27 @@ class Attachment:
             tensor = torch.as_tensor(array, device=f"cuda:{index}")
         self._ipc.append((index, pointer))
         return tensor
+
+    def check(self) -> None:
+        """Raise ``StaleGeneration`` if these mappings belong to a service that restarted.
+
+        Cheap enough for every step or every few: with a client (``KVCacheClient.attach``) one
+        ``GET /livez`` whose answer names the generation; without one, on the CPU, one
+        ``stat`` per segment (a restarted service reclaims the segments of the one before,
+        and a stopped one unlinks its own). A stale attachment still maps valid, orphaned
+        memory: writes land nowhere the new service reads, so check, then re-attach.
+        """
+        if self._check is not None:
+            self._check()
+            return
+        for segment in (*self.layout.pools, self.layout.page_tables):
+            if segment.kind != "shm":
+                raise InvalidArgument("checking a CUDA attachment needs a client's attach()")
+            if not os.path.exists(f"/dev/shm/{segment.name}"):
+                raise StaleGeneration(
+                    f"shared segment {segment.name} is gone: the service restarted or stopped",
+                    name=segment.name,
+                )
 
     def layer_view(self, layer_id: int, role: str = "key") -> Any:
         try:

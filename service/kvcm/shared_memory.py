@@ -6,6 +6,13 @@ handle covers exactly it) exported with ``cudaIpcGetMemHandle``. The manager's p
 them. POSIX segments are unlinked when the manager closes or its process exits: processes that
 still map one keep their mapping until they unmap it, so a consumer never reads freed memory,
 but nothing new attaches to an old generation. CUDA allocations live until the process exits.
+
+A process killed with its resource tracker (a container kill) unlinks nothing, so each
+generation's segments are named ``kvcm-<generation>-...`` and the generation holds an
+exclusive ``flock`` on ``/dev/shm/kvcm-<generation>.lock`` while it lives. At start, a new
+generation takes every other generation's lock it can get, which only a dead owner allows
+(the kernel drops a process's locks when it dies, across pid namespaces too), and unlinks
+that generation's segments and lock.
 """
 
 from __future__ import annotations
@@ -13,8 +20,12 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
+import fcntl
+import logging
+import os
 import uuid
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +34,40 @@ from kvcm_client.errors import DeviceUnavailable, InsufficientMemory
 from kvcm_client.models import SharedSegment
 
 CUDA_ALIGN = 2 << 20
+#: Where Linux keeps POSIX shared memory.
+SHM_DIR = Path("/dev/shm")
+_log = logging.getLogger("kvcm")
+
+
+def reclaim_dead_generations(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the segments of every generation whose process is gone; returns their names.
+
+    A generation is gone when its lock can be taken: a live owner holds it exclusively.
+    """
+    reclaimed: list[str] = []
+    for lock_path in sorted(shm_dir.glob("kvcm-*.lock")):
+        prefix = lock_path.name.removesuffix(".lock")
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: that generation is alive
+            os.close(fd)
+            continue
+        try:
+            for segment in shm_dir.glob(f"{prefix}-*"):
+                with contextlib.suppress(FileNotFoundError):
+                    segment.unlink()
+                    reclaimed.append(segment.name)
+            with contextlib.suppress(FileNotFoundError):
+                lock_path.unlink()
+        finally:
+            os.close(fd)
+    if reclaimed:
+        _log.warning("reclaimed %d shared segments of dead kvcm processes", len(reclaimed))
+    return reclaimed
 
 
 class SharedSegments:
@@ -30,12 +75,19 @@ class SharedSegments:
 
     def __init__(self, generation: str) -> None:
         self.generation = generation
+        self._prefix = f"kvcm-{generation[:12]}"
         self._segments: list[shared_memory.SharedMemory] = []
+        self._lock_fd: int | None = None
+        if SHM_DIR.is_dir():
+            reclaim_dead_generations()
+            lock_path = SHM_DIR / f"{self._prefix}.lock"
+            self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         atexit.register(self.close)
 
     def allocate(self, nbytes: int) -> tuple[SharedSegment, torch.Tensor]:
         """A new zero-filled segment of ``nbytes`` and a uint8 tensor over it."""
-        name = f"kvcm-{self.generation[:12]}-{len(self._segments)}-{uuid.uuid4().hex[:6]}"
+        name = f"{self._prefix}-{len(self._segments)}-{uuid.uuid4().hex[:6]}"
         try:
             segment = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
         except OSError as exc:
@@ -49,11 +101,16 @@ class SharedSegments:
         return SharedSegment(kind="shm", name=segment.name, nbytes=nbytes), tensor
 
     def close(self) -> None:
-        """Unlink every segment (idempotent)."""
+        """Unlink every segment and the generation's lock (idempotent)."""
         for segment in self._segments:
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
         self._segments.clear()
+        if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / f"{self._prefix}.lock").unlink()
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def device_uuid(index: int) -> str:

@@ -75,7 +75,7 @@ from kvcm_client.models import (
 )
 
 from ..manager import KVCacheManager
-from .middleware import BodyLimit, CountResponses
+from .middleware import BodyLimit, CountResponses, Generation
 from .state import ServiceState
 
 log = logging.getLogger("kvcm.server")
@@ -428,6 +428,7 @@ def create_app(
     _document_bodies(app, bodies)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(CountResponses, metrics=state.metrics)
+    app.add_middleware(Generation, generation=manager.generation)
     return app
 
 

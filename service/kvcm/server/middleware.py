@@ -1,4 +1,5 @@
-"""ASGI middleware: the request-body size limit and the per-route HTTP counter.
+"""ASGI middleware: the service generation, the request-body size limit and the per-route
+HTTP counter.
 
 Both are plain ASGI (no ``BaseHTTPMiddleware``), so they add a few microseconds, not a task
 per request.
@@ -10,12 +11,17 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvcm_client.errors import PayloadTooLarge
+from kvcm_client.errors import PayloadTooLarge, StaleGeneration
 
 from .metrics import Metrics
 
 
-async def _send_error(send: Send, status: int, body: dict[str, object]) -> None:
+async def _send_error(
+    send: Send,
+    status: int,
+    body: dict[str, object],
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     payload = json.dumps(body).encode()
     await send(
         {
@@ -24,10 +30,49 @@ async def _send_error(send: Send, status: int, body: dict[str, object]) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(payload)).encode()),
+                *(extra or []),
             ],
         }
     )
     await send({"type": "http.response.body", "body": payload})
+
+
+#: Header with the service generation: on every response, and on requests of clients that
+#: pinned one (a restart of the service cannot go unnoticed).
+GENERATION_HEADER = "x-kvcm-generation"
+
+
+class Generation:
+    """Stamp every response with the service generation; refuse (409 ``stale_generation``)
+    a request that names another one, before the route runs, so a client that has not noticed
+    a restart never applies an op to the new service's state."""
+
+    def __init__(self, app: ASGIApp, generation: str) -> None:
+        self.app = app
+        self.generation = generation.encode()
+        self.header = (GENERATION_HEADER.encode(), self.generation)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == self.header[0] and value != self.generation:
+                shown = value[:32].decode(errors="replace")
+                err = StaleGeneration(
+                    f"this client pinned generation {shown!r}; the service restarted as "
+                    f"{self.generation[:12].decode()}: reconnect (docs/service.md)",
+                    generation=shown,
+                )
+                await _send_error(send, err.status, err.to_dict(), [self.header])
+                return
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, stamped)
 
 
 class BodyLimit:

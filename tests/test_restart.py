@@ -1,0 +1,92 @@
+"""A restart of the service cannot go unnoticed: generations on every answer, pinned by the
+clients, checked by attachments; a killed service's shared segments are reclaimed at the next
+start. Real ``kvcm serve`` processes, killed with SIGKILL together with their helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import serve_process
+
+from kvcm_client import KVCacheClient, attach
+from kvcm_client.errors import StaleGeneration
+
+ARGS = ("--num-blocks", "64", "--max-seq-len", "256", "--layers")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _segments(layout: object) -> list[Path]:
+    return [Path("/dev/shm") / s.name for s in (*layout.pools, layout.page_tables)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="POSIX shared memory lives in /dev/shm")
+def test_a_restart_is_noticed_and_the_old_segments_reclaimed(tmp_path: Path) -> None:
+    layers = tmp_path / "layers.json"
+    layers.write_text('[{"layer_id": 0, "num_kv_heads": 2, "head_dim": 8}]')
+    port = _free_port()
+    with serve_process(*ARGS, str(layers), port=port, own_group=True) as (url, proc, _):
+        client = KVCacheClient(url, retries=0)
+        client.allocate("a", 4)
+        first = client.generation
+        assert first is not None and len(first) == 32
+        assert httpx.get(f"{url}/livez").headers["x-kvcm-generation"] == first
+        with_client = client.attach()
+        alone = attach(client.pools())
+        with_client.check()
+        alone.check()
+        old = _segments(with_client.layout)
+        os.killpg(proc.pid, signal.SIGKILL)  # the service and its resource tracker
+        proc.wait(10)
+    assert all(p.exists() for p in old)  # nobody unlinked them
+    with serve_process(*ARGS, str(layers), port=port, own_group=True) as (url2, _, _):
+        assert url2 == url
+        assert not any(p.exists() for p in old)  # reclaimed at start
+        # Pinned to the old generation: refused before anything is applied.
+        with pytest.raises(StaleGeneration):
+            client.allocate("b", 4)
+        with KVCacheClient(url) as fresh:
+            assert fresh.request_ids() == []
+            assert fresh.generation not in (None, first)
+        for attachment in (with_client, alone):
+            with pytest.raises(StaleGeneration):
+                attachment.check()
+        # The engine's reconnect: forget the pin, re-attach, rebuild its requests.
+        client.reconnect()
+        client.allocate("b", 4)
+        assert client.generation not in (None, first)
+        again = client.attach()
+        again.check()
+        again.close()
+        alone.close()
+        client.close()
+
+
+def test_a_request_naming_another_generation_is_refused_with_409() -> None:
+    from helpers import layer
+    from servers import serve_in_thread
+
+    from kvcm import KVCacheManager
+    from kvcm.server.app import create_app
+
+    m = KVCacheManager({"layers": [layer(0)], "num_blocks": 8, "max_seq_len": 32})
+    with serve_in_thread(create_app(m)) as url, httpx.Client(base_url=url) as http:
+        stale = {"X-KVCM-Generation": "0" * 32}
+        r = http.post("/v1/allocate", json={"request_id": "a", "num_tokens": 2}, headers=stale)
+        assert r.status_code == 409 and r.json()["code"] == "stale_generation"
+        assert r.headers["x-kvcm-generation"] == m.generation
+        assert m.request_ids() == []
+        ok = {"X-KVCM-Generation": m.generation}
+        r = http.post("/v1/allocate", json={"request_id": "a", "num_tokens": 2}, headers=ok)
+        assert r.status_code == 200 and r.headers["x-kvcm-generation"] == m.generation
+        # Errors carry it too.
+        assert http.get("/v1/request", params={"request_id": "zz"}).headers["x-kvcm-generation"]
