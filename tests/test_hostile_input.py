@@ -337,3 +337,66 @@ def test_sessions_and_consumers_check_the_token_first_and_limit_chunked_bodies()
         assert http.post("/v1/sessions", headers=auth).status_code == 200  # no body: defaults
         r = http.post("/v1/sessions", json={"ttl_s": 2}, headers=auth)
         assert r.status_code == 200 and r.json()["ttl_s"] == 2.0
+
+
+def test_one_call_s_work_is_bounded_before_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts past max_seq_len are refused before hashing; steps past MAX_STEP_OPS before
+    any op runs."""
+    import kvcm.manager as manager_module
+    from kvcm import SequenceTooLong
+    from kvcm.manager import MAX_STEP_OPS
+
+    m = KVCacheManager(CONFIG)
+    hashed: list[int] = []
+    real = manager_module.chain_keys
+    monkeypatch.setattr(
+        manager_module, "chain_keys", lambda *a, **k: hashed.append(1) or real(*a, **k)
+    )
+    with pytest.raises(SequenceTooLong):
+        m.probe([1] * 1_000_000)
+    with pytest.raises(InvalidArgument):
+        m.allocate("a", 4, token_ids=[1] * 1_000_000)
+    assert hashed == [] and m.request_ids() == []
+    ops = [{"op": "allocate", "request_id": f"r{i}", "num_tokens": 1} for i in range(3)]
+    monkeypatch.setattr(manager_module, "MAX_STEP_OTHER_OPS", 2)
+    with pytest.raises(InvalidArgument) as exc:
+        m.step(ops)
+    assert exc.value.detail["max_other_ops"] == 2 and m.request_ids() == []
+    assert all(r.ok for r in m.step(ops[:2]))
+    # Extends count against the larger bound only.
+    extends = [{"op": "extend", "request_id": "r0", "num_new_tokens": 1}] * 3
+    monkeypatch.setattr(manager_module, "MAX_STEP_OPS", 2)
+    with pytest.raises(InvalidArgument) as exc:
+        m.step(extends)
+    assert exc.value.detail["max_ops"] == 2 and m.request("r0").num_tokens == 1
+    monkeypatch.setattr(manager_module, "MAX_STEP_OPS", MAX_STEP_OPS)
+    assert all(r.ok for r in m.step(extends)) and m.request("r0").num_tokens == 4
+
+
+def test_large_bodies_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body past OFFLOAD_BYTES is parsed in a worker thread, the op still runs on the loop."""
+    import threading
+
+    import kvcm.server.app as app_module
+    from kvcm.server.state import ServiceState
+
+    seen: list[str] = []
+    real = ServiceState.parse_step
+
+    def spy(raw: bytes) -> object:
+        seen.append(threading.current_thread().name)
+        return real(raw)
+
+    monkeypatch.setattr(ServiceState, "parse_step", staticmethod(spy))
+    monkeypatch.setattr(app_module, "OFFLOAD_BYTES", 100)
+    with (
+        serve_in_thread(create_app(KVCacheManager(CONFIG))) as url,
+        httpx.Client(base_url=url) as http,
+    ):
+        small = {"ops": [{"op": "allocate", "request_id": "a", "num_tokens": 1}]}
+        big = {"ops": [{"op": "allocate", "request_id": "b" * 80, "num_tokens": 1}]}
+        for body in (small, big):
+            r = http.post("/v1/step", json=body)
+            assert r.status_code == 200 and r.json()["results"][0]["ok"]
+    loop_thread, worker = seen
+    assert loop_thread != worker  # the big one went to a worker thread

@@ -101,7 +101,10 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("--metrics-host", {"help": "bind address of --metrics-port (default 127.0.0.1)"}),
     ("--lease-ttl", {"type": float, "help": "default session lease in seconds (30)"}),
-    ("--max-body-bytes", {"type": int, "help": "request body limit (8 MiB)"}),
+    (
+        "--max-body-bytes",
+        {"type": int, "help": "request body limit (default: room for a max_seq_len prompt)"},
+    ),
     ("--log-level", {"help": "debug, info, warning, error"}),
     ("--access-log", {"action": "store_const", "const": True, "help": "log every request"}),
 ]

@@ -108,6 +108,12 @@ def _resolve_device(name: str) -> torch.device:
 MAX_COUNT = 2**31 - 1
 #: Longest request id: ids are echoed in results and kept per request.
 MAX_REQUEST_ID = 256
+#: Most ops in one step, and most of them that are not extends: bounds the work (and the
+#: event-loop time) of one service call to tens of ms (bench/loop_latency.py). Extends run
+#: batched at well under a microsecond each; allocates, frees, commits and rewinds cost about
+#: 10 us each. A scheduler step has an extend per running request and a few of the others.
+MAX_STEP_OPS = 8192
+MAX_STEP_OTHER_OPS = 1024
 
 
 def _shown(value: int) -> int | str:
@@ -392,9 +398,8 @@ class KVCacheManager:
         # an id outside [0, 2**31) would make the request's later commits unhashable.
         tokens, data = None, b""
         if token_ids is not None:
+            self._check_prompt(token_ids, num_tokens)
             if block_keys is not None:
-                if not isinstance(token_ids, Sequence | np.ndarray):
-                    raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
                 token_bytes(token_ids)
                 tokens = token_ids if type(token_ids) is list else list(token_ids)
             else:
@@ -424,12 +429,6 @@ class KVCacheManager:
         keys: list[bytes] = []
         hit = 0
         if tokens is not None:
-            if len(tokens) != num_tokens:
-                raise InvalidArgument(
-                    f"token_ids has {len(tokens)} ids for num_tokens={num_tokens}",
-                    num_tokens=num_tokens,
-                    num_token_ids=len(tokens),
-                )
             keys = self._keys_of(tokens, data, root, items, block_keys)
             hit, hits, ends = find_hit(
                 self._coord.cache, root, keys, num_tokens, self.tokens_per_block, self._windows
@@ -465,6 +464,26 @@ class KVCacheManager:
         info = self._info(request_id, row)
         self._first[request_id] = _FirstAllocation(args, info)
         return info
+
+    def _check_prompt(self, token_ids: Any, num_tokens: int | None) -> None:
+        """Refuse a prompt of the wrong length before any work on it (hashing a prompt is the
+        costliest thing an allocate or probe does): ``num_tokens`` ids, or at most
+        ``max_seq_len`` for a probe (a longer one can never be a request)."""
+        if not isinstance(token_ids, Sequence | np.ndarray) or isinstance(token_ids, str | bytes):
+            raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
+        n = len(token_ids)
+        if num_tokens is not None and n != num_tokens:
+            raise InvalidArgument(
+                f"token_ids has {n} ids for num_tokens={num_tokens}",
+                num_tokens=num_tokens,
+                num_token_ids=n,
+            )
+        if n > self.config.max_seq_len:
+            raise SequenceTooLong(
+                f"a prompt of {n} tokens is past max_seq_len={self.config.max_seq_len}",
+                num_tokens=n,
+                max_seq_len=self.config.max_seq_len,
+            )
 
     def _keys_of(
         self,
@@ -502,6 +521,7 @@ class KVCacheManager:
         block_keys: Sequence[bytes | str] | None = None,
     ) -> int:
         """Tokens a new request with this prompt would reuse now; claims nothing."""
+        self._check_prompt(token_ids, None)
         if block_keys is not None:
             tokens, data = token_ids, b""  # type: ignore[assignment]  # only its length is used
         else:
@@ -766,8 +786,20 @@ class KVCacheManager:
         and new requests) runs as one batch, checked to fit op after op; if it does not, its
         ops run one by one, so each op's outcome is the same as running the ops in order.
         (A batch releases its stale window blocks before it takes new ones, so the order of
-        the free list after it can differ from one-by-one runs.)
+        the free list after it can differ from one-by-one runs.) At most ``MAX_STEP_OPS`` ops,
+        at most ``MAX_STEP_OTHER_OPS`` of them other than extends, so that one call's work
+        stays bounded.
         """
+        others = len(ops) - sum(1 for op in ops if op["op"] == "extend")
+        if len(ops) > MAX_STEP_OPS or others > MAX_STEP_OTHER_OPS:
+            raise InvalidArgument(
+                f"a step takes at most {MAX_STEP_OPS} ops, {MAX_STEP_OTHER_OPS} of them other "
+                f"than extends; got {len(ops)} ({others}): split it",
+                num_ops=len(ops),
+                num_other_ops=others,
+                max_ops=MAX_STEP_OPS,
+                max_other_ops=MAX_STEP_OTHER_OPS,
+            )
         if not atomic:
             return self._execute(ops, False, brief)
         with self.transaction() as undo:

@@ -84,6 +84,18 @@ SESSION_HEADER = "x-kvcm-session"
 _JSON = "application/json"
 
 
+#: Bodies larger than this are parsed in a worker thread, not on the event loop.
+OFFLOAD_BYTES = 256 << 10
+
+
+def default_body_limit(max_seq_len: int) -> int:
+    """The largest body a real call needs, with room: a prompt of ``max_seq_len`` ids of up to
+    10 digits and a comma each, plus 64 KiB; at least 1 MiB (a step of ``MAX_STEP_OPS`` ops
+    is about 100 KiB). 131072 tokens give 1.5 MiB. Bounding the body bounds the parse, the
+    one part of a call whose cost grows with what a client sends before any check."""
+    return max(1 << 20, (64 << 10) + 11 * max_seq_len)
+
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -100,11 +112,14 @@ def create_app(
     manager: KVCacheManager,
     *,
     lease_ttl_s: float = 30.0,
-    max_body_bytes: int = 8 << 20,
+    max_body_bytes: int | None = None,
     api_token: str | None = None,
     clock: Callable[[], float] | None = None,
 ) -> FastAPI:
-    """An app serving ``manager``; ``api_token`` (if set) guards every mutating route."""
+    """An app serving ``manager``; ``api_token`` (if set) guards every mutating route.
+    ``max_body_bytes`` defaults to ``default_body_limit`` of the manager's ``max_seq_len``."""
+    if max_body_bytes is None:
+        max_body_bytes = default_body_limit(manager.config.max_seq_len)
     state = ServiceState(manager, lease_ttl_s, *(() if clock is None else (clock,)))
 
     @asynccontextmanager
@@ -162,29 +177,40 @@ def create_app(
         call: Callable[[Any, str | None], Any],
         mutating: bool = True,
         summary: str = "",
-        raw: bool = False,
+        parse: Callable[[bytes], Any] | None = None,
     ) -> None:
-        """Register ``POST path``: ``call(parsed body, session id)``, timed and counted.
+        """Register ``POST path``: ``call(parse(body bytes), session id)``, timed and counted.
 
-        ``raw=True`` hands ``call`` the body bytes and sends the bytes it returns.
+        ``parse`` defaults to validating ``body``; with a ``parse`` of its own, ``call``
+        returns the answer's bytes. Parsing touches no state, so a large body is parsed in a
+        worker thread (the event loop keeps answering small calls meanwhile); ``call`` runs on
+        the loop, so manager calls never interleave.
         """
         latency = state.metrics.latency.labels(path)
+        raw = parse is not None
+        if parse is None:
+
+            def parse(data: bytes) -> Any:
+                try:
+                    return body.model_validate_json(data)
+                except ValidationError as exc:
+                    raise invalid_from_validation(exc.errors()) from None
 
         async def endpoint(request: Request) -> Response:
             if mutating:
                 authorize(request)
             data = await request.body()
             session = session_of(request)
+            if len(data) > OFFLOAD_BYTES:
+                parsed = await asyncio.to_thread(parse, data)
+            else:
+                parsed = parse(data)
             start = perf_counter()
             if raw:
-                answer = call(data, session)
+                answer = call(parsed, session)
                 latency.observe(perf_counter() - start)
                 state.notify_events()
                 return Response(answer, media_type=_JSON)
-            try:
-                parsed = body.model_validate_json(data)
-            except ValidationError as exc:
-                raise invalid_from_validation(exc.errors()) from None
             result = call(parsed, session)
             latency.observe(perf_counter() - start)
             state.notify_events()
@@ -214,9 +240,9 @@ def create_app(
         "/v1/step",
         StepRequest,
         StepResponse,
-        state.step_json,
+        state.run_step,
         summary="a batch of ops in order, one result each (atomic: all or nothing)",
-        raw=True,
+        parse=state.parse_step,
     )
     rpc(
         "/v1/page_indices",

@@ -155,13 +155,14 @@ class ServiceState:
         self._counted("free", lambda: self.manager.free(op.request_id))
         self.leases.release(op.request_id)
 
-    def step_json(self, raw: bytes, session_id: str | None) -> bytes:
-        """``POST /v1/step`` from body bytes to answer bytes.
+    @staticmethod
+    def parse_step(raw: bytes) -> tuple[list[dict[str, Any]], bool, bool]:
+        """A ``POST /v1/step`` body as (ops, atomic, brief); touches no state, so a large
+        body can be parsed off the event loop.
 
-        Bodies that ``plain_step`` accepts (every well-formed step) skip the models: orjson
-        in, ``manager.step_plain``, orjson out. Anything else is validated by ``StepRequest``
-        and refused with its errors; orjson is not the judge there since it reads integers
-        past 64 bits as floats.
+        Bodies that ``plain_step`` accepts (every well-formed step) skip the models (orjson).
+        Anything else is validated by ``StepRequest`` and refused with its errors; orjson is
+        not the judge there since it reads integers past 64 bits as floats.
         """
         try:
             parsed = plain_step(orjson.loads(raw))
@@ -173,6 +174,16 @@ class ServiceState:
             except ValidationError as exc:
                 raise invalid_from_validation(exc.errors()) from None
             parsed = [op.model_dump() for op in req.ops], req.atomic, req.brief
+        return parsed
+
+    def step_json(self, raw: bytes, session_id: str | None) -> bytes:
+        """``POST /v1/step`` from body bytes to answer bytes: ``parse_step``, then
+        ``run_step``; orjson out."""
+        return self.run_step(self.parse_step(raw), session_id)
+
+    def run_step(
+        self, parsed: tuple[list[dict[str, Any]], bool, bool], session_id: str | None
+    ) -> bytes:
         ops, atomic, brief = parsed
         self.touch(session_id)
         results = self.manager.step_plain(ops, atomic, brief)
