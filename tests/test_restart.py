@@ -90,3 +90,25 @@ def test_a_request_naming_another_generation_is_refused_with_409() -> None:
         assert r.status_code == 200 and r.headers["x-kvcm-generation"] == m.generation
         # Errors carry it too.
         assert http.get("/v1/request", params={"request_id": "zz"}).headers["x-kvcm-generation"]
+
+
+def test_sigterm_answers_open_long_polls_then_exits() -> None:
+    import threading
+    import time
+
+    answers: list[httpx.Response] = []
+    with serve_process("--num-blocks", "16") as (url, proc, _):
+
+        def poll() -> None:
+            answers.append(httpx.get(f"{url}/v1/events", params={"timeout_s": 50}, timeout=60))
+
+        thread = threading.Thread(target=poll)
+        thread.start()
+        time.sleep(0.5)  # the poll is waiting in the service
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        thread.join(20)
+        assert proc.wait(20) is not None
+        assert time.monotonic() - start < 10  # not the poll's 50 s
+    (answer,) = answers
+    assert answer.status_code == 200 and answer.json()["events"] == []

@@ -230,6 +230,14 @@ def serve(settings: Settings) -> int:
 
     from .server.app import app_from_settings, create_probe_app
 
+    class MainServer(uvicorn.Server):
+        """The API server: at SIGTERM/SIGINT, open long-polls answer before uvicorn waits for
+        connections to close (cut off, they would end as errors)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.kvcm.begin_shutdown()
+            super().handle_exit(sig, frame)
+
     class ProbeServer(uvicorn.Server):
         """The probe listener: the main server owns the signals and stops it on exit."""
 
@@ -258,7 +266,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=5,
         workers=1,  # the pools and the state live in this one process
     )
-    main = uvicorn.Server(config)
+    main = MainServer(config)
     probe: uvicorn.Server | None = None
     if settings.metrics_port is not None:
         probe_sock, probe_url = _bind_tcp(settings.metrics_host, settings.metrics_port)

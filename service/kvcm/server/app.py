@@ -130,6 +130,7 @@ def create_app(
         # short-lived result dicts trigger do not walk it (several ms each otherwise).
         gc.collect()
         gc.freeze()
+        state.loop = asyncio.get_running_loop()
         state.ready = True
         log.info(
             "kvcm ready: %d layers, %d layer groups, %d slots, device %s, auth %s",
@@ -310,7 +311,7 @@ def create_app(
             raise InvalidArgument("timeout_s must be a finite number of seconds")
         batch = m.events(after, limit)
         deadline = asyncio.get_running_loop().time() + min(max(timeout_s, 0.0), 60.0)
-        while not batch.events and not batch.lost:
+        while not batch.events and not batch.lost and not state.closing:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 break

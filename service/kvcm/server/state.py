@@ -81,6 +81,21 @@ class ServiceState:
         #: Set (and replaced) whenever new KV events exist: long-polling readers wait on it.
         self.event_wave: asyncio.Event | None = None
         self._seen_seq = 0
+        #: Set at shutdown: long-polls answer at once instead of being cut off.
+        self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_shutdown(self) -> None:
+        """Stop reporting ready and answer every open long-poll now. Safe from a signal
+        handler or another thread (the wake-up is handed to the event loop)."""
+        self.closing = True
+        self.ready = False
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._wake_long_polls)
+
+    def _wake_long_polls(self) -> None:
+        if self.event_wave is not None:
+            self.event_wave.set()
 
     def notify_events(self) -> None:
         """Wake the ``/v1/events`` long-polls if the manager logged events since last time."""
