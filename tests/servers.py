@@ -80,6 +80,9 @@ def serve_process(
             lines.append(line)
             match = re.search(r"serving on (\S+)", line)
         url = match.group(1)
+        # Keep reading what it prints, so that a full pipe never blocks its logging.
+        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        drain.start()
         transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
         base = "http://kvcm" if uds else url
         with httpx.Client(base_url=base, transport=transport) as http:

@@ -4,6 +4,7 @@ start. Real ``kvcm serve`` processes, killed with SIGKILL together with their he
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -112,3 +113,39 @@ def test_sigterm_answers_open_long_polls_then_exits() -> None:
         assert time.monotonic() - start < 10  # not the poll's 50 s
     (answer,) = answers
     assert answer.status_code == 200 and answer.json()["events"] == []
+
+
+def test_slow_and_silent_clients_are_cut_off_while_others_are_served() -> None:
+    """Connections that send nothing, or their headers or body a byte at a time, are closed
+    once --request-timeout passes; a normal client is served all along."""
+    import time
+
+    slow: list[tuple[socket.socket, bytes]] = []
+    with serve_process("--num-blocks", "16", "--request-timeout", "1") as (url, _, _):
+        host, port = url.removeprefix("http://").split(":")
+        for kind in range(60):
+            s = socket.create_connection((host, int(port)))
+            if kind % 3 == 0:  # silent
+                slow.append((s, b""))
+            elif kind % 3 == 1:  # headers that never end
+                s.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n")
+                slow.append((s, b"X-More: y\r\n"))
+            else:  # a body that never ends
+                s.sendall(b"POST /v1/allocate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+                slow.append((s, b" "))
+        start = time.monotonic()
+        with httpx.Client(base_url=url) as http:
+            while time.monotonic() - start < 2.5:
+                assert http.get("/livez").status_code == 200
+                for s, more in slow:  # trickling more does not reset the deadline
+                    with contextlib.suppress(OSError):
+                        s.send(more)
+                time.sleep(0.2)
+        for s, _ in slow:
+            s.settimeout(2)
+            try:
+                data = s.recv(1024)
+            except OSError:
+                data = b""
+            assert data == b""  # closed by the service, nothing answered
+            s.close()

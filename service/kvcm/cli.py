@@ -102,6 +102,10 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--metrics-host", {"help": "bind address of --metrics-port (default 127.0.0.1)"}),
     ("--lease-ttl", {"type": float, "help": "default session lease in seconds (30)"}),
     (
+        "--request-timeout",
+        {"type": float, "help": "seconds a request may take to arrive whole (10)"},
+    ),
+    (
         "--max-body-bytes",
         {"type": int, "help": "request body limit (default: room for a max_seq_len prompt)"},
     ),
@@ -229,6 +233,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from .server.app import app_from_settings, create_probe_app
+    from .server.protocol import with_deadline
 
     class MainServer(uvicorn.Server):
         """The API server: at SIGTERM/SIGINT, open long-polls answer before uvicorn waits for
@@ -264,6 +269,8 @@ def serve(settings: Settings) -> int:
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+        http=with_deadline(settings.request_timeout),
         workers=1,  # the pools and the state live in this one process
     )
     main = MainServer(config)
@@ -272,7 +279,12 @@ def serve(settings: Settings) -> int:
         probe_sock, probe_url = _bind_tcp(settings.metrics_host, settings.metrics_port)
         probe_sock.listen(128)
         probe = ProbeServer(
-            uvicorn.Config(create_probe_app(app), log_level="warning", lifespan="off")
+            uvicorn.Config(
+                create_probe_app(app),
+                log_level="warning",
+                lifespan="off",
+                http=with_deadline(settings.request_timeout),
+            )
         )
         print(f"kvcm: probes and metrics on {probe_url}", flush=True)
     print(f"kvcm: serving on {url}", flush=True)

@@ -32,6 +32,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvcm_client.errors import (
     InternalError,
@@ -446,6 +447,12 @@ def create_app(
         err = KVCMError(str(exc.detail))
         err.status = exc.status_code  # type: ignore[misc]
         return _error_response(err)
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, _: ClientDisconnect) -> Response:
+        # The client went away (or was cut off mid-body): nobody reads this, and it is no bug.
+        log.debug("client left during %s %s", request.method, request.url.path)
+        return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:

@@ -99,6 +99,8 @@ class Settings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     lease_ttl: float = Field(default=30.0, gt=0, le=86_400)
+    request_timeout: float = Field(default=10.0, gt=0, le=3600)
+    """Seconds a request may take to arrive whole, headers and body (slow clients are cut)."""
     max_body_bytes: int | None = Field(default=None, gt=0)
     """Request body limit; None: from max_seq_len (``server.app.default_body_limit``)."""
     api_token: SecretStr | None = None
