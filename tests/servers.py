@@ -54,9 +54,10 @@ def serve_process(
 ) -> Iterator[tuple[str, subprocess.Popen[str], list[str]]]:
     """``python -m kvcm serve ARGS`` in its own process, once ready.
 
-    Yields (url, process, the lines it printed up to the "serving on" line). ``own_group``
-    starts it in a process group of its own, so that a test can kill it together with its
-    helpers (``os.killpg``), as a container kill would.
+    Yields (url, process, the lines it printed: up to the "serving on" line, then more as a
+    thread drains its output; once it exited, ``process.drain.join()`` completes them).
+    ``own_group`` starts it in a process group of its own, so that a test can kill it together
+    with its helpers (``os.killpg``), as a container kill would.
     """
     cmd = [sys.executable, "-m", "kvcm", "serve", *args]
     if uds is None:
@@ -83,6 +84,7 @@ def serve_process(
         # Keep reading what it prints, so that a full pipe never blocks its logging.
         drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
         drain.start()
+        proc.drain = drain  # type: ignore[attr-defined]  # join it to read all it printed
         transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
         base = "http://kvcm" if uds else url
         with httpx.Client(base_url=base, transport=transport) as http:

@@ -106,7 +106,7 @@ def test_closing_a_session_frees_its_requests_now() -> None:
 def test_serve_on_a_unix_socket_with_a_token(tmp_path: Path) -> None:
     sock = tmp_path / "kvcm.sock"
     env = {"KVCM_API_TOKEN": "tok-123", "KVCM_NUM_BLOCKS": "16"}
-    with serve_process("--uds", str(sock), env=env, uds=sock) as (url, proc, _):
+    with serve_process("--uds", str(sock), env=env, uds=sock) as (url, proc, lines):
         assert url == f"unix:{sock}"
         mode = stat.S_IMODE(sock.stat().st_mode)
         assert mode & 0o007 == 0  # no access for others
@@ -115,7 +115,9 @@ def test_serve_on_a_unix_socket_with_a_token(tmp_path: Path) -> None:
             # kvcm serve turns the null page on: 16 slots, 15 of them usable.
             assert kv.describe().null_page and kv.num_total_blocks() == 15
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=15)
+        proc.wait(15)
+        proc.drain.join(5)  # type: ignore[attr-defined]
+        out = "".join(lines)
         # uvicorn shuts down gracefully, then re-raises SIGTERM as the exit status.
         assert "Application shutdown complete" in out and proc.returncode == -signal.SIGTERM
         assert "tok-123" not in out
