@@ -66,9 +66,13 @@ CONFIG = {
 }
 LIVE = ("live0", "live1", "live2")
 
+#: Past every bound, and the service's own largest count (2**31 - 1) and below it: valid counts
+#: that must not make the service allocate or loop in proportion to them.
 HUGE_INTS = [2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64, 2**64 + 5, 10**30, 10**400]
+BIG_COUNTS = [2**31 - 1, 2**31 - 2, 2**30, 10**9, 10**8]
 HOSTILE: list[Any] = [
     *HUGE_INTS,
+    *BIG_COUNTS,
     *(-n for n in HUGE_INTS),
     -1,
     0,
@@ -116,6 +120,8 @@ QUERY_HOSTILE = [
     str(2**63),
     str(2**64),
     str(-(2**63) - 1),
+    str(2**31 - 1),
+    str(10**9),
     "9" * 5000,
     "x" * 10_000,
     "\u00e9",
@@ -235,8 +241,9 @@ SMALL = [0, 1, 1, 2, 3, 4, 5, 8, 9, 16, 20, 33, 63, 64, 65]
 
 
 def _plausible(value: Any, rng: random.Random, live: Live, key: str = "") -> Any:
-    """Schema-made values nudged towards ones the server can act on: small counts, live
-    request ids, the real generation and pid, token ids as many as the tokens."""
+    """Schema-made values nudged towards ones the server can act on: small counts (and now
+    and then a valid big one), live request ids, the real generation and pid, token ids as
+    many as the tokens."""
     if isinstance(value, dict):
         out = {k: _plausible(v, rng, live, k) for k, v in value.items()}
         ids = out.get("token_ids")
@@ -264,7 +271,7 @@ def _plausible(value: Any, rng: random.Random, live: Live, key: str = "") -> Any
     if key == "pid":
         return os.getpid()
     if isinstance(value, int) and not isinstance(value, bool):
-        return rng.choice(SMALL)
+        return rng.choice(BIG_COUNTS) if rng.random() < 0.1 else rng.choice(SMALL)
     return value
 
 
