@@ -136,7 +136,7 @@ def test_a_route_missing_from_the_table_fails_the_document(
     del table["GET", "/v1/stats"]
     monkeypatch.setattr(openapi, "ROUTES", table)
     with pytest.raises(RuntimeError, match="GET /v1/stats has no entry"):
-        create_app(KVCacheManager(CONFIG)).openapi()
+        create_app(KVCacheManager(CONFIG))
 
 
 def test_docs_page_is_self_contained_and_reads_the_document() -> None:

@@ -6,8 +6,8 @@ classes of ``kvcm_client.errors`` it may raise, whether it reads a JSON body (40
 the bearer token (401 ``unauthorized``) and whether it renews the caller's lease from the
 ``X-KVCM-Session`` header (404 ``unknown_session``). Statuses and codes come from the classes,
 so the document cannot drift from ``errors.py``; every route answers 500 ``internal_error``
-on a bug. Building the document fails if a route has no entry or an entry no route, so a new
-route cannot ship undocumented. Every error response is the ``Error`` component
+on a bug. The document is built with the app and fails if a route has no entry or an entry no
+route, so a new route cannot ship undocumented. Every error response is the ``Error`` component
 (``{code, message, detail}``), its ``code`` narrowed to the codes of that status on that route;
 FastAPI's ``HTTPValidationError`` is gone (the service never answers with it).
 
@@ -305,6 +305,7 @@ def install(app: FastAPI, bodies: dict[str, type[BaseModel]], auth_required: boo
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    openapi()  # now: a route missing from ROUTES fails create_app, not a later /openapi.json
     page = files(__package__).joinpath("docs.html").read_text(encoding="utf-8")
 
     @app.get("/docs", include_in_schema=False)
