@@ -62,6 +62,39 @@ def test_counts_past_the_bound_are_refused_before_any_arithmetic(big: int) -> No
     assert m.request("a").num_tokens == 2 and m.request("b").num_tokens == 2
 
 
+@pytest.mark.parametrize("pad_to", [2**31 - 1, 10**9, 4 * 32 + 1])
+def test_pad_to_is_bounded_by_what_a_step_can_hold(pad_to: int) -> None:
+    """A valid count as pad_to made the manager allocate pad_to int64 per layer group up
+    front: 16 GiB per group for 2**31 - 1, a RuntimeError (500 over HTTP) or an OOM kill. It
+    is at most max_requests x max_seq_len now, and a refused call leaves the step's edits."""
+    m = KVCacheManager(CONFIG)
+    m.allocate("a", 5)
+    assert m.max_step_tokens == 4 * 32
+    with pytest.raises(InvalidArgument) as exc:
+        m.slot_mappings(["a"], pad_to=pad_to)
+    assert exc.value.detail["pad_to"] == pad_to
+    with pytest.raises(InvalidArgument):
+        m.slot_mapping(["a"], 1, num_tokens=[5], pad_to=pad_to)
+    fresh = KVCacheManager(CONFIG)
+    fresh.allocate("a", 5)
+    full = m.slot_mappings(["a"], pad_to=m.max_step_tokens)
+    assert full.shape == (2, m.max_step_tokens)
+    assert full.tolist() == fresh.slot_mappings(["a"], pad_to=m.max_step_tokens).tolist()
+
+
+def test_over_http_a_huge_pad_to_is_422_not_500(http: httpx.Client) -> None:
+    http.post("/v1/allocate", json={"request_id": "a", "num_tokens": 5})
+    for path, body in (
+        ("/v1/slot_mappings", {"request_ids": ["a"], "pad_to": 2**31 - 1}),
+        ("/v1/slot_mapping", {"request_ids": ["a"], "layer_id": 0, "pad_to": 10**9}),
+        ("/v1/slot_mapping", {"request_ids": [], "layer_id": 1, "pad_to": 10**9}),
+    ):
+        r = http.post(path, json=body)
+        assert r.status_code == 422 and r.json()["code"] == "invalid_argument", r.text
+    r = http.post("/v1/slot_mappings", json={"request_ids": ["a"], "pad_to": 8})
+    assert r.status_code == 200 and len(r.json()["rows"][0]) == 8
+
+
 def test_unsigned_arrays_do_not_wrap_into_negative_counts() -> None:
     m = KVCacheManager(CONFIG)
     m.allocate("a", 2)

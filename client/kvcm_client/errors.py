@@ -41,16 +41,22 @@ class SequenceTooLong(InvalidArgument):
 
 
 class UnknownRequest(KVCMError):
+    """No live request has that id (never allocated, freed, or freed by a lease expiry)."""
+
     code = "unknown_request"
     status = 404
 
 
 class UnknownLayer(KVCMError):
+    """No layer with that id in the layout (or it has no KV cache and was dropped)."""
+
     code = "unknown_layer"
     status = 404
 
 
 class DuplicateRequest(KVCMError):
+    """The request id is live with other arguments (the same allocate again is a retry)."""
+
     code = "duplicate_request"
     status = 409
 
@@ -84,6 +90,8 @@ class InsufficientMemory(KVCMError):
 
 
 class DeviceUnavailable(KVCMError):
+    """The configured device cannot be used (no CUDA, or no such GPU)."""
+
     code = "device_unavailable"
     status = 422
 
@@ -149,6 +157,8 @@ class NotFound(KVCMError):
 
 
 class MethodNotAllowed(KVCMError):
+    """The route exists, but not with this HTTP method."""
+
     code = "method_not_allowed"
     status = 405
 

@@ -248,6 +248,9 @@ class KVCacheManager:
         self.device = _resolve_device(cfg.device)
         self.tokens_per_block = cfg.tokens_per_block
         self.max_blocks_per_request = cfg.max_blocks_per_request
+        #: Most positions one step can map (every row at ``max_seq_len``): the bound of a slot
+        #: mapping's ``pad_to``, whose output is allocated up front (int64 per group).
+        self.max_step_tokens = cfg.max_requests * cfg.max_seq_len
         self.layout = build_layout(cfg.layers, cfg.tokens_per_block)
         #: Role index of the pointer tables: ``describe().roles`` order.
         self._role_index = {role: i for i, role in enumerate(self.layout.roles)}
@@ -1080,7 +1083,8 @@ class KVCacheManager:
 
         By default each request maps the tokens added by its latest allocate/extend (the
         tokens computed in this step). Positions in released sliding-window blocks map to -1,
-        with the null page too: no token's KV is ever written into the null page.
+        with the null page too: no token's KV is ever written into the null page. ``pad_to``
+        is at most ``max_step_tokens`` (max_requests x max_seq_len).
         """
         group = self._placement(layer_id, "key").layer_group
         return self._slot_mapping(request_ids, num_tokens, pad_to, group)
@@ -1113,7 +1117,7 @@ class KVCacheManager:
         total = int(counts.sum())
         if pad_to is None:
             pad_to = total
-        elif _count("pad_to", pad_to, 0) < total:
+        elif _count("pad_to", pad_to, 0, self.max_step_tokens) < total:
             raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
         # rows | query_start_loc | positions | pending table edits in one pinned buffer, read
         # in place by one launch that applies the edits and maps the slots (on CUDA).

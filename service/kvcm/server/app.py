@@ -4,12 +4,13 @@ Routes are named after the manager's methods (``POST /v1/allocate`` takes an ``A
 and returns what ``KVCacheManager.allocate`` returns), so the wire schema is the op models of
 ``kvcm_client.models`` and nothing else. Op routes parse the raw body with pydantic-core
 (``model_validate_json``) and encode results straight to bytes; that keeps a 256-op step well
-under a millisecond. Their request schemas are added to the OpenAPI document by hand, since
-FastAPI does not see a body parameter.
+under a millisecond. ``openapi.py`` adds their request schemas to the OpenAPI document (FastAPI
+does not see a body parameter) and documents every route's error statuses from one table.
 
 Errors are ``{code, message, detail}`` with the error's HTTP status: 400 malformed JSON, 401
 missing token, 404 unknown request/session/route, 409 duplicate/conflict, 413 too long or too
-large, 422 invalid arguments, 507 out of blocks or rows. Bad input never yields a 500.
+large, 422 invalid arguments, 429 too many sessions or consumers, 507 out of blocks or rows.
+Bad input never yields a 500.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
-from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -76,6 +75,7 @@ from kvcm_client.models import (
 )
 
 from ..manager import KVCacheManager
+from . import openapi
 from .middleware import BodyLimit, CountResponses, Generation
 from .state import ServiceState
 
@@ -155,6 +155,8 @@ def create_app(
         version="1",
         summary="KV-cache manager sidecar",
         lifespan=lifespan,
+        docs_url=None,  # FastAPI's Swagger UI loads from a CDN: openapi.install serves /docs
+        redoc_url=None,
     )
     app.state.kvcm = state
     token = api_token.encode() if api_token else None
@@ -459,7 +461,7 @@ def create_app(
         log.exception("internal error on %s %s", request.method, request.url.path)
         return _error_response(InternalError(f"internal error: {type(exc).__name__}"))
 
-    _document_bodies(app, bodies)
+    openapi.install(app, bodies, auth_required=token is not None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(CountResponses, metrics=state.metrics)
     app.add_middleware(Generation, generation=manager.generation)
@@ -479,7 +481,7 @@ def add_probe_routes(app: FastAPI, state: ServiceState) -> None:
             return _json(Health(status="ok"))
         return _json(Health(status="not_ready", detail="starting or shutting down"), 503)
 
-    @app.get("/metrics", tags=["probes"])
+    @app.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -516,33 +518,6 @@ async def _reap(state: ServiceState) -> None:
             continue
         if freed:
             log.info("lease expiry freed %d requests", freed)
-
-
-def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """Put the raw-body routes' request schemas into the OpenAPI document."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema:
-            return app.openapi_schema
-        schema = get_openapi(
-            title=app.title, version=app.version, summary=app.summary, routes=app.routes
-        )
-        _, defs = models_json_schema(
-            [(model, "validation") for model in bodies.values()],
-            ref_template="#/components/schemas/{model}",
-        )
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for name, body_schema in defs.get("$defs", {}).items():
-            components.setdefault(name, body_schema)
-        for path, model in bodies.items():
-            schema["paths"][path]["post"]["requestBody"] = {
-                "required": True,
-                "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
-            }
-        app.openapi_schema = schema
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def app_from_settings(settings: Any) -> FastAPI:

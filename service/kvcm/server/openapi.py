@@ -1,0 +1,317 @@
+"""The OpenAPI document of the service and its offline docs page.
+
+``ROUTES`` is the one table of what every route can answer besides its success: the error
+classes of ``kvcm_client.errors`` it may raise, whether it reads a JSON body (400
+``malformed_request``, 413 ``payload_too_large``, 422 ``invalid_argument``), whether it needs
+the bearer token (401 ``unauthorized``) and whether it renews the caller's lease from the
+``X-KVCM-Session`` header (404 ``unknown_session``); every route refuses a request naming
+another service generation (409 ``stale_generation``). Statuses and codes come from the classes,
+so the document cannot drift from ``errors.py``; every route answers 500 ``internal_error``
+on a bug. The document is built with the app and fails if a route has no entry or an entry no
+route, so a new route cannot ship undocumented. Every error response is the ``Error`` component
+(``{code, message, detail}``), its ``code`` narrowed to the codes of that status on that route;
+FastAPI's ``HTTPValidationError`` is gone (the service never answers with it).
+
+``/docs`` is a self-contained page (``docs.html``: no CDN, no external URL) that reads
+``/openapi.json`` and renders routes, parameters, bodies, schemas and statuses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from kvcm_client.errors import (
+    DuplicateRequest,
+    InternalError,
+    InvalidArgument,
+    InvalidRewind,
+    KVCMError,
+    LimitReached,
+    MalformedRequest,
+    NotFound,
+    OutOfBlocks,
+    PayloadTooLarge,
+    PrefixCacheInUse,
+    RequestLimitReached,
+    RewindIntoSharedBlock,
+    SequenceTooLong,
+    StaleGeneration,
+    Unauthorized,
+    UnknownConsumer,
+    UnknownLayer,
+    UnknownRequest,
+    UnknownSession,
+)
+
+_JSON = "application/json"
+ERROR_SCHEMA = "Error"
+SESSION_HEADER = "X-KVCM-Session"
+BEARER = "bearer"
+
+Errors = tuple[type[KVCMError], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDoc:
+    """What one route can answer besides success (see the module doc)."""
+
+    errors: Errors = ()
+    body: bool = False
+    body_required: bool = True
+    auth: bool = False
+    session: bool = False
+    extra: dict[int, dict[str, Any]] | None = None
+    """Non-error statuses the route answers with beside its success, as OpenAPI responses."""
+
+    def error_classes(self) -> Errors:
+        """Every error class of the route, in status order (ties: the table's order)."""
+        out: list[type[KVCMError]] = []
+        if self.body:
+            out += [MalformedRequest, PayloadTooLarge, InvalidArgument]
+        if self.auth:
+            out.append(Unauthorized)
+        if self.session:
+            out.append(UnknownSession)
+        # Any route, for a client that pinned another generation (X-KVCM-Generation).
+        out += [*self.errors, StaleGeneration, InternalError]
+        unique = list(dict.fromkeys(out))
+        return tuple(sorted(unique, key=lambda cls: cls.status))
+
+
+#: Requests named by id: in a body, or the ``request_id`` query parameter.
+_REQUEST = (UnknownRequest,)
+#: Ops that grow a request.
+_GROW = (UnknownRequest, SequenceTooLong, OutOfBlocks)
+#: A path id with a '/' (as %2F) names no route: 404 ``not_found``.
+_PATH_ID = (NotFound,)
+
+_OP = {"body": True, "auth": True, "session": True}
+_READ = {"body": True}
+
+#: route (method, path) -> what it can answer besides success. The one table; see the module doc.
+ROUTES: dict[tuple[str, str], RouteDoc] = {
+    ("POST", "/v1/allocate"): RouteDoc(
+        (SequenceTooLong, DuplicateRequest, OutOfBlocks, RequestLimitReached), **_OP
+    ),
+    ("POST", "/v1/extend"): RouteDoc(_GROW, **_OP),
+    ("POST", "/v1/extend_many"): RouteDoc(_GROW, **_OP),
+    ("POST", "/v1/rewind"): RouteDoc((*_REQUEST, InvalidRewind, RewindIntoSharedBlock), **_OP),
+    ("POST", "/v1/commit"): RouteDoc(_REQUEST, **_OP),
+    ("POST", "/v1/free"): RouteDoc(_REQUEST, **_OP),
+    # Op errors are results of a step (200), not its status.
+    ("POST", "/v1/step"): RouteDoc((), **_OP),
+    ("POST", "/v1/page_indices"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
+    ("POST", "/v1/slot_mapping"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
+    ("POST", "/v1/slot_mappings"): RouteDoc(_REQUEST, **_READ),
+    ("POST", "/v1/probe"): RouteDoc((), **_READ),
+    ("POST", "/v1/reset_prefix_cache"): RouteDoc((PrefixCacheInUse,), body=True, auth=True),
+    ("GET", "/v1/events"): RouteDoc((InvalidArgument,), auth=True),
+    ("GET", "/v1/layout"): RouteDoc(),
+    ("GET", "/v1/estimate"): RouteDoc((InvalidArgument,)),
+    ("GET", "/v1/stats"): RouteDoc(),
+    ("GET", "/v1/requests"): RouteDoc(),
+    ("GET", "/v1/request"): RouteDoc((InvalidArgument, *_REQUEST)),
+    ("GET", "/v1/block_table"): RouteDoc((InvalidArgument, *_REQUEST)),
+    ("GET", "/v1/committed_tokens"): RouteDoc((InvalidArgument, *_REQUEST), auth=True),
+    # 422 when the manager was built without share=True.
+    ("GET", "/v1/pools"): RouteDoc((InvalidArgument,)),
+    ("POST", "/v1/consumers"): RouteDoc((StaleGeneration, LimitReached), body=True, auth=True),
+    ("GET", "/v1/consumers"): RouteDoc(),
+    ("DELETE", "/v1/consumers/{consumer_id}"): RouteDoc((UnknownConsumer, *_PATH_ID), auth=True),
+    ("POST", "/v1/sessions"): RouteDoc((LimitReached,), body=True, body_required=False, auth=True),
+    ("GET", "/v1/sessions/{session_id}"): RouteDoc((UnknownSession, *_PATH_ID)),
+    ("POST", "/v1/sessions/{session_id}/renew"): RouteDoc((UnknownSession, *_PATH_ID), auth=True),
+    ("DELETE", "/v1/sessions/{session_id}"): RouteDoc((UnknownSession, *_PATH_ID), auth=True),
+    ("GET", "/livez"): RouteDoc(),
+    ("GET", "/readyz"): RouteDoc(
+        extra={
+            503: {
+                "description": "Not ready: starting or shutting down",
+                "content": {_JSON: {"schema": {"$ref": "#/components/schemas/Health"}}},
+            }
+        }
+    ),
+    ("GET", "/metrics"): RouteDoc(),
+}
+
+#: Codes that a route-specific note explains better than the class's docstring.
+_NOTES = {
+    NotFound: "the path id holds a '/' (sent as %2F), so the path names no route",
+    InvalidArgument: "an argument is out of its range or of the wrong type; detail.errors "
+    "lists the fields when the body or query failed validation",
+    Unauthorized: "the route needs 'Authorization: Bearer <KVCM_API_TOKEN>' (only when the "
+    "service runs with a token)",
+    InternalError: "a bug in kvcm: the service logged it",
+}
+
+
+def describe(cls: type[KVCMError]) -> str:
+    """One line about an error class: the route note, else its docstring's first paragraph."""
+    note = _NOTES.get(cls)
+    if note:
+        return note
+    doc = (cls.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(doc.split()).rstrip(".") or cls.code
+
+
+def error_schema() -> dict[str, Any]:
+    return {
+        "title": ERROR_SCHEMA,
+        "description": "Every error answer of the service. `code` is stable across releases "
+        "(kvcm_client.errors has one exception class per code); `message` is for people; "
+        "`detail` holds the numbers behind the message.",
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "title": "Code"},
+            "message": {"type": "string", "title": "Message"},
+            "detail": {"type": "object", "title": "Detail", "additionalProperties": True},
+        },
+        "required": ["code", "message", "detail"],
+        "additionalProperties": False,
+    }
+
+
+def error_responses(doc: RouteDoc) -> dict[str, dict[str, Any]]:
+    """The OpenAPI responses of a route's errors: one per status, codes narrowed to its own."""
+    by_status: dict[int, list[type[KVCMError]]] = {}
+    for cls in doc.error_classes():
+        by_status.setdefault(cls.status, []).append(cls)
+    out: dict[str, dict[str, Any]] = {}
+    for status, classes in by_status.items():
+        codes = list(dict.fromkeys(cls.code for cls in classes))
+        out[str(status)] = {
+            "description": "; ".join(f"`{cls.code}`: {describe(cls)}" for cls in classes),
+            "content": {
+                _JSON: {
+                    "schema": {
+                        "allOf": [{"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}],
+                        "properties": {"code": {"enum": codes}},
+                    }
+                }
+            },
+        }
+    return out
+
+
+def documented_statuses(schema: dict[str, Any], method: str, path: str) -> dict[int, set[str]]:
+    """Status -> error codes a route's document lists (empty set: not an error response)."""
+    out: dict[int, set[str]] = {}
+    responses = schema["paths"][path][method.lower()]["responses"]
+    for status, response in responses.items():
+        body = response.get("content", {}).get(_JSON, {}).get("schema", {})
+        out[int(status)] = set(body.get("properties", {}).get("code", {}).get("enum", []))
+    return out
+
+
+def build(app: FastAPI, bodies: dict[str, type[BaseModel]], auth_required: bool) -> dict[str, Any]:
+    """The OpenAPI document of ``app``; ``bodies``: raw-body routes' request models by path.
+
+    ``auth_required``: the service runs with a token, so the guarded routes' bearer
+    requirement is a must (without a token it is optional: any or no header is accepted).
+    """
+    schema = get_openapi(
+        title=app.title,
+        version=app.version,
+        summary=app.summary,
+        description=app.description,
+        routes=app.routes,
+    )
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    _, defs = models_json_schema(
+        [(model, "validation") for model in bodies.values()],
+        ref_template="#/components/schemas/{model}",
+    )
+    for name, body_schema in defs.get("$defs", {}).items():
+        components.setdefault(name, body_schema)
+    components[ERROR_SCHEMA] = error_schema()
+    schema["components"]["securitySchemes"] = {
+        BEARER: {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "KVCM_API_TOKEN; needed only when the service runs with one",
+        }
+    }
+    seen: set[tuple[str, str]] = set()
+    for path, item in schema["paths"].items():
+        for method, operation in item.items():
+            key = (method.upper(), path)
+            doc = ROUTES.get(key)
+            if doc is None:
+                raise RuntimeError(f"{method.upper()} {path} has no entry in openapi.ROUTES")
+            seen.add(key)
+            body = bodies.get(path) if method == "post" else None  # bodies are POSTs'
+            _document(operation, doc, body, auth_required)
+    missing = set(ROUTES) - seen
+    if missing:
+        raise RuntimeError(f"openapi.ROUTES names routes the app lacks: {sorted(missing)}")
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    text = json.dumps(schema)
+    if "HTTPValidationError" in text:  # pragma: no cover - a route of FastAPI's own making
+        raise RuntimeError("the document still refers to HTTPValidationError")
+    return schema
+
+
+def _document(
+    operation: dict[str, Any],
+    doc: RouteDoc,
+    body: type[BaseModel] | None,
+    auth_required: bool,
+) -> None:
+    if doc.body != (body is not None):
+        raise RuntimeError(f"{operation.get('operationId')}: ROUTES and the body models differ")
+    if body is not None:
+        operation["requestBody"] = {
+            "required": doc.body_required,
+            "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{body.__name__}"}}},
+        }
+    responses = {
+        status: response
+        for status, response in operation.get("responses", {}).items()
+        if int(status) < 400
+    }
+    for status, response in (doc.extra or {}).items():
+        responses[str(status)] = response
+    responses.update(error_responses(doc))
+    operation["responses"] = dict(sorted(responses.items()))
+    if doc.auth:
+        operation["security"] = [{BEARER: []}] if auth_required else [{BEARER: []}, {}]
+    if doc.session:
+        operation.setdefault("parameters", []).append(
+            {
+                "name": SESSION_HEADER,
+                "in": "header",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "A lease session id (POST /v1/sessions): renews it, and "
+                "requests allocated with it belong to it",
+            }
+        )
+
+
+def install(app: FastAPI, bodies: dict[str, type[BaseModel]], auth_required: bool) -> None:
+    """Serve the document at ``app.openapi_url`` and the offline docs page at ``/docs``."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app, bodies, auth_required)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    openapi()  # now: a route missing from ROUTES fails create_app, not a later /openapi.json
+    page = files(__package__).joinpath("docs.html").read_text(encoding="utf-8")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        url = json.dumps(f"{root}{app.openapi_url}")
+        return HTMLResponse(page.replace("__OPENAPI_URL__", url.replace("<", "\\u003c")))
