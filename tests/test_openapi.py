@@ -366,3 +366,4 @@ def test_unknown_routes_and_methods_keep_the_error_body() -> None:
         )
         assert check(http.get("/v1/nope")) == (404, "not_found")
         assert check(http.put("/v1/allocate")) == (405, "method_not_allowed")
+        assert http.put("/v1/allocate").headers["allow"] == "POST"

@@ -443,9 +443,11 @@ def create_app(
         if exc.status_code == 404:
             return _error_response(NotFound(f"no route {request.url.path}"))
         if exc.status_code == 405:
-            return _error_response(
+            answer = _error_response(
                 MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
             )
+            answer.headers.update(exc.headers or {})  # Allow: the methods the path takes
+            return answer
         err = KVCMError(str(exc.detail))
         err.status = exc.status_code  # type: ignore[misc]
         return _error_response(err)
