@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import httpx
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from helpers import layer
 from servers import serve_in_thread
 
-from kvcm import InvalidArgument, KVCacheManager
+from kvcm import InvalidArgument, KVCacheManager, MultimodalItem
 from kvcm.server.app import create_app
 
 CONFIG = {
@@ -433,3 +434,99 @@ def test_large_bodies_are_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPa
             assert r.status_code == 200 and r.json()["results"][0]["ok"]
     loop_thread, worker = seen
     assert loop_thread != worker  # the big one went to a worker thread
+
+
+# -- found by tests/test_property_manager.py ---------------------------------------------------
+
+
+def test_request_id_lists_must_be_collections_of_ids() -> None:
+    """None or an int used to raise TypeError; a bare str was read as one id per character
+    (``extend_many("ab")`` extended requests "a" and "b")."""
+    m = KVCacheManager(CONFIG)
+    m.allocate("a", 2)
+    m.allocate("b", 2)
+    before = _state(m)
+    for ids in (None, 5, "a", "ab", b"ab"):
+        for call in (
+            partial(m.extend_many, ids, 1),
+            partial(m.copy_tokens, ids, [0], [1]),
+            partial(m.slot_mappings, ids),
+            partial(m.page_indices, ids, 0),
+        ):
+            with pytest.raises(InvalidArgument):
+                call()
+            assert _state(m) == before
+    m.extend_many(("a", "b"), 1)  # any collection of ids is fine
+    assert [m.request(r).num_tokens for r in ("a", "b")] == [3, 3]
+
+
+def test_a_bool_in_a_list_of_counts_is_refused_like_a_bool_count() -> None:
+    """numpy reads [True, 2] as ints: it used to extend by 1 where extend_many(ids, True) is
+    refused."""
+    m = KVCacheManager(CONFIG)
+    m.allocate("a", 2, lookahead=2)
+    m.allocate("b", 2)
+    before = _state(m)
+    for call in (
+        lambda: m.extend_many(["a", "b"], [True, 2]),
+        lambda: m.extend_many(["a", "b"], 1, (0, False)),
+        lambda: m.copy_tokens(["a", "a"], [True, 0], [0, 1]),
+        lambda: m.slot_mappings(["a", "b"], num_tokens=[1, True]),
+    ):
+        with pytest.raises(InvalidArgument):
+            call()
+        assert _state(m) == before
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        5,
+        "img",
+        [{"digest": "img", "start": -1, "length": 2}],
+        [{"digest": "img", "start": 0, "length": 0}],
+        [MultimodalItem("img", -3, 2)],
+    ],
+    ids=str,
+)
+def test_multimodal_items_are_checked_when_a_request_gets_them(items: object) -> None:
+    """A request keeps its items for its later commits. An item refused only when blocks are
+    hashed was accepted by an allocate that hashes nothing (no token ids, or given block keys),
+    and then every commit that filled a block failed; a non-list raised TypeError."""
+    from kvcm import block_keys
+
+    m = KVCacheManager(CONFIG)
+    prompt = [1, 2, 3, 4, 5]
+    calls = [
+        lambda: m.allocate("a", 5, multimodal=items),  # type: ignore[arg-type]
+        lambda: m.allocate(
+            "a",
+            5,
+            token_ids=prompt,
+            block_keys=block_keys(prompt, 4),
+            multimodal=items,  # type: ignore[arg-type]
+        ),
+        lambda: m.probe(prompt, multimodal=items),  # type: ignore[arg-type]
+        lambda: block_keys(prompt, 4, multimodal=items),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgument):
+            call()
+    assert m.request_ids() == []
+
+
+def test_block_keys_and_a_probed_prompt_must_be_sequences() -> None:
+    """``block_keys=5`` raised TypeError in allocate and probe, and so did a probe whose
+    prompt, given its keys, was not a sequence (only its length is read)."""
+    m = KVCacheManager(CONFIG)
+    before = _state(m)
+    for call in (
+        lambda: m.allocate("a", 4, token_ids=[1, 2, 3, 4], block_keys=5),  # type: ignore[arg-type]
+        lambda: m.probe([1, 2, 3, 4], block_keys=5),  # type: ignore[arg-type]
+        lambda: m.probe(None, block_keys=[]),  # type: ignore[arg-type]
+        lambda: m.probe(5, block_keys=[]),  # type: ignore[arg-type]
+        lambda: m.probe("abcd", block_keys=[b"\0" * 32]),
+    ):
+        with pytest.raises(InvalidArgument):
+            call()
+        assert _state(m) == before

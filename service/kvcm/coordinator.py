@@ -130,6 +130,7 @@ class Coordinator:
         need = [0] * len(self.pools)
         back = [0] * len(self.pools)
         net: list[np.ndarray | int] = [0] * len(self.pools)
+        stale: list[list[np.ndarray]] = [[] for _ in self.pools]
         for g, policy in enumerate(self.policies):
             current = self.num_blocks[g][rows]
             rel_old = self.released_end[g][rows]
@@ -142,10 +143,23 @@ class Coordinator:
                 rel_new, num_released = rel_old, 0
             pg = self.group_pool[g]
             need[pg] += num_add
-            back[pg] += num_released
+            freed: np.ndarray | int = 0
+            if num_released:
+                items, offsets = segments(rel_new - rel_old)
+                slots = self.tables[g][rows[items], rel_old[items] + offsets]
+                stale[pg].append(slots)
+                if in_order:
+                    # Per row, the blocks it held alone. A slot that two rows of the batch
+                    # share frees at the second; counting it for neither errs toward refusing
+                    # the batch, whose ops then run one by one.
+                    alone = self.refs[pg][slots] == 1
+                    freed = np.bincount(items[alone], minlength=rows.size)
             if in_order:
-                net[pg] = net[pg] + add - (rel_new - rel_old)
+                net[pg] = net[pg] + add - freed
             plans.append(_GroupPlan(g, add, num_add, rel_old, rel_new, num_released, current))
+        for pg, slots in enumerate(stale):
+            if slots:
+                back[pg] = self._freed(pg, np.concatenate(slots))
         for pg, pool in enumerate(self.pools):
             # In order, row i runs after rows < i: it needs what they took net of what they
             # gave back, so every prefix of the net needs must fit, not only the total.
@@ -159,6 +173,14 @@ class Coordinator:
                 )
         self.check_fits(need, back)
         return plans
+
+    def _freed(self, pg: int, slots: np.ndarray) -> int:
+        """Slots of pool group pg that releasing these table cells frees: a slot goes back
+        only when its last holder drops it, so a stale window block that a prefix hit shares
+        with another request frees nothing (one listed k times, by k rows, frees it if they
+        are all its holders)."""
+        unique, counts = np.unique(slots, return_counts=True)
+        return int((self.refs[pg][unique] == counts).sum())
 
     def check_fits(self, need: list[int], back: list[int] | None = None) -> None:
         """Refuse an op that needs more slots than are free once its releases are back."""
@@ -226,7 +248,8 @@ class Coordinator:
             add = max(want - current, 0)
             pg = self.group_pool[g]
             need[pg] += add
-            back[pg] += rel_new - rel_old
+            if rel_new > rel_old:
+                back[pg] += self._freed(pg, self.tables[g][row, rel_old:rel_new])
             steps.append((g, pg, current, add, rel_old, rel_new))
         self.check_fits(need, back)
         for g, pg, _, _, rel_old, rel_new in steps:

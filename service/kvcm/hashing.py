@@ -92,12 +92,6 @@ def _multimodal_tags(
 ) -> dict[int, bytes]:
     tags: dict[int, bytearray] = {}
     for item in items:
-        if item.length <= 0 or item.start < 0:
-            raise InvalidArgument(
-                "a multimodal item needs start >= 0 and length > 0",
-                start=item.start,
-                length=item.length,
-            )
         first = item.start // tokens_per_block
         last = min((item.start + item.length - 1) // tokens_per_block, num_blocks - 1)
         for b in range(first, last + 1):
@@ -161,14 +155,18 @@ def multimodal_items(
     items: Sequence[MultimodalItem | dict[str, object] | object] | None,
 ) -> tuple[MultimodalItem, ...]:
     """Items as ``MultimodalItem``: from themselves, dicts, or objects with the same fields
-    (the wire model ``MultimodalInput``)."""
-    if not items:
+    (the wire model ``MultimodalInput``).
+
+    Every item is checked here, where a request gets them, not when its blocks are hashed:
+    a request allocated without token ids keeps its items for its later commits, and an item
+    refused only then would make every one of them fail.
+    """
+    if items is None:
         return ()
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+        raise InvalidArgument("multimodal must be a list of items", multimodal=None)
     out = []
     for item in items:
-        if isinstance(item, MultimodalItem):
-            out.append(item)
-            continue
         try:
             if isinstance(item, dict):
                 digest, start, length = item["digest"], item["start"], item["length"]
@@ -180,5 +178,9 @@ def multimodal_items(
             isinstance(v, int) and not isinstance(v, bool) for v in (start, length)
         ):
             raise InvalidArgument("multimodal digest must be a str, start and length ints")
+        if start < 0 or length <= 0:
+            raise InvalidArgument(
+                "a multimodal item needs start >= 0 and length > 0", start=start, length=length
+            )
         out.append(MultimodalItem(digest, start, length))  # type: ignore[arg-type]
     return tuple(out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -137,7 +137,12 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
         _count(name, value, minimum)
         return np.full(n, value, dtype=np.int64)
     arr = np.asarray(value)
-    if arr.shape != (n,) or (arr.dtype.kind not in "iu" and arr.size):
+    # numpy reads [True, 2] as ints: a bool is no count here either (as in _count).
+    if (
+        arr.shape != (n,)
+        or (arr.dtype.kind not in "iu" and arr.size)
+        or (isinstance(value, list | tuple) and bool in map(type, value))
+    ):
         raise InvalidArgument(f"{name} must be an int or {n} ints", **{name: None})
     # Checked before the cast: a uint64 of 2**63 would turn negative in int64.
     if n and not (minimum <= int(arr.min()) and int(arr.max()) <= MAX_COUNT):
@@ -334,6 +339,9 @@ class KVCacheManager:
             raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
 
     def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
+        # A str is a collection too: "ab" would be the requests "a" and "b".
+        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Collection):
+            raise InvalidArgument("request_ids must be a list of request ids", request_ids=None)
         rows = self._rows
         try:
             return np.fromiter(
@@ -500,6 +508,8 @@ class KVCacheManager:
         full = len(tokens) // self.tokens_per_block
         if given is None:
             return chain_keys(root, data, self.tokens_per_block, 0, items)
+        if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+            raise InvalidArgument("block_keys must be a list of keys", block_keys=None)
         # Only the count is checked: a malformed key is in no index, so it can never hit, and
         # keys past the hit are not kept. Hex strings (the wire form) are converted.
         keys = given if type(given) is list else list(given)
@@ -526,7 +536,12 @@ class KVCacheManager:
         """Tokens a new request with this prompt would reuse now; claims nothing."""
         self._check_prompt(token_ids, None)
         if block_keys is not None:
-            tokens, data = token_ids, b""  # type: ignore[assignment]  # only its length is used
+            # Only the prompt's length is used (a probe claims nothing), but it must have one.
+            if isinstance(token_ids, str | bytes) or not isinstance(
+                token_ids, Sequence | np.ndarray
+            ):
+                raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
+            tokens, data = token_ids, b""  # type: ignore[assignment]
         else:
             tokens, data = _token_ids(token_ids)
         if len(tokens) == 0:
@@ -587,8 +602,8 @@ class KVCacheManager:
         in_order: bool,
     ) -> np.ndarray:
         """``extend_many``; returns the rows (in ``request_ids`` order)."""
-        n = len(request_ids)
         rows = self._rows_of(request_ids)
+        n = rows.size
         seen = np.zeros(self.config.max_requests, dtype=bool)
         seen[rows] = True
         if int(seen.sum()) != n:
