@@ -58,6 +58,8 @@ class _GroupPlan:
     released_new: np.ndarray
     num_released: int
     current: np.ndarray
+    stale: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """Table cells the op releases: (rows, positions, slots), gathered once by the plan."""
 
 
 @dataclass(slots=True)
@@ -144,22 +146,30 @@ class Coordinator:
             pg = self.group_pool[g]
             need[pg] += num_add
             freed: np.ndarray | int = 0
+            cells = None
             if num_released:
                 items, offsets = segments(rel_new - rel_old)
-                slots = self.tables[g][rows[items], rel_old[items] + offsets]
+                r, pos = rows[items], rel_old[items] + offsets
+                slots = self.tables[g][r, pos]
+                cells = (r, pos, slots)
                 stale[pg].append(slots)
                 if in_order:
-                    # Per row, the blocks it held alone. A slot that two rows of the batch
-                    # share frees at the second; counting it for neither errs toward refusing
-                    # the batch, whose ops then run one by one.
                     alone = self.refs[pg][slots] == 1
-                    freed = np.bincount(items[alone], minlength=rows.size)
+                    if alone.all():  # no prefix hit shares them: every row frees its own
+                        freed = rel_new - rel_old
+                    else:
+                        # Per row, the blocks it held alone. A slot that two rows of the
+                        # batch share frees at the second; counting it for neither errs
+                        # toward refusing the batch, whose ops then run one by one.
+                        freed = np.bincount(items[alone], minlength=rows.size)
             if in_order:
                 net[pg] = net[pg] + add - freed
-            plans.append(_GroupPlan(g, add, num_add, rel_old, rel_new, num_released, current))
+            plans.append(
+                _GroupPlan(g, add, num_add, rel_old, rel_new, num_released, current, cells)
+            )
         for pg, slots in enumerate(stale):
             if slots:
-                back[pg] = self._freed(pg, np.concatenate(slots))
+                back[pg] = self._freed(pg, slots[0] if len(slots) == 1 else np.concatenate(slots))
         for pg, pool in enumerate(self.pools):
             # In order, row i runs after rows < i: it needs what they took net of what they
             # gave back, so every prefix of the net needs must fit, not only the total.
@@ -179,6 +189,8 @@ class Coordinator:
         only when its last holder drops it, so a stale window block that a prefix hit shares
         with another request frees nothing (one listed k times, by k rows, frees it if they
         are all its holders)."""
+        if int(self.refs[pg][slots].max()) == 1:  # the usual case: each cell its own slot
+            return int(slots.size)
         unique, counts = np.unique(slots, return_counts=True)
         return int((self.refs[pg][unique] == counts).sum())
 
@@ -218,7 +230,7 @@ class Coordinator:
         plans = self._plan(rows, history, length + lookahead, in_order)
         for plan in plans:
             if plan.num_released:
-                self._release(plan, rows)
+                self._release(plan)
         for plan in plans:
             if plan.num_add:
                 self._allocate(plan, rows)
@@ -266,11 +278,10 @@ class Coordinator:
         self.lookahead[row] = lookahead
         self.ops_since_take += 1
 
-    def _release(self, plan: _GroupPlan, rows: np.ndarray) -> None:
-        items, offsets = segments(plan.released_new - plan.released_old)
-        r = rows[items]
-        pos = plan.released_old[items] + offsets
-        self._unref(self.group_pool[plan.group], self.tables[plan.group][r, pos])
+    def _release(self, plan: _GroupPlan) -> None:
+        assert plan.stale is not None
+        r, pos, slots = plan.stale
+        self._unref(self.group_pool[plan.group], slots)
         self._set(plan.group, r, pos, None)
 
     def _allocate(self, plan: _GroupPlan, rows: np.ndarray) -> None:
