@@ -149,3 +149,10 @@ def test_slow_and_silent_clients_are_cut_off_while_others_are_served() -> None:
                 data = b""
             assert data == b""  # closed by the service, nothing answered
             s.close()
+
+
+def test_without_httptools_the_service_still_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcm.server.protocol as protocol
+
+    monkeypatch.setattr(protocol, "HttpToolsProtocol", None)
+    assert protocol.with_deadline(1.0) == "h11"

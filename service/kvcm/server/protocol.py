@@ -7,18 +7,28 @@ a test kept them. Here every request must arrive whole (headers and body) within
 ``read_timeout`` seconds of its first byte, or of the connection's opening for the first one;
 otherwise the connection is closed. Time spent answering does not count: the deadline stops at
 the request's last byte and starts again at the next request's first.
+
+It extends uvicorn's httptools protocol (``uvicorn[standard]``, a dependency). Where httptools
+is missing, ``with_deadline`` falls back to uvicorn's h11 protocol without the deadline, and
+says so in the log, rather than failing to serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from asyncio import TimerHandle
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is not installed
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+_log = logging.getLogger("kvcm")
 
 
-class DeadlineProtocol(HttpToolsProtocol):
+class DeadlineProtocol(HttpToolsProtocol or asyncio.Protocol):  # type: ignore[misc]
     """``HttpToolsProtocol`` plus the read deadline (``with_deadline`` sets ``read_timeout``)."""
 
     read_timeout = 10.0
@@ -58,6 +68,10 @@ class DeadlineProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
 
-def with_deadline(read_timeout: float) -> type[DeadlineProtocol]:
-    """The protocol class for ``uvicorn.Config(http=...)`` with this read deadline."""
+def with_deadline(read_timeout: float) -> type[DeadlineProtocol] | str:
+    """The protocol for ``uvicorn.Config(http=...)``: the class with this read deadline, or
+    ``"h11"`` (no deadline, logged) where httptools is missing."""
+    if HttpToolsProtocol is None:
+        _log.warning("httptools is not installed: serving without a request read deadline")
+        return "h11"
     return type("DeadlineProtocol", (DeadlineProtocol,), {"read_timeout": read_timeout})
