@@ -530,3 +530,29 @@ def test_block_keys_and_a_probed_prompt_must_be_sequences() -> None:
         with pytest.raises(InvalidArgument):
             call()
         assert _state(m) == before
+
+
+def test_a_one_prompt_body_with_too_many_items_is_refused_before_parsing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcm_client.models import ProbeRequest
+
+    parsed: list[int] = []
+    real = ProbeRequest.model_validate_json
+    monkeypatch.setattr(
+        ProbeRequest,
+        "model_validate_json",
+        classmethod(lambda cls, data: parsed.append(1) or real(data)),
+    )
+    with (
+        serve_in_thread(create_app(KVCacheManager(CONFIG))) as url,
+        httpx.Client(base_url=url) as http,
+    ):
+        # max_seq_len 32: a prompt and its keys have far fewer than 2 x 32 + 4096 commas.
+        junk = b'{"token_ids": [' + b"1," * 5000 + b"1]}"
+        for path in ("/v1/probe", "/v1/allocate"):
+            r = http.post(path, content=junk, headers={"content-type": "application/json"})
+            assert r.status_code == 413 and r.json()["code"] == "sequence_too_long"
+        assert parsed == []
+        r = http.post("/v1/probe", json={"token_ids": [1] * 20})
+        assert r.status_code == 200 and parsed == [1]

@@ -247,6 +247,7 @@ def _specific(call: Recorder, generation: str) -> None:
     for route in ("/v1/request", "/v1/block_table", "/v1/committed_tokens"):
         call("GET", route, "unknown_request", params=nope)
     call("POST", "/v1/page_indices", "unknown_layer", json={"request_ids": [], "layer_id": 9})
+    call("POST", "/v1/probe", "sequence_too_long", json={"token_ids": [1] * 1000})
     call("POST", "/v1/slot_mapping", "unknown_layer", json={"request_ids": [], "layer_id": 9})
     call("GET", "/v1/estimate", "invalid_argument", params={"seq_len": 0})
 

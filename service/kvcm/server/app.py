@@ -39,6 +39,7 @@ from kvcm_client.errors import (
     KVCMError,
     MethodNotAllowed,
     NotFound,
+    SequenceTooLong,
     Unauthorized,
     invalid_from_validation,
 )
@@ -91,10 +92,11 @@ OFFLOAD_BYTES = 256 << 10
 
 def default_body_limit(max_seq_len: int) -> int:
     """The largest body a real call needs, with room: a prompt of ``max_seq_len`` ids of up to
-    10 digits and a comma each, plus 64 KiB; at least 1 MiB (a step of ``MAX_STEP_OPS`` ops
-    is about 100 KiB). 131072 tokens give 1.5 MiB. Bounding the body bounds the parse, the
-    one part of a call whose cost grows with what a client sends before any check."""
-    return max(1 << 20, (64 << 10) + 11 * max_seq_len)
+    6 digits (vocabularies stay under 10**6), a comma and a space each, plus 64 KiB; at least
+    1 MiB (a step of ``MAX_STEP_OPS`` ops is well under). 131072 tokens give 1.1 MiB.
+    Bounding the body bounds the parse, the one part of a call whose cost grows with what a
+    client sends before any check."""
+    return max(1 << 20, (64 << 10) + 8 * max_seq_len)
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -173,6 +175,10 @@ def create_app(
         return request.headers.get(SESSION_HEADER)
 
     bodies: dict[str, type[BaseModel]] = {}
+    max_seq_len = manager.config.max_seq_len
+    # Commas of the largest one-prompt body: the ids, a key per block, multimodal items and
+    # the other fields (generous: only junk comes near it).
+    max_items = 2 * max_seq_len + 4096
 
     def rpc(
         path: str,
@@ -182,13 +188,16 @@ def create_app(
         mutating: bool = True,
         summary: str = "",
         parse: Callable[[bytes], Any] | None = None,
+        one_prompt: bool = False,
     ) -> None:
         """Register ``POST path``: ``call(parse(body bytes), session id)``, timed and counted.
 
         ``parse`` defaults to validating ``body``; with a ``parse`` of its own, ``call``
         returns the answer's bytes. Parsing touches no state, so a large body is parsed in a
         worker thread (the event loop keeps answering small calls meanwhile); ``call`` runs on
-        the loop, so manager calls never interleave.
+        the loop, so manager calls never interleave. ``one_prompt``: the body holds at most
+        one prompt, so a body with more commas than a max_seq_len prompt and its keys can
+        have is refused before it is parsed (a count is ~0.1 ms a MiB; the parse ~30 ms).
         """
         latency = state.metrics.latency.labels(path)
         raw = parse is not None
@@ -205,6 +214,12 @@ def create_app(
                 authorize(request)
             data = await request.body()
             session = session_of(request)
+            if one_prompt and data.count(b",") > max_items:
+                raise SequenceTooLong(
+                    f"the body holds more items than a prompt of max_seq_len={max_seq_len} "
+                    "tokens and its keys",
+                    max_seq_len=max_seq_len,
+                )
             if len(data) > OFFLOAD_BYTES:
                 parsed = await asyncio.to_thread(parse, data)
             else:
@@ -234,7 +249,14 @@ def create_app(
         )
 
     m = manager
-    rpc("/v1/allocate", AllocateOp, RequestInfo, state.allocate, summary="allocate a request")
+    rpc(
+        "/v1/allocate",
+        AllocateOp,
+        RequestInfo,
+        state.allocate,
+        summary="allocate a request",
+        one_prompt=True,
+    )
     rpc("/v1/extend", ExtendOp, RequestInfo, state.extend, summary="add tokens to a request")
     rpc("/v1/extend_many", ExtendManyRequest, None, state.extend_many, summary="decode step")
     rpc("/v1/rewind", RewindOp, RequestInfo, state.rewind, summary="drop the last tokens")
@@ -292,6 +314,7 @@ def create_app(
                 r.block_keys,
             )
         ),
+        one_prompt=True,
         mutating=False,
         summary="tokens a new request with this prompt would reuse (claims nothing)",
     )

@@ -112,7 +112,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/page_indices"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mapping"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mappings"): RouteDoc(_REQUEST, **_READ),
-    ("POST", "/v1/probe"): RouteDoc((), **_READ),
+    ("POST", "/v1/probe"): RouteDoc((SequenceTooLong,), **_READ),
     ("POST", "/v1/reset_prefix_cache"): RouteDoc((PrefixCacheInUse,), body=True, auth=True),
     ("GET", "/v1/events"): RouteDoc((InvalidArgument,), auth=True),
     ("GET", "/v1/layout"): RouteDoc(),
