@@ -128,19 +128,20 @@ class Sizing:
             fixed=fixed,
         )
 
-    def _weights(self, curves: Curves, length: int) -> list[int]:
-        """Bytes one request of ``length`` tokens takes in each pool group."""
-        return [
-            int(peak[length - 1]) * pg.slot_bytes
-            for peak, pg in zip(curves.pool, self.layout.pool_groups, strict=True)
-        ]
+    def _cost(self, curves: Curves) -> np.ndarray:
+        """Bytes one request of L tokens takes in all pool groups, for every L (index L - 1)."""
+        pools = self.layout.pool_groups
+        return sum(peak * pg.slot_bytes for peak, pg in zip(curves.pool, pools, strict=True))
+
+    def _budget(self, memory_bytes: int, reserved: int) -> int:
+        """What the split shares out: the budget less ``reserved`` slots of every pool group."""
+        return memory_bytes - reserved * sum(pg.slot_bytes for pg in self.layout.pool_groups)
 
     def slots_for_budget(self, memory_bytes: int, reserved: int = 0) -> dict[PoolGroupId, int]:
         """Slots per pool group for a budget, ``reserved`` of them outside the split."""
         curves = self.curves(self.shape)
-        weights = self._weights(curves, curves.max_len)
-        total = sum(weights)
-        budget = memory_bytes - reserved * sum(pg.slot_bytes for pg in self.layout.pool_groups)
+        total = int(self._cost(curves)[-1])
+        budget = self._budget(memory_bytes, reserved)
         slots = {
             pg.pool_group_id: reserved + max(budget, 0) * int(peak[-1]) // total
             for peak, pg in zip(curves.pool, self.layout.pool_groups, strict=True)
@@ -172,8 +173,8 @@ class Sizing:
             for pg in pools
         ):
             return
-        budget = memory_bytes - reserved * sum(pg.slot_bytes for pg in pools)
-        cost = sum(peak * pg.slot_bytes for peak, pg in zip(curves.pool, pools, strict=True))
+        budget = self._budget(memory_bytes, reserved)
+        cost = self._cost(curves)
         longest = int(np.searchsorted(cost, budget, side="right"))
         fits = longest + self.shape.lookahead if longest else 0
         raise InsufficientMemory(
