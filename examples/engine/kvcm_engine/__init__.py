@@ -1,0 +1,23 @@
+"""An example inference engine on Hugging Face transformers whose KV cache is kvcm's."""
+
+from .cache import CacheMiss, KVCMCache, StepTables
+from .engine import Backend, Engine, EngineStats, reference_outputs
+from .models import FAMILIES, BuiltModel, build_model
+from .scheduler import Request, Scheduler
+from .workload import make_requests
+
+__all__ = [
+    "FAMILIES",
+    "Backend",
+    "BuiltModel",
+    "CacheMiss",
+    "Engine",
+    "EngineStats",
+    "KVCMCache",
+    "Request",
+    "Scheduler",
+    "StepTables",
+    "build_model",
+    "make_requests",
+    "reference_outputs",
+]

@@ -1,0 +1,237 @@
+"""The engine: a transformers model that keeps its KV cache in kvcm, run step by step.
+
+Per step (``Engine.step``): the scheduler makes kvcm's step call (commit, free, extend,
+allocate); the engine asks kvcm for the slot mapping of the tokens it computes
+(``slot_mappings``, which also brings the shared page tables up to date), reads the page tables
+in place (``page_tables``: the in-process manager's tensor, or the attached shared/IPC
+memory), and runs one forward of the model with a ``KVCMCache``: the model's attention
+writes the new keys and values at the slot mapping and reads the history through the page
+tables. The logits of each request's last column pick its next token (greedy).
+
+Two backends give the same engine: ``Backend.in_process(manager)`` and
+``Backend.sidecar(client)`` (HTTP for the calls, the attached pools for the memory).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import KVCMCache, LayerInfo, StepTables
+from .models import BuiltModel
+from .scheduler import Request, Scheduler, Work
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """Where the calls go and where the memory is."""
+
+    kvcm: Any
+    """``step``, ``probe`` and ``slot_mappings``: a ``KVCacheManager`` or ``KVCacheClient``."""
+    view: Callable[[int, str], torch.Tensor]
+    page_tables: Callable[[], torch.Tensor]
+    layers: dict[int, LayerInfo]
+    windows: list[int | None]
+    tokens_per_block: int
+    null_page: bool
+
+    @staticmethod
+    def _make(kvcm: Any, view: Any, tables: Any, shared: Any) -> Backend:
+        layers = {
+            spec.layer_id: LayerInfo(
+                shared.layer_group_of[spec.layer_id], spec.kv_factor, spec.sliding_window
+            )
+            for spec in shared.layers
+            if spec.num_kv_heads
+        }
+        windows: list[int | None] = [None] * (max(i.group for i in layers.values()) + 1)
+        for spec in shared.layers:
+            if spec.num_kv_heads:
+                if spec.sink_tokens:
+                    raise ValueError("the example engine has no attention sinks")
+                windows[layers[spec.layer_id].group] = spec.sliding_window
+        return Backend(kvcm, view, tables, layers, windows, shared.tokens_per_block, shared.null_page)
+
+    @staticmethod
+    def in_process(manager: Any) -> Backend:
+        """The manager in this process (its ``pools()`` needs ``share`` only for the layout,
+        so the layout is read from its config instead)."""
+        cfg = manager.config
+        shared = _LayoutView(
+            cfg.layers,
+            {s.layer_id: int(manager.layer_group_of(s.layer_id)) for s in cfg.layers if s.num_kv_heads},
+            cfg.tokens_per_block,
+            cfg.null_page,
+        )
+        return Backend._make(manager, manager.layer_view, manager.page_tables, shared)
+
+    @staticmethod
+    def sidecar(client: Any) -> Backend:
+        """A ``KVCacheClient``: calls over HTTP, pools and page tables attached (shared memory
+        on the CPU, CUDA IPC on a GPU)."""
+        attachment = client.attach()
+        return Backend._make(
+            client, attachment.layer_view, lambda: attachment.page_tables, attachment.layout
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _LayoutView:
+    layers: Sequence[Any]
+    layer_group_of: dict[int, int]
+    tokens_per_block: int
+    null_page: bool
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    forwards: int = 0
+    tokens_computed: int = 0
+    tokens_generated: int = 0
+    kvcm_s: float = 0.0
+    model_s: float = 0.0
+    wall_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous batching of ``model`` on kvcm (see the module docstring)."""
+
+    def __init__(
+        self,
+        built: BuiltModel,
+        backend: Backend,
+        *,
+        chunk: int = 32,
+        max_batch_tokens: int = 64,
+        max_running: int = 16,
+    ) -> None:
+        self.model = built.model
+        self.backend = backend
+        self.scheduler = Scheduler(
+            backend.kvcm, chunk=chunk, max_batch_tokens=max_batch_tokens, max_running=max_running
+        )
+        self.stats = EngineStats()
+        config = self.model.config
+        self._device = next(self.model.parameters()).device
+        self._dtype = next(self.model.parameters()).dtype
+        types = getattr(config, "layer_types", None)
+        # Models with several layer types take a mask per type (a dict); the others one mask.
+        self._mask_groups: dict[str, int] | None = None
+        if types and len(set(types)) > 1:
+            groups: dict[str, int] = {}
+            for layer, kind in enumerate(types):
+                g = backend.layers[layer].group
+                if groups.setdefault(kind, g) != g:
+                    raise ValueError(f"layers of type {kind} are in several kvcm layer groups")
+            self._mask_groups = groups
+        elif len(backend.windows) != 1:
+            raise ValueError("a model with one layer type needs one kvcm layer group")
+        params = inspect.signature(self.model.forward).parameters
+        # transformers renamed past_key_values to cache in 5.x.
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def run(self, arrivals: Sequence[Request], max_steps: int = 100_000) -> list[Request]:
+        """Run until every request finished; request i joins at step ``arrival_step``."""
+        pending = sorted(arrivals, key=lambda r: r.arrival_step)
+        begin = time.perf_counter()
+        step = 0
+        while pending or not self.scheduler.idle:
+            while pending and pending[0].arrival_step <= step:
+                self.add(pending.pop(0))
+            self.step()
+            step += 1
+            if step > max_steps:
+                raise RuntimeError(f"not finished after {max_steps} steps")
+        self.stats.wall_s += time.perf_counter() - begin
+        return sorted(self.scheduler.finished, key=lambda r: r.request_id)
+
+    def step(self) -> None:
+        begin = time.perf_counter()
+        plan = self.scheduler.schedule()
+        kvcm_s = time.perf_counter() - begin
+        self.stats.steps += 1
+        if plan:
+            t = time.perf_counter()
+            ids = [w.request.kv_id for w in plan]
+            counts = [w.count for w in plan]
+            slots = torch.as_tensor(self.backend.kvcm.slot_mappings(ids, counts))
+            tables = self.backend.page_tables()
+            kvcm_s += time.perf_counter() - t
+            t = time.perf_counter()
+            next_tokens = self._forward(plan, slots, tables)
+            self.stats.model_s += time.perf_counter() - t
+        else:
+            next_tokens = {}
+        self.scheduler.finish_step(plan, next_tokens)
+        self.stats.kvcm_s += kvcm_s
+        self.stats.step_s.append(time.perf_counter() - begin)
+
+    @torch.no_grad()
+    def _forward(self, plan: list[Work], slots: torch.Tensor, tables: torch.Tensor) -> dict[str, int]:
+        b = self.backend
+        q = max(w.count for w in plan)
+        ids = torch.zeros(len(plan), q, dtype=torch.long)
+        pos = torch.zeros(len(plan), q, dtype=torch.long)
+        for i, w in enumerate(plan):
+            seq = w.request.seq
+            ids[i, q - w.count :] = torch.tensor(seq[w.start : w.start + w.count])
+            pos[i, q - w.count :] = torch.arange(w.start, w.start + w.count)
+        step_tables = StepTables.build(
+            tables,
+            slots,
+            [w.request.row for w in plan],
+            [w.start for w in plan],
+            [w.count for w in plan],
+            b.windows,
+            b.tokens_per_block,
+            b.null_page,
+            self._dtype,
+        )
+        masks = [t.mask for t in step_tables.groups]
+        mask: Any = (
+            masks[0]
+            if self._mask_groups is None
+            else {kind: masks[g] for kind, g in self._mask_groups.items()}
+        )
+        cache = KVCMCache(b.view, b.layers, step_tables)
+        out = self.model(
+            input_ids=ids.to(self._device),
+            position_ids=pos.to(self._device),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_arg: cache},
+        )
+        best = out.logits[:, -1].float().argmax(dim=-1).tolist()
+        self.stats.forwards += 1
+        self.stats.tokens_computed += sum(w.count for w in plan)
+        done = {}
+        for w, token in zip(plan, best, strict=True):
+            if w.start + w.count == len(w.request.seq):
+                done[w.request.request_id] = token
+                self.stats.tokens_generated += 1
+        return done
+
+
+def reference_outputs(built: BuiltModel, requests: Sequence[Request]) -> dict[str, list[int]]:
+    """The oracle: transformers' own ``generate`` (greedy, its own dense cache), one request
+    at a time, on the same model."""
+    out = {}
+    device = next(built.model.parameters()).device
+    for r in requests:
+        ids = torch.tensor([r.prompt], device=device)
+        gen = built.model.generate(
+            ids, do_sample=False, max_new_tokens=r.max_new_tokens, pad_token_id=0
+        )
+        out[r.request_id] = gen[0, len(r.prompt) :].tolist()
+    return out

@@ -1,0 +1,222 @@
+"""A continuous-batching scheduler that drives kvcm once per step.
+
+Each step it decides which requests compute how many tokens under a token budget (decodes
+first, then prefill chunks of at most ``chunk`` tokens, then new requests), and sends kvcm one
+``step`` call with, in this order: ``commit`` of the tokens computed in the previous step
+(their blocks become reusable prefixes), ``free`` of finished requests, ``extend`` of running
+ones and ``allocate`` of new ones (with their token ids, so they reuse cached prefixes).
+
+When an ``extend`` finds no free block (``out_of_blocks``) the newest running request is
+preempted: freed, and put back at the head of the queue to be recomputed later from its
+prompt and the tokens it generated so far (which then mostly hit the prefix cache). That
+takes one more call per preemption; a step without preemption is one ``step`` call, plus
+one ``probe`` per newly admitted request (to size its first chunk after its cached prefix).
+
+Sequence arithmetic: a request's sequence is prompt + output; the KV of ``seq[:computed]`` is
+in the cache. With 10 prompt tokens, chunk 4 and 2 cached by a prefix hit... the hit is
+block aligned, so say tokens_per_block 2 and a 2-token hit: the allocate asks for 2 + 4 = 6
+tokens and computes positions 2..5; the next steps extend by 4 (6..9), the last chunk's logits
+give output token 0; then each decode step extends by 1 and computes the previous output token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class KVCM(Protocol):
+    """What the scheduler calls: ``KVCacheManager`` in process or ``KVCacheClient``."""
+
+    def step(self, ops: Any, atomic: bool = False, brief: bool = False) -> Any: ...
+
+    def probe(self, token_ids: Any) -> int: ...
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request; ``kv_id`` names it in kvcm (a new one per admission)."""
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_step: int = 0
+    output: list[int] = field(default_factory=list)
+    computed: int = 0
+    committed: int = 0
+    row: int = -1
+    admissions: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def seq(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def kv_id(self) -> str:
+        return f"{self.request_id}#{self.admissions}"
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """A request computes ``count`` tokens from position ``start`` in this step."""
+
+    request: Request
+    start: int
+    count: int
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    steps: int = 0
+    kvcm_calls: int = 0
+    preemptions: int = 0
+    hit_tokens: int = 0
+    admitted: int = 0
+
+
+class Scheduler:
+    """Queues, the token budget and the kvcm calls; the engine runs the model."""
+
+    def __init__(
+        self, kvcm: KVCM, *, chunk: int, max_batch_tokens: int, max_running: int
+    ) -> None:
+        if chunk < 1 or max_batch_tokens < 1 or max_running < 1:
+            raise ValueError("chunk, max_batch_tokens and max_running must be positive")
+        self.kvcm = kvcm
+        self.chunk = chunk
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.finished: list[Request] = []
+        self._to_free: list[Request] = []
+        self.stats = SchedulerStats()
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self._to_free)
+
+    def _commits(self) -> list[dict[str, Any]]:
+        ops = []
+        for r in [*self.running, *self._to_free]:
+            if r.computed > r.committed:
+                seq = r.seq
+                ops.append({"op": "commit", "request_id": r.kv_id, "token_ids": seq[r.committed : r.computed]})
+                r.committed = r.computed
+        return ops
+
+    def schedule(self) -> list[Work]:
+        """Plan this step and make kvcm's step call; return the work the model does."""
+        self.stats.steps += 1
+        budget = self.max_batch_tokens
+        ops = self._commits()
+        ops += [{"op": "free", "request_id": r.kv_id} for r in self._to_free]
+        self._to_free.clear()
+        plan: list[Work] = []
+        # Decodes first (one token each), then prefill chunks, in admission order.
+        for decoding in (True, False):
+            for r in self.running:
+                pending = len(r.seq) - r.computed
+                if (pending == 1) != decoding or budget == 0:
+                    continue
+                n = min(pending, self.chunk, budget)
+                budget -= n
+                plan.append(Work(r, r.computed, n))
+        ops += [_extend(w) for w in plan]
+        admits = self._candidates(budget)
+        for r, n in admits:
+            r.admissions += 1
+            ops.append(
+                {"op": "allocate", "request_id": r.kv_id, "num_tokens": n, "token_ids": r.seq[:n]}
+            )
+        results = self._call(ops)
+        first = len(ops) - len(admits) - len(plan)
+        extended = results[first : first + len(plan)]
+        failed = [w for w, res in zip(plan, extended, strict=True) if not res.ok]
+        for (r, n), res in zip(admits, results[first + len(plan) :], strict=True):
+            if not res.ok:  # no room yet: it stays in the queue, in its place
+                r.admissions -= 1
+                continue
+            self.waiting.remove(r)
+            info = res.request
+            r.row, r.computed = info.row, info.num_hit_tokens
+            r.committed = info.num_hit_tokens
+            r.hit_tokens += info.num_hit_tokens
+            self.stats.hit_tokens += info.num_hit_tokens
+            self.stats.admitted += 1
+            self.running.append(r)
+            plan.append(Work(r, r.computed, n - r.computed))
+        return self._preempt_for(failed, plan)
+
+    def _candidates(self, budget: int) -> list[tuple[Request, int]]:
+        """Waiting requests to allocate this step, with their first allocation's length:
+        the cached prefix ``probe`` reports plus a chunk (kvcm caps a hit below the prompt's
+        length, so at least one token is computed)."""
+        out: list[tuple[Request, int]] = []
+        for r in self.waiting:
+            if budget <= 0 or len(self.running) + len(out) >= self.max_running:
+                break
+            seq = r.seq
+            self.stats.kvcm_calls += 1
+            hit = self.kvcm.probe(seq)
+            n = hit + min(self.chunk, len(seq) - hit, budget)
+            budget -= n - hit
+            out.append((r, n))
+        return out
+
+    def _call(self, ops: list[dict[str, Any]]) -> list[Any]:
+        if not ops:
+            return []
+        self.stats.kvcm_calls += 1
+        results = self.kvcm.step(ops, brief=True)
+        for op, res in zip(ops, results, strict=True):
+            room = op["op"] in ("extend", "allocate") and res.error is not None and (
+                res.error.code in ("out_of_blocks", "request_limit_reached")
+            )
+            if not res.ok and not room:
+                raise RuntimeError(f"kvcm refused {op['op']} of {op['request_id']}: {res.error}")
+        return results
+
+    def _preempt_for(self, failed: list[Work], plan: list[Work]) -> list[Work]:
+        """Free the newest running requests until every failed extend succeeds (or was
+        itself preempted); returns the plan without the preempted requests."""
+        while failed:
+            victim = self.running.pop()
+            self.stats.preemptions += 1
+            ops: list[dict[str, Any]] = [{"op": "free", "request_id": victim.kv_id}]
+            victim.computed = victim.committed = 0
+            victim.row = -1
+            self.waiting.appendleft(victim)
+            plan = [w for w in plan if w.request is not victim]
+            failed = [w for w in failed if w.request is not victim]
+            ops += [_extend(w) for w in failed]
+            results = self._call(ops)
+            failed = [w for w, res in zip(failed, results[1:], strict=True) if not res.ok]
+        return plan
+
+    def finish_step(self, plan: list[Work], next_tokens: dict[str, int]) -> None:
+        """Record a forward: the work is computed; requests whose sequence is now all computed
+        take their next token (``next_tokens`` by request_id); finished ones are freed in the
+        next step (after their last commit)."""
+        for w in plan:
+            r = w.request
+            r.computed = w.start + w.count
+            if r.computed == len(r.seq):
+                r.output.append(next_tokens[r.request_id])
+                if r.done:
+                    self.running.remove(r)
+                    self._to_free.append(r)
+                    self.finished.append(r)
+
+
+def _extend(w: Work) -> dict[str, Any]:
+    return {"op": "extend", "request_id": w.request.kv_id, "num_new_tokens": w.count}
