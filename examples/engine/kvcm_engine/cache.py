@@ -161,7 +161,12 @@ class KVCMCache:
         self._tables = tables
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *_: Any,
+        **__: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``[R, heads, Q, dim]`` new keys and values; return ``[R, heads, L, dim]``."""
         info = self._layers[layer_idx]

@@ -55,7 +55,9 @@ class Backend:
                 if spec.sink_tokens:
                     raise ValueError("the example engine has no attention sinks")
                 windows[layers[spec.layer_id].group] = spec.sliding_window
-        return Backend(kvcm, view, tables, layers, windows, shared.tokens_per_block, shared.null_page)
+        return Backend(
+            kvcm, view, tables, layers, windows, shared.tokens_per_block, shared.null_page
+        )
 
     @staticmethod
     def in_process(manager: Any) -> Backend:
@@ -64,7 +66,11 @@ class Backend:
         cfg = manager.config
         shared = _LayoutView(
             cfg.layers,
-            {s.layer_id: int(manager.layer_group_of(s.layer_id)) for s in cfg.layers if s.num_kv_heads},
+            {
+                s.layer_id: int(manager.layer_group_of(s.layer_id))
+                for s in cfg.layers
+                if s.num_kv_heads
+            },
             cfg.tokens_per_block,
             cfg.null_page,
         )
@@ -177,7 +183,9 @@ class Engine:
         self.stats.step_s.append(time.perf_counter() - begin)
 
     @torch.no_grad()
-    def _forward(self, plan: list[Work], slots: torch.Tensor, tables: torch.Tensor) -> dict[str, int]:
+    def _forward(
+        self, plan: list[Work], slots: torch.Tensor, tables: torch.Tensor
+    ) -> dict[str, int]:
         b = self.backend
         q = max(w.count for w in plan)
         ids = torch.zeros(len(plan), q, dtype=torch.long)

@@ -83,9 +83,7 @@ class SchedulerStats:
 class Scheduler:
     """Queues, the token budget and the kvcm calls; the engine runs the model."""
 
-    def __init__(
-        self, kvcm: KVCM, *, chunk: int, max_batch_tokens: int, max_running: int
-    ) -> None:
+    def __init__(self, kvcm: KVCM, *, chunk: int, max_batch_tokens: int, max_running: int) -> None:
         if chunk < 1 or max_batch_tokens < 1 or max_running < 1:
             raise ValueError("chunk, max_batch_tokens and max_running must be positive")
         self.kvcm = kvcm
@@ -110,7 +108,13 @@ class Scheduler:
         for r in [*self.running, *self._to_free]:
             if r.computed > r.committed:
                 seq = r.seq
-                ops.append({"op": "commit", "request_id": r.kv_id, "token_ids": seq[r.committed : r.computed]})
+                ops.append(
+                    {
+                        "op": "commit",
+                        "request_id": r.kv_id,
+                        "token_ids": seq[r.committed : r.computed],
+                    }
+                )
                 r.committed = r.computed
         return ops
 
@@ -179,8 +183,10 @@ class Scheduler:
         self.stats.kvcm_calls += 1
         results = self.kvcm.step(ops, brief=True)
         for op, res in zip(ops, results, strict=True):
-            room = op["op"] in ("extend", "allocate") and res.error is not None and (
-                res.error.code in ("out_of_blocks", "request_limit_reached")
+            room = (
+                op["op"] in ("extend", "allocate")
+                and res.error is not None
+                and (res.error.code in ("out_of_blocks", "request_limit_reached"))
             )
             if not res.ok and not room:
                 raise RuntimeError(f"kvcm refused {op['op']} of {op['request_id']}: {res.error}")
