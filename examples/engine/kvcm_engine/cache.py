@@ -49,6 +49,9 @@ class GroupTables:
     """One layer group's reads and writes in a forward.
 
     ``read_blocks``/``read_offsets`` ``[R, L]``: where history column k of each request lives;
+    ``read_keep`` ``[R, L]``: the columns that hold a written key (the others are zeroed after
+    the gather: a masked column still enters ``q @ k`` and then the additive mask, and the
+    unwritten tail of a block may hold anything, NaN included);
     ``write_blocks``/``write_offsets`` ``[N]`` with ``write_rows``/``write_cols``: where each
     of the N new tokens goes (tokens kvcm maps to -1, released by a window, are left out);
     ``mask`` ``[R, 1, Q, L]``: additive (0 = attend, dtype min = masked).
@@ -56,6 +59,7 @@ class GroupTables:
 
     read_blocks: torch.Tensor
     read_offsets: torch.Tensor
+    read_keep: torch.Tensor
     write_rows: torch.Tensor
     write_cols: torch.Tensor
     write_blocks: torch.Tensor
@@ -132,6 +136,7 @@ class StepTables:
                 GroupTables(
                     read_blocks=torch.where(held, pages, 0),
                     read_offsets=pos % tpb,
+                    read_keep=(valid & held)[:, :, None, None],
                     write_rows=req[keep],
                     write_cols=cols[keep],
                     write_blocks=slots[keep] // tpb,
@@ -181,7 +186,8 @@ class KVCMCache:
             view = self._view(layer_idx, role)
             new = states.transpose(1, 2)[t.write_rows, t.write_cols]  # [N, heads, dim]
             view[t.write_blocks, t.write_offsets] = new.to(view.dtype)
-            history.append(view[t.read_blocks, t.read_offsets].to(states.dtype).transpose(1, 2))
+            read = view[t.read_blocks, t.read_offsets].to(states.dtype)
+            history.append(torch.where(t.read_keep, read, 0).transpose(1, 2))
         if latent:
             return tuple(torch.split(history[0], parts, dim=-1))  # type: ignore[return-value]
         return history[0], history[1]

@@ -9,10 +9,11 @@ attention (DeepSeek-V3: one 40-value latent per token, key only). ``scale`` mult
 for the benchmark.
 
 Weights: transformers' initialisation under ``torch.manual_seed(seed)``, then every matrix
-of two or more dimensions multiplied by ``weight_gain``. The default initialisation (std 0.02)
-gives near-uniform attention and flat logits; the gain makes attention depend on the context,
-so a wrong key or value in the cache changes the generated tokens (the tests check that it
-does).
+of two or more dimensions multiplied by a gain (``GAINS``, 5 unless a family says otherwise).
+The default initialisation (std 0.02) gives near-uniform attention and flat logits; the gain
+makes attention depend on the context, so a wrong key or value in the cache changes the
+generated tokens (the tests check that it does). Gemma scales its embeddings by
+sqrt(hidden_size) already: a gain there saturates it into repeating one token, so it keeps 1.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
 }
 
+#: Weight gain by family (default 5.0; see the module docstring).
+GAINS = {"gemma3": 1.0}
+
 #: Fields ``scale`` multiplies (widths); layer counts and windows stay.
 _WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "kv_lora_rank")
 
@@ -99,7 +103,7 @@ def build_model(
     scale: int = 1,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    weight_gain: float = 5.0,
+    weight_gain: float | None = None,
     **overrides: Any,
 ) -> BuiltModel:
     """Build ``family`` with seeded random weights, in eval mode on ``device``."""
@@ -114,6 +118,8 @@ def build_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if weight_gain is None:
+        weight_gain = GAINS.get(family, 5.0)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:

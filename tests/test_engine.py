@@ -1,0 +1,156 @@
+"""A real model generates through kvcm (in process): every token equals transformers' own
+``generate``, under continuous batching with prefix hits, chunked prefill and preemption.
+
+The oracle is transformers itself: ``reference_outputs`` runs ``model.generate`` (greedy, its
+own dense cache) on each prompt alone; the engine runs all 16 requests interleaved on kvcm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcm import KVCacheManager
+from kvcm.model_config import layers_from_hf_config
+from kvcm_engine import (
+    FAMILIES,
+    Backend,
+    CacheMiss,
+    Engine,
+    Request,
+    StepTables,
+    build_model,
+    make_requests,
+    reference_outputs,
+)
+
+CHUNK = 16
+
+
+def manager_for(built, num_blocks: int = 48, tokens_per_block: int = 4) -> KVCacheManager:
+    return KVCacheManager(
+        {
+            "layers": layers_from_hf_config(built.hf_config),
+            "tokens_per_block": tokens_per_block,
+            "num_blocks": num_blocks,
+            "max_requests": 16,
+            "max_seq_len": 256,
+            "max_prefill_chunk": CHUNK,
+            "null_page": True,
+        }
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def built(request):
+    return build_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def expected(built):
+    return reference_outputs(built, make_requests(16))
+
+
+def test_tokens_equal_transformers_generate(built, expected) -> None:
+    """16 requests of 8 to 100 tokens arriving over time, half with a shared 40-token system
+    prompt, chunk 16, and a pool of 47 usable blocks of 4 tokens: less than two of the longest
+    requests need, so the engine preempts; every token still equals transformers'."""
+    requests = make_requests(16)
+    assert max(len(r.prompt) for r in requests) > CHUNK > min(len(r.prompt) for r in requests)
+    m = manager_for(built)
+    # Uninitialised pool memory must not leak into attention: start from NaN everywhere but
+    # the null page.
+    for spec in m.config.layers:
+        m.layer_view(spec.layer_id, "key")[1:] = float("nan")
+    engine = Engine(built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48)
+    done = engine.run(requests)
+    assert [r.request_id for r in done] == sorted(expected)
+    assert {r.request_id: r.output for r in done} == expected
+    stats = engine.scheduler.stats
+    assert stats.hit_tokens > 0
+    assert stats.preemptions > 0
+    assert (
+        sum(len(r.output) for r in done)
+        == engine.stats.tokens_generated
+        == sum(len(v) for v in expected.values())
+    )
+    # Every request was freed: the pool is whole again, its blocks cached for reuse.
+    assert m.request_ids() == []
+    assert m.num_free_blocks() == m.num_total_blocks()
+
+
+def test_prefix_hit_reads_the_cached_kv(built) -> None:
+    """The negative control: a second request with the same prompt reuses the first one's
+    blocks (a prefix hit); with those blocks' KV zeroed in the pool its tokens change, so the
+    hit tokens are read from kvcm's memory, not recomputed."""
+    prompt = make_requests(1)[0].prompt
+    want = reference_outputs(built, [Request("x", prompt, 8)])["x"]
+    outputs = {}
+    for corrupt in (False, True):
+        m = manager_for(built, num_blocks=200)
+        engine = Engine(built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48)
+        engine.run([Request("a", prompt, 8)])
+        if corrupt:
+            for spec in m.config.layers:
+                m.layer_view(spec.layer_id, "key").zero_()
+        second = engine.run([Request("b", prompt, 8)])
+        b = next(r for r in second if r.request_id == "b")
+        assert b.hit_tokens == (len(prompt) - 1) // 4 * 4
+        outputs[corrupt] = b.output
+    assert outputs[False] == want
+    assert outputs[True] != want
+
+
+def test_step_tables_worked_example() -> None:
+    """The cache.py docstring's example: tokens_per_block 4, a request with 6 cached tokens
+    computing 2 in a batch of width 3 beside a new 3-token request; one full-attention group
+    and one window-2 group whose block 0 is released (the null page, 0)."""
+    tables = torch.zeros((2, 4, 8), dtype=torch.int32)
+    tables[:, 1, :2] = torch.tensor([9, 5], dtype=torch.int32)  # row 1: positions 0..7
+    tables[1, 1, 0] = 0  # released by the window
+    tables[:, 2, 0] = 7  # row 2: the new request's block
+    slots = torch.tensor([[22, 23, 28, 29, 30], [22, 23, 28, 29, 30]])
+    t = StepTables.build(tables, slots, [1, 2], [6, 0], [2, 3], [None, 2], 4, True, torch.float32)
+    full, win = t.groups
+    assert full.read_blocks.tolist() == [[9] * 4 + [5] * 4, [7] * 4 + [0] * 4]
+    assert full.read_offsets.tolist() == [[0, 1, 2, 3] * 2] * 2
+    assert full.read_keep[..., 0, 0].tolist() == [[True] * 8, [True] * 3 + [False] * 5]
+    # Left padding: request 0's queries are columns 1, 2 (positions 6, 7).
+    assert full.write_rows.tolist() == [0, 0, 1, 1, 1]
+    assert full.write_cols.tolist() == [1, 2, 0, 1, 2]
+    assert full.write_blocks.tolist() == [5, 5, 7, 7, 7]
+    assert full.write_offsets.tolist() == [2, 3, 0, 1, 2]
+    assert (full.mask[0, 0] == 0).tolist() == [
+        [True] + [False] * 7,  # a padding column sees column 0 only (no all-masked row)
+        [True] * 7 + [False],
+        [True] * 8,
+    ]
+    assert (full.mask[1, 0] == 0).tolist() == [
+        [True] + [False] * 7,
+        [True, True] + [False] * 6,
+        [True] * 3 + [False] * 5,
+    ]
+    # Window 2 from position 6 - 2 + 1 = 5: request 0's columns are positions 5, 6, 7.
+    assert win.read_blocks.tolist() == [[5, 5, 5], [7, 7, 7]]
+    assert win.read_offsets.tolist() == [[1, 2, 3], [0, 1, 2]]
+    assert (win.mask[0, 0] == 0).tolist() == [
+        [True, False, False],
+        [True, True, False],
+        [False, True, True],
+    ]
+    assert (win.mask[1, 0] == 0).tolist() == [
+        [True, False, False],
+        [True, True, False],
+        [False, True, True],
+    ]
+
+
+def test_cache_miss_when_a_needed_page_is_gone() -> None:
+    """A page the model needs but kvcm does not hold is refused, not read as zeros."""
+    tables = torch.zeros((1, 2, 4), dtype=torch.int32)
+    tables[0, 0, :2] = torch.tensor([3, 0], dtype=torch.int32)  # block 1 missing
+    slots = torch.tensor([[-1]])
+    with pytest.raises(CacheMiss, match="position 4"):
+        StepTables.build(tables, slots, [0], [5], [1], [None], 4, True, torch.float32)
+    tables[0, 0, 1] = 6
+    StepTables.build(tables, torch.tensor([[25]]), [0], [5], [1], [None], 4, True, torch.float32)
