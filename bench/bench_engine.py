@@ -1,0 +1,261 @@
+"""The example engine as a benchmark: what kvcm adds to a real model's step.
+
+  python bench/bench_engine.py                   # CPU, a small Llama-style model (~1 min)
+  python bench/bench_engine.py --device cuda     # GPU, a larger one
+  python bench/bench_engine.py --quick           # a smoke run
+
+One workload (``--requests`` requests, all arriving at once, a shared system prompt, prefill
+chunk ``--chunk``), three ways, in the same run:
+
+- ``transformers``: the baseline, transformers' own ``generate`` with its dense cache on the
+  whole batch at once (left-padded, greedy): no paging, no prefix reuse, static batching;
+- ``kvcm in-process``: the example engine (kvcm_engine) with the manager in this process;
+- ``kvcm sidecar``: the same engine driving a ``kvcm serve`` process on loopback through the
+  typed HTTP client, its pools and page tables attached (shared memory on the CPU, CUDA IPC
+  on a GPU).
+
+Per way: generated tokens per second, steps, mean and p50 step time, and the share of the
+step spent in kvcm calls (the ``step`` call with its ``probe``s, the slot mapping, reading
+the tables), with the kvcm time per step. Every kvcm run's tokens are checked against the
+baseline's (they must be equal; a mismatch is reported, not hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcm_engine import Backend, Engine, build_model, make_requests
+
+SHAPES = {
+    # hidden 256, 4 layers, 8 heads / 4 KV heads of 32, vocab 4096: a CPU-sized model.
+    "cpu": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 4096,
+    },
+    # hidden 2048, 16 layers, 16 heads / 8 KV heads of 128, vocab 32000 (~1B parameters, fp16).
+    "cuda": {
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+    },
+}
+
+
+def kv_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "tokens_per_block": 16,
+        "num_blocks": args.num_blocks,
+        "max_requests": args.requests,
+        "max_seq_len": 1024,
+        "max_prefill_chunk": args.chunk,
+        "null_page": True,
+    }
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def baseline(built: Any, requests: list[Any], device: str) -> dict[str, Any]:
+    """transformers' generate on the whole batch (left padding, its dense cache)."""
+    model = built.model
+    width = max(len(r.prompt) for r in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.long)
+    mask = torch.zeros(len(requests), width, dtype=torch.long)
+    for i, r in enumerate(requests):
+        ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
+        mask[i, width - len(r.prompt) :] = 1
+    new = max(r.max_new_tokens for r in requests)
+    _sync(device)
+    begin = time.perf_counter()
+    out = model.generate(
+        ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        pad_token_id=0,
+    )
+    _sync(device)
+    wall = time.perf_counter() - begin
+    tokens = {
+        r.request_id: out[i, width : width + r.max_new_tokens].tolist()
+        for i, r in enumerate(requests)
+    }
+    useful = sum(r.max_new_tokens for r in requests)
+    return {"tokens": tokens, "wall_s": wall, "tok_s": useful / wall, "steps": new}
+
+
+def engine_run(built: Any, backend: Backend, args: argparse.Namespace) -> dict[str, Any]:
+    engine = Engine(
+        built,
+        backend,
+        chunk=args.chunk,
+        max_batch_tokens=args.max_batch_tokens,
+        max_running=args.requests,
+    )
+    requests = make_requests(args.requests, seed=1, **_workload(args))
+    _sync(args.device)
+    begin = time.perf_counter()
+    done = engine.run(requests)
+    _sync(args.device)
+    wall = time.perf_counter() - begin
+    steps = np.array(engine.stats.step_s) * 1e3
+    s = engine.stats
+    return {
+        "tokens": {r.request_id: r.output for r in done},
+        "wall_s": wall,
+        "tok_s": s.tokens_generated / wall,
+        "steps": s.steps,
+        "step_ms_mean": float(steps.mean()),
+        "step_ms_p50": float(np.percentile(steps, 50)),
+        "kvcm_ms_per_step": s.kvcm_s * 1e3 / s.steps,
+        "kvcm_share": s.kvcm_s / float(steps.sum() / 1e3),
+        "hit_tokens": engine.scheduler.stats.hit_tokens,
+        "preemptions": engine.scheduler.stats.preemptions,
+        "kvcm_calls": engine.scheduler.stats.kvcm_calls,
+    }
+
+
+def _workload(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "system_prompt": args.system_prompt,
+        "prompt_range": (args.prompt_min, args.prompt_max),
+        "new_tokens_range": (args.new_tokens, args.new_tokens),
+        "arrival_every": 0,
+        "vocab": SHAPES[_kind(args.device)]["vocab_size"],
+    }
+
+
+def _kind(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sidecar(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    """``kvcm serve`` with no model, on loopback; the engine registers its model."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvcm", "serve", "--port", str(port), "--device", args.device]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if re.search(r"serving on", line):
+            return proc, f"http://127.0.0.1:{port}"
+    raise RuntimeError(f"kvcm serve exited with {proc.wait()}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or float16 (CUDA)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--system-prompt", type=int, default=64)
+    p.add_argument("--prompt-min", type=int, default=32)
+    p.add_argument("--prompt-max", type=int, default=192)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", help="write the rows to this file")
+    args = p.parse_args()
+    if args.quick:
+        args.requests, args.new_tokens, args.prompt_max = 4, 4, 48
+    kind = _kind(args.device)
+    dtype = getattr(torch, args.dtype or ("float16" if kind == "cuda" else "float32"))
+    built = build_model("llama", device=args.device, dtype=dtype, weight_gain=1.0, **SHAPES[kind])
+    requests = make_requests(args.requests, seed=1, **_workload(args))
+    base = baseline(built, requests, args.device)  # also warms up the model
+    base = baseline(built, requests, args.device)
+    rows = [{"way": "transformers (dense cache, static batch)", **base}]
+
+    from kvcm import KVCacheManager
+    from kvcm.model_config import layers_from_hf_config
+
+    manager = KVCacheManager(
+        {
+            "layers": layers_from_hf_config(built.hf_config),
+            "device": args.device,
+            **kv_settings(args),
+        }
+    )
+    engine_run(built, Backend.in_process(manager), args)  # warm-up
+    manager.close()
+    manager = KVCacheManager(
+        {
+            "layers": layers_from_hf_config(built.hf_config),
+            "device": args.device,
+            **kv_settings(args),
+        }
+    )
+    rows.append({"way": "kvcm in-process", **engine_run(built, Backend.in_process(manager), args)})
+    manager.close()
+
+    from kvcm_client import KVCacheClient
+
+    proc, url = sidecar(args)
+    try:
+        with KVCacheClient(url) as client:
+            client.register_model(hf_config=built.hf_config, **kv_settings(args))
+            rows.append({"way": "kvcm sidecar", **engine_run(built, Backend.sidecar(client), args)})
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+    for row in rows:
+        tokens = row.pop("tokens")
+        row["match"] = (
+            sum(tokens[k] == v for k, v in base["tokens"].items()) if row is not rows[0] else "-"
+        )
+    gpu = torch.cuda.get_device_name() if kind == "cuda" else platform.processor() or "cpu"
+    print(
+        f"# bench_engine {datetime.date.today()} {gpu} {dtype} requests={args.requests} "
+        f"new_tokens={args.new_tokens} chunk={args.chunk}"
+    )
+    print(
+        "| way | tok/s | vs transformers | steps | step ms mean / p50 | kvcm ms/step | kvcm share | hits | preempt | match |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        ratio = row["tok_s"] / rows[0]["tok_s"]
+        if "step_ms_mean" in row:
+            step = f"{row['step_ms_mean']:.2f} / {row['step_ms_p50']:.2f}"
+            kv = f"{row['kvcm_ms_per_step']:.3f} | {row['kvcm_share']:.1%} | {row['hit_tokens']} | {row['preemptions']}"
+        else:
+            step, kv = "-", "- | - | - | -"
+        print(
+            f"| {row['way']} | {row['tok_s']:.0f} | {ratio:.2f}x | {row['steps']} | {step} | {kv} | "
+            f"{row['match']} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": gpu, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

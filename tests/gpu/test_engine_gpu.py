@@ -1,0 +1,53 @@
+"""The example engine on CUDA: the manager's GPU kernels build the slot mappings and tables,
+the model runs on the GPU, and the sidecar's pools reach the engine over CUDA IPC; every
+token equals transformers' own ``generate`` on the same GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from servers import serve_process
+
+from kvcm import KVCacheManager
+from kvcm.model_config import layers_from_hf_config
+from kvcm_client import KVCacheClient
+from kvcm_engine import FAMILIES, Backend, Engine, build_model, make_requests, reference_outputs
+
+DEVICE = "cuda:0"
+SIZING = {
+    "tokens_per_block": 4,
+    "num_blocks": 48,
+    "max_requests": 16,
+    "max_seq_len": 256,
+    "max_prefill_chunk": 16,
+    "null_page": True,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def built(request):
+    return build_model(request.param, device=DEVICE)
+
+
+def check(engine: Engine, built) -> None:
+    done = engine.run(make_requests(16))
+    expected = reference_outputs(built, make_requests(16))
+    assert {r.request_id: r.output for r in done} == expected
+    assert engine.scheduler.stats.hit_tokens > 0
+    assert engine.scheduler.stats.preemptions > 0
+
+
+def test_cuda_manager_in_process(built) -> None:
+    m = KVCacheManager(
+        {"layers": layers_from_hf_config(built.hf_config), "device": DEVICE, **SIZING}
+    )
+    assert m.page_tables().is_cuda
+    check(Engine(built, Backend.in_process(m), chunk=16, max_batch_tokens=48), built)
+
+
+def test_cuda_sidecar_over_ipc(built) -> None:
+    with serve_process("--device", DEVICE) as (url, _, _), KVCacheClient(url) as client:
+        client.register_model(hf_config=built.hf_config, **SIZING)
+        backend = Backend.sidecar(client)
+        assert backend.page_tables().is_cuda
+        check(Engine(built, backend, chunk=16, max_batch_tokens=48), built)
