@@ -171,6 +171,7 @@ class Engine:
             ids = [w.request.kv_id for w in plan]
             counts = [w.count for w in plan]
             slots = torch.as_tensor(self.backend.kvcm.slot_mappings(ids, counts))
+            self.scheduler.stats.kvcm_calls += 1
             tables = self.backend.page_tables()
             kvcm_s += time.perf_counter() - t
             t = time.perf_counter()
