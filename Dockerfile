@@ -1,10 +1,12 @@
 # kvcm sidecar image: CUDA 12 runtime, kvcm with the `gpu` extra (cupy-cuda12x), `kvcm serve`
 # as the entry point. The API listens on a Unix socket in /run/kvcm (share that directory with
-# the inference server); probes and metrics (only) listen on TCP 9470.
+# the inference server); probes and metrics (only) listen on TCP 9470. With no model flags it
+# starts without a model and the engine registers its own (POST /v1/model, register_model):
+# /readyz answers 503 "no_model" until then, so the health check reads /livez.
 #
 #   docker build -t kvcm .
-#   docker run --gpus '"device=0"' -v kvcm-run:/run/kvcm -p 9470:9470 kvcm \
-#       --model-config /models/config.json --memory 60GiB
+#   docker run --gpus '"device=0"' -v kvcm-run:/run/kvcm -p 9470:9470 kvcm --memory 60GiB
+#   docker run ... kvcm --model-config /models/config.json --memory 60GiB   # a fixed model
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

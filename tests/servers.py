@@ -51,8 +51,10 @@ def serve_process(
     uds: Path | None = None,
     port: int = 0,
     own_group: bool = False,
+    model: bool = True,
 ) -> Iterator[tuple[str, subprocess.Popen[str], list[str]]]:
-    """``python -m kvcm serve ARGS`` in its own process, once ready.
+    """``python -m kvcm serve ARGS`` in its own process, once ready (``model`` False: once
+    up without a model, ``/readyz`` answering 503 ``no_model``).
 
     Yields (url, process, the lines it printed: up to the "serving on" line, then more as a
     thread drains its output; once it exited, ``process.drain.join()`` completes them).
@@ -91,7 +93,10 @@ def serve_process(
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    if http.get("/readyz").status_code == 200:
+                    ready = http.get("/readyz")
+                    if ready.status_code == 200 or (
+                        not model and ready.json()["status"] == "no_model"
+                    ):
                         break
                 except httpx.TransportError:
                     pass

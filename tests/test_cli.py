@@ -20,6 +20,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "models"
 def test_estimate_of_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate"]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("no model source given: sizing the embedded default model\n")
     assert "bytes/token" in out and "131072" in out  # 32 layers x 2 x 8 x 128 x 2 bytes
     assert "max requests" in out
 
@@ -88,12 +89,14 @@ def test_flags_override_environment_which_overrides_defaults(
     monkeypatch.setenv("KVCM_MEMORY", "64MiB")
     monkeypatch.setenv("KVCM_TOKENS_PER_BLOCK", "32")
     monkeypatch.setenv("KVCM_PORT", "9000")
-    s = Settings(tokens_per_block=8)
+    s = Settings(tokens_per_block=8, default_model=True)
     cfg = s.manager_config()
     assert (cfg.memory_bytes, cfg.num_blocks, cfg.tokens_per_block) == (64 << 20, None, 8)
     assert (s.port, s.host) == (9000, "127.0.0.1")
     # A --num-blocks flag replaces the environment's memory budget; both at once is an error.
-    cfg = _settings(build_parser().parse_args(["estimate", "--num-blocks", "100"]))
+    cfg = _settings(
+        build_parser().parse_args(["estimate", "--default-model", "--num-blocks", "100"])
+    )
     assert (cfg.manager_config().memory_bytes, cfg.manager_config().num_blocks) == (None, 100)
     with pytest.raises(ValidationError, match="give one of memory"):
         Settings(num_blocks=100)
@@ -187,7 +190,17 @@ def test_a_budget_below_one_max_seq_len_request_is_refused_by_serve_and_flagged_
     # The default model takes 128 KiB per token (2 MiB per block): 64 MiB are 32 slots, one of
     # them the null page, so they hold 31 blocks = 496 tokens; max_seq_len is 4096.
     run = subprocess.run(
-        [sys.executable, "-m", "kvcm", "serve", "--memory", "64MiB", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "kvcm",
+            "serve",
+            "--default-model",
+            "--memory",
+            "64MiB",
+            "--port",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -223,7 +236,7 @@ def test_serve_turns_the_null_page_on_unless_told_otherwise(
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"layers": json.loads(layers.read_text()), "num_blocks": 8}))
     hf = FIXTURES / "llama-3.1-8b.json"
-    assert Settings().manager_config().null_page
+    assert Settings(default_model=True).manager_config().null_page
     assert Settings(layers=layers).manager_config().null_page
     assert Settings(hf_model_config=hf).manager_config().null_page
     assert not Settings(config=plain).manager_config().null_page
@@ -232,7 +245,7 @@ def test_serve_turns_the_null_page_on_unless_told_otherwise(
         return _settings(build_parser().parse_args(["serve", *argv])).manager_config().null_page
 
     assert parsed("--config", str(plain), "--null-page")
-    assert not parsed("--no-null-page")
+    assert not parsed("--default-model", "--no-null-page")
     monkeypatch.setenv("KVCM_NULL_PAGE", "false")
     assert not parsed("--layers", str(layers))
     assert parsed("--layers", str(layers), "--null-page")  # the flag wins

@@ -71,6 +71,10 @@ def test_kubernetes_probes_hit_real_routes_on_the_probe_port() -> None:
         assert get["path"] in routes and get["path"] in ("/livez", "/readyz")
         assert ports[get["port"]] == int(args.metrics_port)
     assert args.metrics_host == "0.0.0.0"  # kubelet reaches the pod IP, not loopback
+    # No model until the inference server registers one, and it starts only once the sidecar
+    # has: the startup probe must not wait for the model.
+    assert (args.config, args.layers, args.hf_model_config, args.default_model) == (None,) * 4
+    assert kvcm["startupProbe"]["httpGet"]["path"] == "/livez"
 
 
 def test_compose_agrees_with_the_cli_and_shares_pid_gpu_and_socket() -> None:
@@ -90,6 +94,8 @@ def test_compose_agrees_with_the_cli_and_shares_pid_gpu_and_socket() -> None:
     check = " ".join(kvcm["healthcheck"]["test"])
     port, path = re.search(r"127\.0\.0\.1:(\d+)(/\w+)", check).groups()  # type: ignore[union-attr]
     assert int(port) == int(args.metrics_port) and path in _routes()
+    # kvcm waits for the inference server to register its model, which waits for kvcm's health.
+    assert args.hf_model_config is None and path == "/livez"
 
 
 def test_prometheus_scrapes_the_metrics_route_on_the_probe_port() -> None:

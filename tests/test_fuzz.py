@@ -44,6 +44,7 @@ from servers import serve_in_thread
 from kvcm import KVCacheManager
 from kvcm.server.app import create_app
 from kvcm.server.openapi import ROUTES
+from kvcm_client.models import ManagerConfig
 
 CASES = int(os.environ.get("KVCM_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("KVCM_FUZZ_SEED", "0"))
@@ -191,6 +192,17 @@ def _clean(http: httpx.Client, live: Live, bare: bool = False) -> None:
     consumer = http.post("/v1/consumers", json=body, headers=headers)
     consumer.raise_for_status()
     live.consumers = [consumer.json()["consumer_id"]]
+
+
+def _restore(http: httpx.Client) -> None:
+    """Serve ``CONFIG`` again if a case registered another model (later operations' nudges
+    aim at its layers and sizes)."""
+    want = ManagerConfig.model_validate(CONFIG)
+    if ManagerConfig.model_validate(http.get("/v1/model").json()["config"]) == want:
+        return
+    _clean(http, Live(), bare=True)
+    body = want.model_dump(exclude={"device", "memory_bytes"})
+    http.post("/v1/model", json=body, headers={"Authorization": AUTH}).raise_for_status()
 
 
 @pytest.fixture(scope="module")
@@ -501,6 +513,7 @@ def test_fuzz_operation(served: Any, route: tuple[str, str]) -> None:
             live.sessions.append(resp.json()["session_id"])
 
     run()
+    _restore(http)
     print(f"{method} {path}: {count} cases, statuses {sorted(failures.statuses.items())}")
     assert count >= min(PER_OPERATION, 2)
     assert not failures.total, f"{failures.total} failures:\n" + "\n".join(failures.items)

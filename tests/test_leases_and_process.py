@@ -105,7 +105,7 @@ def test_closing_a_session_frees_its_requests_now() -> None:
 
 def test_serve_on_a_unix_socket_with_a_token(tmp_path: Path) -> None:
     sock = tmp_path / "kvcm.sock"
-    env = {"KVCM_API_TOKEN": "tok-123", "KVCM_NUM_BLOCKS": "16"}
+    env = {"KVCM_API_TOKEN": "tok-123", "KVCM_NUM_BLOCKS": "16", "KVCM_DEFAULT_MODEL": "1"}
     with serve_process("--uds", str(sock), env=env, uds=sock) as (url, proc, lines):
         assert url == f"unix:{sock}"
         mode = stat.S_IMODE(sock.stat().st_mode)
@@ -192,7 +192,7 @@ def test_a_refused_connection_is_retried_for_any_op() -> None:
 
 def test_the_probe_port_serves_probes_and_metrics_but_not_the_api(tmp_path: Path) -> None:
     sock = tmp_path / "kvcm.sock"
-    args = ("--uds", str(sock), "--metrics-port", "0", "--num-blocks", "8")
+    args = ("--uds", str(sock), "--metrics-port", "0", "--default-model", "--num-blocks", "8")
     with serve_process(*args, uds=sock) as (_, proc, lines):
         with KVCacheClient(uds=sock) as kv:
             kv.allocate("a", 5)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcm import KVCacheManager
+from kvcm import InvalidArgument, KVCacheManager
 from kvcm.cli import main
 from kvcm.model_config import UnsupportedModel, layers_from_hf_config, max_seq_len_from_hf_config
 from kvcm.server.settings import Settings
@@ -177,3 +177,27 @@ def test_indexers_kvcm_cannot_model_are_unsupported(change: dict[str, Any], fiel
     with pytest.raises(UnsupportedModel) as exc:
         layers_from_hf_config(cfg)
     assert exc.value.code == "unsupported_model" and exc.value.detail["field"] == field
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"num_hidden_layers": 4097}, "num_hidden_layers"),  # over MAX_LAYERS
+        ({"num_hidden_layers": 10**18}, "num_hidden_layers"),
+        ({"sliding_window": 8, "sliding_window_pattern": 0}, "sliding_window_pattern"),
+        ({"num_key_value_heads": "2"}, "num_key_value_heads"),
+        ({"head_dim": 1.5}, "head_dim"),
+        (
+            {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": "x"},
+            "max_window_layers",
+        ),
+        ({"layer_types": "full_attention"}, "layer_types"),
+    ],
+)
+def test_hostile_configs_are_invalid_arguments(change: dict[str, Any], field: str) -> None:
+    """A config comes over the network too (POST /v1/model): fields of the wrong type or
+    absurd size are refused with a field name, never a TypeError or a billion layer specs."""
+    llama = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    with pytest.raises(InvalidArgument) as exc:
+        layers_from_hf_config(llama | change)
+    assert exc.value.detail["field"] == field

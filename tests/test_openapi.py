@@ -77,6 +77,7 @@ def test_every_route_is_in_the_table_and_lists_its_statuses(doc: dict[str, Any])
         413,
         422,
         500,
+        503,
         507,
     }
     assert documented_statuses(doc, "POST", "/v1/allocate")[507] == {
@@ -201,6 +202,7 @@ VALID = {
     "/v1/reset_prefix_cache": {},
     "/v1/consumers": {"pid": 1, "generation": "g"},
     "/v1/sessions": {"ttl_s": 1},
+    "/v1/model": {"layers": [layer(0)], "tokens_per_block": 4, "max_seq_len": 64, "num_blocks": 8},
 }
 #: Values for the routes' path and query parameters.
 PATH_IDS = {"consumer_id": "nope", "session_id": "nope"}
@@ -288,6 +290,13 @@ def _specific(call: Recorder, generation: str) -> None:
         json={"request_ids": ["a"], "num_new_tokens": 59},
     )
 
+    model = VALID["/v1/model"]
+    call("GET", "/v1/model", 200)
+    call("POST", "/v1/model", "requests_live", json=model)  # requests a, p1, p2 live
+    call("POST", "/v1/model", "insufficient_memory", json=model | {"num_blocks": 2**31 - 1})
+    hf = {"num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 8}
+    call("POST", "/v1/model", "unsupported_model", json={"hf_config": hf | {"layer_types": ["x"]}})
+
     call("POST", "/v1/consumers", "stale_generation", json={"pid": 1, "generation": "old"})
     assert generation != "old"
     call("DELETE", "/v1/consumers/{consumer_id}", "unknown_consumer", path="/v1/consumers/nope")
@@ -297,6 +306,22 @@ def _specific(call: Recorder, generation: str) -> None:
         ("DELETE", "/v1/sessions/{session_id}"),
     ):
         call(method, route, "unknown_session", path=route.format(session_id="nope"))
+
+
+def _without_a_model(call: Recorder) -> None:
+    """Every route that needs the model, on a service that has none; and a registration on a
+    device the service cannot use."""
+    params = {
+        "/v1/request": QUERY,
+        "/v1/block_table": QUERY,
+        "/v1/committed_tokens": QUERY,
+        "/v1/estimate": {"seq_len": 1},
+    }
+    for (method, route), entry in ROUTES.items():
+        if "no_model" in {cls.code for cls in entry.error_classes()}:
+            body = VALID.get(route) if method == "POST" else None
+            call(method, route, "no_model", json=body, params=params.get(route, {}))
+    call("POST", "/v1/model", "device_unavailable", json=VALID["/v1/model"])
 
 
 def test_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,6 +361,12 @@ def test_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) ->
     # The same without share=True: /v1/pools has nothing to describe.
     with serve_in_thread(create_app(KVCacheManager(CONFIG))) as url:
         samples.append(("GET", "/v1/pools", httpx.get(f"{url}/v1/pools")))
+    # No model yet, on a device that does not exist.
+    app = create_app(None, defaults={"device": "cuda:99"})
+    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+        call = Recorder(http)
+        _without_a_model(call)
+        samples += call.samples
 
     seen: set[tuple[str, str, str]] = set()
     for method, route, resp in samples:

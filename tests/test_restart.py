@@ -98,7 +98,7 @@ def test_sigterm_answers_open_long_polls_then_exits() -> None:
     import time
 
     answers: list[httpx.Response] = []
-    with serve_process("--num-blocks", "16") as (url, proc, _):
+    with serve_process("--default-model", "--num-blocks", "16") as (url, proc, _):
 
         def poll() -> None:
             answers.append(httpx.get(f"{url}/v1/events", params={"timeout_s": 50}, timeout=60))
@@ -121,7 +121,11 @@ def test_slow_and_silent_clients_are_cut_off_while_others_are_served() -> None:
     import time
 
     slow: list[tuple[socket.socket, bytes]] = []
-    with serve_process("--num-blocks", "16", "--request-timeout", "1") as (url, _, _):
+    with serve_process("--default-model", "--num-blocks", "16", "--request-timeout", "1") as (
+        url,
+        _,
+        _,
+    ):
         host, port = url.removeprefix("http://").split(":")
         for kind in range(60):
             s = socket.create_connection((host, int(port)))

@@ -26,6 +26,7 @@ from .models import (
     IndexRows,
     KVEvents,
     Layout,
+    ModelInfo,
     OpResult,
     ProbeResult,
     RequestIds,
@@ -52,6 +53,12 @@ class Call(Generic[T]):
     wait_s: float = 0.0
     """How long the service may hold the call on purpose (a long-poll): added to the
     client's read timeout, so a poll is not cut off and resent."""
+    pinned: bool = True
+    """Send the pinned generation (a service of another one refuses the call). Off for
+    ``wait_for_model``'s polls, which wait for whatever model comes."""
+    repins: bool = False
+    """The answer's generation replaces the pinned one: a registration starts a new
+    generation and its client goes on in it."""
 
 
 def _default(value: Any) -> Any:
@@ -343,6 +350,18 @@ def _pool_group_value(values: dict[int, int], pool_group: int) -> int:
     if key not in values:
         raise InvalidArgument(f"no pool group {pool_group}", pool_group=pool_group)
     return values[key]
+
+
+def register_model(fields: dict[str, Any]) -> Call[ModelInfo]:
+    """``POST /v1/model`` with the fields that are set. Never resent: a registration that
+    went through has replaced the model (and the resend would be refused as stale)."""
+    body = {k: v for k, v in fields.items() if v is not None}
+    call = _post("/v1/model", _model(ModelInfo), **body)
+    return dataclasses.replace(call, repins=True)
+
+
+def model(pinned: bool = True) -> Call[ModelInfo]:
+    return dataclasses.replace(_get("/v1/model", _model(ModelInfo)), pinned=pinned)
 
 
 def livez() -> Call[Health]:

@@ -22,18 +22,29 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from itertools import chain, repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
 
 from . import _calls as calls
-from .errors import ServiceUnavailable, StaleGeneration, UnknownConsumer, UnknownSession
+from .errors import (
+    ModelWaitTimeout,
+    NoModel,
+    ServiceUnavailable,
+    StaleGeneration,
+    UnknownConsumer,
+    UnknownSession,
+)
 from .models import (
     ConsumerInfo,
+    DType,
     Estimate,
     KVEvents,
+    LayerSpec,
     Layout,
+    ModelInfo,
     OpResult,
     RequestInfo,
     SessionClosed,
@@ -94,6 +105,16 @@ def _headers(session_id: str | None, generation: str | None) -> dict[str, str]:
     return headers
 
 
+def _generation_after(
+    call: calls.Call[Any], pinned: str | None, answered: str | None
+) -> str | None:
+    """The generation to keep after an answer: the answer's after a registration, else
+    ``_pin``'s."""
+    if call.repins and answered is not None:
+        return answered
+    return _pin(pinned, answered)
+
+
 def _pin(pinned: str | None, answered: str | None) -> str | None:
     """The generation to keep: the first one a service answered with. Requests carry it, so
     a restarted service refuses them (409 ``stale_generation``) before applying anything;
@@ -107,6 +128,36 @@ def _pin(pinned: str | None, answered: str | None) -> str | None:
             generation=answered,
         )
     return pinned
+
+
+def _same_generation(mapped: str, service: str) -> None:
+    """An attachment's check: its pools must be the service's now. The client's own pin is
+    not enough: a client that registered a model is pinned to the new generation, while
+    its earlier attachment still maps the old pools."""
+    if mapped != service:
+        raise StaleGeneration(
+            f"these mappings are of generation {mapped[:12]}; the service is {service[:12]} "
+            "(a new model or a restart): close them and attach again",
+            generation=service,
+        )
+
+
+def _poll_delays() -> Iterator[float]:
+    """Seconds between ``wait_for_model``'s polls: 20 ms, doubling up to half a second."""
+    return chain((0.02, 0.04, 0.08, 0.16, 0.32), repeat(0.5))
+
+
+def _wait_timeout(timeout_s: float, last: Exception) -> ModelWaitTimeout:
+    return ModelWaitTimeout(
+        f"the service had no model after {timeout_s} s (last answer: {last})",
+        timeout_s=timeout_s,
+        last_code=getattr(last, "code", None),
+    )
+
+
+def _fields(given: dict[str, Any]) -> dict[str, Any]:
+    """A method's keyword arguments as a body's fields (``self`` is not one)."""
+    return {k: v for k, v in given.items() if k != "self"}
 
 
 def _session(session_id: str | None) -> str:
@@ -153,7 +204,7 @@ class KVCacheClient:
         self._http.close()
 
     def _run(self, call: calls.Call[T]) -> T:
-        headers = _headers(self.session_id, self.generation)
+        headers = _headers(self.session_id, self.generation if call.pinned else None)
         for attempt in range(self.retries + 1):
             try:
                 resp = self._http.request(
@@ -170,7 +221,8 @@ class KVCacheClient:
                     raise _unavailable(exc, call, attempt + 1) from exc
                 time.sleep(self.backoff_s * 2**attempt)
         calls.raise_for_status(resp.status_code, resp.content)
-        self.generation = _pin(self.generation, resp.headers.get(GENERATION_HEADER))
+        answered = resp.headers.get(GENERATION_HEADER)
+        self.generation = _generation_after(call, self.generation, answered)
         return call.parse(resp.content)
 
     # -- the manager's methods -----------------------------------------------------------------
@@ -308,6 +360,55 @@ class KVCacheClient:
     def num_total_blocks(self, pool_group: int | None = None) -> int:
         return calls.total_blocks(self.stats(), pool_group)
 
+    # -- the model -----------------------------------------------------------------------------
+
+    def register_model(
+        self,
+        *,
+        layers: Sequence[LayerSpec | dict[str, Any]] | None = None,
+        hf_config: dict[str, Any] | None = None,
+        kv_dtype: DType | None = None,
+        tensor_parallel: int | None = None,
+        memory_bytes: int | None = None,
+        num_blocks: int | None = None,
+        tokens_per_block: int | None = None,
+        max_seq_len: int | None = None,
+        max_requests: int | None = None,
+        max_prefill_chunk: int | None = None,
+        max_lookahead: int | None = None,
+        null_page: bool | None = None,
+        share: bool | None = None,
+    ) -> ModelInfo:
+        """Register the model (``ModelRegistration``: ``layers`` or ``hf_config``, at most
+        one budget; what is left out takes the service's flags). Refused while requests are
+        live (``RequestsLive``); a refusal changes nothing. On success the service is in a
+        new generation and this client is pinned to it; other clients get
+        ``StaleGeneration`` on their next call."""
+        return self._run(calls.register_model(_fields(locals())))
+
+    def model(self) -> ModelInfo:
+        """The model served now (``NoModel`` if there is none yet)."""
+        return self._run(calls.model())
+
+    def wait_for_model(self, timeout_s: float = 60.0) -> Layout:
+        """Wait until the service has a model (or is up at all), then return its layout.
+
+        Polls ``GET /v1/model`` (20 ms, doubling up to 0.5 s) without the pinned generation,
+        and pins the model's generation if this client had none (a client that pinned
+        another gets ``StaleGeneration``: ``reconnect()`` first). ``ModelWaitTimeout`` once
+        ``timeout_s`` have passed."""
+        deadline = time.monotonic() + timeout_s
+        delays = _poll_delays()
+        while True:
+            try:
+                return self._run(calls.model(pinned=False)).layout
+            except (NoModel, ServiceUnavailable) as exc:
+                last = exc
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _wait_timeout(timeout_s, last)
+            time.sleep(min(next(delays), remaining))
+
     # -- shared memory (the inference server's side) -------------------------------------------
 
     def pools(self) -> SharedLayout:
@@ -324,12 +425,13 @@ class KVCacheClient:
         return Attachment(
             layout,
             on_close=lambda: self._unregister(info.consumer_id),
-            check=self.check_generation,
+            check=lambda: _same_generation(layout.generation, self.check_generation()),
         )
 
     def _unregister(self, consumer_id: str) -> None:
-        # Already gone (a retried delete, or the service forgot a consumer it thought dead).
-        with contextlib.suppress(UnknownConsumer):
+        # Already gone: a retried delete, a consumer the service forgot (thought dead, or of
+        # pools a new model replaced), or a service of another generation.
+        with contextlib.suppress(UnknownConsumer, StaleGeneration):
             self._run(calls.unregister_consumer(consumer_id))
 
     def consumers(self) -> list[ConsumerInfo]:
@@ -404,7 +506,7 @@ class AsyncKVCacheClient:
         await self._http.aclose()
 
     async def _run(self, call: calls.Call[T]) -> T:
-        headers = _headers(self.session_id, self.generation)
+        headers = _headers(self.session_id, self.generation if call.pinned else None)
         for attempt in range(self.retries + 1):
             try:
                 resp = await self._http.request(
@@ -421,7 +523,8 @@ class AsyncKVCacheClient:
                     raise _unavailable(exc, call, attempt + 1) from exc
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         calls.raise_for_status(resp.status_code, resp.content)
-        self.generation = _pin(self.generation, resp.headers.get(GENERATION_HEADER))
+        answered = resp.headers.get(GENERATION_HEADER)
+        self.generation = _generation_after(call, self.generation, answered)
         return call.parse(resp.content)
 
     async def allocate(
@@ -560,6 +663,43 @@ class AsyncKVCacheClient:
     async def num_total_blocks(self, pool_group: int | None = None) -> int:
         return calls.total_blocks(await self.stats(), pool_group)
 
+    async def register_model(
+        self,
+        *,
+        layers: Sequence[LayerSpec | dict[str, Any]] | None = None,
+        hf_config: dict[str, Any] | None = None,
+        kv_dtype: DType | None = None,
+        tensor_parallel: int | None = None,
+        memory_bytes: int | None = None,
+        num_blocks: int | None = None,
+        tokens_per_block: int | None = None,
+        max_seq_len: int | None = None,
+        max_requests: int | None = None,
+        max_prefill_chunk: int | None = None,
+        max_lookahead: int | None = None,
+        null_page: bool | None = None,
+        share: bool | None = None,
+    ) -> ModelInfo:
+        """As ``KVCacheClient.register_model``."""
+        return await self._run(calls.register_model(_fields(locals())))
+
+    async def model(self) -> ModelInfo:
+        return await self._run(calls.model())
+
+    async def wait_for_model(self, timeout_s: float = 60.0) -> Layout:
+        """As ``KVCacheClient.wait_for_model``."""
+        deadline = time.monotonic() + timeout_s
+        delays = _poll_delays()
+        while True:
+            try:
+                return (await self._run(calls.model(pinned=False))).layout
+            except (NoModel, ServiceUnavailable) as exc:
+                last = exc
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _wait_timeout(timeout_s, last)
+            await asyncio.sleep(min(next(delays), remaining))
+
     async def pools(self) -> SharedLayout:
         return await self._run(calls.pools())
 
@@ -575,7 +715,7 @@ class AsyncKVCacheClient:
 
     async def detach(self, attachment: Attachment) -> None:
         consumer_id = attachment.consumer_id  # type: ignore[attr-defined]
-        with contextlib.suppress(UnknownConsumer):  # already gone: as in the sync client
+        with contextlib.suppress(UnknownConsumer, StaleGeneration):  # as in the sync client
             await self._run(calls.unregister_consumer(consumer_id))
         attachment.close()
 

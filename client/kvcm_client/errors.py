@@ -83,10 +83,17 @@ class RequestLimitReached(KVCMError):
 
 
 class InsufficientMemory(KVCMError):
-    """The memory budget cannot hold a single slot of some pool group."""
+    """The memory budget cannot hold one ``max_seq_len`` request (or one slot of some pool
+    group), or the model's memory is not free on the device (a registration)."""
 
     code = "insufficient_memory"
     status = 422
+
+
+class UnsupportedModel(InvalidArgument):
+    """The model config describes attention kvcm does not model (e.g. linear attention)."""
+
+    code = "unsupported_model"
 
 
 class DeviceUnavailable(KVCMError):
@@ -125,6 +132,14 @@ class StaleGeneration(KVCMError):
     """Shared-memory descriptors of an earlier start of the service (or a gone segment)."""
 
     code = "stale_generation"
+    status = 409
+
+
+class RequestsLive(KVCMError):
+    """A new model cannot be registered while requests are live: free them first (their
+    blocks would be lost with the old pools). Nothing was changed."""
+
+    code = "requests_live"
     status = 409
 
 
@@ -205,6 +220,20 @@ class ServiceUnavailable(KVCMError):
     status = 503
 
 
+class NoModel(KVCMError):
+    """The service has no model yet: register one (``POST /v1/model``, ``register_model``)."""
+
+    code = "no_model"
+    status = 503
+
+
+class ModelWaitTimeout(NoModel):
+    """``wait_for_model`` gave up: the service still had no model when its time ran out
+    (raised by the clients, never sent by the service)."""
+
+    code = "model_wait_timeout"
+
+
 ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
     cls.code: cls
     for cls in (
@@ -218,7 +247,9 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         OutOfBlocks,
         RequestLimitReached,
         InsufficientMemory,
+        UnsupportedModel,
         DeviceUnavailable,
+        RequestsLive,
         StepAborted,
         StaleGeneration,
         RewindIntoSharedBlock,
@@ -234,6 +265,8 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         LimitReached,
         UnknownConsumer,
         ServiceUnavailable,
+        NoModel,
+        ModelWaitTimeout,
     )
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
@@ -617,7 +617,9 @@ class SessionInfo(_Frozen):
 
 
 class Health(_Frozen):
-    status: Literal["ok", "not_ready"]
+    """``/livez`` and ``/readyz``: ``no_model`` until a model is registered (``/readyz``)."""
+
+    status: Literal["ok", "not_ready", "no_model"]
     detail: str = ""
 
 
@@ -628,6 +630,71 @@ class SessionClosed(_Frozen):
 
 class EmptyBody(_Frozen):
     """The body of routes that take no arguments (``{}``)."""
+
+
+# --- registering a model at run time (POST /v1/model) --------------------------------------------
+
+StrictPosInt = Annotated[int, Strict(), Field(gt=0)]
+StrictBool = Annotated[bool, Strict()]
+
+
+class ModelRegistration(_Frozen):
+    """A model for a running service or manager: its layers, and how to size them.
+
+    Exactly one source: ``layers`` (this rank's layer specs) or ``hf_config`` (a Hugging Face
+    ``config.json`` as an object; ``kv_dtype`` and ``tensor_parallel`` apply to it as to
+    ``kvcm serve --model-config``, and its ``max_position_embeddings`` is ``max_seq_len``
+    unless one is given). At most one budget: ``memory_bytes`` or ``num_blocks``. Fields left
+    out take the service's flags (the manager's device, share and budget in process), then the
+    defaults of ``kvcm serve`` (16 tokens per block, 256 requests, 4096 tokens, the null page
+    on, 1 GiB). The device is always the service's own (docs/service.md#registering-a-model).
+    """
+
+    layers: Annotated[list[LayerSpec], Field(min_length=1)] | None = None
+    hf_config: dict[str, Any] | None = None
+    kv_dtype: DType | None = None
+    """The dtype of every layer's KV (of ``layers`` too)."""
+    tensor_parallel: StrictPosInt | None = None
+    """Ranks an ``hf_config``'s KV heads are split over (``layers`` are per rank already)."""
+    memory_bytes: StrictPosInt | None = None
+    num_blocks: StrictPosInt | None = None
+    tokens_per_block: StrictPosInt | None = None
+    max_seq_len: StrictPosInt | None = None
+    max_requests: StrictPosInt | None = None
+    max_prefill_chunk: StrictPosInt | None = None
+    max_lookahead: Annotated[int, Strict(), Field(ge=0)] | None = None
+    null_page: StrictBool | None = None
+    share: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> ModelRegistration:
+        if (self.layers is None) == (self.hf_config is None):
+            raise PydanticCustomError(
+                "one_model_source", "give exactly one of layers and hf_config", {}
+            )
+        if self.memory_bytes is not None and self.num_blocks is not None:
+            raise PydanticCustomError(
+                "blocks_or_memory", "give at most one of num_blocks and memory_bytes", {}
+            )
+        if self.layers is not None and self.tensor_parallel is not None:
+            raise PydanticCustomError(
+                "tensor_parallel_with_layers",
+                "tensor_parallel splits an hf_config's KV heads; layers are per rank already",
+                {},
+            )
+        return self
+
+
+class ModelInfo(_Frozen):
+    """The model a service or manager serves (``GET /v1/model``, ``register_model``): the
+    config in effect (every default resolved), the layout ``describe()`` gives, the capacity
+    at the longest request (``estimate(max_seq_len - max_lookahead)``) and the generation,
+    which changes with every registration."""
+
+    generation: str
+    config: ManagerConfig
+    layout: Layout
+    estimate: Estimate
 
 
 # --- shared memory (the inference server's view of the pools) ----------------------------------

@@ -9,11 +9,12 @@ from kvcm_client.errors import (
     KVCMError,
     OutOfBlocks,
     RequestLimitReached,
+    RequestsLive,
     SequenceTooLong,
     UnknownLayer,
     UnknownRequest,
 )
-from kvcm_client.models import ExtraBuffer, LayerSpec, ManagerConfig
+from kvcm_client.models import ExtraBuffer, LayerSpec, ManagerConfig, ModelInfo
 
 from .hashing import MultimodalItem, block_keys
 from .manager import KVCacheManager
@@ -29,9 +30,11 @@ __all__ = [
     "KVCacheManager",
     "LayerSpec",
     "ManagerConfig",
+    "ModelInfo",
     "MultimodalItem",
     "OutOfBlocks",
     "RequestLimitReached",
+    "RequestsLive",
     "SequenceTooLong",
     "UnknownLayer",
     "UnknownRequest",

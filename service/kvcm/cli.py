@@ -1,8 +1,10 @@
 """The ``kvcm`` command: ``kvcm serve`` (the default) runs the sidecar, ``kvcm estimate`` sizes.
 
 Every flag has a ``KVCM_<NAME>`` environment variable (flags win); see ``kvcm serve --help``.
-With no arguments ``kvcm`` serves the embedded default model (Llama-3-8B-like, 1 GiB of KV on
-the CPU) on http://127.0.0.1:8470.
+With no model source ``kvcm serve`` starts without a model on http://127.0.0.1:8470 and waits
+for one to be registered (``POST /v1/model``); ``--default-model`` serves the embedded default
+model (Llama-3-8B-like, 1 GiB of KV on the CPU) instead. ``kvcm estimate`` sizes the default
+model when given no source.
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
     (
         "--model-config",
         {"type": Path, "dest": "hf_model_config", "help": "Hugging Face config.json"},
+    ),
+    (
+        "--default-model",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "serve the embedded default model (Llama-3-8B-like) when no other source "
+            "is given (default: no model until one is registered with POST /v1/model)",
+        },
     ),
     ("--kv-dtype", {"help": "KV dtype (fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, nvfp4)"}),
     ("--tensor-parallel", {"type": int, "help": "ranks the KV heads are split over"}),
@@ -335,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = _settings(args)
         if args.command == "estimate":
+            if not settings.has_model:
+                print("no model source given: sizing the embedded default model\n")
+                settings = settings.model_copy(update={"default_model": True})
             config = settings.manager_config().model_copy(update={"share": False})
             manager = KVCacheManager(config, check_budget=False)
             longest = config.max_seq_len - config.max_lookahead

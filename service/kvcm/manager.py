@@ -29,6 +29,7 @@ from kvcm_client.errors import (
     KVCMError,
     PrefixCacheInUse,
     RequestLimitReached,
+    RequestsLive,
     RewindIntoSharedBlock,
     SequenceTooLong,
     StepAborted,
@@ -46,6 +47,7 @@ from kvcm_client.models import (
     KVEvents,
     LayerGroupInfo,
     ManagerConfig,
+    ModelInfo,
     Op,
     OpResult,
     PoolGroupInfo,
@@ -60,6 +62,7 @@ from kvcm_client.models import (
 )
 from kvcm_client.models import Layout as LayoutInfo
 
+from . import footprint, registration
 from .coordinator import Coordinator, segments
 from .device_tables import DeviceTables, Uploader
 from .hashing import (
@@ -70,7 +73,7 @@ from .hashing import (
     token_bytes,
 )
 from .ids import LayerGroupId, LayerId, PoolGroupId
-from .layout import BufferPlacement, build_layout
+from .layout import BufferPlacement, Layout, build_layout
 from .ops import plain_ops
 from .pools import PoolMemory, role_dtype
 from .prefix_cache import find_hit
@@ -84,7 +87,7 @@ _FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp)
 _RESULTS = TypeAdapter(list[OpResult])
 
 
-def _resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as exc:
@@ -241,6 +244,36 @@ def _extend_runs(ops: list[dict[str, Any]]) -> list[tuple[int, int]]:
     return pieces
 
 
+def _plan(
+    cfg: ManagerConfig, check_budget: bool = True
+) -> tuple[torch.device, Layout, Sizing, dict[PoolGroupId, int]]:
+    """What a manager of ``cfg`` is, before any memory: device, layout, sizing and slots per
+    pool group. Raises what construction refuses (a budget of no slot or, with
+    ``check_budget``, of less than one ``max_seq_len`` request; no room for the null page)."""
+    device = resolve_device(cfg.device)
+    layout = build_layout(cfg.layers, cfg.tokens_per_block)
+    sizing = Sizing(layout, cfg.max_seq_len, StepShape(cfg.max_prefill_chunk, cfg.max_lookahead))
+    if cfg.num_blocks is not None:
+        slots = {pg.pool_group_id: cfg.num_blocks for pg in layout.pool_groups}
+    else:
+        assert cfg.memory_bytes is not None
+        slots = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
+        if check_budget:
+            sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
+    if cfg.null_page:
+        _check_null_page_room(slots)
+    return device, layout, sizing, slots
+
+
+def check_config(cfg: ManagerConfig, freed: tuple[int, int] = (0, 0)) -> None:
+    """Everything building ``cfg`` checks, without building it, and that its memory is free
+    (``footprint.check_room``, counting ``freed`` as free): what a registration must pass
+    before the model it replaces is closed."""
+    resolve_device(cfg.device)
+    footprint.check_room(cfg, build_layout(cfg.layers, cfg.tokens_per_block), freed)
+    _plan(cfg)
+
+
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of one rank."""
 
@@ -248,29 +281,19 @@ class KVCacheManager:
         """Build the pools; a ``memory_bytes`` budget that cannot hold one ``max_seq_len``
         request is refused (``InsufficientMemory``) unless ``check_budget`` is False (for
         tools that report the layout anyway, like ``kvcm estimate``)."""
-        self.config = ManagerConfig.model_validate(config)
-        cfg = self.config
-        self.device = _resolve_device(cfg.device)
+        self._build(ManagerConfig.model_validate(config), check_budget)
+
+    def _build(self, config: ManagerConfig, check_budget: bool = True) -> None:
+        """Everything ``__init__`` sets; ``register_model`` builds a manager anew with it."""
+        self.config = cfg = config
+        self.device, self.layout, self._sizing, self._slots = _plan(cfg, check_budget)
         self.tokens_per_block = cfg.tokens_per_block
         self.max_blocks_per_request = cfg.max_blocks_per_request
         #: Most positions one step can map (every row at ``max_seq_len``): the bound of a slot
         #: mapping's ``pad_to``, whose output is allocated up front (int64 per group).
         self.max_step_tokens = cfg.max_requests * cfg.max_seq_len
-        self.layout = build_layout(cfg.layers, cfg.tokens_per_block)
         #: Role index of the pointer tables: ``describe().roles`` order.
         self._role_index = {role: i for i, role in enumerate(self.layout.roles)}
-        self._sizing = Sizing(
-            self.layout, cfg.max_seq_len, StepShape(cfg.max_prefill_chunk, cfg.max_lookahead)
-        )
-        if cfg.num_blocks is not None:
-            self._slots = {pg.pool_group_id: cfg.num_blocks for pg in self.layout.pool_groups}
-        else:
-            assert cfg.memory_bytes is not None
-            self._slots = self._sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
-            if check_budget:
-                self.check_budget()
-        if cfg.null_page:
-            _check_null_page_room(self._slots)
         #: Changes at every construction: shared descriptors of another one are refused.
         self.generation = uuid.uuid4().hex
         self._segments: SharedSegments | CudaSegments | None = None
@@ -1540,6 +1563,43 @@ class KVCacheManager:
         """Unlink the shared segments (mappings that exist stay valid until unmapped)."""
         if self._segments is not None:
             self._segments.close()
+
+    # -- the model -----------------------------------------------------------------------------
+
+    def model(self) -> ModelInfo:
+        """The model this manager serves: config, layout, estimate and generation."""
+        return registration.model_info(self)
+
+    def register_model(
+        self, config: ManagerConfig | dict[str, Any] | None = None, /, **fields: Any
+    ) -> ModelInfo:
+        """Replace the model: a ``ManagerConfig``, or the fields of a ``ModelRegistration``
+        as keyword arguments (``layers`` or ``hf_config``, budget and sizing; this manager's
+        device, share and budget where they say nothing). Everything is checked first
+        (``InvalidArgument``, ``InsufficientMemory``: the new pools must fit the memory free
+        once these are closed), and refused with ``RequestsLive`` while any request is live;
+        a refusal changes nothing. Then the pools are closed and the manager is built anew in
+        place, in a new generation. Should the allocation itself fail (another process took
+        the memory meanwhile), the previous model is built again, in a new generation, and
+        the error raised."""
+        new = registration.resolve(config, fields, registration.defaults_of(self.config))
+        check_config(new, footprint.held_bytes(self))
+        if self._rows:
+            raise RequestsLive(
+                f"{len(self._rows)} requests are live: free them before registering a model",
+                num_requests=len(self._rows),
+            )
+        previous = self.config
+        self.close()
+        self.__dict__.clear()  # drop the old pools before the new ones are allocated
+        try:
+            with footprint.allocating():
+                self._build(new)
+        except BaseException:
+            self.__dict__.clear()
+            self._build(previous, check_budget=False)  # it was built before
+            raise
+        return self.model()
 
     def layer_group_of(self, layer_id: int) -> LayerGroupId:
         return self._placement(layer_id, "key").layer_group

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcm_client.errors import InvalidArgument
+from kvcm_client.errors import InvalidArgument, UnsupportedModel
 
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
 
@@ -111,19 +111,34 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class UnsupportedModel(InvalidArgument):
-    """The config describes attention kvcm does not model (e.g. linear attention layers)."""
+#: Most hidden layers a config may name: a config comes over the network too (a registration),
+#: and every layer becomes a spec (the largest published models have under 200).
+MAX_LAYERS = 4096
 
-    code = "unsupported_model"
 
-
-def _int(cfg: dict[str, Any], key: str) -> int:
+def _int(cfg: dict[str, Any], key: str, maximum: int | None = None) -> int:
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value <= 0
+        or (maximum is not None and value > maximum)
+    ):
+        bound = "a positive int" if maximum is None else f"an int in [1, {maximum}]"
         raise InvalidArgument(
-            f"model config: {key} must be a positive int, got {value!r}", field=key
+            f"model config: {key} must be {bound}, got {_shown(value)}", field=key
         )
     return value
+
+
+def _optional_int(cfg: dict[str, Any], key: str) -> int | None:
+    """A positive int field that may be left out, or be 0 or null for "not set"."""
+    return _int(cfg, key) if cfg.get(key) else None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
 
 
 def _text_config(config: Any) -> dict[str, Any]:
@@ -149,6 +164,8 @@ def _windows(cfg: dict[str, Any], n: int) -> list[int | None]:
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is not None:
+        if not isinstance(types, list):
+            raise InvalidArgument("model config: layer_types must be a list", field="layer_types")
         if len(types) != n:
             raise InvalidArgument(
                 f"model config: layer_types has {len(types)} entries for {n} layers",
@@ -164,23 +181,25 @@ def _windows(cfg: dict[str, Any], n: int) -> list[int | None]:
                 out.append(_int(cfg, "sliding_window"))
             else:
                 raise UnsupportedModel(
-                    f"model config: layer {i} is {kind!r}; kvcm models full and sliding "
-                    "attention only",
+                    f"model config: layer {i} is {_shown(kind)}; kvcm models full and "
+                    "sliding attention only",
                     layer_id=i,
-                    layer_type=str(kind),
+                    layer_type=_shown(kind),
                 )
         return out
     if window is None:
         return [None] * n
     window = _int(cfg, "sliding_window")
-    pattern = cfg.get("sliding_window_pattern")
+    pattern = (
+        None if cfg.get("sliding_window_pattern") is None else _int(cfg, "sliding_window_pattern")
+    )
     if pattern is not None:
         return [None if (i + 1) % pattern == 0 else window for i in range(n)]
     if cfg.get("model_type") == "gemma2":
         return [window if i % 2 == 0 else None for i in range(n)]
     if cfg.get("use_sliding_window") is False:
         return [None] * n
-    first = cfg.get("max_window_layers", 0) if "use_sliding_window" in cfg else 0
+    first = (_optional_int(cfg, "max_window_layers") or 0) if "use_sliding_window" in cfg else 0
     return [window if i >= first else None for i in range(n)]
 
 
@@ -235,7 +254,7 @@ def layers_from_hf_config(
     cfg = _text_config(config)
     if tensor_parallel < 1:
         raise InvalidArgument("tensor_parallel must be >= 1", tensor_parallel=tensor_parallel)
-    n = _int(cfg, "num_hidden_layers")
+    n = _int(cfg, "num_hidden_layers", MAX_LAYERS)
     dtype = kv_dtype or _DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), "bf16")
     windows = _windows(cfg, n)
     if cfg.get("kv_lora_rank"):
@@ -251,8 +270,8 @@ def layers_from_hf_config(
         )
     else:
         heads = _int(cfg, "num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or _int(cfg, "hidden_size") // heads
+        kv_heads = _optional_int(cfg, "num_key_value_heads") or heads
+        head_dim = _optional_int(cfg, "head_dim") or _int(cfg, "hidden_size") // heads
         shape = {
             "num_kv_heads": _per_rank(kv_heads, tensor_parallel),
             "head_dim": head_dim,

@@ -9,8 +9,12 @@ does not see a body parameter) and documents every route's error statuses from o
 
 Errors are ``{code, message, detail}`` with the error's HTTP status: 400 malformed JSON, 401
 missing token, 404 unknown request/session/route, 409 duplicate/conflict, 413 too long or too
-large, 422 invalid arguments, 429 too many sessions or consumers, 507 out of blocks or rows.
-Bad input never yields a 500.
+large, 422 invalid arguments, 429 too many sessions or consumers, 503 no model yet, 507 out of
+blocks or rows. Bad input never yields a 500.
+
+The model may come later than the service (``POST /v1/model``): until then every route that
+needs the manager answers 503 ``no_model``, and a registration replaces the manager, so routes
+read ``state.manager`` on every call and never keep one.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import hmac
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from time import perf_counter
 from typing import Any, TypeVar
@@ -59,6 +63,8 @@ from kvcm_client.models import (
     IndexRows,
     KVEvents,
     Layout,
+    ModelInfo,
+    ModelRegistration,
     PageIndicesRequest,
     ProbeRequest,
     ProbeResult,
@@ -75,7 +81,7 @@ from kvcm_client.models import (
     StepResponse,
 )
 
-from ..manager import KVCacheManager
+from ..manager import KVCacheManager, resolve_device
 from . import openapi
 from .middleware import BodyLimit, CountResponses, Generation
 from .state import ServiceState
@@ -112,18 +118,21 @@ def _error_response(exc: KVCMError) -> Response:
 
 
 def create_app(
-    manager: KVCacheManager,
+    manager: KVCacheManager | None,
     *,
     lease_ttl_s: float = 30.0,
     max_body_bytes: int | None = None,
     api_token: str | None = None,
     clock: Callable[[], float] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> FastAPI:
-    """An app serving ``manager``; ``api_token`` (if set) guards every mutating route.
-    ``max_body_bytes`` defaults to ``default_body_limit`` of the manager's ``max_seq_len``."""
-    if max_body_bytes is None:
-        max_body_bytes = default_body_limit(manager.config.max_seq_len)
-    state = ServiceState(manager, lease_ttl_s, *(() if clock is None else (clock,)))
+    """An app serving ``manager`` (None: no model until one is registered); ``api_token``
+    (if set) guards every mutating route. ``max_body_bytes`` defaults to
+    ``default_body_limit`` of the model's ``max_seq_len``, and follows a registered model.
+    ``defaults``: what a registered model takes where it says nothing (``ServiceState``)."""
+    state = ServiceState(
+        manager, lease_ttl_s, *(() if clock is None else (clock,)), defaults=defaults
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -135,14 +144,10 @@ def create_app(
         gc.freeze()
         state.loop = asyncio.get_running_loop()
         state.ready = True
-        log.info(
-            "kvcm ready: %d layers, %d layer groups, %d slots, device %s, auth %s",
-            len(manager.config.layers),
-            len(manager.layout.layer_groups),
-            sum(manager.num_total_blocks(pg) for pg in range(len(manager.layout.pool_groups))),
-            manager.device,
-            "on" if api_token else "off",
-        )
+        if manager is None:
+            log.info("kvcm up with no model, waiting for POST /v1/model; auth %s", auth)
+        else:
+            log.info("kvcm ready: %s; auth %s", _summary(manager), auth)
         try:
             yield
         finally:
@@ -150,7 +155,8 @@ def create_app(
             reaper.cancel()
             with suppress(asyncio.CancelledError):
                 await reaper
-            manager.close()  # unlink shared segments; existing mappings stay valid
+            if state.current is not None:
+                state.current.close()  # unlink shared segments; existing mappings stay valid
 
     app = FastAPI(
         title="kvcm",
@@ -162,6 +168,7 @@ def create_app(
     )
     app.state.kvcm = state
     token = api_token.encode() if api_token else None
+    auth = "on" if api_token else "off"
 
     def authorize(request: Request) -> None:
         if token is None:
@@ -175,10 +182,9 @@ def create_app(
         return request.headers.get(SESSION_HEADER)
 
     bodies: dict[str, type[BaseModel]] = {}
-    max_seq_len = manager.config.max_seq_len
-    # Commas of the largest one-prompt body: the ids, a key per block, multimodal items and
-    # the other fields (generous: only junk comes near it).
-    max_items = 2 * max_seq_len + 4096
+
+    def mgr() -> KVCacheManager:
+        return state.manager
 
     def rpc(
         path: str,
@@ -198,6 +204,7 @@ def create_app(
         the loop, so manager calls never interleave. ``one_prompt``: the body holds at most
         one prompt, so a body with more commas than a max_seq_len prompt and its keys can
         have is refused before it is parsed (a count is ~0.1 ms a MiB; the parse ~30 ms).
+        Every such route needs the model: without one it answers 503 before reading the body.
         """
         latency = state.metrics.latency.labels(path)
         raw = parse is not None
@@ -212,9 +219,12 @@ def create_app(
         async def endpoint(request: Request) -> Response:
             if mutating:
                 authorize(request)
+            max_seq_len = mgr().config.max_seq_len
             data = await request.body()
             session = session_of(request)
-            if one_prompt and data.count(b",") > max_items:
+            # Commas of the largest one-prompt body: the ids, a key per block, multimodal
+            # items and the other fields (generous: only junk comes near it).
+            if one_prompt and data.count(b",") > 2 * max_seq_len + 4096:
                 raise SequenceTooLong(
                     f"the body holds more items than a prompt of max_seq_len={max_seq_len} "
                     "tokens and its keys",
@@ -248,7 +258,6 @@ def create_app(
             tags=["ops" if mutating else "tables"],
         )
 
-    m = manager
     rpc(
         "/v1/allocate",
         AllocateOp,
@@ -275,18 +284,21 @@ def create_app(
         PageIndicesRequest,
         IndexRows,
         lambda r, _: IndexRows(
-            rows=m.page_indices(r.request_ids, r.layer_id, r.role, r.mode, r.per_layer).tolist()
+            rows=mgr().page_indices(r.request_ids, r.layer_id, r.role, r.mode, r.per_layer).tolist()
         ),
         mutating=False,
         summary="page indices (slot or kernel mode) of requests for one layer",
     )
+
+    def slot_mapping(r: SlotMappingRequest, _: str | None) -> IndexRow:
+        row = mgr().slot_mapping(r.request_ids, _layer(r.layer_id), r.num_tokens, r.pad_to)
+        return IndexRow(row=row.tolist())
+
     rpc(
         "/v1/slot_mapping",
         SlotMappingRequest,
         IndexRow,
-        lambda r, _: IndexRow(
-            row=m.slot_mapping(r.request_ids, _layer(r.layer_id), r.num_tokens, r.pad_to).tolist()
-        ),
+        slot_mapping,
         mutating=False,
         summary="slot mapping of the step's new tokens for one layer",
     )
@@ -295,7 +307,7 @@ def create_app(
         SlotMappingRequest,
         IndexRows,
         lambda r, _: IndexRows(
-            rows=m.slot_mappings(r.request_ids, r.num_tokens, r.pad_to).tolist()
+            rows=mgr().slot_mappings(r.request_ids, r.num_tokens, r.pad_to).tolist()
         ),
         mutating=False,
         summary="slot mappings of every layer group",
@@ -306,7 +318,7 @@ def create_app(
         ProbeRequest,
         ProbeResult,
         lambda r, _: ProbeResult(
-            num_hit_tokens=m.probe(
+            num_hit_tokens=mgr().probe(
                 r.token_ids,
                 r.lora_id,
                 r.cache_salt,
@@ -322,7 +334,7 @@ def create_app(
         "/v1/reset_prefix_cache",
         EmptyBody,
         None,
-        lambda _, __: m.reset_prefix_cache(),
+        lambda _, __: mgr().reset_prefix_cache(),
         summary="forget every cached block (refused while requests hold blocks)",
     )
 
@@ -335,7 +347,8 @@ def create_app(
         authorize(request)
         if not math.isfinite(timeout_s):
             raise InvalidArgument("timeout_s must be a finite number of seconds")
-        batch = m.events(after, limit)
+        batch = mgr().events(after, limit)
+        generation = state.generation
         deadline = asyncio.get_running_loop().time() + min(max(timeout_s, 0.0), 60.0)
         while not batch.events and not batch.lost and not state.closing:
             remaining = deadline - asyncio.get_running_loop().time()
@@ -347,12 +360,14 @@ def create_app(
                 await asyncio.wait_for(state.event_wave.wait(), remaining)
             except TimeoutError:
                 break
-            batch = m.events(after, limit)
+            if state.generation != generation:  # a new model: the caller must reconnect
+                break
+            batch = mgr().events(after, limit)
         return _json(batch)
 
     @app.get("/v1/layout", response_model=Layout, tags=["layout"])
     async def layout() -> Response:
-        return _json(m.describe())
+        return _json(mgr().describe())
 
     @app.get("/v1/estimate", response_model=Estimate, tags=["layout"])
     async def estimate(
@@ -362,36 +377,36 @@ def create_app(
         lookahead: int | None = None,
     ) -> Response:
         return _json(
-            m.estimate(seq_len, num_requests, prefill_chunk=prefill_chunk, lookahead=lookahead)
+            mgr().estimate(seq_len, num_requests, prefill_chunk=prefill_chunk, lookahead=lookahead)
         )
 
     @app.get("/v1/stats", response_model=Stats, tags=["layout"])
     async def stats() -> Response:
-        return _json(m.stats())
+        return _json(mgr().stats())
 
     @app.get("/v1/requests", response_model=RequestIds, tags=["tables"])
     async def requests() -> Response:
-        return _json(RequestIds(request_ids=m.request_ids()))
+        return _json(RequestIds(request_ids=mgr().request_ids()))
 
     @app.get("/v1/request", response_model=RequestInfo, tags=["tables"])
     async def request_info(request_id: str) -> Response:
-        return _json(m.request(request_id))
+        return _json(mgr().request(request_id))
 
     @app.get("/v1/block_table", response_model=IndexRows, tags=["tables"])
     async def block_table(request_id: str) -> Response:
-        return _json(IndexRows(rows=m.block_table(request_id)))
+        return _json(IndexRows(rows=mgr().block_table(request_id)))
 
     @app.get("/v1/committed_tokens", response_model=IndexRow, tags=["tables"])
     async def committed_tokens(request: Request, request_id: str) -> Response:
         """A request's prompt so far: needs the token when one is set."""
         authorize(request)
-        return _json(IndexRow(row=m.committed_tokens(request_id)))
+        return _json(IndexRow(row=mgr().committed_tokens(request_id)))
 
     # -- shared memory -------------------------------------------------------------------------
 
     @app.get("/v1/pools", response_model=SharedLayout, tags=["shared memory"])
     async def pools() -> Response:
-        return _json(m.pools())
+        return _json(mgr().pools())
 
     async def parse_body(request: Request, model: type[M], optional: bool = False) -> M | None:
         """The body as ``model``, read after the token check (an unauthenticated caller gets
@@ -423,6 +438,31 @@ def create_app(
         authorize(request)
         state.unregister_consumer(consumer_id)
         return Response(status_code=204)
+
+    # -- the model -----------------------------------------------------------------------------
+
+    registering = state.metrics.latency.labels("/v1/model")
+
+    @app.post("/v1/model", response_model=ModelInfo, tags=["model"])
+    async def register_model(request: Request) -> Response:
+        """Register the model: ``layers`` or ``hf_config``, budget and sizing (the service's
+        flags where the body says nothing; the device is the service's). Checked first, and
+        refused while requests are live; a refusal changes nothing. Then the old pools are
+        closed and the new model is built in a new generation (docs/service.md)."""
+        body = await parse_body(request, ModelRegistration)
+        assert body is not None
+        start = perf_counter()
+        info = state.register_model(body)
+        registering.observe(perf_counter() - start)
+        log.info("kvcm model registered: %s", _summary(state.manager))
+        return _json(info)
+
+    bodies["/v1/model"] = ModelRegistration
+
+    @app.get("/v1/model", response_model=ModelInfo, tags=["model"])
+    async def model() -> Response:
+        """The model served now: its config, layout, estimate and generation."""
+        return _json(mgr().model())
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -487,10 +527,24 @@ def create_app(
         return _error_response(InternalError(f"internal error: {type(exc).__name__}"))
 
     openapi.install(app, bodies, auth_required=token is not None)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if max_body_bytes is None:
+        app.add_middleware(BodyLimit, limit=lambda: default_body_limit(state.max_seq_len))
+    else:
+        app.add_middleware(BodyLimit, limit=lambda: max_body_bytes)
     app.add_middleware(CountResponses, metrics=state.metrics)
-    app.add_middleware(Generation, generation=manager.generation)
+    app.add_middleware(Generation, generation=lambda: state.generation)
     return app
+
+
+def _summary(manager: KVCacheManager) -> str:
+    """One log line about a model: its size, sizing and device."""
+    layout = manager.layout
+    slots = sum(manager.num_total_blocks(pg) for pg in range(len(layout.pool_groups)))
+    return (
+        f"{len(manager.config.layers)} layers, {len(layout.layer_groups)} layer groups, "
+        f"{slots} slots, max_seq_len {manager.config.max_seq_len}, device {manager.device}, "
+        f"generation {manager.generation[:12]}"
+    )
 
 
 def add_probe_routes(app: FastAPI, state: ServiceState) -> None:
@@ -502,9 +556,14 @@ def add_probe_routes(app: FastAPI, state: ServiceState) -> None:
 
     @app.get("/readyz", response_model=Health, tags=["probes"])
     async def readyz() -> Response:
-        if state.ready:
-            return _json(Health(status="ok"))
-        return _json(Health(status="not_ready", detail="starting or shutting down"), 503)
+        """200 once the service serves a model; 503 while starting or stopping, and with
+        status ``no_model`` until a model is registered (``POST /v1/model``)."""
+        if not state.ready:
+            return _json(Health(status="not_ready", detail="starting or shutting down"), 503)
+        if state.current is None:
+            detail = "no model: register one with POST /v1/model"
+            return _json(Health(status="no_model", detail=detail), 503)
+        return _json(Health(status="ok"))
 
     @app.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def metrics() -> Response:
@@ -546,12 +605,19 @@ async def _reap(state: ServiceState) -> None:
 
 
 def app_from_settings(settings: Any) -> FastAPI:
-    """Build the manager and the app from ``Settings`` (what ``kvcm serve`` runs)."""
-    manager = KVCacheManager(settings.manager_config())
+    """Build the manager and the app from ``Settings`` (what ``kvcm serve`` runs); with no
+    model source, the app starts without a model (its device is checked now, not at the
+    first registration)."""
+    if settings.has_model:
+        manager = KVCacheManager(settings.manager_config())
+    else:
+        manager = None
+        resolve_device(settings.device or "cpu")
     token = settings.api_token.get_secret_value() if settings.api_token else None
     return create_app(
         manager,
         lease_ttl_s=settings.lease_ttl,
         max_body_bytes=settings.max_body_bytes,
         api_token=token,
+        defaults=settings.registration_defaults(manager.config if manager else None),
     )

@@ -1,13 +1,14 @@
 """Prometheus metrics of one service instance (its own registry, so tests can run several).
 
-Block gauges are read from the manager at scrape time, so they can never drift from it;
-counters and the latency histogram are updated by the routes.
+Block gauges are read from the manager at scrape time, so they can never drift from it (the
+current one: a registered model replaces it; none while the service has no model); counters
+and the latency histogram are updated by the routes and survive a new model.
 """
 
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,14 +21,27 @@ from .leases import Leases
 _BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5)
 
 
+Current = Callable[[], KVCacheManager | None]
+
+
 class _StateCollector(Collector):
-    def __init__(self, manager: KVCacheManager, leases: Leases, consumers: dict) -> None:
-        self.manager = manager
+    def __init__(self, current: Current, leases: Leases, consumers: dict) -> None:
+        self.current = current
         self.leases = leases
         self.consumers = consumers
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.manager.stats()
+        yield GaugeMetricFamily("kvcm_sessions_active", "Open lease sessions", len(self.leases))
+        yield GaugeMetricFamily(
+            "kvcm_consumers_attached", "Processes that mapped the pools", len(self.consumers)
+        )
+        manager = self.current()
+        yield GaugeMetricFamily(
+            "kvcm_model_registered", "1 while the service has a model", int(manager is not None)
+        )
+        if manager is None:
+            return
+        stats = manager.stats()
         for name, values, text in (
             ("kvcm_blocks_free", stats.free_blocks, "Free blocks (slots) per pool group"),
             ("kvcm_blocks_used", stats.used_blocks, "Blocks in use per pool group"),
@@ -39,10 +53,6 @@ class _StateCollector(Collector):
             yield family
         yield GaugeMetricFamily(
             "kvcm_requests_running", "Requests holding a page-table row", stats.num_requests
-        )
-        yield GaugeMetricFamily("kvcm_sessions_active", "Open lease sessions", len(self.leases))
-        yield GaugeMetricFamily(
-            "kvcm_consumers_attached", "Processes that mapped the pools", len(self.consumers)
         )
         cache = stats.prefix_cache
         if cache is None:
@@ -64,9 +74,10 @@ class _StateCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, manager: KVCacheManager, leases: Leases, consumers: dict) -> None:
+    def __init__(self, current: Current, leases: Leases, consumers: dict) -> None:
+        """``current`` gives the manager now (None: no model yet)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(manager, leases, consumers))
+        self.registry.register(_StateCollector(current, leases, consumers))
         self.ops = Counter(
             "kvcm_ops",
             "Ops run, by op and result (ok or the error code)",

@@ -8,6 +8,7 @@ per request.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -45,64 +46,70 @@ GENERATION_HEADER = "x-kvcm-generation"
 class Generation:
     """Stamp every response with the service generation; refuse (409 ``stale_generation``)
     a request that names another one, before the route runs, so a client that has not noticed
-    a restart never applies an op to the new service's state."""
+    a restart (or a newly registered model) never applies an op to the new state.
 
-    def __init__(self, app: ASGIApp, generation: str) -> None:
+    ``generation`` gives the generation now: a registration changes it, and its answer already
+    carries the new one (the header is read when the response starts)."""
+
+    def __init__(self, app: ASGIApp, generation: Callable[[], str]) -> None:
         self.app = app
-        self.generation = generation.encode()
-        self.header = (GENERATION_HEADER.encode(), self.generation)
+        self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope["headers"]:
-            if name == self.header[0] and value != self.generation:
+        name = GENERATION_HEADER.encode()
+        current = self.generation().encode()
+        for header, value in scope["headers"]:
+            if header == name and value != current:
                 shown = value[:32].decode(errors="replace")
                 err = StaleGeneration(
-                    f"this client pinned generation {shown!r}; the service restarted as "
-                    f"{self.generation[:12].decode()}: reconnect (docs/service.md)",
+                    f"this client pinned generation {shown!r}; the service is now "
+                    f"{current[:12].decode()} (restarted, or a new model was registered): "
+                    "reconnect (docs/service.md)",
                     generation=shown,
                 )
-                await _send_error(send, err.status, err.to_dict(), [self.header])
+                await _send_error(send, err.status, err.to_dict(), [(name, current)])
                 return
 
         async def stamped(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), self.header]
+                stamp = (name, self.generation().encode())
+                message["headers"] = [*message.get("headers", []), stamp]
             await send(message)
 
         await self.app(scope, receive, stamped)
 
 
 class BodyLimit:
-    """Refuse bodies over ``limit`` bytes with 413 ``payload_too_large``.
+    """Refuse bodies over ``limit()`` bytes with 413 ``payload_too_large``.
 
     A declared Content-Length over the limit is refused before the body is read; a chunked
-    body is counted as it arrives and refused once it passes the limit.
+    body is counted as it arrives and refused once it passes the limit. The limit is read per
+    request: by default it follows the model's ``max_seq_len``, which a registration changes.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: Callable[[], int]) -> None:
         self.app = app
         self.limit = limit
 
-    def _error(self, size: int | None) -> PayloadTooLarge:
-        return PayloadTooLarge(
-            f"request body over the {self.limit}-byte limit", limit=self.limit, size=size
-        )
+    def _error(self, limit: int, size: int | None) -> PayloadTooLarge:
+        return PayloadTooLarge(f"request body over the {limit}-byte limit", limit=limit, size=size)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit()
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
                     declared = 0
-                if declared > self.limit:
-                    await _send_error(send, 413, self._error(declared).to_dict())
+                if declared > limit:
+                    await _send_error(send, 413, self._error(limit, declared).to_dict())
                     return
         received = 0
 
@@ -111,8 +118,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise self._error(None)
+                if received > limit:
+                    raise self._error(limit, None)
             return message
 
         await self.app(scope, counted, send)

@@ -30,18 +30,22 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kvcm_client.errors import (
+    DeviceUnavailable,
     DuplicateRequest,
+    InsufficientMemory,
     InternalError,
     InvalidArgument,
     InvalidRewind,
     KVCMError,
     LimitReached,
     MalformedRequest,
+    NoModel,
     NotFound,
     OutOfBlocks,
     PayloadTooLarge,
     PrefixCacheInUse,
     RequestLimitReached,
+    RequestsLive,
     RewindIntoSharedBlock,
     SequenceTooLong,
     StaleGeneration,
@@ -50,6 +54,7 @@ from kvcm_client.errors import (
     UnknownLayer,
     UnknownRequest,
     UnknownSession,
+    UnsupportedModel,
 )
 
 _JSON = "application/json"
@@ -87,10 +92,12 @@ class RouteDoc:
         return tuple(sorted(unique, key=lambda cls: cls.status))
 
 
+#: Routes that need the model: 503 ``no_model`` until one is registered.
+_MODEL = (NoModel,)
 #: Requests named by id: in a body, or the ``request_id`` query parameter.
-_REQUEST = (UnknownRequest,)
+_REQUEST = (*_MODEL, UnknownRequest)
 #: Ops that grow a request.
-_GROW = (UnknownRequest, SequenceTooLong, OutOfBlocks)
+_GROW = (*_REQUEST, SequenceTooLong, OutOfBlocks)
 #: A path id with a '/' (as %2F) names no route: 404 ``not_found``.
 _PATH_ID = (NotFound,)
 
@@ -100,7 +107,7 @@ _READ = {"body": True}
 #: route (method, path) -> what it can answer besides success. The one table; see the module doc.
 ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/allocate"): RouteDoc(
-        (SequenceTooLong, DuplicateRequest, OutOfBlocks, RequestLimitReached), **_OP
+        (*_MODEL, SequenceTooLong, DuplicateRequest, OutOfBlocks, RequestLimitReached), **_OP
     ),
     ("POST", "/v1/extend"): RouteDoc(_GROW, **_OP),
     ("POST", "/v1/extend_many"): RouteDoc(_GROW, **_OP),
@@ -108,34 +115,44 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/commit"): RouteDoc(_REQUEST, **_OP),
     ("POST", "/v1/free"): RouteDoc(_REQUEST, **_OP),
     # Op errors are results of a step (200), not its status.
-    ("POST", "/v1/step"): RouteDoc((), **_OP),
+    ("POST", "/v1/step"): RouteDoc(_MODEL, **_OP),
     ("POST", "/v1/page_indices"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mapping"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mappings"): RouteDoc(_REQUEST, **_READ),
-    ("POST", "/v1/probe"): RouteDoc((SequenceTooLong,), **_READ),
-    ("POST", "/v1/reset_prefix_cache"): RouteDoc((PrefixCacheInUse,), body=True, auth=True),
-    ("GET", "/v1/events"): RouteDoc((InvalidArgument,), auth=True),
-    ("GET", "/v1/layout"): RouteDoc(),
-    ("GET", "/v1/estimate"): RouteDoc((InvalidArgument,)),
-    ("GET", "/v1/stats"): RouteDoc(),
-    ("GET", "/v1/requests"): RouteDoc(),
+    ("POST", "/v1/probe"): RouteDoc((*_MODEL, SequenceTooLong), **_READ),
+    ("POST", "/v1/reset_prefix_cache"): RouteDoc((*_MODEL, PrefixCacheInUse), body=True, auth=True),
+    ("GET", "/v1/events"): RouteDoc((InvalidArgument, *_MODEL), auth=True),
+    ("GET", "/v1/layout"): RouteDoc(_MODEL),
+    ("GET", "/v1/estimate"): RouteDoc((InvalidArgument, *_MODEL)),
+    ("GET", "/v1/stats"): RouteDoc(_MODEL),
+    ("GET", "/v1/requests"): RouteDoc(_MODEL),
     ("GET", "/v1/request"): RouteDoc((InvalidArgument, *_REQUEST)),
     ("GET", "/v1/block_table"): RouteDoc((InvalidArgument, *_REQUEST)),
     ("GET", "/v1/committed_tokens"): RouteDoc((InvalidArgument, *_REQUEST), auth=True),
     # 422 when the manager was built without share=True.
-    ("GET", "/v1/pools"): RouteDoc((InvalidArgument,)),
-    ("POST", "/v1/consumers"): RouteDoc((StaleGeneration, LimitReached), body=True, auth=True),
+    ("GET", "/v1/pools"): RouteDoc((InvalidArgument, *_MODEL)),
+    ("POST", "/v1/consumers"): RouteDoc(
+        (StaleGeneration, LimitReached, *_MODEL), body=True, auth=True
+    ),
     ("GET", "/v1/consumers"): RouteDoc(),
     ("DELETE", "/v1/consumers/{consumer_id}"): RouteDoc((UnknownConsumer, *_PATH_ID), auth=True),
     ("POST", "/v1/sessions"): RouteDoc((LimitReached,), body=True, body_required=False, auth=True),
     ("GET", "/v1/sessions/{session_id}"): RouteDoc((UnknownSession, *_PATH_ID)),
     ("POST", "/v1/sessions/{session_id}/renew"): RouteDoc((UnknownSession, *_PATH_ID), auth=True),
     ("DELETE", "/v1/sessions/{session_id}"): RouteDoc((UnknownSession, *_PATH_ID), auth=True),
+    # Every refusal changes nothing (docs/service.md#registering-a-model).
+    ("POST", "/v1/model"): RouteDoc(
+        (InsufficientMemory, UnsupportedModel, DeviceUnavailable, RequestsLive),
+        body=True,
+        auth=True,
+    ),
+    ("GET", "/v1/model"): RouteDoc(_MODEL),
     ("GET", "/livez"): RouteDoc(),
     ("GET", "/readyz"): RouteDoc(
         extra={
             503: {
-                "description": "Not ready: starting or shutting down",
+                "description": "Not ready: starting or shutting down (status `not_ready`), "
+                "or no model registered yet (status `no_model`)",
                 "content": {_JSON: {"schema": {"$ref": "#/components/schemas/Health"}}},
             }
         }

@@ -2,10 +2,13 @@
 
 The model comes from one source, first match wins: ``config`` (a JSON ``ManagerConfig``),
 ``layers`` (a JSON list of layer specs), ``model_config`` (a Hugging Face ``config.json``), or
-the embedded default model. The sizing flags (``memory``, ``num_blocks``, ``tokens_per_block``,
-``device``, ``max_requests``, ``max_seq_len``, ``max_prefill_chunk``, ``max_lookahead``)
-override what that source says. A Hugging Face config also sets ``max_seq_len`` to the model's
-``max_position_embeddings``; an explicit ``max_seq_len`` wins.
+the embedded default model if ``default_model`` is set. With none of them the service starts
+without a model and waits for one to be registered (``POST /v1/model``): a sidecar usually
+starts before its engine knows the model. The sizing flags (``memory``, ``num_blocks``,
+``tokens_per_block``, ``device``, ``max_requests``, ``max_seq_len``, ``max_prefill_chunk``,
+``max_lookahead``) override what that source says, and are the defaults of every registered
+model too (``registration_defaults``). A Hugging Face config also sets ``max_seq_len`` to the
+model's ``max_position_embeddings``; an explicit ``max_seq_len`` wins.
 
 The service turns the null page on (``null_page``, docs/index-contract.md): the embedded default
 and the ``layers`` and ``model_config`` sources have it, since the attention kernels an
@@ -27,22 +30,33 @@ from typing import Any
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvcm_client.errors import InvalidArgument
-from kvcm_client.models import DType, ManagerConfig
+from kvcm_client.errors import InvalidArgument, NoModel
+from kvcm_client.models import DType, ManagerConfig, ModelRegistration
 
-from ..model_config import layers_from_hf_config, max_seq_len_from_hf_config
+from ..registration import DEFAULT_MEMORY_BYTES, SIZING_DEFAULTS, defaults_of, to_config
 
-#: The model served with no arguments: Llama-3-8B-like (32 full-attention layers, 8 KV heads x
-#: 128, bf16) with 1 GiB of KV on the CPU, so that ``kvcm serve`` works on any machine.
+#: The embedded default model (``--default-model``): Llama-3-8B-like (32 full-attention layers,
+#: 8 KV heads x 128, bf16) with 1 GiB of KV on the CPU, so that it serves on any machine.
 DEFAULT_CONFIG: dict[str, Any] = {
     "layers": [{"layer_id": i, "num_kv_heads": 8, "head_dim": 128} for i in range(32)],
-    "tokens_per_block": 16,
+    **SIZING_DEFAULTS,
     "device": "cpu",
-    "max_requests": 256,
-    "max_seq_len": 4096,
-    "memory_bytes": 1 << 30,
-    "null_page": True,
+    "memory_bytes": DEFAULT_MEMORY_BYTES,
 }
+#: Settings that a registered model takes as its defaults (``registration_defaults``).
+_REGISTRATION_DEFAULTS = (
+    "device",
+    "share",
+    "tokens_per_block",
+    "max_requests",
+    "max_seq_len",
+    "max_prefill_chunk",
+    "max_lookahead",
+    "null_page",
+    "kv_dtype",
+    "tensor_parallel",
+    "num_blocks",
+)
 
 DEFAULT_PORT = 8470
 
@@ -76,6 +90,8 @@ class Settings(BaseSettings):
     hf_model_config: Path | None = Field(
         default=None, validation_alias=AliasChoices("hf_model_config", "KVCM_MODEL_CONFIG")
     )
+    default_model: bool = False
+    """Serve the embedded default model (``DEFAULT_CONFIG``) when no other source is given."""
     kv_dtype: DType | None = None
     tensor_parallel: int = Field(default=1, ge=1)
     # -- sizing overrides --
@@ -126,25 +142,45 @@ class Settings(BaseSettings):
             raise ValueError("give one of memory (KVCM_MEMORY) and num_blocks (KVCM_NUM_BLOCKS)")
         return self
 
+    @property
+    def has_model(self) -> bool:
+        """Whether these settings name a model (else the service starts without one)."""
+        sources = (self.config, self.layers, self.hf_model_config)
+        return self.default_model or any(source is not None for source in sources)
+
+    def registration_defaults(self, started: ManagerConfig | None = None) -> dict[str, Any]:
+        """What a registered model takes from these settings where it says nothing: the
+        device (always), share, the budget and the sizing flags that were given. ``started``:
+        the config the service started with, whose device, share and budget are the
+        service's (the flags are in it, and a ``config`` file may name its own)."""
+        out = {key: getattr(self, key) for key in _REGISTRATION_DEFAULTS}
+        out["memory_bytes"] = self.memory
+        if started is not None:
+            out |= defaults_of(started)
+        return out
+
     def manager_config(self) -> ManagerConfig:
-        """The ``ManagerConfig`` these settings describe (validated)."""
-        raw: dict[str, Any]
+        """The ``ManagerConfig`` these settings describe (validated); ``NoModel`` if they
+        name no model source."""
         if self.config is not None:
-            raw = dict(_read_json(self.config))
-        elif self.layers is not None:
-            raw = {**DEFAULT_CONFIG, "layers": _read_json(self.layers)}
+            return self._config_file()
+        if self.layers is not None:
+            source = {"layers": _read_json(self.layers)}
         elif self.hf_model_config is not None:
-            model = _read_json(self.hf_model_config)
-            raw = {
-                **DEFAULT_CONFIG,
-                "layers": layers_from_hf_config(model, self.kv_dtype, self.tensor_parallel),
-            }
-            max_seq_len = max_seq_len_from_hf_config(model)
-            if max_seq_len is not None:
-                raw["max_seq_len"] = max_seq_len
+            source = {"hf_config": _read_json(self.hf_model_config)}
+        elif self.default_model:
+            source = {"layers": DEFAULT_CONFIG["layers"]}
         else:
-            raw = dict(DEFAULT_CONFIG)
-        if self.kv_dtype is not None and self.hf_model_config is None:
+            raise NoModel(
+                "no model source: give --config, --layers, --model-config or --default-model"
+            )
+        return to_config(ModelRegistration.model_validate(source), self.registration_defaults())
+
+    def _config_file(self) -> ManagerConfig:
+        """A ``ManagerConfig`` file, with the flags that were given over it."""
+        assert self.config is not None
+        raw: dict[str, Any] = dict(_read_json(self.config))
+        if self.kv_dtype is not None:
             raw["layers"] = [{**layer, "dtype": self.kv_dtype} for layer in raw["layers"]]
         for key in (
             "tokens_per_block",
@@ -153,12 +189,11 @@ class Settings(BaseSettings):
             "max_seq_len",
             "max_prefill_chunk",
             "max_lookahead",
+            "null_page",
         ):
             value = getattr(self, key)
             if value is not None:
                 raw[key] = value
-        if self.null_page is not None:
-            raw["null_page"] = self.null_page
         if self.share is not None:
             raw["share"] = self.share
         elif "share" not in raw:

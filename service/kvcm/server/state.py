@@ -1,4 +1,9 @@
-"""The one owner of the manager inside the service: ops, leases and op counts together.
+"""The one owner of the manager inside the service: ops, leases, op counts and the model.
+
+The service may have no model (``kvcm serve`` without a model source) until one is
+registered: ``manager`` raises ``NoModel`` (503) meanwhile, and the generation is one of its
+own, so that clients pinned to it notice the registration. ``register_model`` replaces the
+model (docs/service.md#registering-a-model).
 
 Concurrency rule: every method here runs on the event-loop thread (all routes are ``async
 def`` and call these methods without awaiting in between), so two HTTP calls never interleave
@@ -13,8 +18,9 @@ import contextlib
 import os
 import secrets
 import time
+import uuid
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -23,6 +29,7 @@ from pydantic import ValidationError
 from kvcm_client.errors import (
     KVCMError,
     LimitReached,
+    NoModel,
     StaleGeneration,
     UnknownConsumer,
     UnknownRequest,
@@ -36,13 +43,16 @@ from kvcm_client.models import (
     ExtendManyRequest,
     ExtendOp,
     FreeOp,
+    ModelInfo,
+    ModelRegistration,
     RequestInfo,
     RewindOp,
     SessionInfo,
     StepRequest,
 )
 
-from ..manager import KVCacheManager
+from .. import footprint, registration
+from ..manager import KVCacheManager, check_config
 from ..ops import plain_step
 from .leases import Leases
 from .metrics import Metrics
@@ -68,15 +78,24 @@ def _alive(pid: int) -> bool:
 class ServiceState:
     def __init__(
         self,
-        manager: KVCacheManager,
+        manager: KVCacheManager | None,
         lease_ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
+        defaults: Mapping[str, Any] | None = None,
     ) -> None:
-        self.manager = manager
+        #: The manager, None until a model is registered (``manager`` raises then).
+        self.current = manager
+        #: The generation while there is no model.
+        self._idle_generation = uuid.uuid4().hex
+        if defaults is None:
+            defaults = {} if manager is None else registration.defaults_of(manager.config)
+        #: What a registered model takes where it says nothing (``Settings.registration_defaults``;
+        #: by default the device, share and budget of the manager the service starts with).
+        self.defaults = dict(defaults)
         self.leases = Leases(lease_ttl_s, clock)
         #: Processes that mapped the shared pools, by consumer id.
         self.consumers: dict[str, ConsumerInfo] = {}
-        self.metrics = Metrics(manager, self.leases, self.consumers)
+        self.metrics = Metrics(lambda: self.current, self.leases, self.consumers)
         self.ready = False
         #: Set (and replaced) whenever new KV events exist: long-polling readers wait on it.
         self.event_wave: asyncio.Event | None = None
@@ -84,6 +103,51 @@ class ServiceState:
         #: Set at shutdown: long-polls answer at once instead of being cut off.
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def manager(self) -> KVCacheManager:
+        """The manager; ``NoModel`` (503) while the service has no model."""
+        if self.current is None:
+            raise NoModel(
+                "the service has no model yet: register one (POST /v1/model, "
+                "register_model) or start kvcm serve with a model source"
+            )
+        return self.current
+
+    @property
+    def generation(self) -> str:
+        """The service generation: the manager's, or the service's own while it has none."""
+        return self._idle_generation if self.current is None else self.current.generation
+
+    @property
+    def max_seq_len(self) -> int:
+        """The model's ``max_seq_len``, or the default one while there is no model."""
+        if self.current is None:
+            return int(registration.SIZING_DEFAULTS["max_seq_len"])
+        return self.current.config.max_seq_len
+
+    def register_model(self, body: ModelRegistration) -> ModelInfo:
+        """Build the registered model (the manager's ``register_model``: checked first, and
+        refused while requests are live). A new generation forgets the consumers of the old
+        pools and answers the ``/v1/events`` long-polls, whose clients must reconnect."""
+        try:
+            config = registration.to_config(body, self.defaults)
+        except ValidationError as exc:
+            raise invalid_from_validation(exc.errors()) from None
+        before = self.generation
+        try:
+            if self.current is not None:
+                return self.current.register_model(config)
+            check_config(config)
+            with footprint.allocating():
+                self.current = KVCacheManager(config)
+            return self.current.model()
+        finally:
+            if self.generation != before:
+                self.consumers.clear()
+                self._seen_seq = self.current.last_event_seq if self.current else 0
+                self._wake_long_polls()
+                self.event_wave = None  # the next long-poll waits on a fresh one
 
     def begin_shutdown(self) -> None:
         """Stop reporting ready and answer every open long-poll now. Safe from a signal
