@@ -21,7 +21,7 @@ SIZING = {
 
 
 def test_engine_through_the_sidecar_then_another_model() -> None:
-    with serve_process() as (url, _, _):
+    with serve_process(model=False) as (url, _, _):
         generations = []
         for family in ("gemma3", "deepseek_v3"):
             built = build_model(family)

@@ -46,7 +46,10 @@ def test_cuda_manager_in_process(built) -> None:
 
 
 def test_cuda_sidecar_over_ipc(built) -> None:
-    with serve_process("--device", DEVICE) as (url, _, _), KVCacheClient(url) as client:
+    with (
+        serve_process("--device", DEVICE, model=False) as (url, _, _),
+        KVCacheClient(url) as client,
+    ):
         client.register_model(hf_config=built.hf_config, **SIZING)
         backend = Backend.sidecar(client)
         assert backend.page_tables().is_cuda
