@@ -137,6 +137,14 @@ def engine_run(built: Any, backend: Backend, args: argparse.Namespace) -> dict[s
     }
 
 
+def measured(built: Any, backend: Backend, args: argparse.Namespace) -> dict[str, Any]:
+    """A warm-up run (first touches of the pools, allocator caches), an emptied prefix cache,
+    then the measured run: both ways start from the same cold prefix cache."""
+    engine_run(built, backend, args)
+    backend.kvcm.reset_prefix_cache()
+    return engine_run(built, backend, args)
+
+
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "system_prompt": args.system_prompt,
@@ -196,33 +204,17 @@ def main() -> None:
 
     from kvcm import KVCacheManager
     from kvcm.model_config import layers_from_hf_config
-
-    manager = KVCacheManager(
-        {
-            "layers": layers_from_hf_config(built.hf_config),
-            "device": args.device,
-            **kv_settings(args),
-        }
-    )
-    engine_run(built, Backend.in_process(manager), args)  # warm-up
-    manager.close()
-    manager = KVCacheManager(
-        {
-            "layers": layers_from_hf_config(built.hf_config),
-            "device": args.device,
-            **kv_settings(args),
-        }
-    )
-    rows.append({"way": "kvcm in-process", **engine_run(built, Backend.in_process(manager), args)})
-    manager.close()
-
     from kvcm_client import KVCacheClient
 
+    layers = layers_from_hf_config(built.hf_config)
+    manager = KVCacheManager({"layers": layers, "device": args.device, **kv_settings(args)})
+    rows.append({"way": "kvcm in-process", **measured(built, Backend.in_process(manager), args)})
+    manager.close()
     proc, url = sidecar(args)
     try:
         with KVCacheClient(url) as client:
             client.register_model(hf_config=built.hf_config, **kv_settings(args))
-            rows.append({"way": "kvcm sidecar", **engine_run(built, Backend.sidecar(client), args)})
+            rows.append({"way": "kvcm sidecar", **measured(built, Backend.sidecar(client), args)})
     finally:
         proc.terminate()
         proc.wait(10)
@@ -238,19 +230,23 @@ def main() -> None:
         f"new_tokens={args.new_tokens} chunk={args.chunk}"
     )
     print(
-        "| way | tok/s | vs transformers | steps | step ms mean / p50 | kvcm ms/step | kvcm share | hits | preempt | match |"
+        "| way | tok/s | vs transformers | steps | step ms mean / p50 | kvcm ms/step "
+        "| kvcm share | hits | preempt | match |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = row["tok_s"] / rows[0]["tok_s"]
         if "step_ms_mean" in row:
             step = f"{row['step_ms_mean']:.2f} / {row['step_ms_p50']:.2f}"
-            kv = f"{row['kvcm_ms_per_step']:.3f} | {row['kvcm_share']:.1%} | {row['hit_tokens']} | {row['preemptions']}"
+            kv = (
+                f"{row['kvcm_ms_per_step']:.3f} | {row['kvcm_share']:.1%} | "
+                f"{row['hit_tokens']} | {row['preemptions']}"
+            )
         else:
             step, kv = "-", "- | - | - | -"
         print(
-            f"| {row['way']} | {row['tok_s']:.0f} | {ratio:.2f}x | {row['steps']} | {step} | {kv} | "
-            f"{row['match']} |"
+            f"| {row['way']} | {row['tok_s']:.0f} | {ratio:.2f}x | {row['steps']} | {step} "
+            f"| {kv} | {row['match']} |"
         )
     if args.json:
         with open(args.json, "w") as f:

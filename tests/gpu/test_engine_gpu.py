@@ -5,7 +5,6 @@ token equals transformers' own ``generate`` on the same GPU."""
 from __future__ import annotations
 
 import pytest
-import torch
 from servers import serve_process
 
 from kvcm import KVCacheManager
