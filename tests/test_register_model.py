@@ -317,6 +317,9 @@ def test_the_async_client_registers_waits_and_is_told_of_stale_generations() -> 
                 await other.stats()
             other.reconnect()
             assert (await other.stats()).total_blocks == {0: 63}
+            # The same model again is a rebuild: a new generation, the same config.
+            again = await kv.register_model(**MODEL_B)
+            assert again.config == info_b.config and again.generation != info_b.generation
 
     with serve_in_thread(create_app(None)) as url:
         asyncio.run(scenario(url))
