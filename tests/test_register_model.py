@@ -317,6 +317,9 @@ def test_the_async_client_registers_waits_and_is_told_of_stale_generations() -> 
                 await other.stats()
             other.reconnect()
             assert (await other.stats()).total_blocks == {0: 63}
+            # The same model again is a rebuild: a new generation, the same config.
+            again = await kv.register_model(**MODEL_B)
+            assert again.config == info_b.config and again.generation != info_b.generation
 
     with serve_in_thread(create_app(None)) as url:
         asyncio.run(scenario(url))
@@ -386,3 +389,10 @@ def test_registering_means_what_starting_with_the_model_means(tmp_path: Path) ->
     cfg = to_config(ModelRegistration(hf_config=LLAMA), defaults)
     assert (cfg.device, cfg.share, cfg.num_blocks, cfg.memory_bytes) == ("cpu", False, 33, None)
     assert (cfg.max_requests, cfg.max_seq_len, cfg.tokens_per_block) == (2, 128, 16)
+
+    # The registration's layer options win over the service's --kv-dtype and --tensor-parallel.
+    service = {"kv_dtype": "fp16", "tensor_parallel": 2, "num_blocks": 8}
+    own = ModelRegistration(hf_config=LLAMA, kv_dtype="fp8_e4m3", tensor_parallel=1)
+    assert {(s.dtype, s.num_kv_heads) for s in to_config(own, service).layers} == {("fp8_e4m3", 2)}
+    plain = ModelRegistration(hf_config=LLAMA)
+    assert {(s.dtype, s.num_kv_heads) for s in to_config(plain, service).layers} == {("fp16", 1)}

@@ -60,14 +60,15 @@ def to_config(registration: ModelRegistration, defaults: Mapping[str, Any]) -> M
             settings.pop(key, None)
     if not any(key in settings or key in given for key in _BUDGETS):
         settings["memory_bytes"] = DEFAULT_MEMORY_BYTES
-    kv_dtype = registration.kv_dtype or settings.pop("kv_dtype", None)
-    tensor_parallel = settings.pop("tensor_parallel", 1)
+    # Options of the layers, not fields of the config.
+    service_dtype = settings.pop("kv_dtype", None)
+    service_ranks = settings.pop("tensor_parallel", 1)
+    kv_dtype = registration.kv_dtype or service_dtype
+    tensor_parallel = registration.tensor_parallel or service_ranks
     model: dict[str, Any] = {}
     if registration.hf_config is not None:
         hf = registration.hf_config
-        layers = layers_from_hf_config(
-            hf, kv_dtype, registration.tensor_parallel or tensor_parallel
-        )
+        layers = layers_from_hf_config(hf, kv_dtype, tensor_parallel)
         if (positions := max_seq_len_from_hf_config(hf)) is not None:
             model["max_seq_len"] = positions
     else:
