@@ -27,7 +27,9 @@ from kvcm_engine import (
 CHUNK = 16
 
 
-def manager_for(built, num_blocks: int = 48, tokens_per_block: int = 4) -> KVCacheManager:
+def manager_for(
+    built, num_blocks: int = 48, tokens_per_block: int = 4, null_page: bool = True
+) -> KVCacheManager:
     return KVCacheManager(
         {
             "layers": layers_from_hf_config(built.hf_config),
@@ -36,7 +38,7 @@ def manager_for(built, num_blocks: int = 48, tokens_per_block: int = 4) -> KVCac
             "max_requests": 16,
             "max_seq_len": 256,
             "max_prefill_chunk": CHUNK,
-            "null_page": True,
+            "null_page": null_page,
         }
     )
 
@@ -61,7 +63,8 @@ def test_tokens_equal_transformers_generate(built, expected) -> None:
     # Uninitialised pool memory must not leak into attention: start from NaN everywhere but
     # the null page.
     for spec in m.config.layers:
-        m.layer_view(spec.layer_id, "key")[1:] = float("nan")
+        for role in ("key", "value")[: spec.kv_factor]:
+            m.layer_view(spec.layer_id, role)[1:] = float("nan")
     engine = Engine(built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48)
     done = engine.run(requests)
     assert [r.request_id for r in done] == sorted(expected)
@@ -77,6 +80,20 @@ def test_tokens_equal_transformers_generate(built, expected) -> None:
     # Every request was freed: the pool is whole again, its blocks cached for reuse.
     assert m.request_ids() == []
     assert m.num_free_blocks() == m.num_total_blocks()
+
+
+def test_without_the_null_page_masked_columns_are_zeroed() -> None:
+    """No null page: columns past a request's end read a real slot, here full of NaN; the
+    cache zeroes them, and the tokens stay exact."""
+    built = build_model("mistral")
+    expected = reference_outputs(built, make_requests(16))
+    m = manager_for(built, null_page=False)
+    for spec in m.config.layers:
+        m.layer_view(spec.layer_id, "key")[:] = float("nan")
+        m.layer_view(spec.layer_id, "value")[:] = float("nan")
+    engine = Engine(built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48)
+    assert {r.request_id: r.output for r in engine.run(make_requests(16))} == expected
+    assert engine.scheduler.stats.preemptions > 0
 
 
 def test_prefix_hit_reads_the_cached_kv(built) -> None:
@@ -112,9 +129,15 @@ def test_step_tables_worked_example() -> None:
     slots = torch.tensor([[22, 23, 28, 29, 30], [22, 23, 28, 29, 30]])
     t = StepTables.build(tables, slots, [1, 2], [6, 0], [2, 3], [None, 2], 4, True, torch.float32)
     full, win = t.groups
-    assert full.read_blocks.tolist() == [[9] * 4 + [5] * 4, [7] * 4 + [0] * 4]
-    assert full.read_offsets.tolist() == [[0, 1, 2, 3] * 2] * 2
-    assert full.read_keep[..., 0, 0].tolist() == [[True] * 8, [True] * 3 + [False] * 5]
+    # Columns past a request's end read the null page (slot 0, offset 0).
+    assert full.read_blocks.tolist() == [[9] * 4 + [5] * 4, [7] * 3 + [0] * 5]
+    assert full.read_offsets.tolist() == [[0, 1, 2, 3] * 2, [0, 1, 2] + [0] * 5]
+    assert full.read_keep is None
+    plain = StepTables.build(
+        tables, slots, [1, 2], [6, 0], [2, 3], [None, 2], 4, False, torch.float32
+    )
+    keep = plain.groups[0].read_keep
+    assert keep is not None and keep[..., 0, 0].tolist() == [[True] * 8, [True] * 3 + [False] * 5]
     # Left padding: request 0's queries are columns 1, 2 (positions 6, 7).
     assert full.write_rows.tolist() == [0, 0, 1, 1, 1]
     assert full.write_cols.tolist() == [1, 2, 0, 1, 2]

@@ -49,9 +49,10 @@ class GroupTables:
     """One layer group's reads and writes in a forward.
 
     ``read_blocks``/``read_offsets`` ``[R, L]``: where history column k of each request lives;
-    ``read_keep`` ``[R, L]``: the columns that hold a written key (the others are zeroed after
-    the gather: a masked column still enters ``q @ k`` and then the additive mask, and the
-    unwritten tail of a block may hold anything, NaN included);
+    ``read_keep`` ``[R, L, 1, 1]``: the columns that hold a written key. A masked column still
+    enters ``q @ k`` before the additive mask, and the unwritten tail of a block may hold
+    anything, NaN included: with the null page the other columns read its zeros (slot 0,
+    offset 0) and ``read_keep`` is None; without it they are zeroed after the gather;
     ``write_blocks``/``write_offsets`` ``[N]`` with ``write_rows``/``write_cols``: where each
     of the N new tokens goes (tokens kvcm maps to -1, released by a window, are left out);
     ``mask`` ``[R, 1, Q, L]``: additive (0 = attend, dtype min = masked).
@@ -59,7 +60,7 @@ class GroupTables:
 
     read_blocks: torch.Tensor
     read_offsets: torch.Tensor
-    read_keep: torch.Tensor
+    read_keep: torch.Tensor | None
     write_rows: torch.Tensor
     write_cols: torch.Tensor
     write_blocks: torch.Tensor
@@ -130,17 +131,18 @@ class StepTables:
                 )
             # Padding queries attend to column 0 only, so that no row is all masked (NaN).
             allowed[:, :, 0] |= ~real
+            keep = valid & held
             slots = slot_mapping[g]
-            keep = slots >= 0
+            new = slots >= 0
             out.append(
                 GroupTables(
-                    read_blocks=torch.where(held, pages, 0),
-                    read_offsets=pos % tpb,
-                    read_keep=(valid & held)[:, :, None, None],
-                    write_rows=req[keep],
-                    write_cols=cols[keep],
-                    write_blocks=slots[keep] // tpb,
-                    write_offsets=slots[keep] % tpb,
+                    read_blocks=torch.where(keep, pages, 0),
+                    read_offsets=torch.where(keep, pos % tpb, 0),
+                    read_keep=None if null_page else keep[:, :, None, None],
+                    write_rows=req[new],
+                    write_cols=cols[new],
+                    write_blocks=slots[new] // tpb,
+                    write_offsets=slots[new] % tpb,
                     mask=torch.where(allowed, 0.0, min_value).to(dtype)[:, None],
                 )
             )
@@ -187,7 +189,9 @@ class KVCMCache:
             new = states.transpose(1, 2)[t.write_rows, t.write_cols]  # [N, heads, dim]
             view[t.write_blocks, t.write_offsets] = new.to(view.dtype)
             read = view[t.read_blocks, t.read_offsets].to(states.dtype)
-            history.append(torch.where(t.read_keep, read, 0).transpose(1, 2))
+            if t.read_keep is not None:
+                read = torch.where(t.read_keep, read, 0)
+            history.append(read.transpose(1, 2))
         if latent:
             return tuple(torch.split(history[0], parts, dim=-1))  # type: ignore[return-value]
         return history[0], history[1]
