@@ -213,7 +213,7 @@ def main() -> None:
     proc, url = sidecar(args)
     try:
         with KVCacheClient(url) as client:
-            client.register_model(hf_config=built.hf_config, **kv_settings(args))
+            client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
             rows.append({"way": "kvcm sidecar", **measured(built, Backend.sidecar(client), args)})
     finally:
         proc.terminate()

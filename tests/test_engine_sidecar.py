@@ -26,7 +26,7 @@ def test_engine_through_the_sidecar_then_another_model() -> None:
         for family in ("gemma3", "deepseek_v3"):
             built = build_model(family)
             with KVCacheClient(url) as client:
-                answer = client.register_model(hf_config=built.hf_config, **SIZING)
+                answer = client.register_model(hf_config=built.hf_config, share=True, **SIZING)
                 generations.append(answer.generation)
                 backend = Backend.sidecar(client)
                 engine = Engine(built, backend, chunk=16, max_batch_tokens=48)

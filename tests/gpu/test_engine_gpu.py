@@ -49,7 +49,7 @@ def test_cuda_sidecar_over_ipc(built) -> None:
         serve_process("--device", DEVICE, model=False) as (url, _, _),
         KVCacheClient(url) as client,
     ):
-        client.register_model(hf_config=built.hf_config, **SIZING)
+        client.register_model(hf_config=built.hf_config, share=True, **SIZING)
         backend = Backend.sidecar(client)
         assert backend.page_tables().is_cuda
         check(Engine(built, backend, chunk=16, max_batch_tokens=48), built)

@@ -44,7 +44,8 @@ def connect(built: BuiltModel, args: argparse.Namespace) -> tuple[Backend, Any]:
         from kvcm_client import KVCacheClient
 
         client = KVCacheClient(args.sidecar)
-        client.register_model(hf_config=built.hf_config, **kv_settings(args))
+        # share: pools the engine's process can map (on a GPU the service's default is off).
+        client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
         return Backend.sidecar(client), client
     from kvcm import KVCacheManager
     from kvcm.model_config import layers_from_hf_config
