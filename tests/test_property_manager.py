@@ -672,8 +672,13 @@ class ManagerMachine(RuleBasedStateMachine):
             outcome = Outcome(must=(InvalidArgument,))
         elif rid in self.reqs:
             retry = self.reqs[rid].args == args
-            if not retry:
-                outcome = Outcome(must=(DuplicateRequest,))
+            if not retry:  # the prompt is checked before the id (hashing it costs most)
+                if norm is not None and len(norm) != num_tokens:
+                    outcome = Outcome(must=(InvalidArgument,))
+                elif norm is not None and len(norm) > MAX_SEQ:
+                    outcome = Outcome(must=(SequenceTooLong,))
+                else:
+                    outcome = Outcome(must=(DuplicateRequest,))
         else:
             late: list[type[KVCMError]] = []
             if num_tokens + lookahead > MAX_SEQ:
