@@ -177,3 +177,12 @@ def test_cache_miss_when_a_needed_page_is_gone() -> None:
         StepTables.build(tables, slots, [0], [5], [1], [None], 4, True, torch.float32)
     tables[0, 0, 1] = 6
     StepTables.build(tables, torch.tensor([[25]]), [0], [5], [1], [None], 4, True, torch.float32)
+
+
+def test_a_request_that_cannot_fit_alone_is_an_error_not_a_hang() -> None:
+    built = build_model("llama")
+    m = manager_for(built, num_blocks=4)  # 3 usable blocks of 4 tokens
+    engine = Engine(built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48)
+    with pytest.raises(RuntimeError, match="req-000 does not fit the pool"):
+        engine.run([Request("req-000", list(range(1, 41)), 4)])
+    assert m.request_ids() == []

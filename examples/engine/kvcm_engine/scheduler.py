@@ -159,6 +159,13 @@ class Scheduler:
             self.stats.admitted += 1
             self.running.append(r)
             plan.append(Work(r, r.computed, n - r.computed))
+        if admits and not self.running:
+            # Nothing runs, so nothing will free blocks: the head of the queue can never fit.
+            r, n = admits[0]
+            raise RuntimeError(
+                f"request {r.request_id} does not fit the pool even alone "
+                f"(its first allocation of {n} tokens was refused)"
+            )
         return self._preempt_for(failed, plan)
 
     def _candidates(self, budget: int) -> list[tuple[Request, int]]:
