@@ -107,6 +107,10 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--port", {"type": int, "help": "TCP port (default 8470; 0 picks a free one)"}),
     ("--uds", {"type": Path, "help": "serve on this Unix socket instead of TCP"}),
     (
+        "--step-socket",
+        {"type": Path, "help": "also serve the step channel on this Unix socket (0660)"},
+    ),
+    (
         "--metrics-port",
         {"type": int, "help": "also serve /livez, /readyz, /metrics (only) on this TCP port"},
     ),
