@@ -275,6 +275,10 @@ def serve(settings: Settings) -> int:
             settings.host,
             "" if settings.api_token else "; set KVCM_API_TOKEN to require a token",
         )
+    if settings.step_socket is not None:
+        from .server.step_channel import clear_stale
+
+        clear_stale(settings.step_socket)  # a live one: refused here, before anything starts
     sock, url = _bind(settings)
     # Listen before printing the URL: a client that connects at once waits in the backlog
     # until the server accepts, instead of being refused.

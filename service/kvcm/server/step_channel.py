@@ -70,9 +70,10 @@ def _table(values: Any) -> dict[str, Any]:
     return {"dtype": "int64", "shape": list(array.shape), "data": array.tobytes()}
 
 
-def bind(path: Path) -> socket.socket:
-    """A listening Unix socket at ``path``, mode 0660. A stale socket (nobody accepts on it)
-    is replaced; a live one, or a path that is not a socket, is refused (``OSError``)."""
+def clear_stale(path: Path) -> None:
+    """Remove a stale socket at ``path`` (nobody accepts on it: its process is gone); refuse
+    (``FileExistsError``) a live one or a path that is not a socket. ``kvcm serve`` calls it
+    before starting, so that a refusal is one line and exit status 2."""
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FileExistsError(f"step socket {path} exists and is not a socket")
@@ -85,6 +86,11 @@ def bind(path: Path) -> socket.socket:
             raise FileExistsError(f"step socket {path} is in use by a running process")
         finally:
             probe.close()
+
+
+def bind(path: Path) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0660 (``clear_stale`` first)."""
+    clear_stale(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o117)  # rw for owner and group only
     try:
