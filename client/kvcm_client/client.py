@@ -5,6 +5,11 @@ can swap the in-process manager for the sidecar. Tables come back as lists of in
 needs no torch): ``page_indices`` is ``list[list[int]]`` where the manager returns an int32
 tensor, ``slot_mapping`` a ``list[int]``.
 
+With ``step_socket`` (``kvcm serve --step-socket``) the sync client sends the step-path calls
+(``step``, ``extend_many``, ``slot_mapping(s)``, ``probe``, ``allocate``, ``extend``,
+``rewind``, ``commit``, ``free``) over that Unix socket as msgpack frames instead, with the
+same results and errors (docs/step-channel.md); the async client uses HTTP for everything.
+
 Connections are kept alive (one pool per client). A call that fails to connect is retried (it
 never reached the service); a call whose connection broke after it was sent is retried only if
 the op is idempotent (reads, and ``allocate``, which the manager makes idempotent). When the
