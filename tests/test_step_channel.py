@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import msgpack
 import pytest
-from servers import serve_process
+from servers import SyncOverAsync, serve_process
 
-from kvcm_client import KVCacheClient
+from kvcm_client import AsyncKVCacheClient, KVCacheClient
 from kvcm_client.errors import (
     MalformedRequest,
     PayloadTooLarge,
@@ -102,6 +102,21 @@ def test_the_same_scenario_gives_the_same_answers_over_http_and_the_socket(
     assert over_http[1][2]["error"]["code"] == "unknown_request"
     assert over_http[1][3]["error"]["code"] == "out_of_blocks"
     assert not sock_path.exists()  # removed at shutdown
+
+
+def test_the_async_client_gives_the_same_answers(sock_path: Path) -> None:
+    with serve_process(*ARGS) as (url, _, _), KVCacheClient(url) as kv:
+        over_http = _scenario(kv)
+    with serve_process(*ARGS, "--step-socket", str(sock_path)) as (url, _, _):
+        kv = SyncOverAsync(AsyncKVCacheClient(url, step_socket=sock_path))
+        try:
+            assert _scenario(kv) == over_http
+            with pytest.raises(UnknownRequest):
+                kv.extend("ghost", 1)
+        finally:
+            kv.close()
+        text = httpx.get(f"{url}/metrics").text
+        assert 'kvcm_step_channel_frames_total{op="step",result="ok"} 2.0' in text
 
 
 def test_socket_mode_and_a_live_or_stale_socket(served: tuple[str, Path], tmp_path: Path) -> None:
@@ -276,13 +291,23 @@ def test_a_step_is_not_resent_once_sent_but_a_read_is(sock_path: Path) -> None:
         with pytest.raises(ServiceUnavailable):
             kv.slot_mappings(["a"])
         assert mute.frames == 1 + 3  # retries=2: sent three times
+    kv = SyncOverAsync(AsyncKVCacheClient("http://127.0.0.1:9", step_socket=sock_path))
+    try:
+        with pytest.raises(ServiceUnavailable):
+            kv.extend_many(["a"])
+        assert mute.frames == 4 + 1
+        with pytest.raises(ServiceUnavailable):
+            kv.probe([1, 2])
+        assert mute.frames == 5 + 3
+    finally:
+        kv.close()
     mute.listener.close()
 
 
 NO_TORCH = """
 import sys
 sys.modules["torch"] = None  # importing torch now fails
-from kvcm_client import KVCacheClient
+from kvcm_client import AsyncKVCacheClient, KVCacheClient
 with KVCacheClient(sys.argv[1], step_socket=sys.argv[2]) as kv:
     kv.allocate("a", 20)
     results = kv.step([{"op": "extend", "request_id": "a", "num_new_tokens": 2}])

@@ -5,10 +5,11 @@ can swap the in-process manager for the sidecar. Tables come back as lists of in
 needs no torch): ``page_indices`` is ``list[list[int]]`` where the manager returns an int32
 tensor, ``slot_mapping`` a ``list[int]``.
 
-With ``step_socket`` (``kvcm serve --step-socket``) the sync client sends the step-path calls
+With ``step_socket`` (``kvcm serve --step-socket``) the clients send the step-path calls
 (``step``, ``extend_many``, ``slot_mapping(s)``, ``probe``, ``allocate``, ``extend``,
 ``rewind``, ``commit``, ``free``) over that Unix socket as msgpack frames instead, with the
-same results and errors (docs/step-channel.md); the async client uses HTTP for everything.
+same results and errors (docs/step-channel.md); the async client does the same on an asyncio
+stream.
 
 Connections are kept alive (one pool per client). A call that fails to connect is retried (it
 never reached the service); a call whose connection broke after it was sent is retried only if
@@ -509,12 +510,20 @@ class AsyncKVCacheClient:
         base_url: str = DEFAULT_URL,
         *,
         uds: str | Path | None = None,
+        step_socket: str | Path | None = None,
         token: str | None = None,
         timeout: float = 10.0,
         retries: int = 2,
         backoff_s: float = 0.05,
     ) -> None:
+        """As ``KVCacheClient``; the step channel is an asyncio stream."""
         url, headers = _setup(base_url, uds, token)
+        self._token = _token(token)
+        self._channel = (
+            None
+            if step_socket is None
+            else channel.AsyncStepSocket(str(step_socket), timeout, retries, backoff_s)
+        )
         transport = httpx.AsyncHTTPTransport(uds=str(uds)) if uds is not None else None
         self._http = httpx.AsyncClient(
             base_url=url,
@@ -537,6 +546,18 @@ class AsyncKVCacheClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._channel is not None:
+            await self._channel.aclose()
+
+    async def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T]) -> T:
+        """As ``KVCacheClient._fast``."""
+        if self._channel is None:
+            return await self._run(fallback)
+        header = {"session": self.session_id, "generation": self.generation, "token": self._token}
+        answer = await self._channel.call(call, {k: v for k, v in header.items() if v is not None})
+        result = channel.result_of(call, answer)
+        self.generation = _pin(self.generation, answer.get("generation"))
+        return result
 
     async def _run(self, call: calls.Call[T]) -> T:
         headers = _headers(self.session_id, self.generation if call.pinned else None)
@@ -571,18 +592,9 @@ class AsyncKVCacheClient:
         multimodal: Sequence[Any] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> RequestInfo:
-        return await self._run(
-            calls.allocate(
-                request_id,
-                num_tokens,
-                token_ids,
-                lookahead,
-                lora_id,
-                cache_salt,
-                multimodal,
-                block_keys,
-            )
-        )
+        given = (request_id, num_tokens, token_ids, lookahead)
+        prompt = (lora_id, cache_salt, multimodal, block_keys)
+        return await self._fast(channel.allocate(*given, *prompt), calls.allocate(*given, *prompt))
 
     async def probe(
         self,
@@ -592,7 +604,8 @@ class AsyncKVCacheClient:
         multimodal: Sequence[Any] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> int:
-        return await self._run(calls.probe(token_ids, lora_id, cache_salt, multimodal, block_keys))
+        given = (token_ids, lora_id, cache_salt, multimodal, block_keys)
+        return await self._fast(channel.probe(*given), calls.probe(*given))
 
     async def reset_prefix_cache(self) -> None:
         return await self._run(calls.reset_prefix_cache())
@@ -611,7 +624,8 @@ class AsyncKVCacheClient:
                 yield batch
 
     async def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
-        return await self._run(calls.extend(request_id, num_new_tokens, lookahead))
+        given = (request_id, num_new_tokens, lookahead)
+        return await self._fast(channel.extend(*given), calls.extend(*given))
 
     async def extend_many(
         self,
@@ -619,21 +633,25 @@ class AsyncKVCacheClient:
         num_new_tokens: int | Sequence[int] = 1,
         lookahead: int | Sequence[int] = 0,
     ) -> None:
-        return await self._run(calls.extend_many(request_ids, num_new_tokens, lookahead))
+        given = (request_ids, num_new_tokens, lookahead)
+        return await self._fast(channel.extend_many(*given), calls.extend_many(*given))
 
     async def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
-        return await self._run(calls.rewind(request_id, num_tokens))
+        given = (request_id, num_tokens)
+        return await self._fast(channel.rewind(*given), calls.rewind(*given))
 
     async def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
-        return await self._run(calls.commit(request_id, token_ids))
+        given = (request_id, token_ids)
+        return await self._fast(channel.commit(*given), calls.commit(*given))
 
     async def free(self, request_id: str) -> None:
-        return await self._run(calls.free(request_id))
+        return await self._fast(channel.free(request_id), calls.free(request_id))
 
     async def step(
         self, ops: Sequence[Any], atomic: bool = False, brief: bool = False
     ) -> list[OpResult]:
-        return await self._run(calls.step(ops, atomic, brief))
+        given = (ops, atomic, brief)
+        return await self._fast(channel.step(*given), calls.step(*given))
 
     async def request(self, request_id: str) -> RequestInfo:
         return await self._run(calls.request(request_id))
@@ -664,7 +682,8 @@ class AsyncKVCacheClient:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> list[int]:
-        return await self._run(calls.slot_mapping(request_ids, layer_id, num_tokens, pad_to))
+        given = (request_ids, layer_id, num_tokens, pad_to)
+        return await self._fast(channel.slot_mapping(*given), calls.slot_mapping(*given))
 
     async def slot_mappings(
         self,
@@ -672,7 +691,8 @@ class AsyncKVCacheClient:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> list[list[int]]:
-        return await self._run(calls.slot_mapping(request_ids, None, num_tokens, pad_to))
+        given = (request_ids, None, num_tokens, pad_to)
+        return await self._fast(channel.slot_mapping(*given), calls.slot_mapping(*given))
 
     async def describe(self) -> Layout:
         return await self._run(calls.describe())

@@ -12,6 +12,8 @@ mappings come back as raw int64 bytes and are turned into lists with ``memoryvie
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import struct
 import sys
@@ -208,20 +210,15 @@ class StepSocket:
         """Send ``call`` (with ``header``: session, generation, token) and return the answer
         map; ``ServiceUnavailable`` when the retries run out or a resend would be unsafe."""
         frame = pack({"op": call.op, "args": call.args, **header})
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while True:
             try:
                 return self._exchange(frame)
             except _Broken as exc:
                 self.close()
-                if attempt == self.retries or (exc.sent and not call.idempotent):
-                    raise ServiceUnavailable(
-                        f"step channel {call.op} failed after {attempt + 1} attempt(s): "
-                        f"{type(exc.cause).__name__}: {exc.cause}",
-                        path=self.path,
-                        attempts=attempt + 1,
-                    ) from exc.cause
-                time.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+                _give_up(self.path, call, attempt, self.retries, exc)
+            time.sleep(self.backoff_s * 2**attempt)
+            attempt += 1
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -263,6 +260,81 @@ class StepSocket:
         answer = unpack(_recv_exactly(sock, size))
         if answer.get("close"):  # the service closes after this answer
             self.close()
+        return answer
+
+
+def _give_up(path: str, call: StepCall[Any], attempt: int, retries: int, exc: _Broken) -> None:
+    """Raise ``ServiceUnavailable`` unless ``call`` may be sent again after ``exc``."""
+    if attempt == retries or (exc.sent and not call.idempotent):
+        raise ServiceUnavailable(
+            f"step channel {call.op} failed after {attempt + 1} attempt(s): "
+            f"{type(exc.cause).__name__}: {exc.cause}",
+            path=path,
+            attempts=attempt + 1,
+        ) from exc.cause
+
+
+class AsyncStepSocket:
+    """``StepSocket`` on an asyncio stream, for ``AsyncKVCacheClient``: one connection, one
+    call at a time on it (a lock keeps each request next to its answer)."""
+
+    def __init__(self, path: str, timeout: float, retries: int, backoff_s: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        if self._conn is not None:
+            writer = self._conn[1]
+            self._conn = None
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def call(self, call: StepCall[Any], header: dict[str, Any]) -> dict[str, Any]:
+        """As ``StepSocket.call``."""
+        frame = pack({"op": call.op, "args": call.args, **header})
+        async with self._lock:
+            attempt = 0
+            while True:
+                try:
+                    return await self._exchange(frame)
+                except _Broken as exc:
+                    await self.aclose()
+                    _give_up(self.path, call, attempt, self.retries, exc)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+                attempt += 1
+
+    async def _exchange(self, frame: bytes) -> dict[str, Any]:
+        if self._conn is None:
+            try:
+                self._conn = await asyncio.wait_for(
+                    asyncio.open_unix_connection(self.path), self.timeout
+                )
+            except (OSError, TimeoutError) as exc:
+                raise _Broken(exc, sent=False) from None
+        reader, writer = self._conn
+        try:
+            writer.write(frame)
+            await writer.drain()
+        except OSError as exc:
+            try:  # as in StepSocket: the service's answer may be here (a refused frame)
+                return await asyncio.wait_for(self._read(reader), 0.05)
+            except (OSError, EOFError, TimeoutError):
+                raise _Broken(exc, sent=False) from None
+        try:
+            return await asyncio.wait_for(self._read(reader), self.timeout)
+        except (OSError, EOFError, TimeoutError) as exc:
+            raise _Broken(exc, sent=True) from None
+
+    async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any]:
+        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        answer = unpack(await reader.readexactly(size))
+        if answer.get("close"):
+            await self.aclose()
         return answer
 
 
