@@ -170,7 +170,8 @@ class StepChannel:
                     await self._send(writer, self._error("frame", err), close=True)
                     return
                 try:
-                    body = await asyncio.wait_for(reader.readexactly(size), self.read_timeout)
+                    async with asyncio.timeout(self.read_timeout):  # no task, unlike wait_for
+                        body = await reader.readexactly(size)
                 except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
                     return  # cut off mid-frame, or too slow: nothing of it ran
                 answer, close = self.handle(body)
