@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,40 @@ def test_leases_and_metrics_count_socket_ops(served: tuple[str, Path]) -> None:
     assert "kvcm_step_channel_connections_total 1.0" in text
     with KVCacheClient(url) as http:
         assert http.request_ids() == []
+
+
+def test_a_silent_sessions_socket_requests_are_freed_when_it_expires(
+    served: tuple[str, Path],
+) -> None:
+    url, path = served
+    with KVCacheClient(url, step_socket=path) as kv:
+        kv.open_session(ttl_s=0.5)
+        kv.allocate("a", 5)
+        kv.step([{"op": "allocate", "request_id": "b", "num_tokens": 5}])
+    with KVCacheClient(url) as http:
+        deadline = time.monotonic() + 10
+        while http.request_ids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http.request_ids() == []
+    assert "kvcm_lease_requests_freed_total 2.0" in httpx.get(f"{url}/metrics").text
+
+
+def test_a_restarted_service_is_noticed_over_the_socket(sock_path: Path) -> None:
+    kv = KVCacheClient("http://127.0.0.1:9", step_socket=sock_path, backoff_s=0.05)
+    with kv:
+        with serve_process(*ARGS, "--step-socket", str(sock_path)):
+            kv.allocate("a", 5)
+            pinned = kv.generation
+        with serve_process(*ARGS, "--step-socket", str(sock_path)) as (url, _, _):
+            # The old connection is gone: the step is sent again on a new one (it never
+            # ran), and the new service refuses it before applying anything.
+            with pytest.raises(StaleGeneration):
+                kv.step([{"op": "allocate", "request_id": "b", "num_tokens": 5}])
+            with KVCacheClient(url) as http:
+                assert http.request_ids() == []
+            kv.reconnect()
+            assert kv.allocate("b", 5).row == 0
+            assert kv.generation != pinned
 
 
 def test_concurrent_clients_on_one_server(served: tuple[str, Path]) -> None:
