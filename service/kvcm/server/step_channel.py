@@ -236,11 +236,8 @@ class StepChannel:
         return result
 
     def _check(self, op: str, message: dict[str, Any]) -> None:
-        """The token (for the ops whose HTTP route needs it) and the pinned generation."""
-        if self.token is not None and OPS[op]:
-            given = message.get("token")
-            if type(given) is not str or not hmac.compare_digest(given.encode(), self.token):
-                raise Unauthorized("this op needs the service's token (KVCM_API_TOKEN)")
+        """The pinned generation, then the token (for the ops whose HTTP route needs it):
+        HTTP's order (its generation check is the outermost middleware)."""
         pinned = message.get("generation")
         if pinned is not None and pinned != self.state.generation:
             shown = str(pinned)[:32]
@@ -250,6 +247,10 @@ class StepChannel:
                 "reconnect (docs/service.md)",
                 generation=shown,
             )
+        if self.token is not None and OPS[op]:
+            given = message.get("token")
+            if type(given) is not str or not hmac.compare_digest(given.encode(), self.token):
+                raise Unauthorized("this op needs the service's token (KVCM_API_TOKEN)")
 
     def _error(self, op: Any, exc: KVCMError) -> dict[str, Any]:
         label = op if type(op) is str and op in OPS else "invalid"
