@@ -73,7 +73,7 @@ def int64_table(data: bytes, shape: Sequence[int]) -> list[Any]:
         swapped = array.array("q", data)
         swapped.byteswap()
         view = memoryview(swapped.tobytes())
-    return view.cast("B").cast("q", list(shape)).tolist() if all(shape) else _empty(shape)
+    return view.cast("q", list(shape)).tolist() if all(shape) else _empty(shape)
 
 
 def _empty(shape: Sequence[int]) -> list[Any]:
