@@ -48,6 +48,18 @@ def test_loadtest_quick_runs_both_clients_and_leaks_nothing() -> None:
         assert re.search(rf"^{client} +step closed c=1 ", run.stdout, re.M), client
 
 
+def test_bench_step_channel_quick_prints_every_variant() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_step_channel.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    for variant in ("in-process step_plain", "typed client, HTTP", "typed client, step channel"):
+        assert f"| {variant} |" in run.stdout
+
+
 def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> None:
     code = (
         "import sys, kvcm_client; "

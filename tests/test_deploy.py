@@ -56,6 +56,8 @@ def test_kubernetes_sidecar_shares_gpu_processes_and_socket() -> None:
     assert mounts["kvcm"][socket_dir] == mounts["inference-server"][socket_dir]
     env = {e["name"]: e for e in server["env"]}
     assert env["KVCM_UDS"]["value"] == str(args.uds)
+    assert env["KVCM_STEP_SOCKET"]["value"] == str(args.step_socket)
+    assert str(Path(args.step_socket).parent) == socket_dir
     token_env = next(e for e in kvcm["env"] if e["name"] == "KVCM_API_TOKEN")
     assert "secretKeyRef" in token_env["valueFrom"]
 
@@ -91,6 +93,8 @@ def test_compose_agrees_with_the_cli_and_shares_pid_gpu_and_socket() -> None:
     assert f"kvcm-run:{socket_dir}" in kvcm["volumes"]
     assert f"kvcm-run:{socket_dir}" in server["volumes"]
     assert server["environment"]["KVCM_UDS"] == str(args.uds)
+    assert server["environment"]["KVCM_STEP_SOCKET"] == str(args.step_socket)
+    assert str(Path(args.step_socket).parent) == socket_dir
     check = " ".join(kvcm["healthcheck"]["test"])
     port, path = re.search(r"127\.0\.0\.1:(\d+)(/\w+)", check).groups()  # type: ignore[union-attr]
     assert int(port) == int(args.metrics_port) and path in _routes()

@@ -5,6 +5,12 @@ can swap the in-process manager for the sidecar. Tables come back as lists of in
 needs no torch): ``page_indices`` is ``list[list[int]]`` where the manager returns an int32
 tensor, ``slot_mapping`` a ``list[int]``.
 
+With ``step_socket`` (``kvcm serve --step-socket``) the clients send the step-path calls
+(``step``, ``extend_many``, ``slot_mapping(s)``, ``probe``, ``allocate``, ``extend``,
+``rewind``, ``commit``, ``free``) over that Unix socket as msgpack frames instead, with the
+same results and errors (docs/step-channel.md); the async client does the same on an asyncio
+stream.
+
 Connections are kept alive (one pool per client). A call that fails to connect is retried (it
 never reached the service); a call whose connection broke after it was sent is retried only if
 the op is idempotent (reads, and ``allocate``, which the manager makes idempotent). When the
@@ -29,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import httpx
 
 from . import _calls as calls
+from . import step_channel as channel
 from .errors import (
     ModelWaitTimeout,
     NoModel,
@@ -65,8 +72,12 @@ GENERATION_HEADER = "X-KVCM-Generation"
 _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+def _token(token: str | None) -> str | None:
+    return token if token is not None else os.environ.get("KVCM_API_TOKEN")
+
+
 def _setup(base_url: str, uds: str | Path | None, token: str | None) -> tuple[str, dict[str, str]]:
-    token = token if token is not None else os.environ.get("KVCM_API_TOKEN")
+    token = _token(token)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return ("http://kvcm" if uds is not None else base_url.rstrip("/")), headers
 
@@ -174,12 +185,23 @@ class KVCacheClient:
         base_url: str = DEFAULT_URL,
         *,
         uds: str | Path | None = None,
+        step_socket: str | Path | None = None,
         token: str | None = None,
         timeout: float = 10.0,
         retries: int = 2,
         backoff_s: float = 0.05,
     ) -> None:
+        """``step_socket``: the service's step channel (``kvcm serve --step-socket``); the
+        step-path methods (``step``, ``extend_many``, ``slot_mapping(s)``, ``probe``,
+        ``allocate``, ``extend``, ``rewind``, ``commit``, ``free``) go over it, the rest
+        over HTTP (docs/step-channel.md)."""
         url, headers = _setup(base_url, uds, token)
+        self._token = _token(token)
+        self._channel = (
+            None
+            if step_socket is None
+            else channel.StepSocket(str(step_socket), timeout, retries, backoff_s)
+        )
         transport = httpx.HTTPTransport(uds=str(uds)) if uds is not None else None
         self._http = httpx.Client(
             base_url=url,
@@ -202,6 +224,18 @@ class KVCacheClient:
 
     def close(self) -> None:
         self._http.close()
+        if self._channel is not None:
+            self._channel.close()
+
+    def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T]) -> T:
+        """``call`` over the step channel if this client has one, else ``fallback`` (HTTP)."""
+        if self._channel is None:
+            return self._run(fallback)
+        header = {"session": self.session_id, "generation": self.generation, "token": self._token}
+        answer = self._channel.call(call, {k: v for k, v in header.items() if v is not None})
+        result = channel.result_of(call, answer)
+        self.generation = _pin(self.generation, answer.get("generation"))
+        return result
 
     def _run(self, call: calls.Call[T]) -> T:
         headers = _headers(self.session_id, self.generation if call.pinned else None)
@@ -238,18 +272,9 @@ class KVCacheClient:
         multimodal: Sequence[Any] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> RequestInfo:
-        return self._run(
-            calls.allocate(
-                request_id,
-                num_tokens,
-                token_ids,
-                lookahead,
-                lora_id,
-                cache_salt,
-                multimodal,
-                block_keys,
-            )
-        )
+        given = (request_id, num_tokens, token_ids, lookahead)
+        prompt = (lora_id, cache_salt, multimodal, block_keys)
+        return self._fast(channel.allocate(*given, *prompt), calls.allocate(*given, *prompt))
 
     def probe(
         self,
@@ -259,7 +284,8 @@ class KVCacheClient:
         multimodal: Sequence[Any] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> int:
-        return self._run(calls.probe(token_ids, lora_id, cache_salt, multimodal, block_keys))
+        given = (token_ids, lora_id, cache_salt, multimodal, block_keys)
+        return self._fast(channel.probe(*given), calls.probe(*given))
 
     def reset_prefix_cache(self) -> None:
         return self._run(calls.reset_prefix_cache())
@@ -277,7 +303,8 @@ class KVCacheClient:
                 yield batch
 
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
-        return self._run(calls.extend(request_id, num_new_tokens, lookahead))
+        given = (request_id, num_new_tokens, lookahead)
+        return self._fast(channel.extend(*given), calls.extend(*given))
 
     def extend_many(
         self,
@@ -285,19 +312,24 @@ class KVCacheClient:
         num_new_tokens: int | Sequence[int] = 1,
         lookahead: int | Sequence[int] = 0,
     ) -> None:
-        return self._run(calls.extend_many(request_ids, num_new_tokens, lookahead))
+        given = (request_ids, num_new_tokens, lookahead)
+        return self._fast(channel.extend_many(*given), calls.extend_many(*given))
 
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
-        return self._run(calls.rewind(request_id, num_tokens))
+        return self._fast(
+            channel.rewind(request_id, num_tokens), calls.rewind(request_id, num_tokens)
+        )
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
-        return self._run(calls.commit(request_id, token_ids))
+        return self._fast(
+            channel.commit(request_id, token_ids), calls.commit(request_id, token_ids)
+        )
 
     def free(self, request_id: str) -> None:
-        return self._run(calls.free(request_id))
+        return self._fast(channel.free(request_id), calls.free(request_id))
 
     def step(self, ops: Sequence[Any], atomic: bool = False, brief: bool = False) -> list[OpResult]:
-        return self._run(calls.step(ops, atomic, brief))
+        return self._fast(channel.step(ops, atomic, brief), calls.step(ops, atomic, brief))
 
     def request(self, request_id: str) -> RequestInfo:
         return self._run(calls.request(request_id))
@@ -328,7 +360,8 @@ class KVCacheClient:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> list[int]:
-        return self._run(calls.slot_mapping(request_ids, layer_id, num_tokens, pad_to))
+        given = (request_ids, layer_id, num_tokens, pad_to)
+        return self._fast(channel.slot_mapping(*given), calls.slot_mapping(*given))
 
     def slot_mappings(
         self,
@@ -336,7 +369,8 @@ class KVCacheClient:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> list[list[int]]:
-        return self._run(calls.slot_mapping(request_ids, None, num_tokens, pad_to))
+        given = (request_ids, None, num_tokens, pad_to)
+        return self._fast(channel.slot_mapping(*given), calls.slot_mapping(*given))
 
     def describe(self) -> Layout:
         return self._run(calls.describe())
@@ -476,12 +510,20 @@ class AsyncKVCacheClient:
         base_url: str = DEFAULT_URL,
         *,
         uds: str | Path | None = None,
+        step_socket: str | Path | None = None,
         token: str | None = None,
         timeout: float = 10.0,
         retries: int = 2,
         backoff_s: float = 0.05,
     ) -> None:
+        """As ``KVCacheClient``; the step channel is an asyncio stream."""
         url, headers = _setup(base_url, uds, token)
+        self._token = _token(token)
+        self._channel = (
+            None
+            if step_socket is None
+            else channel.AsyncStepSocket(str(step_socket), timeout, retries, backoff_s)
+        )
         transport = httpx.AsyncHTTPTransport(uds=str(uds)) if uds is not None else None
         self._http = httpx.AsyncClient(
             base_url=url,
@@ -504,6 +546,18 @@ class AsyncKVCacheClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._channel is not None:
+            await self._channel.aclose()
+
+    async def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T]) -> T:
+        """As ``KVCacheClient._fast``."""
+        if self._channel is None:
+            return await self._run(fallback)
+        header = {"session": self.session_id, "generation": self.generation, "token": self._token}
+        answer = await self._channel.call(call, {k: v for k, v in header.items() if v is not None})
+        result = channel.result_of(call, answer)
+        self.generation = _pin(self.generation, answer.get("generation"))
+        return result
 
     async def _run(self, call: calls.Call[T]) -> T:
         headers = _headers(self.session_id, self.generation if call.pinned else None)
@@ -538,18 +592,9 @@ class AsyncKVCacheClient:
         multimodal: Sequence[Any] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> RequestInfo:
-        return await self._run(
-            calls.allocate(
-                request_id,
-                num_tokens,
-                token_ids,
-                lookahead,
-                lora_id,
-                cache_salt,
-                multimodal,
-                block_keys,
-            )
-        )
+        given = (request_id, num_tokens, token_ids, lookahead)
+        prompt = (lora_id, cache_salt, multimodal, block_keys)
+        return await self._fast(channel.allocate(*given, *prompt), calls.allocate(*given, *prompt))
 
     async def probe(
         self,
@@ -559,7 +604,8 @@ class AsyncKVCacheClient:
         multimodal: Sequence[Any] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> int:
-        return await self._run(calls.probe(token_ids, lora_id, cache_salt, multimodal, block_keys))
+        given = (token_ids, lora_id, cache_salt, multimodal, block_keys)
+        return await self._fast(channel.probe(*given), calls.probe(*given))
 
     async def reset_prefix_cache(self) -> None:
         return await self._run(calls.reset_prefix_cache())
@@ -578,7 +624,8 @@ class AsyncKVCacheClient:
                 yield batch
 
     async def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
-        return await self._run(calls.extend(request_id, num_new_tokens, lookahead))
+        given = (request_id, num_new_tokens, lookahead)
+        return await self._fast(channel.extend(*given), calls.extend(*given))
 
     async def extend_many(
         self,
@@ -586,21 +633,25 @@ class AsyncKVCacheClient:
         num_new_tokens: int | Sequence[int] = 1,
         lookahead: int | Sequence[int] = 0,
     ) -> None:
-        return await self._run(calls.extend_many(request_ids, num_new_tokens, lookahead))
+        given = (request_ids, num_new_tokens, lookahead)
+        return await self._fast(channel.extend_many(*given), calls.extend_many(*given))
 
     async def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
-        return await self._run(calls.rewind(request_id, num_tokens))
+        given = (request_id, num_tokens)
+        return await self._fast(channel.rewind(*given), calls.rewind(*given))
 
     async def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
-        return await self._run(calls.commit(request_id, token_ids))
+        given = (request_id, token_ids)
+        return await self._fast(channel.commit(*given), calls.commit(*given))
 
     async def free(self, request_id: str) -> None:
-        return await self._run(calls.free(request_id))
+        return await self._fast(channel.free(request_id), calls.free(request_id))
 
     async def step(
         self, ops: Sequence[Any], atomic: bool = False, brief: bool = False
     ) -> list[OpResult]:
-        return await self._run(calls.step(ops, atomic, brief))
+        given = (ops, atomic, brief)
+        return await self._fast(channel.step(*given), calls.step(*given))
 
     async def request(self, request_id: str) -> RequestInfo:
         return await self._run(calls.request(request_id))
@@ -631,7 +682,8 @@ class AsyncKVCacheClient:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> list[int]:
-        return await self._run(calls.slot_mapping(request_ids, layer_id, num_tokens, pad_to))
+        given = (request_ids, layer_id, num_tokens, pad_to)
+        return await self._fast(channel.slot_mapping(*given), calls.slot_mapping(*given))
 
     async def slot_mappings(
         self,
@@ -639,7 +691,8 @@ class AsyncKVCacheClient:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> list[list[int]]:
-        return await self._run(calls.slot_mapping(request_ids, None, num_tokens, pad_to))
+        given = (request_ids, None, num_tokens, pad_to)
+        return await self._fast(channel.slot_mapping(*given), calls.slot_mapping(*given))
 
     async def describe(self) -> Layout:
         return await self._run(calls.describe())

@@ -107,6 +107,10 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--port", {"type": int, "help": "TCP port (default 8470; 0 picks a free one)"}),
     ("--uds", {"type": Path, "help": "serve on this Unix socket instead of TCP"}),
     (
+        "--step-socket",
+        {"type": Path, "help": "also serve the step channel on this Unix socket (0660)"},
+    ),
+    (
         "--metrics-port",
         {"type": int, "help": "also serve /livez, /readyz, /metrics (only) on this TCP port"},
     ),
@@ -271,6 +275,10 @@ def serve(settings: Settings) -> int:
             settings.host,
             "" if settings.api_token else "; set KVCM_API_TOKEN to require a token",
         )
+    if settings.step_socket is not None:
+        from .server.step_channel import clear_stale
+
+        clear_stale(settings.step_socket)  # a live one: refused here, before anything starts
     sock, url = _bind(settings)
     # Listen before printing the URL: a client that connects at once waits in the backlog
     # until the server accepts, instead of being refused.

@@ -27,6 +27,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
+from pathlib import Path
 from time import perf_counter
 from typing import Any, TypeVar
 
@@ -85,6 +86,7 @@ from ..manager import KVCacheManager, resolve_device
 from . import openapi
 from .middleware import BodyLimit, CountResponses, Generation
 from .state import ServiceState
+from .step_channel import StepChannel
 
 log = logging.getLogger("kvcm.server")
 
@@ -125,18 +127,34 @@ def create_app(
     api_token: str | None = None,
     clock: Callable[[], float] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    step_socket: Path | None = None,
+    request_timeout: float = 10.0,
 ) -> FastAPI:
     """An app serving ``manager`` (None: no model until one is registered); ``api_token``
     (if set) guards every mutating route. ``max_body_bytes`` defaults to
     ``default_body_limit`` of the model's ``max_seq_len``, and follows a registered model.
-    ``defaults``: what a registered model takes where it says nothing (``ServiceState``)."""
+    ``defaults``: what a registered model takes where it says nothing (``ServiceState``).
+    ``step_socket``: also serve the step channel there (``step_channel``), with the same
+    token and body limit, each frame due whole within ``request_timeout`` seconds."""
     state = ServiceState(
         manager, lease_ttl_s, *(() if clock is None else (clock,)), defaults=defaults
+    )
+
+    def body_limit() -> int:
+        """The body (and frame) limit now: it follows a registered model's max_seq_len."""
+        if max_body_bytes is None:
+            return default_body_limit(state.max_seq_len)
+        return max_body_bytes
+
+    channel = StepChannel(
+        state, api_token.encode() if api_token else None, body_limit, request_timeout
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         reaper = asyncio.create_task(_reap(state))
+        if step_socket is not None:
+            await channel.start(step_socket)
         # Everything built so far (torch, the app, the manager) lives as long as the process:
         # move it out of the collector's generations, so that the collections a step's
         # short-lived result dicts trigger do not walk it (several ms each otherwise).
@@ -152,6 +170,7 @@ def create_app(
             yield
         finally:
             state.ready = False
+            await channel.stop()
             reaper.cancel()
             with suppress(asyncio.CancelledError):
                 await reaper
@@ -527,10 +546,7 @@ def create_app(
         return _error_response(InternalError(f"internal error: {type(exc).__name__}"))
 
     openapi.install(app, bodies, auth_required=token is not None)
-    if max_body_bytes is None:
-        app.add_middleware(BodyLimit, limit=lambda: default_body_limit(state.max_seq_len))
-    else:
-        app.add_middleware(BodyLimit, limit=lambda: max_body_bytes)
+    app.add_middleware(BodyLimit, limit=body_limit)
     app.add_middleware(CountResponses, metrics=state.metrics)
     app.add_middleware(Generation, generation=lambda: state.generation)
     return app
@@ -620,4 +636,6 @@ def app_from_settings(settings: Any) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         api_token=token,
         defaults=settings.registration_defaults(manager.config if manager else None),
+        step_socket=settings.step_socket,
+        request_timeout=settings.request_timeout,
     )

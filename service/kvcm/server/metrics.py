@@ -97,6 +97,17 @@ class Metrics:
             ["route", "status"],
             registry=self.registry,
         )
+        self.step_channel_frames = Counter(
+            "kvcm_step_channel_frames",
+            "Step channel frames by op and result (ok or the error code)",
+            ["op", "result"],
+            registry=self.registry,
+        )
+        self.step_channel_connections = Counter(
+            "kvcm_step_channel_connections",
+            "Connections accepted on the step channel socket",
+            registry=self.registry,
+        )
         self.lease_sessions_expired = Counter(
             "kvcm_lease_sessions_expired",
             "Sessions whose lease ran out",

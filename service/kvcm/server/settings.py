@@ -112,6 +112,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
     uds: Path | None = None
+    step_socket: Path | None = None
+    """Also serve the step channel (docs/step-channel.md) on this Unix socket."""
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     lease_ttl: float = Field(default=30.0, gt=0, le=86_400)

@@ -263,11 +263,18 @@ class ServiceState:
     def run_step(
         self, parsed: tuple[list[dict[str, Any]], bool, bool], session_id: str | None
     ) -> bytes:
+        return orjson.dumps({"results": self.step_results(parsed, session_id)})
+
+    def step_results(
+        self, parsed: tuple[list[dict[str, Any]], bool, bool], session_id: str | None
+    ) -> list[dict[str, Any]]:
+        """A parsed step's result dicts (``step_plain``'s), leases and op counts updated:
+        the step of both transports (HTTP encodes them as JSON, the step channel as msgpack)."""
         ops, atomic, brief = parsed
         self.touch(session_id)
         results = self.manager.step_plain(ops, atomic, brief)
         self._account(ops, results, session_id)
-        return orjson.dumps({"results": results})
+        return results
 
     def _account(
         self, ops: list[dict[str, Any]], results: list[dict[str, Any]], session_id: str | None

@@ -1,0 +1,359 @@
+"""The step channel: the per-step calls over a Unix socket, msgpack frames (docs/step-channel.md).
+
+HTTP/JSON costs a few milliseconds per 256-request step, mostly in HTTP framing and in JSON;
+a scheduler step is the one call that runs every few milliseconds, so it gets a channel of its
+own beside the HTTP API: one persistent connection, a 4-byte little-endian length prefix and a
+msgpack map each way, answers in request order. Everything else stays on HTTP.
+
+This module is the wire format (shared with the service, which imports it) and the blocking
+connection the sync client uses. It needs msgpack and pydantic only (never torch): slot
+mappings come back as raw int64 bytes and are turned into lists with ``memoryview.cast``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgpack
+from pydantic import TypeAdapter
+
+from ._calls import _default, _prompt
+from .errors import InvalidArgument, KVCMError, ServiceUnavailable, error_from_dict
+from .models import OpResult, RequestInfo
+
+T = TypeVar("T")
+
+#: The length prefix of every frame: the msgpack body's size in bytes, unsigned little-endian.
+HEADER = struct.Struct("<I")
+
+#: Ops a step channel serves, and whether each one needs the API token (as its HTTP route).
+OPS: dict[str, bool] = {
+    "step": True,
+    "allocate": True,
+    "extend": True,
+    "extend_many": True,
+    "rewind": True,
+    "commit": True,
+    "free": True,
+    "slot_mapping": False,
+    "slot_mappings": False,
+    "probe": False,
+}
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    """One frame: the length prefix, then ``message`` as msgpack. numpy integers and arrays
+    and pydantic models are sent as plain values (as the HTTP client's JSON does)."""
+    try:
+        body = msgpack.packb(message, default=_default)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise InvalidArgument(f"cannot send this call over the step channel: {exc}") from None
+    return HEADER.pack(len(body)) + body
+
+
+def unpack(body: bytes) -> Any:
+    """A frame's body (msgpack: maps with str keys, arrays as lists, str as str)."""
+    return msgpack.unpackb(body, raw=False, strict_map_key=True)
+
+
+def int64_table(data: bytes, shape: Sequence[int]) -> list[Any]:
+    """Raw little-endian int64 bytes of ``shape`` as (nested) lists of ints, without numpy."""
+    view = memoryview(data)
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
+        import array
+
+        swapped = array.array("q", data)
+        swapped.byteswap()
+        view = memoryview(swapped.tobytes())
+    return view.cast("q", list(shape)).tolist() if all(shape) else _empty(shape)
+
+
+def _empty(shape: Sequence[int]) -> list[Any]:
+    """A table with a zero dimension (``memoryview.cast`` refuses those)."""
+    if len(shape) == 1 or shape[0] == 0:
+        return []
+    return [_empty(shape[1:]) for _ in range(shape[0])]
+
+
+# -- the calls, sans-IO: op name, arguments, retry rule, how to read the result -----------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepCall(Generic[T]):
+    op: str
+    args: dict[str, Any]
+    parse: Callable[[Any], T]
+    idempotent: bool = False
+    """Safe to resend after the request was sent and the answer did not come."""
+
+
+_RESULTS: TypeAdapter[list[OpResult]] = TypeAdapter(list[OpResult])
+
+
+def _none(_: Any) -> None:
+    return None
+
+
+def _info(result: Any) -> RequestInfo:
+    return RequestInfo.model_validate(result)
+
+
+def _matrix(result: Any) -> Any:
+    return int64_table(result["data"], result["shape"])
+
+
+def step(ops: Sequence[Any], atomic: bool, brief: bool) -> StepCall[list[OpResult]]:
+    return StepCall(
+        "step", {"ops": list(ops), "atomic": atomic, "brief": brief}, _RESULTS.validate_python
+    )
+
+
+def extend_many(request_ids: Sequence[str], num_new_tokens: Any, lookahead: Any) -> StepCall[None]:
+    args = {
+        "request_ids": list(request_ids),
+        "num_new_tokens": num_new_tokens,
+        "lookahead": lookahead,
+    }
+    return StepCall("extend_many", args, _none)
+
+
+def slot_mapping(
+    request_ids: Sequence[str], layer_id: int | None, num_tokens: Any, pad_to: int | None
+) -> StepCall[Any]:
+    args = {"request_ids": list(request_ids), "num_tokens": num_tokens, "pad_to": pad_to}
+    if layer_id is None:
+        return StepCall("slot_mappings", args, _matrix, idempotent=True)
+    return StepCall("slot_mapping", args | {"layer_id": layer_id}, _matrix, idempotent=True)
+
+
+def probe(
+    token_ids: Any, lora_id: Any, cache_salt: Any, multimodal: Any, block_keys: Any
+) -> StepCall[int]:
+    args = {"token_ids": list(token_ids)} | _prompt(
+        None, lora_id, cache_salt, multimodal, block_keys
+    )
+    return StepCall("probe", args, int, idempotent=True)
+
+
+def allocate(
+    request_id: str,
+    num_tokens: int,
+    token_ids: Any,
+    lookahead: int,
+    lora_id: Any,
+    cache_salt: Any,
+    multimodal: Any,
+    block_keys: Any,
+) -> StepCall[RequestInfo]:
+    # Idempotent as over HTTP: the manager returns the first result for an identical allocate.
+    args = {"request_id": request_id, "num_tokens": num_tokens, "lookahead": lookahead}
+    args |= _prompt(token_ids, lora_id, cache_salt, multimodal, block_keys)
+    return StepCall("allocate", args, _info, idempotent=True)
+
+
+def extend(request_id: str, num_new_tokens: int, lookahead: int) -> StepCall[RequestInfo]:
+    args = {"request_id": request_id, "num_new_tokens": num_new_tokens, "lookahead": lookahead}
+    return StepCall("extend", args, _info)
+
+
+def rewind(request_id: str, num_tokens: int) -> StepCall[RequestInfo]:
+    return StepCall("rewind", {"request_id": request_id, "num_tokens": num_tokens}, _info)
+
+
+def commit(request_id: str, token_ids: Sequence[int]) -> StepCall[RequestInfo]:
+    return StepCall("commit", {"request_id": request_id, "token_ids": list(token_ids)}, _info)
+
+
+def free(request_id: str) -> StepCall[None]:
+    return StepCall("free", {"request_id": request_id}, _none)
+
+
+# -- the blocking connection ---------------------------------------------------------------------
+
+
+class _Broken(Exception):
+    """The connection failed; ``sent``: whether the whole request had gone out."""
+
+    def __init__(self, cause: BaseException, sent: bool) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.sent = sent
+
+
+class StepSocket:
+    """One blocking connection to a step channel, opened on first use and again after it
+    broke. A call that broke before its request was fully sent never ran (the service runs
+    only whole frames) and is resent; one that broke later is resent only if idempotent
+    (``step``, ``extend`` and the like are not: the service may have applied them)."""
+
+    def __init__(self, path: str, timeout: float, retries: int, backoff_s: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._sock: socket.socket | None = None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def call(self, call: StepCall[Any], header: dict[str, Any]) -> dict[str, Any]:
+        """Send ``call`` (with ``header``: session, generation, token) and return the answer
+        map; ``ServiceUnavailable`` when the retries run out or a resend would be unsafe."""
+        frame = pack({"op": call.op, "args": call.args, **header})
+        attempt = 0
+        while True:
+            try:
+                return self._exchange(frame)
+            except _Broken as exc:
+                self.close()
+                _give_up(self.path, call, attempt, self.retries, exc)
+            time.sleep(self.backoff_s * 2**attempt)
+            attempt += 1
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.path)
+            except OSError as exc:
+                sock.close()
+                raise _Broken(exc, sent=False) from None
+            self._sock = sock
+        return self._sock
+
+    def _exchange(self, frame: bytes) -> dict[str, Any]:
+        sock = self._connect()
+        try:
+            sock.sendall(frame)
+        except OSError as exc:
+            # The service may have refused the frame (too large) and closed: its answer
+            # is then already here. Otherwise nothing of this frame ran.
+            answer = self._leftover(sock)
+            if answer is None:
+                raise _Broken(exc, sent=False) from None
+            return answer
+        try:
+            return self._read(sock)
+        except OSError as exc:
+            raise _Broken(exc, sent=True) from None
+
+    def _leftover(self, sock: socket.socket) -> dict[str, Any] | None:
+        try:
+            sock.settimeout(0.05)
+            return self._read(sock)
+        except OSError:
+            return None
+
+    def _read(self, sock: socket.socket) -> dict[str, Any]:
+        (size,) = HEADER.unpack(_recv_exactly(sock, HEADER.size))
+        answer = unpack(_recv_exactly(sock, size))
+        if answer.get("close"):  # the service closes after this answer
+            self.close()
+        return answer
+
+
+def _give_up(path: str, call: StepCall[Any], attempt: int, retries: int, exc: _Broken) -> None:
+    """Raise ``ServiceUnavailable`` unless ``call`` may be sent again after ``exc``."""
+    if attempt == retries or (exc.sent and not call.idempotent):
+        raise ServiceUnavailable(
+            f"step channel {call.op} failed after {attempt + 1} attempt(s): "
+            f"{type(exc.cause).__name__}: {exc.cause}",
+            path=path,
+            attempts=attempt + 1,
+        ) from exc.cause
+
+
+class AsyncStepSocket:
+    """``StepSocket`` on an asyncio stream, for ``AsyncKVCacheClient``: one connection, one
+    call at a time on it (a lock keeps each request next to its answer)."""
+
+    def __init__(self, path: str, timeout: float, retries: int, backoff_s: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        if self._conn is not None:
+            writer = self._conn[1]
+            self._conn = None
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def call(self, call: StepCall[Any], header: dict[str, Any]) -> dict[str, Any]:
+        """As ``StepSocket.call``."""
+        frame = pack({"op": call.op, "args": call.args, **header})
+        async with self._lock:
+            attempt = 0
+            while True:
+                try:
+                    return await self._exchange(frame)
+                except _Broken as exc:
+                    await self.aclose()
+                    _give_up(self.path, call, attempt, self.retries, exc)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+                attempt += 1
+
+    async def _exchange(self, frame: bytes) -> dict[str, Any]:
+        if self._conn is None:
+            try:
+                self._conn = await asyncio.wait_for(
+                    asyncio.open_unix_connection(self.path), self.timeout
+                )
+            except (OSError, TimeoutError) as exc:
+                raise _Broken(exc, sent=False) from None
+        reader, writer = self._conn
+        try:
+            writer.write(frame)
+            await writer.drain()
+        except OSError as exc:
+            try:  # as in StepSocket: the service's answer may be here (a refused frame)
+                return await asyncio.wait_for(self._read(reader), 0.05)
+            except (OSError, EOFError, TimeoutError):
+                raise _Broken(exc, sent=False) from None
+        try:
+            return await asyncio.wait_for(self._read(reader), self.timeout)
+        except (OSError, EOFError, TimeoutError) as exc:
+            raise _Broken(exc, sent=True) from None
+
+    async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any]:
+        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        answer = unpack(await reader.readexactly(size))
+        if answer.get("close"):
+            await self.aclose()
+        return answer
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionResetError("the step channel closed the connection")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def result_of(call: StepCall[T], answer: dict[str, Any]) -> T:
+    """The call's typed result, or the typed error the answer carries."""
+    error = answer.get("error")
+    if error is not None:
+        raise error_from_dict(error, int(answer.get("status", 400)))
+    if "result" not in answer:
+        raise KVCMError(f"a step channel answer without result or error: {sorted(answer)}")
+    return call.parse(answer["result"])

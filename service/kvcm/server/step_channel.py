@@ -1,0 +1,302 @@
+"""The step channel's server: the step-path calls over a Unix socket (docs/step-channel.md).
+
+It runs on the event loop that serves HTTP (started in the app's lifespan), and each frame is
+handled without awaiting in between, so ``ServiceState``'s rule (every manager call on the
+event-loop thread, never interleaved) holds across both transports. Each call goes through the
+same ``ServiceState`` methods as its HTTP route: the same op counters, leases and errors.
+
+A connection is served in order: the next frame is read only once the previous answer is
+written, so a client may pipeline. A frame must arrive whole within ``read_timeout`` seconds
+of its header (an idle connection between frames costs nothing and may stay open). A frame
+over the body limit, or one that is not a msgpack map, is answered with the HTTP route's error
+and the connection is closed, since whatever follows cannot be trusted to be a frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from kvcm_client.errors import (
+    InternalError,
+    InvalidArgument,
+    KVCMError,
+    MalformedRequest,
+    PayloadTooLarge,
+    StaleGeneration,
+    Unauthorized,
+    invalid_from_validation,
+)
+from kvcm_client.models import (
+    AllocateOp,
+    CommitOp,
+    ExtendManyRequest,
+    ExtendOp,
+    FreeOp,
+    ProbeRequest,
+    RewindOp,
+    SlotMappingRequest,
+    StepRequest,
+)
+from kvcm_client.step_channel import HEADER, OPS, unpack
+
+from ..ops import plain_step
+from .state import ServiceState
+
+log = logging.getLogger("kvcm.step_channel")
+
+#: Keys a request map may have (docs/step-channel.md).
+_KEYS = frozenset({"op", "args", "session", "generation", "token"})
+
+
+def _table(values: Any) -> dict[str, Any]:
+    """An int table as raw little-endian int64 bytes and its shape."""
+    if hasattr(values, "cpu"):  # a torch tensor, maybe on the GPU
+        values = values.cpu().numpy()
+    array = np.ascontiguousarray(values, dtype="<i8")
+    return {"dtype": "int64", "shape": list(array.shape), "data": array.tobytes()}
+
+
+def clear_stale(path: Path) -> None:
+    """Remove a stale socket at ``path`` (nobody accepts on it: its process is gone); refuse
+    (``FileExistsError``) a live one or a path that is not a socket. ``kvcm serve`` calls it
+    before starting, so that a refusal is one line and exit status 2."""
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise FileExistsError(f"step socket {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # stale: left behind by a process that is gone
+        else:
+            raise FileExistsError(f"step socket {path} is in use by a running process")
+        finally:
+            probe.close()
+
+
+def bind(path: Path) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0660 (``clear_stale`` first)."""
+    clear_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o117)  # rw for owner and group only
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return sock
+
+
+class StepChannel:
+    """The calls of one service over its step socket."""
+
+    def __init__(
+        self,
+        state: ServiceState,
+        token: bytes | None,
+        limit: Callable[[], int],
+        read_timeout: float = 10.0,
+    ) -> None:
+        self.state = state
+        self.token = token
+        self.limit = limit
+        self.read_timeout = read_timeout
+        self.server: asyncio.AbstractServer | None = None
+        self.path: Path | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        m = state.metrics
+        self._latency = {op: m.latency.labels(f"/v1/{op}") for op in OPS}
+        self._handlers: dict[str, Callable[[Any, str | None], Any]] = {
+            "step": self._step,
+            "allocate": self._model(AllocateOp, state.allocate),
+            "extend": self._model(ExtendOp, state.extend),
+            "extend_many": self._model(ExtendManyRequest, state.extend_many),
+            "rewind": self._model(RewindOp, state.rewind),
+            "commit": self._model(CommitOp, state.commit),
+            "free": self._model(FreeOp, state.free),
+            "slot_mapping": self._model(SlotMappingRequest, self._slot_mapping),
+            "slot_mappings": self._model(SlotMappingRequest, self._slot_mappings),
+            "probe": self._model(ProbeRequest, self._probe),
+        }
+
+    async def start(self, path: Path) -> None:
+        self.path = path
+        self.server = await asyncio.start_unix_server(self._serve, sock=bind(path))
+        log.info("step channel on %s", path)
+
+    async def stop(self) -> None:
+        """Stop accepting, close every connection and remove the socket file."""
+        if self.server is None:
+            return
+        self.server.close()
+        for writer in list(self._writers):
+            writer.close()
+        await self.server.wait_closed()
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    # -- the connection ------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        self.state.metrics.step_channel_connections.inc()
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(HEADER.size)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # the client closed (between frames: the normal end)
+                (size,) = HEADER.unpack(header)
+                limit = self.limit()
+                if size > limit:
+                    err = PayloadTooLarge(
+                        f"frame over the {limit}-byte limit", limit=limit, size=size
+                    )
+                    await self._send(writer, self._error("frame", err), close=True)
+                    return
+                try:
+                    async with asyncio.timeout(self.read_timeout):  # no task, unlike wait_for
+                        body = await reader.readexactly(size)
+                except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+                    return  # cut off mid-frame, or too slow: nothing of it ran
+                answer, close = self.handle(body)
+                await self._send(writer, answer, close)
+                if close:
+                    return
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _send(
+        self, writer: asyncio.StreamWriter, answer: dict[str, Any], close: bool
+    ) -> None:
+        if close:
+            answer["close"] = True
+        body = msgpack.packb(answer, default=str)
+        writer.write(HEADER.pack(len(body)) + body)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+
+    # -- one frame -----------------------------------------------------------------------------
+
+    def handle(self, body: bytes) -> tuple[dict[str, Any], bool]:
+        """The answer to one frame, and whether to close the connection after it."""
+        try:
+            message = unpack(body)
+        except Exception:  # msgpack raises several types for junk
+            err = MalformedRequest("the frame is not msgpack")
+            return self._error("frame", err), True
+        if type(message) is not dict:
+            err = MalformedRequest("a frame must hold a msgpack map")
+            return self._error("frame", err), True
+        op = message.get("op")
+        try:
+            result = self._call(op, message)
+        except KVCMError as exc:
+            return self._error(op, exc), False
+        except Exception as exc:
+            log.exception("internal error on step channel op %r", op)
+            return self._error(op, InternalError(f"internal error: {type(exc).__name__}")), False
+        self.state.metrics.step_channel_frames.labels(op, "ok").inc()
+        return {"result": result, "generation": self.state.generation}, False
+
+    def _call(self, op: Any, message: dict[str, Any]) -> Any:
+        if not message.keys() <= _KEYS:
+            unknown = sorted(str(k) for k in message.keys() - _KEYS)
+            raise InvalidArgument(f"unknown keys in a step channel frame: {unknown}")
+        handler = self._handlers.get(op) if type(op) is str else None
+        if handler is None:
+            raise InvalidArgument(f"no step channel op {op!r}", ops=sorted(OPS))
+        self._check(op, message)
+        args = message.get("args", {})
+        if type(args) is not dict:
+            raise InvalidArgument("args must be a map")
+        session = message.get("session")
+        if session is not None and type(session) is not str:
+            raise InvalidArgument("session must be a string")
+        start = perf_counter()
+        result = handler(args, session)
+        self._latency[op].observe(perf_counter() - start)
+        self.state.notify_events()
+        return result
+
+    def _check(self, op: str, message: dict[str, Any]) -> None:
+        """The pinned generation, then the token (for the ops whose HTTP route needs it):
+        HTTP's order (its generation check is the outermost middleware)."""
+        pinned = message.get("generation")
+        if pinned is not None and pinned != self.state.generation:
+            shown = str(pinned)[:32]
+            raise StaleGeneration(
+                f"this client pinned generation {shown!r}; the service is now "
+                f"{self.state.generation[:12]} (restarted, or a new model was registered): "
+                "reconnect (docs/service.md)",
+                generation=shown,
+            )
+        if self.token is not None and OPS[op]:
+            given = message.get("token")
+            if type(given) is not str or not hmac.compare_digest(given.encode(), self.token):
+                raise Unauthorized("this op needs the service's token (KVCM_API_TOKEN)")
+
+    def _error(self, op: Any, exc: KVCMError) -> dict[str, Any]:
+        label = op if type(op) is str and op in OPS else "invalid"
+        self.state.metrics.step_channel_frames.labels(label, exc.code).inc()
+        return {"error": exc.to_dict(), "status": exc.status, "generation": self.state.generation}
+
+    # -- the ops -------------------------------------------------------------------------------
+
+    def _step(self, args: dict[str, Any], session: str | None) -> list[dict[str, Any]]:
+        parsed = plain_step(args)
+        if parsed is None:
+            try:
+                req = StepRequest.model_validate(args)
+            except ValidationError as exc:
+                raise _invalid(exc) from None
+            parsed = [op.model_dump() for op in req.ops], req.atomic, req.brief
+        return self.state.step_results(parsed, session)
+
+    @staticmethod
+    def _model(
+        model: type[BaseModel], call: Callable[[Any, str | None], Any]
+    ) -> Callable[[Any, str | None], Any]:
+        def run(args: dict[str, Any], session: str | None) -> Any:
+            try:
+                parsed = model.model_validate(args)
+            except ValidationError as exc:
+                raise _invalid(exc) from None
+            result = call(parsed, session)
+            return result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+
+        return run
+
+    def _slot_mapping(self, r: SlotMappingRequest, _: str | None) -> dict[str, Any]:
+        if r.layer_id is None:
+            raise InvalidArgument("slot_mapping needs a layer_id (slot_mappings maps every group)")
+        manager = self.state.manager
+        return _table(manager.slot_mapping(r.request_ids, r.layer_id, r.num_tokens, r.pad_to))
+
+    def _slot_mappings(self, r: SlotMappingRequest, _: str | None) -> dict[str, Any]:
+        return _table(self.state.manager.slot_mappings(r.request_ids, r.num_tokens, r.pad_to))
+
+    def _probe(self, r: ProbeRequest, _: str | None) -> int:
+        return self.state.manager.probe(
+            r.token_ids, r.lora_id, r.cache_salt, r.multimodal, r.block_keys
+        )
+
+
+def _invalid(exc: ValidationError) -> KVCMError:
+    return invalid_from_validation(exc.errors())
