@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The example engine on the GPU machine in one call: its GPU tests (CUDA manager and CUDA IPC
 # sidecar against transformers' generate), then bench_engine.py on cuda. Needs the service
-# wheels in .whl (../shared/gpu/fetch-wheels .whl). Logs and JSON go to $OUT (or ./gpu-out).
+# wheels in .whl (../shared/gpu/fetch-wheels .whl httptools msgpack). Logs and JSON go to
+# $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs in one call: the whole test suite (tests/gpu included) and
-# the kernel benchmarks. Needs the service wheels in .whl (../shared/gpu/fetch-wheels .whl).
+# the kernel benchmarks. Needs the service wheels in .whl
+# (../shared/gpu/fetch-wheels .whl httptools msgpack).
 # Logs and JSON go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
