@@ -361,6 +361,9 @@ def test_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) ->
     # The same without share=True: /v1/pools has nothing to describe.
     with serve_in_thread(create_app(KVCacheManager(CONFIG))) as url:
         samples.append(("GET", "/v1/pools", httpx.get(f"{url}/v1/pools")))
+    # A manager that records no KV events refuses to list them.
+    with serve_in_thread(create_app(KVCacheManager(CONFIG | {"kv_events": False}))) as url:
+        samples.append(("GET", "/v1/events", httpx.get(f"{url}/v1/events")))
     # No model yet, on a device that does not exist.
     app = create_app(None, defaults={"device": "cuda:99"})
     with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:

@@ -250,6 +250,10 @@ class ManagerConfig(_Frozen):
     read. ``block_table`` and slot mappings keep -1. Each pool group then has one usable slot
     fewer than it allocates: ``num_blocks`` and ``memory_bytes`` still size the memory,
     ``num_total_blocks`` and ``stats`` count usable slots (docs/index-contract.md)."""
+    kv_events: bool = True
+    """Record KV events (``events()``, ``GET /v1/events``). Off, publishing and evicting
+    record nothing and ``events()`` raises ``kv_events_disabled`` (409): for a replica no
+    router follows."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:
