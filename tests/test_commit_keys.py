@@ -14,7 +14,7 @@ from helpers import layer, manager
 
 import kvcm.hashing
 from kvcm import KVCacheManager, block_keys
-from kvcm_client.errors import InvalidArgument, KVEventsDisabled
+from kvcm_client.errors import InvalidArgument, KVCMError, KVEventsDisabled
 
 TPB = 16
 PROMPT = list(range(1000, 1066))  # 66 tokens: 4 full blocks and 2 tokens
@@ -207,3 +207,41 @@ def test_events_are_built_from_compact_records_only_when_read() -> None:
     assert record[:4] == (1, "block_stored", 0, block_keys(PROMPT, TPB))
     (event,) = m.events().events
     assert event.token_ids == PROMPT[:64] and event.parent_key is None
+
+
+def test_commit_many_is_a_loop_of_commit() -> None:
+    a, b = m16(), m16()
+    prompts = {"x": PROMPT, "y": [*PROMPT[:20], *range(1, 47)], "z": list(range(7, 30))}
+    for m in (a, b):
+        for rid, prompt in prompts.items():
+            m.allocate(rid, len(prompt), token_ids=prompt)
+    for rid, prompt in prompts.items():
+        a.commit(rid, prompt[:40])
+    b.commit_many(list(prompts), [p[:40] for p in prompts.values()])
+    assert a.events() == b.events()
+    for rid in prompts:
+        assert a.request(rid) == b.request(rid)
+        assert a.committed_tokens(rid) == b.committed_tokens(rid)
+
+
+@pytest.mark.parametrize(
+    ("ids", "tokens", "code"),
+    [
+        (["x", "nope"], [[1], [1]], "unknown_request"),
+        (["x", "x"], [[1], [1]], "invalid_argument"),  # ids must be distinct
+        (["x", "y"], [[1]], "invalid_argument"),  # one token list per id
+        (["x", "y"], [[1], [-1]], "invalid_argument"),
+        (["x", "y"], [[1], "ab"], "invalid_argument"),
+        (["x", "y"], [[1], list(range(67))], "invalid_argument"),  # y has 66 tokens
+        (["x"], "ab", "invalid_argument"),
+    ],
+)
+def test_a_refused_commit_many_commits_nothing(ids: list[str], tokens: Any, code: str) -> None:
+    m = m16()
+    m.allocate("x", 66, token_ids=PROMPT)
+    m.allocate("y", 66, token_ids=PROMPT)
+    with pytest.raises(KVCMError) as err:
+        m.commit_many(ids, tokens)
+    assert err.value.code == code
+    assert m.committed_tokens("x") == m.committed_tokens("y") == []
+    assert m.last_event_seq == 0

@@ -193,6 +193,7 @@ VALID = {
     "/v1/extend_many": {"request_ids": ["v"]},
     "/v1/rewind": {"request_id": "v", "num_tokens": 1},
     "/v1/commit": {"request_id": "v", "token_ids": [1]},
+    "/v1/commit_many": {"request_ids": ["v"], "token_ids": [[1]]},
     "/v1/free": {"request_id": "v"},
     "/v1/step": {"ops": []},
     "/v1/page_indices": {"request_ids": [], "layer_id": 0},

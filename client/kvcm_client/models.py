@@ -574,6 +574,13 @@ class ExtendManyRequest(_Frozen):
     lookahead: Count | list[Count] = 0
 
 
+class CommitManyRequest(_Frozen):
+    """``commit_many``: ``token_ids[i]`` are committed to ``request_ids[i]``."""
+
+    request_ids: list[str]
+    token_ids: list[list[Count]]
+
+
 class PageIndicesRequest(_Frozen):
     request_ids: list[str]
     layer_id: Count

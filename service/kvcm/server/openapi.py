@@ -114,6 +114,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/extend_many"): RouteDoc(_GROW, **_OP),
     ("POST", "/v1/rewind"): RouteDoc((*_REQUEST, InvalidRewind, RewindIntoSharedBlock), **_OP),
     ("POST", "/v1/commit"): RouteDoc(_REQUEST, **_OP),
+    ("POST", "/v1/commit_many"): RouteDoc(_REQUEST, **_OP),
     ("POST", "/v1/free"): RouteDoc(_REQUEST, **_OP),
     # Op errors are results of a step (200), not its status.
     ("POST", "/v1/step"): RouteDoc(_MODEL, **_OP),
