@@ -676,6 +676,8 @@ class ModelRegistration(_Frozen):
     max_lookahead: Annotated[int, Strict(), Field(ge=0)] | None = None
     null_page: StrictBool | None = None
     share: StrictBool | None = None
+    kv_events: StrictBool | None = None
+    """Record KV events (``ManagerConfig.kv_events``); None: as the service (on by default)."""
 
     @model_validator(mode="after")
     def _rules(self) -> ModelRegistration:
