@@ -815,21 +815,24 @@ class KVCacheManager:
             if not cache.reusable[g]:
                 continue
             pg = c.group_pool[g]
-            index, cached = cache.scope(g, state.root), cache.cached[pg]
-            slots = c.tables[g][row, have:full].tolist()
+            index = cache.scope(g, state.root)
+            held = c.tables[g][row, have:full]
+            # Live slots not cached yet (one numpy pass; a -1 indexes the last slot, masked).
+            fresh = ((held > empty) & ~cache.cached[pg][held]).tolist()
+            slots = held.tolist()
+            keys = state.keys
             run: list[int] = []  # block positions of a contiguous run of new blocks
             for b in range(have, full + 1):
-                slot = slots[b - have] if b < full else empty
-                if slot > empty and state.keys[b] not in index and not cached[slot]:
+                if b < full and fresh[b - have] and keys[b] not in index:
                     run.append(b)
                     continue
                 if run:
                     cache.store(
                         g,
                         state.root,
-                        state.keys[run[0] : run[-1] + 1],
-                        [slots[i - have] for i in run],
-                        state.keys[run[0] - 1] if run[0] else None,
+                        keys[run[0] : run[-1] + 1],
+                        slots[run[0] - have : run[-1] + 1 - have],
+                        keys[run[0] - 1] if run[0] else None,
                         chunk[(run[0] - have) * step : (run[-1] + 1 - have) * step],
                         state.lora_id,
                         state.has_salt,

@@ -85,10 +85,9 @@ class PrefixCache:
         ``token_bytes``: their token ids as int32 bytes, for the event."""
         pg = self.group_pool[group]
         index = self.index[group].setdefault(root, {})
-        for key, slot in zip(keys, slots, strict=True):
-            index[key] = slot
-            self.slot_key[pg][slot] = (group, root, key)
-            self.cached[pg][slot] = True
+        index.update(zip(keys, slots, strict=True))
+        self.slot_key[pg].update(zip(slots, [(group, root, key) for key in keys], strict=True))
+        self.cached[pg][slots] = True
         self.stats.stored_blocks += len(keys)
         # A salted tenant asked for isolation: its prompts do not leave in events.
         self.log.stored(group, keys, parent, None if has_salt else token_bytes, lora_id, has_salt)
