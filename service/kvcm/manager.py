@@ -170,6 +170,17 @@ def _token_ids(value: Any) -> tuple[list[int], bytes]:
     return np.frombuffer(data, dtype="<i4").tolist(), data
 
 
+def _check_key_sizes(keys: list[bytes]) -> None:
+    """Refuse caller-given keys that are not 32 bytes: commits publish a prompt's kept keys
+    (those past its hit; the hit's are cached keys already)."""
+    try:
+        sizes = set(map(len, keys))
+    except TypeError:
+        sizes = {0}
+    if sizes - {KEY_BYTES}:
+        raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)")
+
+
 def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
     """Refuse pool groups that the null page, which takes slot 0, would leave no slot."""
     for pg, n in slots.items():
@@ -475,6 +486,8 @@ class KVCacheManager:
             hit, hits, ends = find_hit(
                 self._coord.cache, root, keys, num_tokens, self.tokens_per_block, self._windows
             )
+            if block_keys is not None:
+                _check_key_sizes(keys[hit:])
         row = self._free_rows[-1]
         c = self._coord
         if hit:
@@ -541,18 +554,15 @@ class KVCacheManager:
             return chain_keys(root, data, self.tokens_per_block, 0, items)
         if isinstance(given, str | bytes) or not isinstance(given, Sequence):
             raise InvalidArgument("block_keys must be a list of keys", block_keys=None)
-        # The count and each key's size are checked, not the keys themselves (the trust model of
-        # docs/prefix-reuse.md): commits publish them for the prompt's blocks. Hex strings
-        # (the wire form) are converted.
+        # Only the count is checked here: a malformed key is in no index, so it can never hit.
+        # allocate checks the size of the keys past the hit, which commits may publish. Hex
+        # strings (the wire form) are converted.
         keys = given if type(given) is list else list(given)
-        try:
-            if keys and type(keys[0]) is not bytes:
+        if keys and type(keys[0]) is not bytes:
+            try:
                 keys = [bytes.fromhex(k) if isinstance(k, str) else bytes(k) for k in keys]
-            sizes = set(map(len, keys))
-        except (TypeError, ValueError):
-            sizes = {0}
-        if sizes - {KEY_BYTES}:
-            raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)")
+            except (TypeError, ValueError):
+                raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)") from None
         if len(keys) != full:
             raise InvalidArgument(
                 f"block_keys must be the {full} keys of the full blocks of token_ids",
