@@ -10,6 +10,12 @@
    (one request computed and committed it). Per request: ``probe`` then ``allocate`` with
    the prompt, (a) given the request's block keys (computed once, as a scheduler keeps them
    per request), and (b) hashing the prompt inside each call. Microseconds per request.
+3. Publishing an 8192-token request: ``allocate`` with its token ids, then ``commit`` of the
+   prompt, microseconds per block (512 blocks). "Before" commits other tokens than the prompt
+   (its first id differs), so the commit hashes every block as it did before commits reused the
+   keys allocate computed; "after" commits the prompt itself. Also with ``kv_events`` off.
+4. The commits of one decode step of 256 requests (one token each, every 16th step fills a
+   block): a loop of ``commit`` against one ``commit_many``, microseconds per request.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from kvcm import KVCacheManager, block_keys
 
 TPB = 16
 PREFIX, UNIQUE, REQUESTS = 4096, 256, 64
+PUBLISH = 8192
 
 
 def baseline_keys(tokens: list[int], extra: tuple[object, ...] | None = None) -> list[bytes]:
@@ -108,6 +115,84 @@ def bench_reuse(requests: int) -> dict[str, float]:
     return out
 
 
+def _publisher(kv_events: bool = True) -> KVCacheManager:
+    return KVCacheManager(
+        {
+            "layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
+            "tokens_per_block": TPB,
+            "max_requests": 4,
+            "max_seq_len": PUBLISH,
+            "num_blocks": PUBLISH // TPB + 1,
+            "kv_events": kv_events,
+        }
+    )
+
+
+def bench_publish(reps: int) -> dict[str, float]:
+    """Allocate + commit of a fresh 8192-token prompt, us per block; the modes alternate, so
+    that they see the same machine state, and the cache is emptied (untimed) after each."""
+    rng = np.random.default_rng(2)
+    modes = {"before": True, "after": True, "after_no_events": False}
+    managers = {mode: _publisher(events) for mode, events in modes.items()}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    commit_times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(reps):
+        prompt = [int(t) for t in rng.integers(0, 128_000, PUBLISH)]
+        other = [prompt[0] + 1, *prompt[1:]]
+        for mode, m in managers.items():
+            committed = other if mode == "before" else prompt
+            t0 = time.perf_counter()
+            m.allocate("r", PUBLISH, token_ids=prompt)
+            t1 = time.perf_counter()
+            m.commit("r", committed)
+            t2 = time.perf_counter()
+            times[mode].append(t2 - t0)
+            commit_times[mode].append(t2 - t1)
+            m.free("r")
+            m.reset_prefix_cache()
+    blocks = PUBLISH // TPB
+    out = {}
+    for mode in modes:
+        out[f"publish_us_per_block_{mode}"] = statistics.median(times[mode]) / blocks * 1e6
+        out[f"commit_us_per_block_{mode}"] = statistics.median(commit_times[mode]) / blocks * 1e6
+    return out
+
+
+def bench_commit_many(steps: int, requests: int = 256) -> dict[str, float]:
+    """Decode-step commits of ``requests`` requests: a loop of commit vs one commit_many, on
+    two equal managers, alternating step by step; us per request (medians over steps)."""
+    config = {
+        "layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
+        "tokens_per_block": TPB,
+        "max_requests": requests,
+        "max_seq_len": 64 + steps + 1,
+        "num_blocks": requests * ((64 + steps) // TPB + 2),
+    }
+    managers = {"loop": KVCacheManager(config), "many": KVCacheManager(config)}
+    ids = [f"r{i}" for i in range(requests)]
+    for m in managers.values():
+        for i, rid in enumerate(ids):
+            m.allocate(rid, 64, token_ids=[i] * 64)
+            m.commit(rid, [i] * 64)
+    times: dict[str, list[float]] = {"loop": [], "many": []}
+    for step in range(steps):
+        tokens = [[step] for _ in ids]
+        for mode, m in managers.items():
+            m.extend_many(ids)
+            t0 = time.perf_counter()
+            if mode == "loop":
+                for rid, toks in zip(ids, tokens, strict=True):
+                    m.commit(rid, toks)
+            else:
+                m.commit_many(ids, tokens)
+            times[mode].append(time.perf_counter() - t0)
+    assert managers["loop"].events() == managers["many"].events()
+    return {
+        f"commit_us_per_request_{mode}": statistics.median(t) / requests * 1e6
+        for mode, t in times.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -115,6 +200,8 @@ def main() -> None:
     args = parser.parse_args()
     hashing = bench_hashing(5 if args.quick else 200)
     reuse = bench_reuse(8 if args.quick else REQUESTS)
+    publish = bench_publish(3 if args.quick else 40)
+    many = bench_commit_many(16 if args.quick else 64)
     print(f"{'measure':<44}{'kvcm':>12}{'baseline':>12}{'ratio':>8}")
     print(
         f"{'hashing, ns per token (4352-token prompt)':<44}"
@@ -127,8 +214,26 @@ def main() -> None:
             f"{reuse[f'probe_allocate_us_{mode}_median']:>12.1f}{'':>12}{'':>8}"
         )
     print(f"prefix hit rate over the run: {reuse['hit_rate']:.3f}")
+    print()
+    print(
+        f"{'publish an 8192-token request, us per block':<52}{'before':>9}{'after':>9}{'ratio':>8}"
+    )
+    for what, text in (("publish", "allocate + commit"), ("commit", "commit alone")):
+        before, after = (
+            publish[f"{what}_us_per_block_before"],
+            publish[f"{what}_us_per_block_after"],
+        )
+        off = publish[f"{what}_us_per_block_after_no_events"]
+        print(f"{text + ', events on':<52}{before:>9.3f}{after:>9.3f}{before / after:>7.2f}x")
+        print(
+            f"{text + ', after: events on vs off':<52}{after:>9.3f}{off:>9.3f}{after / off:>7.2f}x"
+        )
+    loop, batch = many["commit_us_per_request_loop"], many["commit_us_per_request_many"]
+    print(f"{'decode commits of 256 requests, us per request':<52}{'loop':>9}{'many':>9}")
+    ratio = loop / batch
+    print(f"{'  a loop of commit vs one commit_many':<52}{loop:>9.3f}{batch:>9.3f}{ratio:>7.2f}x")
     if args.json:
-        record = {"machine": platform.platform(), **hashing, **reuse}
+        record = {"machine": platform.platform(), **hashing, **reuse, **publish, **many}
         args.json.write_text(json.dumps(record, indent=2) + "\n")
 
 

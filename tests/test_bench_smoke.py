@@ -33,6 +33,7 @@ def test_bench_prefix_quick_prints_its_table() -> None:
         timeout=300,
     )
     assert "hashing, ns per token" in run.stdout and "probe + allocate" in run.stdout
+    assert "publish an 8192-token request" in run.stdout and "commit_many" in run.stdout
 
 
 def test_loadtest_quick_runs_both_clients_and_leaks_nothing() -> None:

@@ -251,6 +251,35 @@ def test_serve_turns_the_null_page_on_unless_told_otherwise(
     assert parsed("--layers", str(layers), "--null-page")  # the flag wins
 
 
+def test_kv_events_are_on_unless_the_flag_the_env_or_a_registration_turns_them_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcm import KVCacheManager
+    from kvcm.registration import to_config
+    from kvcm_client.models import ModelRegistration
+
+    layers = tmp_path / "layers.json"
+    layers.write_text(json.dumps([{"layer_id": 0, "num_kv_heads": 2, "head_dim": 16}]))
+
+    def parsed(*argv: str) -> Settings:
+        return _settings(build_parser().parse_args(["serve", "--layers", str(layers), *argv]))
+
+    assert parsed().manager_config().kv_events
+    off = parsed("--no-kv-events")
+    assert not off.manager_config().kv_events
+    # A registered model takes the service's flag, unless it names its own.
+    source = {"layers": json.loads(layers.read_text())}
+    defaults = off.registration_defaults()
+    assert not to_config(ModelRegistration.model_validate(source), defaults).kv_events
+    own = ModelRegistration.model_validate(source | {"kv_events": True})
+    assert to_config(own, defaults).kv_events
+    # In process, the running manager lends its own.
+    m = KVCacheManager(off.manager_config().model_copy(update={"share": False}))
+    assert not m.register_model(layers=source["layers"], num_blocks=8).config.kv_events
+    monkeypatch.setenv("KVCM_KV_EVENTS", "false")
+    assert not parsed().manager_config().kv_events
+
+
 def test_settings_errors_name_the_flag_without_pydantic_internals(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

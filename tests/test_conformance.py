@@ -77,6 +77,10 @@ def lifecycle(kv: Recorder) -> None:
     kv("extend", "a", 3)
     kv("commit", "a", [5, 6, 7])
     kv("commit", "a", list(range(20)))  # past the length
+    kv("commit_many", ["a"], [[8]])
+    kv("commit_many", ["a", "nope"], [[9], [1]])  # an unknown id: nothing is committed
+    kv("commit_many", ["a", "a"], [[9], [1]])
+    kv("commit_many", ["a"], [[9], [1]])
     kv("committed_tokens", "a")
     kv("block_table", "a")
     kv("request", "a")
@@ -270,6 +274,7 @@ MIRRORED = [
     "extend_many",
     "rewind",
     "commit",
+    "commit_many",
     "free",
     "step",
     "request",

@@ -193,6 +193,7 @@ VALID = {
     "/v1/extend_many": {"request_ids": ["v"]},
     "/v1/rewind": {"request_id": "v", "num_tokens": 1},
     "/v1/commit": {"request_id": "v", "token_ids": [1]},
+    "/v1/commit_many": {"request_ids": ["v"], "token_ids": [[1]]},
     "/v1/free": {"request_id": "v"},
     "/v1/step": {"ops": []},
     "/v1/page_indices": {"request_ids": [], "layer_id": 0},
@@ -361,6 +362,9 @@ def test_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) ->
     # The same without share=True: /v1/pools has nothing to describe.
     with serve_in_thread(create_app(KVCacheManager(CONFIG))) as url:
         samples.append(("GET", "/v1/pools", httpx.get(f"{url}/v1/pools")))
+    # A manager that records no KV events refuses to list them.
+    with serve_in_thread(create_app(KVCacheManager(CONFIG | {"kv_events": False}))) as url:
+        samples.append(("GET", "/v1/events", httpx.get(f"{url}/v1/events")))
     # No model yet, on a device that does not exist.
     app = create_app(None, defaults={"device": "cuda:99"})
     with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:

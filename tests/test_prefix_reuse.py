@@ -239,7 +239,7 @@ def test_reset_refuses_while_blocks_are_in_use_then_clears() -> None:
 def test_the_event_log_is_bounded_and_says_when_a_reader_fell_behind() -> None:
     log = EventLog(capacity=3)
     for i in range(5):
-        log.append("block_removed", layer_group=0, block_keys=[str(i)])
+        log.removed(0, [bytes([i])])
     events, lost = log.after(0, 10)
     assert lost and [e["seq"] for e in events] == [3, 4, 5]
     events, lost = log.after(2, 10)

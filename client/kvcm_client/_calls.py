@@ -238,6 +238,15 @@ def commit(request_id: str, token_ids: Sequence[int]) -> Call[RequestInfo]:
     )
 
 
+def commit_many(request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> Call[None]:
+    return _post(
+        "/v1/commit_many",
+        _none,
+        request_ids=list(request_ids),
+        token_ids=[list(t) for t in token_ids],
+    )
+
+
 def free(request_id: str) -> Call[None]:
     return _post("/v1/free", _none, request_id=request_id)
 

@@ -501,6 +501,10 @@ class KVCacheClient:
         self.session_id = None
         return closed
 
+    def commit_many(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
+        """``KVCacheManager.commit_many``: one call for a forward pass's commits."""
+        self._run(calls.commit_many(request_ids, token_ids))
+
 
 class AsyncKVCacheClient:
     """The same API as ``KVCacheClient`` with ``async`` methods (httpx.AsyncClient)."""
@@ -798,3 +802,9 @@ class AsyncKVCacheClient:
         closed = await self._run(calls.close_session(_session(self.session_id)))
         self.session_id = None
         return closed
+
+    async def commit_many(
+        self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]
+    ) -> None:
+        """As ``KVCacheClient.commit_many``."""
+        await self._run(calls.commit_many(request_ids, token_ids))

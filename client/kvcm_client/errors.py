@@ -128,6 +128,13 @@ class PrefixCacheInUse(KVCMError):
     status = 409
 
 
+class KVEventsDisabled(KVCMError):
+    """``events`` of a manager built with ``kv_events=False``: it records none."""
+
+    code = "kv_events_disabled"
+    status = 409
+
+
 class StaleGeneration(KVCMError):
     """Shared-memory descriptors of an earlier start of the service (or a gone segment)."""
 
@@ -255,6 +262,7 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         RewindIntoSharedBlock,
         CopyIntoSharedBlock,
         PrefixCacheInUse,
+        KVEventsDisabled,
         MalformedRequest,
         Unauthorized,
         NotFound,

@@ -250,6 +250,10 @@ class ManagerConfig(_Frozen):
     read. ``block_table`` and slot mappings keep -1. Each pool group then has one usable slot
     fewer than it allocates: ``num_blocks`` and ``memory_bytes`` still size the memory,
     ``num_total_blocks`` and ``stats`` count usable slots (docs/index-contract.md)."""
+    kv_events: bool = True
+    """Record KV events (``events()``, ``GET /v1/events``). Off, publishing and evicting
+    record nothing and ``events()`` raises ``kv_events_disabled`` (409): for a replica no
+    router follows."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:
@@ -570,6 +574,13 @@ class ExtendManyRequest(_Frozen):
     lookahead: Count | list[Count] = 0
 
 
+class CommitManyRequest(_Frozen):
+    """``commit_many``: ``token_ids[i]`` are committed to ``request_ids[i]``."""
+
+    request_ids: list[str]
+    token_ids: list[list[Count]]
+
+
 class PageIndicesRequest(_Frozen):
     request_ids: list[str]
     layer_id: Count
@@ -665,6 +676,8 @@ class ModelRegistration(_Frozen):
     max_lookahead: Annotated[int, Strict(), Field(ge=0)] | None = None
     null_page: StrictBool | None = None
     share: StrictBool | None = None
+    kv_events: StrictBool | None = None
+    """Record KV events (``ManagerConfig.kv_events``); None: as the service (on by default)."""
 
     @model_validator(mode="after")
     def _rules(self) -> ModelRegistration:

@@ -101,6 +101,16 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
             "help": "no null page: -1 where there is no page, every slot usable",
         },
     ),
+    (
+        "--no-kv-events",
+        {
+            "action": "store_const",
+            "const": False,
+            "dest": "kv_events",
+            "help": "record no KV events (GET /v1/events answers kv_events_disabled): for a "
+            "replica no router follows",
+        },
+    ),
 ]
 _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", {"help": "bind address (default 127.0.0.1: loopback only)"}),

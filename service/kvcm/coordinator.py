@@ -83,6 +83,7 @@ class Coordinator:
         max_blocks: int,
         tables_buffer: memoryview | None = None,
         null_page: bool = False,
+        kv_events: bool = True,
     ) -> None:
         tpb = layout.tokens_per_block
         self.tokens_per_block = tpb
@@ -93,7 +94,7 @@ class Coordinator:
         self.pools = [BlockPool(slots[pg.pool_group_id], reserved) for pg in layout.pool_groups]
         #: Requests holding each slot (prefix hits share slots); a slot is free at 0.
         self.refs = [np.zeros(slots[pg.pool_group_id], dtype=np.int32) for pg in layout.pool_groups]
-        self.cache = PrefixCache(layout, slots)
+        self.cache = PrefixCache(layout, slots, kv_events=kv_events)
         self.group_pool = [int(g.pool_group) for g in layout.layer_groups]
         self.policies: list[AttentionPolicy] = [
             policy_for(g.sliding_window, g.sink_blocks, tpb) for g in layout.layer_groups

@@ -27,6 +27,7 @@ from kvcm_client.errors import (
     InternalError,
     InvalidArgument,
     KVCMError,
+    KVEventsDisabled,
     PrefixCacheInUse,
     RequestLimitReached,
     RequestsLive,
@@ -63,9 +64,11 @@ from kvcm_client.models import (
 from kvcm_client.models import Layout as LayoutInfo
 
 from . import footprint, registration
+from .commit_keys import commit_keys
 from .coordinator import Coordinator, segments
 from .device_tables import DeviceTables, Uploader
 from .hashing import (
+    KEY_BYTES,
     MultimodalItem,
     chain_keys,
     multimodal_items,
@@ -167,6 +170,17 @@ def _token_ids(value: Any) -> tuple[list[int], bytes]:
     return np.frombuffer(data, dtype="<i4").tolist(), data
 
 
+def _check_key_sizes(keys: list[bytes]) -> None:
+    """Refuse caller-given keys that are not 32 bytes: commits publish a prompt's kept keys
+    (those past its hit; the hit's are cached keys already)."""
+    try:
+        sizes = set(map(len, keys))
+    except TypeError:
+        sizes = {0}
+    if sizes - {KEY_BYTES}:
+        raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)")
+
+
 def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
     """Refuse pool groups that the null page, which takes slot 0, would leave no slot."""
     for pg, n in slots.items():
@@ -189,13 +203,17 @@ class _FirstAllocation:
 
 @dataclass(slots=True)
 class _PrefixState:
-    """A request's extra keys and the keys of its committed full blocks (a chain)."""
+    """A request's extra keys, the keys of its committed full blocks (a chain), and its
+    prompt's int32 bytes and block keys as allocate had them (``commit_keys`` reuses them;
+    never changed after allocate, so a rewind needs no undo for them)."""
 
     root: bytes
     lora_id: int | str | None
     has_salt: bool
     multimodal: tuple[MultimodalItem, ...]
     keys: list[bytes]
+    prompt: bytes
+    prompt_keys: list[bytes]
 
 
 @dataclass(slots=True)
@@ -321,6 +339,7 @@ class KVCacheManager:
             self.max_blocks_per_request,
             tables_buffer,
             cfg.null_page,
+            cfg.kv_events,
         )
         #: Slots below this are no page in the kernels' eyes: 0 (-1 only), or 1 (null page).
         self._min_live = self._coord.empty + 1
@@ -434,7 +453,7 @@ class KVCacheManager:
         if token_ids is not None:
             self._check_prompt(token_ids, num_tokens)
             if block_keys is not None:
-                token_bytes(token_ids)
+                data = token_bytes(token_ids)
                 tokens = token_ids if type(token_ids) is list else list(token_ids)
             else:
                 tokens, data = _token_ids(token_ids)
@@ -467,6 +486,8 @@ class KVCacheManager:
             hit, hits, ends = find_hit(
                 self._coord.cache, root, keys, num_tokens, self.tokens_per_block, self._windows
             )
+            if block_keys is not None:
+                _check_key_sizes(keys[hit:])
         row = self._free_rows[-1]
         c = self._coord
         if hit:
@@ -493,7 +514,7 @@ class KVCacheManager:
         self._committed[row] = hit_tokens
         self._hits[row] = hit_tokens
         self._prefix[request_id] = _PrefixState(
-            root, lora_id, cache_salt is not None, items, keys[:hit]
+            root, lora_id, cache_salt is not None, items, keys[:hit], data, keys
         )
         info = self._info(request_id, row)
         self._first[request_id] = _FirstAllocation(args, info)
@@ -533,8 +554,9 @@ class KVCacheManager:
             return chain_keys(root, data, self.tokens_per_block, 0, items)
         if isinstance(given, str | bytes) or not isinstance(given, Sequence):
             raise InvalidArgument("block_keys must be a list of keys", block_keys=None)
-        # Only the count is checked: a malformed key is in no index, so it can never hit, and
-        # keys past the hit are not kept. Hex strings (the wire form) are converted.
+        # Only the count is checked here: a malformed key is in no index, so it can never hit.
+        # allocate checks the size of the keys past the hit, which commits may publish. Hex
+        # strings (the wire form) are converted.
         keys = given if type(given) is list else list(given)
         if keys and type(keys[0]) is not bytes:
             try:
@@ -592,10 +614,15 @@ class KVCacheManager:
         return self._coord.cache.log.last_seq
 
     def events(self, after: int = 0, limit: int = 1000) -> KVEvents:
-        """KV events with a sequence number above ``after`` (at most ``limit``)."""
+        """KV events with a sequence number above ``after`` (at most ``limit``); built from the
+        log's compact records now. ``KVEventsDisabled`` with ``kv_events=False``."""
         after = _count("after", after, 0, 2**63 - 1)
         limit = _count("limit", limit, 1)
         log = self._coord.cache.log
+        if not log.enabled:
+            raise KVEventsDisabled(
+                "this manager records no KV events (kv_events=False, kvcm serve --no-kv-events)"
+            )
         events, lost = log.after(after, limit)
         return KVEvents.model_validate({"events": events, "last_seq": log.last_seq, "lost": lost})
 
@@ -704,26 +731,63 @@ class KVCacheManager:
         accepts at most 6 more. ``rewind`` drops committed tokens past the new length.
         Every block the committed prefix fills is keyed and published for reuse in each
         reusable layer group (a ``block_stored`` event), unless that key is cached already.
+        Blocks holding the prompt's own tokens take the keys allocate computed for them
+        (``commit_keys``); other blocks are hashed.
         """
         row = self._row(request_id)
-        tokens, _ = _token_ids(token_ids)
+        tokens, data = _token_ids(token_ids)
+        self._check_commit(request_id, row, len(tokens))
+        self._commit(request_id, row, tokens, data)
+        return self._info(request_id, row)
+
+    def commit_many(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
+        """Commit ``token_ids[i]`` to ``request_ids[i]`` (distinct requests: the end of one
+        forward pass), all or nothing: every id, token list and length is checked before any
+        request is committed, so a refused call changes nothing. Each commit is ``commit``'s.
+        """
+        rows = self._rows_of(request_ids)
+        n = rows.size
+        if len(set(rows.tolist())) != n:
+            raise InvalidArgument("commit_many needs distinct request ids", num_ids=n)
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+            raise InvalidArgument("token_ids must be a list of token id lists", token_ids=None)
+        if len(token_ids) != n:
+            raise InvalidArgument(
+                f"commit_many got {n} request ids and {len(token_ids)} token id lists",
+                num_ids=n,
+                num_token_id_lists=len(token_ids),
+            )
+        checked = [_token_ids(t) for t in token_ids]
+        ids = list(request_ids)
+        for request_id, row, (tokens, _) in zip(ids, rows.tolist(), checked, strict=True):
+            self._check_commit(request_id, row, len(tokens))
+        for request_id, row, (tokens, data) in zip(ids, rows.tolist(), checked, strict=True):
+            self._commit(request_id, row, tokens, data)
+
+    def _check_commit(self, request_id: str, row: int, num_new: int) -> None:
+        """Refuse committing ``num_new`` more tokens than the request has uncommitted."""
         done = len(self._tokens[request_id])
         length = int(self._coord.num_tokens[row])
-        if done + len(tokens) > length:
+        if done + num_new > length:
             raise InvalidArgument(
                 f"request {request_id!r} has {length} tokens and {done} committed; "
-                f"{len(tokens)} more do not fit",
+                f"{num_new} more do not fit",
                 request_id=request_id,
                 num_tokens=length,
                 num_committed=done,
-                num_new=len(tokens),
+                num_new=num_new,
             )
+
+    def _commit(self, request_id: str, row: int, tokens: list[int], data: bytes) -> None:
+        """Append checked tokens (``data``: their int32 bytes) and publish the blocks they
+        fill; a publish that raises changes nothing."""
         held = self._tokens[request_id]
+        done = len(held)
         state = self._prefix[request_id]
         have = len(state.keys)
         held.extend(tokens)
         try:
-            self._publish(state, row, held)
+            self._publish(state, row, held, done, data)
         except BaseException:  # a refused commit changes nothing
             del held[done:]
             del state.keys[have:]
@@ -732,17 +796,27 @@ class KVCacheManager:
         if self._undo is not None:
             self._undo.append(lambda: held.__delitem__(slice(done, None)))
             self._undo.append(lambda: state.keys.__delitem__(slice(have, None)))
-        return self._info(request_id, row)
 
-    def _publish(self, state: _PrefixState, row: int, tokens: list[int]) -> None:
-        """Key the request's newly full blocks and publish them in every reusable group."""
+    def _publish(
+        self, state: _PrefixState, row: int, tokens: list[int], done: int, data: bytes
+    ) -> None:
+        """Key the request's newly full blocks and publish them in every reusable group.
+
+        ``tokens`` are all its committed ids, the last ones new; ``data`` is the int32 bytes of
+        ``tokens[done:]``. Blocks before ``len(state.keys)`` are keyed already, so the bytes
+        to key start at that block: the few uncommitted-block ids before ``done``, then
+        ``data``. Example (tokens_per_block 4): 6 committed, 5 new: 1 block keyed, ids 4 and
+        5 are packed again and blocks 1 and 2 are keyed from ids [4, 12).
+        """
         tpb = self.tokens_per_block
         have, full = len(state.keys), len(tokens) // tpb
         if full <= have:
             return
+        step = 4 * tpb
+        chunk = token_bytes(tokens[have * tpb : done]) + data
         parent = state.keys[-1] if have else state.root
-        state.keys += chain_keys(
-            parent, token_bytes(tokens[have * tpb : full * tpb]), tpb, have, state.multimodal
+        state.keys += commit_keys(
+            parent, chunk, have, tpb, state.multimodal, state.prompt, state.prompt_keys
         )
         c = self._coord
         cache = c.cache
@@ -751,22 +825,25 @@ class KVCacheManager:
             if not cache.reusable[g]:
                 continue
             pg = c.group_pool[g]
-            index, cached = cache.scope(g, state.root), cache.cached[pg]
-            slots = c.tables[g][row, have:full].tolist()
+            index = cache.scope(g, state.root)
+            held = c.tables[g][row, have:full]
+            # Live slots not cached yet (one numpy pass; a -1 indexes the last slot, masked).
+            fresh = ((held > empty) & ~cache.cached[pg][held]).tolist()
+            slots = held.tolist()
+            keys = state.keys
             run: list[int] = []  # block positions of a contiguous run of new blocks
             for b in range(have, full + 1):
-                slot = slots[b - have] if b < full else empty
-                if slot > empty and state.keys[b] not in index and not cached[slot]:
+                if b < full and fresh[b - have] and keys[b] not in index:
                     run.append(b)
                     continue
                 if run:
                     cache.store(
                         g,
                         state.root,
-                        [state.keys[i] for i in run],
-                        [slots[i - have] for i in run],
-                        state.keys[run[0] - 1] if run[0] else None,
-                        tokens[run[0] * tpb : (run[-1] + 1) * tpb],
+                        keys[run[0] : run[-1] + 1],
+                        slots[run[0] - have : run[-1] + 1 - have],
+                        keys[run[0] - 1] if run[0] else None,
+                        chunk[(run[0] - have) * step : (run[-1] + 1 - have) * step],
                         state.lora_id,
                         state.has_salt,
                     )

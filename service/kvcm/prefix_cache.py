@@ -14,18 +14,20 @@ makes a hit across scopes impossible for a client that sends block keys it read 
 KV events (for routers that track what each replica caches) have increasing sequence numbers
 and live in a bounded log; a reader that asks for events the log has already dropped is told
 so (``lost``) and should resynchronise, e.g. by treating the replica's cache as unknown.
+The log (``events.EventLog``) builds events only when they are read, and records none with
+``kv_events`` off.
 """
 
 from __future__ import annotations
 
 import operator
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import compress, count
 from typing import Any
 
 import numpy as np
 
+from .events import EventLog
 from .layout import Layout
 
 
@@ -38,38 +40,17 @@ class CacheStats:
     evictions: int = 0
 
 
-@dataclass(slots=True)
-class EventLog:
-    capacity: int
-    events: deque[dict[str, Any]] = field(default_factory=deque)
-    last_seq: int = 0
-
-    def append(self, kind: str, **fields: Any) -> None:
-        self.last_seq += 1
-        self.events.append({"seq": self.last_seq, "kind": kind, **fields})
-        if len(self.events) > self.capacity:
-            self.events.popleft()
-
-    def after(self, seq: int, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        """Events with a sequence number above ``seq`` (at most ``limit``), and whether some
-        of those were already dropped."""
-        first = self.events[0]["seq"] if self.events else self.last_seq + 1
-        lost = seq < first - 1
-        start = max(0, seq + 1 - first)
-        out = [self.events[i] for i in range(start, min(len(self.events), start + limit))]
-        return out, lost
-
-    def truncate(self, last_seq: int, kept: list[dict[str, Any]]) -> None:
-        """Undo: back to the log as it was (``kept`` is its content then)."""
-        self.events = deque(kept)
-        self.last_seq = last_seq
-
-
 _EMPTY: dict[bytes, int] = {}
 
 
 class PrefixCache:
-    def __init__(self, layout: Layout, slots: dict[Any, int], event_capacity: int = 10_000):
+    def __init__(
+        self,
+        layout: Layout,
+        slots: dict[Any, int],
+        event_capacity: int = 10_000,
+        kv_events: bool = True,
+    ):
         groups = layout.layer_groups
         self.reusable = [g.reuse == "reusable" for g in groups]
         self.group_pool = [int(g.pool_group) for g in groups]
@@ -79,7 +60,7 @@ class PrefixCache:
         self.slot_key: list[dict[int, tuple[int, bytes, bytes]]] = [{} for _ in layout.pool_groups]
         self.cached = [np.zeros(slots[pg.pool_group_id], dtype=bool) for pg in layout.pool_groups]
         self.stats = CacheStats()
-        self.log = EventLog(event_capacity)
+        self.log = EventLog(event_capacity, kv_events)
 
     def num_cached(self, pool_group: int) -> int:
         return len(self.slot_key[pool_group])
@@ -96,28 +77,20 @@ class PrefixCache:
         keys: list[bytes],
         slots: list[int],
         parent: bytes | None,
-        token_ids: list[int],
+        token_bytes: bytes,
         lora_id: int | str | None,
         has_salt: bool,
     ) -> None:
-        """Publish full blocks of one layer group (already filtered: new keys, live slots)."""
+        """Publish full blocks of one layer group (already filtered: new keys, live slots);
+        ``token_bytes``: their token ids as int32 bytes, for the event."""
         pg = self.group_pool[group]
         index = self.index[group].setdefault(root, {})
-        for key, slot in zip(keys, slots, strict=True):
-            index[key] = slot
-            self.slot_key[pg][slot] = (group, root, key)
-            self.cached[pg][slot] = True
+        index.update(zip(keys, slots, strict=True))
+        self.slot_key[pg].update(zip(slots, [(group, root, key) for key in keys], strict=True))
+        self.cached[pg][slots] = True
         self.stats.stored_blocks += len(keys)
-        self.log.append(
-            "block_stored",
-            layer_group=group,
-            block_keys=[k.hex() for k in keys],
-            parent_key=None if parent is None else parent.hex(),
-            # A salted tenant asked for isolation: its prompts do not leave in events.
-            token_ids=None if has_salt else token_ids,
-            lora_id=lora_id,
-            has_salt=has_salt,
-        )
+        # A salted tenant asked for isolation: its prompts do not leave in events.
+        self.log.stored(group, keys, parent, None if has_salt else token_bytes, lora_id, has_salt)
 
     def evict(self, pool_group: int, slots: np.ndarray) -> None:
         """Slots the queue just handed out: forget the blocks they held."""
@@ -131,7 +104,7 @@ class PrefixCache:
         self._remove(pool_group, [s for s in slots if self.cached[pool_group][s]])
 
     def _remove(self, pool_group: int, slots: list[int]) -> None:
-        by_group: dict[int, list[str]] = {}
+        by_group: dict[int, list[bytes]] = {}
         for slot in slots:
             group, root, key = self.slot_key[pool_group].pop(slot)
             scoped = self.index[group][root]
@@ -139,9 +112,9 @@ class PrefixCache:
             if not scoped:
                 del self.index[group][root]
             self.cached[pool_group][slot] = False
-            by_group.setdefault(group, []).append(key.hex())
+            by_group.setdefault(group, []).append(key)
         for group, keys in by_group.items():
-            self.log.append("block_removed", layer_group=group, block_keys=keys)
+            self.log.removed(group, keys)
 
     def clear(self) -> None:
         for index in self.index:
@@ -149,7 +122,7 @@ class PrefixCache:
         for keys, mask in zip(self.slot_key, self.cached, strict=True):
             keys.clear()
             mask[:] = False
-        self.log.append("all_blocks_cleared")
+        self.log.cleared()
 
     # -- undo for all-or-nothing steps -------------------------------------------------------
 

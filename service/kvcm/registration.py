@@ -38,11 +38,12 @@ _SOURCE = ("layers", "hf_config", "kv_dtype", "tensor_parallel")
 
 
 def defaults_of(config: ManagerConfig) -> dict[str, Any]:
-    """What a running manager lends a registration that leaves them out: its device, share
-    and budget (the sizing of the new model is its own)."""
+    """What a running manager lends a registration that leaves them out: its device, share,
+    budget and whether it records KV events (the sizing of the new model is its own)."""
     return {
         "device": config.device,
         "share": config.share,
+        "kv_events": config.kv_events,
         "memory_bytes": config.memory_bytes,
         "num_blocks": config.num_blocks,
     }

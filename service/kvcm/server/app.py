@@ -50,6 +50,7 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import (
     AllocateOp,
+    CommitManyRequest,
     CommitOp,
     ConsumerInfo,
     ConsumerRequest,
@@ -289,6 +290,13 @@ def create_app(
     rpc("/v1/extend_many", ExtendManyRequest, None, state.extend_many, summary="decode step")
     rpc("/v1/rewind", RewindOp, RequestInfo, state.rewind, summary="drop the last tokens")
     rpc("/v1/commit", CommitOp, RequestInfo, state.commit, summary="record computed tokens")
+    rpc(
+        "/v1/commit_many",
+        CommitManyRequest,
+        None,
+        state.commit_many,
+        summary="record computed tokens of many requests (all or nothing)",
+    )
     rpc("/v1/free", FreeOp, None, state.free, summary="free a request")
     rpc(
         "/v1/step",

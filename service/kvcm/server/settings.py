@@ -53,6 +53,7 @@ _REGISTRATION_DEFAULTS = (
     "max_prefill_chunk",
     "max_lookahead",
     "null_page",
+    "kv_events",
     "kv_dtype",
     "tensor_parallel",
     "num_blocks",
@@ -108,6 +109,10 @@ class Settings(BaseSettings):
     null_page: bool | None = None
     """Reserve a zeroed null page for tile-reading kernels; None: what the model source says
     (on, except in a ``config`` file that does not turn it on)."""
+    kv_events: bool | None = None
+    """Record KV events (``ManagerConfig.kv_events``); None: what the model source says (on,
+    unless a ``config`` file turns them off). ``--no-kv-events`` for a replica no router
+    follows: publishing then records nothing and ``GET /v1/events`` is ``kv_events_disabled``."""
     # -- serving --
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
@@ -192,6 +197,7 @@ class Settings(BaseSettings):
             "max_prefill_chunk",
             "max_lookahead",
             "null_page",
+            "kv_events",
         ):
             value = getattr(self, key)
             if value is not None:

@@ -37,6 +37,7 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import (
     AllocateOp,
+    CommitManyRequest,
     CommitOp,
     ConsumerInfo,
     ConsumerRequest,
@@ -228,6 +229,11 @@ class ServiceState:
     def commit(self, op: CommitOp, session_id: str | None) -> RequestInfo:
         self.touch(session_id)
         return self._counted("commit", lambda: self.manager.commit(op.request_id, op.token_ids))
+
+    def commit_many(self, req: CommitManyRequest, session_id: str | None) -> None:
+        self.touch(session_id)
+        m = self.manager
+        self._counted("commit_many", lambda: m.commit_many(req.request_ids, req.token_ids))
 
     def free(self, op: FreeOp, session_id: str | None) -> None:
         self.touch(session_id)
