@@ -12,7 +12,10 @@ chunk ``--chunk``), three ways, in the same run:
 - ``kvcm in-process``: the example engine (kvcm_engine) with the manager in this process;
 - ``kvcm sidecar``: the same engine driving a ``kvcm serve`` process on loopback through the
   typed HTTP client, its pools and page tables attached (shared memory on the CPU, CUDA IPC
-  on a GPU).
+  on a GPU);
+- ``kvcm sidecar, step channel``: the same with the client's step-path calls (``step``,
+  ``probe``, ``slot_mappings``) over the service's Unix-socket step channel
+  (docs/step-channel.md).
 
 Per way: generated tokens per second, steps, mean and p50 step time, and the share of the
 step spent in kvcm calls (the ``step`` call with its ``probe``s, the slot mapping, reading
@@ -30,7 +33,9 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -165,10 +170,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def sidecar(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    """``kvcm serve`` with no model, on loopback; the engine registers its model."""
+def sidecar(args: argparse.Namespace, step_socket: Path) -> tuple[subprocess.Popen[str], str]:
+    """``kvcm serve`` with no model, on loopback and with a step channel at ``step_socket``;
+    the engine registers its model."""
     port = _free_port()
     cmd = [sys.executable, "-m", "kvcm", "serve", "--port", str(port), "--device", args.device]
+    cmd += ["--step-socket", str(step_socket)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -210,11 +217,13 @@ def main() -> None:
     manager = KVCacheManager({"layers": layers, "device": args.device, **kv_settings(args)})
     rows.append({"way": "kvcm in-process", **measured(built, Backend.in_process(manager), args)})
     manager.close()
-    proc, url = sidecar(args)
+    step_socket = Path(tempfile.mkdtemp()) / "step.sock"
+    proc, url = sidecar(args, step_socket)
     try:
-        with KVCacheClient(url) as client:
-            client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
-            rows.append({"way": "kvcm sidecar", **measured(built, Backend.sidecar(client), args)})
+        for way, channel in (("kvcm sidecar", None), ("kvcm sidecar, step channel", step_socket)):
+            with KVCacheClient(url, step_socket=channel) as client:
+                client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
+                rows.append({"way": way, **measured(built, Backend.sidecar(client), args)})
     finally:
         proc.terminate()
         proc.wait(10)

@@ -71,7 +71,7 @@ def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> No
     assert out.stdout.strip() == "[]"
 
 
-def test_bench_engine_quick_runs_three_ways_with_equal_tokens() -> None:
+def test_bench_engine_quick_runs_four_ways_with_equal_tokens() -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_engine.py"), "--quick"],
         capture_output=True,
@@ -81,6 +81,11 @@ def test_bench_engine_quick_runs_three_ways_with_equal_tokens() -> None:
     )
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     ways = [row.split("|")[1].strip() for row in rows[1:]]
-    assert ways == ["transformers (dense cache, static batch)", "kvcm in-process", "kvcm sidecar"]
+    assert ways == [
+        "transformers (dense cache, static batch)",
+        "kvcm in-process",
+        "kvcm sidecar",
+        "kvcm sidecar, step channel",
+    ]
     # Every kvcm way generated the baseline's tokens for all 4 requests.
-    assert [row.split("|")[-2].strip() for row in rows[2:]] == ["4", "4"]
+    assert [row.split("|")[-2].strip() for row in rows[2:]] == ["4", "4", "4"]

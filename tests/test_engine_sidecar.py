@@ -1,10 +1,15 @@
 """The engine and the sidecar in separate processes: a ``kvcm serve`` started with no model,
 the engine registers its model's ``config.json``, attaches to the shared pools and page
 tables and drives the service through the typed client; tokens equal transformers'. Then the
-engine restarts with another model: it registers that one (a new generation, new pools)."""
+engine restarts with another model: it registers that one (a new generation, new pools), and
+sends its step-path calls over the step channel this time."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import httpx
 from servers import serve_process
 
 from kvcm_client import KVCacheClient
@@ -20,12 +25,13 @@ SIZING = {
 }
 
 
-def test_engine_through_the_sidecar_then_another_model() -> None:
-    with serve_process(model=False) as (url, _, _):
+def test_engine_through_the_sidecar_then_another_model(tmp_path: Path) -> None:
+    step_socket = tmp_path / "step.sock"
+    with serve_process("--step-socket", str(step_socket), model=False) as (url, _, _):
         generations = []
-        for family in ("gemma3", "deepseek_v3"):
+        for family, channel in (("gemma3", None), ("deepseek_v3", step_socket)):
             built = build_model(family)
-            with KVCacheClient(url) as client:
+            with KVCacheClient(url, step_socket=channel) as client:
                 answer = client.register_model(hf_config=built.hf_config, share=True, **SIZING)
                 generations.append(answer.generation)
                 backend = Backend.sidecar(client)
@@ -40,3 +46,9 @@ def test_engine_through_the_sidecar_then_another_model() -> None:
             assert engine.scheduler.stats.hit_tokens > 0
             assert engine.scheduler.stats.preemptions > 0
         assert generations[0] != generations[1]
+        # The second engine's step-path calls went over the channel.
+        frames = re.findall(
+            r'kvcm_step_channel_frames_total\{op="(\w+)",result="ok"\} (\d+)',
+            httpx.get(f"{url}/metrics").text,
+        )
+        assert {op for op, n in frames if float(n) > 0} >= {"step", "probe", "slot_mappings"}

@@ -4,6 +4,8 @@ against transformers' own ``generate``.
     python -m kvcm_engine --model gemma3                       # kvcm in this process
     kvcm serve --port 8470 &                                   # a sidecar with no model yet
     python -m kvcm_engine --model llama --sidecar http://127.0.0.1:8470
+    # with kvcm serve --step-socket /tmp/step.sock: the step-path calls over that socket
+    python -m kvcm_engine --sidecar http://127.0.0.1:8470 --step-socket /tmp/step.sock
 
 With ``--sidecar`` the engine registers its model with the sidecar (``register_model`` with
 the model's ``config.json``), attaches to the pools and page tables it exposes (shared
@@ -43,7 +45,7 @@ def connect(built: BuiltModel, args: argparse.Namespace) -> tuple[Backend, Any]:
     if args.sidecar:
         from kvcm_client import KVCacheClient
 
-        client = KVCacheClient(args.sidecar)
+        client = KVCacheClient(args.sidecar, step_socket=args.step_socket)
         # share: pools the engine's process can map (on a GPU the service's default is off).
         client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
         return Backend.sidecar(client), client
@@ -96,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvcm_engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(FAMILIES), default="llama")
     p.add_argument("--sidecar", help="URL of a kvcm service (default: kvcm in this process)")
+    p.add_argument(
+        "--step-socket", help="with --sidecar: its step channel (kvcm serve --step-socket)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
