@@ -146,16 +146,22 @@ def test_extra_keys_are_in_the_kept_keys(hashed: list[int], extras: dict[str, An
     assert published(m)[-2:] != published(m)[2:4]
 
 
-def test_caller_given_block_keys_are_the_ones_published(hashed: list[int]) -> None:
+def test_caller_given_block_keys_are_looked_up_but_never_published(hashed: list[int]) -> None:
+    """``block_keys`` save allocate's hashing; past the hit they are the client's word, so the
+    commit hashes those blocks itself: another scope's keys sent as this prompt's keys are
+    never published (before, a later probe with them hit)."""
     m = m16()
-    keys = block_keys(PROMPT, TPB)
+    honest = block_keys(PROMPT, TPB)
+    lying = block_keys(PROMPT, TPB, cache_salt="attacker")
     hashed.clear()
-    m.allocate("a", 66, token_ids=PROMPT, block_keys=keys)
-    m.allocate("b", 66, token_ids=[*PROMPT[:65], 1], block_keys=hexed(keys))  # the wire form
-    assert sum(hashed) == 0
+    m.allocate("a", 66, token_ids=PROMPT, block_keys=lying)
+    m.allocate("b", 66, token_ids=[*PROMPT[:65], 1], block_keys=hexed(honest))  # the wire form
+    assert sum(hashed) == 0  # lookups only
     m.commit("a", PROMPT)
-    assert published(m) == hexed(keys)
-    assert sum(hashed) == 0
+    assert published(m) == hexed(honest)
+    assert sum(hashed) == len(honest) == 4
+    assert m.probe(PROMPT, block_keys=lying) == 0
+    assert m.probe(PROMPT) == m.probe(PROMPT, block_keys=honest) == 64
 
 
 def test_block_keys_of_another_size_are_refused_and_change_nothing() -> None:

@@ -1,9 +1,11 @@
 """Block keys of a commit, reusing the keys ``allocate`` computed for the prompt.
 
 ``allocate`` with ``token_ids`` keys every full block of the prompt (to look up the prefix
-cache), or takes the caller's ``block_keys``; the request keeps them with the prompt's int32
-bytes. A commit that fills blocks with the prompt's own tokens takes those keys instead of
-hashing again. Block b's kept key is reused only when both hold:
+cache); the request keeps those keys with the prompt's int32 bytes. Keys a caller gave
+(``block_keys``) are kept only up to the prefix hit (keys found in the cache): past it they
+are untrusted input, since a client could pass keys of another scope or other tokens, so the
+commit hashes those blocks itself. A commit that fills blocks with the prompt's own tokens
+takes the kept keys instead of hashing again. Block b's kept key is reused only when both hold:
 
 - its parent, the key of block b - 1 of the committed tokens (the root for block 0), is the
   prompt's key of block b - 1: the chain then proves that every earlier committed token is the
@@ -50,8 +52,8 @@ def commit_keys(
     count = len(data) // step
     limit = min(count, len(prompt_keys) - first)
     same = 0
-    # Block 0's parent is the root, which the prompt's keys were made with (caller-given keys
-    # are by contract ``block_keys`` of the same tokens and extra keys).
+    # Block 0's parent is the root, which the prompt's keys were made with (kvcm hashed them,
+    # or they were found in this scope's cache).
     if limit > 0 and (first == 0 or prompt_keys[first - 1] == parent):
         start = first * step
         if data[: limit * step] == prompt[start : start + limit * step]:

@@ -171,8 +171,9 @@ def _token_ids(value: Any) -> tuple[list[int], bytes]:
 
 
 def _check_key_sizes(keys: list[bytes]) -> None:
-    """Refuse caller-given keys that are not 32 bytes: commits publish a prompt's kept keys
-    (those past its hit; the hit's are cached keys already)."""
+    """Refuse caller-given keys that are not 32 bytes (those past the hit: the hit's are
+    cached keys already). A malformed key could never hit, but it is a client's bug worth
+    naming."""
     try:
         sizes = set(map(len, keys))
     except TypeError:
@@ -513,8 +514,11 @@ class KVCacheManager:
             self._tokens[request_id] = head if type(head) is list else list(head)
         self._committed[row] = hit_tokens
         self._hits[row] = hit_tokens
+        # Only keys kvcm hashed itself are kept for commits: caller-given keys are untrusted
+        # past the hit (a client could pass another scope's keys), so commits hash those.
+        kept = keys if block_keys is None else keys[:hit]
         self._prefix[request_id] = _PrefixState(
-            root, lora_id, cache_salt is not None, items, keys[:hit], data, keys
+            root, lora_id, cache_salt is not None, items, keys[:hit], data, kept
         )
         info = self._info(request_id, row)
         self._first[request_id] = _FirstAllocation(args, info)
