@@ -66,6 +66,8 @@ from kvcm_client.models import Layout as LayoutInfo
 from . import footprint, registration
 from .commit_keys import commit_keys
 from .coordinator import Coordinator, segments
+from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
+from .counts import _count, _counts
 from .device_tables import DeviceTables, Uploader
 from .hashing import (
     KEY_BYTES,
@@ -109,9 +111,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-#: Largest count (tokens, positions, lookahead) any op takes. Counts are bounded before any
-#: arithmetic, so that no int64 sum of a few of them can wrap (2**63 - 1 + 2 would).
-MAX_COUNT = 2**31 - 1
 #: Longest request id: ids are echoed in results and kept per request.
 MAX_REQUEST_ID = 256
 #: Most ops in one step, and most of them that are not extends: bounds the work (and the
@@ -120,43 +119,6 @@ MAX_REQUEST_ID = 256
 #: 10 us each. A scheduler step has an extend per running request and a few of the others.
 MAX_STEP_OPS = 8192
 MAX_STEP_OTHER_OPS = 1024
-
-
-def _shown(value: int) -> int | str:
-    """An int for an error's detail: as a string past int64, which JSON encoders refuse."""
-    return int(value) if -(2**63) <= value < 2**63 else str(value)
-
-
-def _count(name: str, value: Any, minimum: int, maximum: int = MAX_COUNT) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}", **{name: None})
-    if not minimum <= value <= maximum:
-        raise InvalidArgument(
-            f"{name} must be in [{minimum}, {maximum}], got {_shown(value)}",
-            **{name: _shown(value)},
-        )
-    return int(value)
-
-
-def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.ndarray:
-    if isinstance(value, int | np.integer) and not isinstance(value, bool):
-        _count(name, value, minimum)
-        return np.full(n, value, dtype=np.int64)
-    arr = np.asarray(value)
-    # numpy reads [True, 2] as ints: a bool is no count here either (as in _count).
-    if (
-        arr.shape != (n,)
-        or (arr.dtype.kind not in "iu" and arr.size)
-        or (isinstance(value, list | tuple) and bool in map(type, value))
-    ):
-        raise InvalidArgument(f"{name} must be an int or {n} ints", **{name: None})
-    # Checked before the cast: a uint64 of 2**63 would turn negative in int64.
-    if n and not (minimum <= int(arr.min()) and int(arr.max()) <= MAX_COUNT):
-        raise InvalidArgument(
-            f"{name} must be ints in [{minimum}, {MAX_COUNT}]",
-            **{name: _shown(int(arr.min()) if int(arr.min()) < minimum else int(arr.max()))},
-        )
-    return arr.astype(np.int64, copy=False)
 
 
 def _token_ids(value: Any) -> tuple[list[int], bytes]:
