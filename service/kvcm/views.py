@@ -107,6 +107,8 @@ class TablesAndViews:
         return self._upload(array)
 
     def placement(self, layer_id: int, role: str) -> BufferPlacement:
+        """Where (layer, role) lives; ``UnknownLayer`` for a layer without KV cache (named if
+        the layout dropped it), ``InvalidArgument`` for a role the layer lacks."""
         try:
             return self.layout.placements[(LayerId(layer_id), role)]
         except (KeyError, TypeError):
