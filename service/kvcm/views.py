@@ -1,0 +1,480 @@
+"""Tables and views: what a kernel reads of one manager's state.
+
+The page tables on the manager's device, page indices and slot mappings of requests, the
+pointer tables of the pools, token copies between positions, the views aliasing the pools
+and the layout description. ``KVCacheManager`` owns one and delegates to it; it reads the
+coordinator's bookkeeping and never changes it (the device tables apply its edits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+import kvcm_kernels
+from kvcm_client.errors import CopyIntoSharedBlock, InvalidArgument, UnknownLayer
+from kvcm_client.models import (
+    BufferInfo,
+    DroppedLayer,
+    LayerGroupInfo,
+    ManagerConfig,
+    PoolGroupInfo,
+    PoolInfo,
+    Role,
+)
+from kvcm_client.models import Layout as LayoutInfo
+
+from .coordinator import Coordinator, segments
+from .counts import _count, _counts
+from .device_tables import DeviceTables, Uploader
+from .ids import LayerId, PoolGroupId
+from .layout import BufferPlacement, Layout
+from .pools import PoolMemory, role_dtype
+
+
+class TablesAndViews:
+    """The manager's tables and views component (one per manager generation)."""
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        layout: Layout,
+        device: torch.device,
+        memory: PoolMemory,
+        slots: dict[PoolGroupId, int],
+        coord: Coordinator,
+        tables: DeviceTables,
+        rows_of: Callable[[Sequence[str]], np.ndarray],
+    ) -> None:
+        """``rows_of`` maps request ids to page-table rows (the manager's, which refuses
+        unknown ids)."""
+        self.config = config
+        self.layout = layout
+        self.device = device
+        self.memory = memory
+        self._slots = slots
+        self._coord = coord
+        self._tables = tables
+        self._rows_of = rows_of
+        self.tokens_per_block = config.tokens_per_block
+        self.max_blocks_per_request = config.max_blocks_per_request
+        #: The bound of a slot mapping's ``pad_to`` (the manager's ``max_step_tokens``).
+        self.max_step_tokens = config.max_requests * config.max_seq_len
+        #: Role index of the pointer tables: ``describe().roles`` order.
+        self.role_index = {role: i for i, role in enumerate(layout.roles)}
+        #: Slots below this are no page in the kernels' eyes: 0 (-1 only), or 1 (null page).
+        self._min_live = coord.empty + 1
+        self._upload = None if device.type == "cpu" else Uploader(device, torch.int64)
+        self._pointer_table, self._layer_pool_map, self._layer_pointers = self._build_pointers()
+        self._copy_pools = [
+            kvcm_kernels.TokenCopyPool(
+                group=g.group_id,
+                memory=memory.tensors[pid],
+                bytes_per_buffer=pool.bytes_per_buffer,
+                num_buffers=pool.num_buffers,
+            )
+            for g in layout.layer_groups
+            for pool, pid in zip(g.pools, g.physical_pools, strict=True)
+        ]
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def page_table(self, layer_group: int) -> torch.Tensor:
+        """The int32 ``[max_requests, max_blocks_per_request]`` table on the manager's device;
+        -1 where there is no page, or 0 (the null page) with ``null_page``."""
+        if not 0 <= layer_group < len(self.layout.layer_groups):
+            raise InvalidArgument(f"no layer group {layer_group}", layer_group=layer_group)
+        return self._tables.sync()[layer_group]
+
+    def page_tables(self) -> torch.Tensor:
+        """All layer groups' tables as one int32 ``[groups, max_requests, max_blocks]``."""
+        return self._tables.sync()
+
+    def sync_tables(self) -> None:
+        """Bring the device tables up to date now (one launch on CUDA; nothing on the CPU).
+
+        Every manager call that reads the tables does this itself; a consumer that reads the
+        tables' memory directly calls it once per step.
+        """
+        self._tables.sync()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        if self._upload is None:
+            return torch.from_numpy(array)
+        return self._upload(array)
+
+    def placement(self, layer_id: int, role: str) -> BufferPlacement:
+        """Where (layer, role) lives; ``UnknownLayer`` for a layer without KV cache (named if
+        the layout dropped it), ``InvalidArgument`` for a role the layer lacks."""
+        try:
+            return self.layout.placements[(LayerId(layer_id), role)]
+        except (KeyError, TypeError):
+            pass
+        layer = self.layout.layers.get(LayerId(layer_id))
+        if layer is None:
+            reason = self.layout.dropped.get(LayerId(layer_id))
+            if reason is not None:
+                raise UnknownLayer(
+                    f"layer {layer_id} has no KV cache ({reason}); it was dropped from the "
+                    "layout (describe().dropped_layers)",
+                    layer_id=layer_id,
+                    reason=reason,
+                )
+            raise UnknownLayer(f"unknown layer {layer_id}", layer_id=layer_id)
+        raise InvalidArgument(
+            f"layer {layer_id} has no role {role!r}; it has {list(layer.roles())}",
+            layer_id=layer_id,
+            role=str(role),
+        )
+
+    def page_indices(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        role: Role = "key",
+        mode: Literal["slot", "kernel"] = "slot",
+        per_layer: bool = False,
+    ) -> torch.Tensor:
+        """int32 ``[len(request_ids), max_blocks_per_request]`` page indices, -1 = no page.
+
+        ``slot``: the slot itself (use with the layer view's page stride). ``kernel``:
+        slot x num_buffers / kv_factor of the layer's pool, plus the layer's page offset in the
+        slot when ``per_layer`` (the index into the whole pool seen as pages of one layer).
+        With ``null_page`` there is no -1: no page is slot 0, whose kernel-mode index is 0, or
+        the layer's page offset in per-layer mode, a page inside the zeroed slot 0 either way.
+        """
+        place = self.placement(layer_id, role)
+        if mode not in ("slot", "kernel"):
+            raise InvalidArgument(f"mode must be 'slot' or 'kernel', got {mode!r}", mode=mode)
+        if per_layer and mode != "kernel":
+            raise InvalidArgument("per_layer needs mode='kernel'", mode=mode)
+        rows = self._to_device(self._rows_of(request_ids))
+        table = self._tables.sync()[place.layer_group]
+        if mode == "slot":
+            return table.index_select(0, rows)
+        return kvcm_kernels.kernel_page_indices(
+            table,
+            rows,
+            place.num_buffers // place.kv_factor,
+            place.page_offset if per_layer else 0,
+        )
+
+    def slot_mapping(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        num_tokens: int | Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> torch.Tensor:
+        """int64 ``[pad_to]`` slot mapping of the last ``num_tokens`` positions of each request.
+
+        By default each request maps the tokens added by its latest allocate/extend (the
+        tokens computed in this step). Positions in released sliding-window blocks map to -1,
+        with the null page too: no token's KV is ever written into the null page. ``pad_to``
+        is at most ``max_step_tokens`` (max_requests x max_seq_len).
+        """
+        group = self.placement(layer_id, "key").layer_group
+        return self._slot_mapping(request_ids, num_tokens, pad_to, group)
+
+    def slot_mappings(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: int | Sequence[int] | None = None,
+        pad_to: int | None = None,
+    ) -> torch.Tensor:
+        """``slot_mapping`` for every layer group at once: int64 ``[groups, pad_to]``."""
+        return self._slot_mapping(request_ids, num_tokens, pad_to, None)
+
+    def _slot_mapping(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: int | Sequence[int] | None,
+        pad_to: int | None,
+        group: int | None,
+    ) -> torch.Tensor:
+        rows = self._rows_of(request_ids)
+        c = self._coord
+        length = c.num_tokens[rows]
+        if num_tokens is None:
+            counts = length - c.history[rows]
+        else:
+            counts = _counts("num_tokens", num_tokens, rows.size, 0)
+            if rows.size and bool((counts > length).any()):
+                raise InvalidArgument("num_tokens exceeds a request's length")
+        total = int(counts.sum())
+        if pad_to is None:
+            pad_to = total
+        elif _count("pad_to", pad_to, 0, self.max_step_tokens) < total:
+            raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
+        # rows | query_start_loc | positions | pending table edits in one pinned buffer, read
+        # in place by one launch that applies the edits and maps the slots (on CUDA).
+        n = rows.size
+        edits = self._tables.take_pending()
+        ends = np.cumsum([n, n + 1, total, edits.size])
+        packed = np.empty(int(ends[-1]), dtype=np.int64)
+        packed[: ends[0]] = rows
+        packed[ends[0]] = 0
+        np.cumsum(counts, out=packed[ends[0] + 1 : ends[1]])
+        items, offsets = segments(counts)
+        packed[ends[1] : ends[2]] = (length - counts)[items] + offsets
+        packed[ends[2] :] = edits.reshape(-1)
+        uploader = self._tables.uploader
+        staged = torch.from_numpy(packed) if uploader is None else uploader.stage(packed)
+        out = kvcm_kernels.apply_edits_and_map_slots(
+            self._tables.tensor,
+            staged[ends[2] :].view(-1, 4),
+            staged[: ends[0]],
+            staged[ends[0] : ends[1]],
+            staged[ends[1] : ends[2]],
+            self.tokens_per_block,
+            pad_to,
+            first_group=group or 0,
+            num_groups=None if group is None else 1,
+            min_live=self._min_live,
+        )
+        if uploader is not None:
+            uploader.commit()
+        return out if group is None else out[0]
+
+    def copy_tokens(
+        self,
+        request_ids: Sequence[str],
+        src_positions: Sequence[int],
+        dst_positions: Sequence[int],
+    ) -> None:
+        """Copy the KV of token ``src_positions[i]`` to ``dst_positions[i]`` of request i.
+
+        Every layer's key, value and scale entries move: the primitive that relocates the
+        accepted path of (tree) speculation onto the positions after the verified prefix. The
+        copy is by value, all reads before all writes, so chains (45 -> 44, 46 -> 45), cycles
+        (a swap) and repeated sources mean what they say: ``dst[i]`` gets what ``src[i]`` held
+        before the call. Destinations must be distinct (two writes to one token would be
+        ambiguous).
+
+        Positions must lie in the request's capacity and in blocks it holds in every layer
+        group (a sliding window may have released them). A destination may not lie in a block
+        other requests share or that the prefix cache publishes, in any layer group
+        (``CopyIntoSharedBlock``): that KV is what other requests read, or will get on a hit,
+        for the tokens it was computed from. Sources there are fine. All or nothing: on any
+        refusal no byte changes.
+        """
+        rows = self._rows_of(request_ids)
+        n = rows.size
+        src = _counts("src_positions", src_positions, n, 0)
+        dst = _counts("dst_positions", dst_positions, n, 0)
+        c = self._coord
+        capacity = c.num_tokens[rows] + c.lookahead[rows]
+        if n and bool(((src >= capacity) | (dst >= capacity)).any()):
+            raise InvalidArgument("a position lies past its request's capacity")
+        span = self.config.max_seq_len
+        src_keys, dst_keys = rows * span + src, rows * span + dst
+        if np.unique(dst_keys).size != n:
+            raise InvalidArgument("destinations must be distinct")
+        self._held_slots(rows, src)
+        self._refuse_shared(request_ids, dst, self._held_slots(rows, dst))
+        ops = np.stack([rows, src, dst], axis=1)
+        # No destination is read (one launch on CUDA) when no (row, position) is both: equal
+        # bytes are equal pairs, since a destination's block is this request's alone.
+        disjoint = not bool(np.isin(dst_keys, src_keys).any())
+        kvcm_kernels.copy_tokens(
+            self._tables.sync(),
+            self._to_device(ops),
+            self._copy_pools,
+            self.tokens_per_block,
+            disjoint=disjoint,
+            min_live=self._min_live,
+        )
+
+    def _held_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Slots ``[layer groups, n]`` of the blocks holding each row's position; refuses a
+        position whose block a layer group has released (a sliding window's stale block)."""
+        slots = self._coord.tables[:, rows, positions // self.tokens_per_block]
+        dead = slots <= self._coord.empty
+        if dead.any():
+            g = int(np.nonzero(dead)[0][0])
+            raise InvalidArgument(
+                f"a position lies in a block layer group {g} released", layer_group=g
+            )
+        return slots
+
+    def _refuse_shared(
+        self, request_ids: Sequence[str], dst: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Raise ``CopyIntoSharedBlock`` if a destination block (``slots`` per layer group) is
+        held by more than one request or published in the prefix cache.
+
+        A published block held only by this request is refused too: its KV is what the next
+        hit on its key gets, and only blocks whose tokens are all committed are published, so
+        the copy would overwrite committed KV. A scheduler that means it rewinds first (which
+        takes a block this request holds alone out of the cache), then copies.
+        """
+        c = self._coord
+        for g in range(slots.shape[0]):
+            pg = c.group_pool[g]
+            refs = c.refs[pg][slots[g]]
+            published = c.cache.cached[pg][slots[g]]
+            bad = (refs > 1) | published
+            if bad.any():
+                i = int(np.argmax(bad))
+                why = "other requests share" if refs[i] > 1 else "the prefix cache publishes"
+                raise CopyIntoSharedBlock(
+                    f"copying into position {int(dst[i])} of {request_ids[i]!r} would "
+                    f"overwrite a block {why} (layer group {g})",
+                    request_id=str(request_ids[i]),
+                    position=int(dst[i]),
+                    layer_group=g,
+                    holders=int(refs[i]),
+                    published=bool(published[i]),
+                )
+
+    def _build_pointers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lay = self.layout
+        pointers = torch.zeros((len(lay.pools), 2), dtype=torch.int64)
+        for pool in lay.pools:
+            base = self.memory.base_address(pool.pool_id)
+            pointers[pool.pool_id, 0] = base
+            if pool.kv_factor == 2:
+                pointers[pool.pool_id, 1] = base + pool.bytes_per_buffer
+        pool_map = torch.full((lay.num_layer_ids, len(lay.roles), 2), -1, dtype=torch.int32)
+        # The role's column in its page: the value (or value_scale) is the second of a
+        # key/value page; every other role is first (extra roles are key-only pages).
+        page_role = torch.zeros(len(lay.roles), dtype=torch.int32)
+        for (lid, role), place in lay.placements.items():
+            r = self.role_index[role]
+            pool_map[lid, r, 0] = place.pool
+            pool_map[lid, r, 1] = place.page_offset
+            page_role[r] = place.buffer_index % place.kv_factor
+        page_bytes = torch.tensor(
+            [p.kv_factor * p.bytes_per_buffer for p in lay.pools], dtype=torch.int64
+        )
+        dev = self.device
+        pointers, pool_map = pointers.to(dev), pool_map.to(dev)
+        return (
+            pointers,
+            pool_map,
+            kvcm_kernels.layer_pointers(pointers, pool_map, page_bytes.to(dev), page_role.to(dev)),
+        )
+
+    def pointer_table(self) -> torch.Tensor:
+        """int64 ``[num_pools, 2]``: base address per (pool, role in page).
+
+        Column 0 is the first role of a page (key, key_scale or an extra role), column 1 the
+        second (value or value_scale; 0 for key-only pools). The page of (layer, role, slot)
+        starts at ``pointer_table[pool, c] + (slot * num_buffers / kv_factor + page_offset) *
+        kv_factor * bytes_per_buffer``, with (pool, page_offset) from ``layer_pool_map`` and c
+        1 for value and value_scale, else 0.
+        Example: pool K0 V0 K1 V1 of 256-byte buffers at base B: layer 1's value in slot 3 is
+        at B + 256 + (3 * 2 + 1) * 512 = B + 3840 = B + 3 * 1024 + 3 * 256.
+        """
+        return self._pointer_table
+
+    def layer_pool_map(self) -> torch.Tensor:
+        """int32 ``[max_layer_id + 1, R, 2]``: (pool, page offset) per (layer, role); -1 absent.
+
+        Roles are indexed in ``describe().roles`` order: ``kvcm_client.models.ROLES`` (key,
+        value, key_scale, value_scale), then the sorted distinct extra roles of the model.
+        """
+        return self._layer_pool_map
+
+    def layer_pointer_table(self) -> torch.Tensor:
+        """int64 ``[max_layer_id + 1, R]``: address of (layer, role) in slot 0; 0 if absent.
+
+        Slot s of that buffer is at this address + s * slot_bytes of its pool.
+        """
+        return self._layer_pointers
+
+    # -- memory views ------------------------------------------------------------------------
+
+    def kv_view(self, layer_id: int) -> torch.Tensor:
+        """``[num_slots, (kv_factor,) tokens_per_block, heads, head_dim]`` aliasing the pool."""
+        self.placement(layer_id, "key")
+        return self.memory.kv_view(LayerId(layer_id))
+
+    def layer_view(self, layer_id: int, role: Role) -> torch.Tensor:
+        """``[num_slots, tokens_per_block, heads, head_dim]`` (scales: ``[..., heads*dim/16]``).
+
+        ``role`` is key, value, a scale role or an extra buffer's role (its own heads and dims).
+        """
+        self.placement(layer_id, role)
+        return self.memory.layer_view(LayerId(layer_id), role)
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def describe(self) -> LayoutInfo:
+        """Layer groups, pool groups, pools and every (layer, role) buffer with its address;
+        ``roles`` is the role index order of the pointer tables, ``dropped_layers`` the layers
+        without KV cache."""
+        lay = self.layout
+        pointers = self._layer_pointers.cpu()
+        buffers = []
+        for (lid, role), place in lay.placements.items():
+            layer = lay.layers[lid]
+            view = self.memory.layer_view(lid, role)
+            buffers.append(
+                BufferInfo(
+                    layer_id=lid,
+                    role=role,
+                    layer_group=place.layer_group,
+                    pool=place.pool,
+                    offset_bytes=place.offset_bytes,
+                    bytes_per_block=place.bytes_per_buffer,
+                    page_stride_bytes=lay.pools[place.pool].slot_bytes,
+                    base_address=int(pointers[lid, self.role_index[role]]),
+                    shape=tuple(view.shape),
+                    dtype=str(role_dtype(layer, role)).removeprefix("torch."),
+                )
+            )
+        buffers.sort(key=lambda b: (b.layer_id, self.role_index[b.role]))
+        return LayoutInfo(
+            tokens_per_block=lay.tokens_per_block,
+            device=str(self.device),
+            max_requests=self.config.max_requests,
+            max_blocks_per_request=self.max_blocks_per_request,
+            roles=lay.roles,
+            layer_groups=tuple(
+                LayerGroupInfo(
+                    group_id=g.group_id,
+                    pool_group=g.pool_group,
+                    layer_ids=tuple(layer.layer_id for layer in g.layers),
+                    sliding_window=g.sliding_window,
+                    sink_blocks=g.sink_blocks,
+                    owner=g.owner,
+                    reuse=g.reuse,
+                    bytes_per_token=g.bytes_per_token,
+                )
+                for g in lay.layer_groups
+            ),
+            pool_groups=tuple(
+                PoolGroupInfo(
+                    pool_group_id=pg.pool_group_id,
+                    layer_groups=pg.layer_groups,
+                    pools=pg.pools,
+                    num_slots=self._slots[pg.pool_group_id],
+                    slot_bytes=pg.slot_bytes,
+                )
+                for pg in lay.pool_groups
+            ),
+            pools=tuple(
+                PoolInfo(
+                    pool_id=p.pool_id,
+                    pool_group=p.pool_group,
+                    kind=p.kind,
+                    kv_factor=p.kv_factor,
+                    num_buffers=p.num_buffers,
+                    bytes_per_buffer=p.bytes_per_buffer,
+                    slot_bytes=p.slot_bytes,
+                    num_slots=self._slots[p.pool_group],
+                    nbytes=self._slots[p.pool_group] * p.slot_bytes,
+                    base_address=self.memory.base_address(p.pool_id),
+                )
+                for p in lay.pools
+            ),
+            buffers=tuple(buffers),
+            dropped_layers=tuple(
+                DroppedLayer(layer_id=lid, reason=reason) for lid, reason in lay.dropped.items()
+            ),
+            null_page=self.config.null_page,
+        )
