@@ -15,10 +15,7 @@ p50 and p99 of the wall time per step call, in microseconds.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,11 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadtest import Scheduler, _config
+from loadtest import Scheduler, _config, start_server
 
 from kvcm_client import KVCacheClient
 
@@ -42,30 +38,6 @@ NAMES = (
     "typed client, HTTP, brief",
     "typed client, step channel, brief",
 )
-
-
-def start(tmp: Path, num_requests: int) -> tuple[str, subprocess.Popen[str], Path]:
-    config = tmp / "config.json"
-    config.write_text(json.dumps(_config(num_requests, len(NAMES))))
-    sock = tmp / "step.sock"
-    cmd = [sys.executable, "-m", "kvcm", "serve", "--config", str(config), "--port", "0"]
-    cmd += ["--step-socket", str(sock), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    match = re.search(r"serving on (\S+)", proc.stdout.readline())
-    if match is None:
-        proc.kill()
-        raise RuntimeError("kvcm did not start")
-    url = match.group(1)
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/readyz").status_code == 200:
-                return url, proc, sock
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("kvcm never became ready")
 
 
 def variants(url: str, sock: Path, num_requests: int) -> dict[str, Callable[[list[Any]], Any]]:
@@ -86,7 +58,8 @@ def variants(url: str, sock: Path, num_requests: int) -> dict[str, Callable[[lis
 
 def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory(prefix="kvcm-sc-") as tmp:
-        url, proc, sock = start(Path(tmp), num_requests)
+        sock = Path(tmp) / "step.sock"
+        url, proc, _ = start_server(num_requests, len(NAMES), "--step-socket", str(sock))
         try:
             calls = variants(url, sock, num_requests)
             scheds = {

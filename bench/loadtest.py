@@ -339,7 +339,11 @@ def _config(num_requests: int, schedulers: int) -> dict[str, Any]:
     }
 
 
-def start_server(num_requests: int, schedulers: int) -> tuple[str, subprocess.Popen[str], Path]:
+def start_server(
+    num_requests: int, schedulers: int, *extra: str
+) -> tuple[str, subprocess.Popen[str], Path]:
+    """``kvcm serve`` for ``schedulers`` x ``num_requests`` requests, plus the ``extra`` flags,
+    once ready; returns its URL, the process and its temporary directory."""
     cfg = _config(num_requests, schedulers)
     tmp = Path(tempfile.mkdtemp(prefix="kvcm-load-"))
     (tmp / "config.json").write_text(json.dumps(cfg))
@@ -355,6 +359,7 @@ def start_server(num_requests: int, schedulers: int) -> tuple[str, subprocess.Po
             "0",
             "--log-level",
             "warning",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
