@@ -13,10 +13,10 @@ takes one more call per preemption; a step without preemption is one ``step`` ca
 one ``probe`` per newly admitted request (to size its first chunk after its cached prefix).
 
 Sequence arithmetic: a request's sequence is prompt + output; the KV of ``seq[:computed]`` is
-in the cache. With 10 prompt tokens, chunk 4 and 2 cached by a prefix hit... the hit is
-block aligned, so say tokens_per_block 2 and a 2-token hit: the allocate asks for 2 + 4 = 6
-tokens and computes positions 2..5; the next steps extend by 4 (6..9), the last chunk's logits
-give output token 0; then each decode step extends by 1 and computes the previous output token.
+in the cache. Worked example (tokens_per_block 2, chunk 4, a 10-token prompt whose first 2
+tokens are cached): the allocate asks for 2 + 4 = 6 tokens and computes positions 2..5; the
+next steps extend by 4 (6..9), and the last chunk's logits give output token 0; then each
+decode step extends by 1 and computes the previous output token.
 """
 
 from __future__ import annotations
