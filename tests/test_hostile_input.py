@@ -263,10 +263,10 @@ def test_a_bug_inside_a_step_reports_exactly_what_was_applied(
         )
     real = m.allocate
 
-    def broken(request_id: str, *args: object) -> object:
+    def broken(request_id: str, *args: object, **kwargs: object) -> object:
         if request_id == "boom":
             raise ZeroDivisionError("a bug")
-        return real(request_id, *args)  # type: ignore[arg-type]
+        return real(request_id, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(m, "allocate", broken)
     body = {

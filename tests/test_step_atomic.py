@@ -217,14 +217,20 @@ def test_mixed_steps_have_the_outcomes_of_running_the_ops_one_by_one(
                 single.free(rid)
 
 
-def test_steps_split_into_runs_of_extends_of_distinct_requests() -> None:
-    from kvcm.manager import _extend_runs
+def test_steps_split_into_pieces_in_section_order_without_repeated_requests() -> None:
+    from kvcm.columnar import op_segments
 
     def ops(spec: str) -> list[dict[str, object]]:
-        kinds = {"e": "extend", "f": "free", "a": "allocate"}
+        kinds = {"e": "extend", "f": "free", "a": "allocate", "c": "commit", "r": "rewind"}
         return [{"op": kinds[s[0]], "request_id": s[1]} for s in spec.split()]
 
-    assert _extend_runs(ops("ea eb fc ea ea")) == [(0, 2), (2, 3), (3, 4), (4, 5)]
-    assert _extend_runs(ops("ea eb ec eb ed")) == [(0, 3), (3, 5)]
-    assert _extend_runs(ops("fa ab")) == [(0, 1), (1, 2)]
-    assert _extend_runs([]) == []
+    # free < rewind < commit < extend < allocate; a kind of lower rank or a repeated id
+    # starts a new piece.
+    assert op_segments(ops("fa rb cc ed ee af")) == [(0, 6)]
+    assert op_segments(ops("ea eb fc ea ea")) == [(0, 2), (2, 4), (4, 5)]
+    assert op_segments(ops("ea eb ec eb ed")) == [(0, 3), (3, 5)]
+    assert op_segments(ops("fa ab")) == [(0, 2)]
+    assert op_segments(ops("fa aa")) == [(0, 1), (1, 2)]
+    assert op_segments(ops("ab ea")) == [(0, 1), (1, 2)]
+    assert op_segments(ops("ra ca ea")) == [(0, 1), (1, 2), (2, 3)]
+    assert op_segments([]) == []

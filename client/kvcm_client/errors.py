@@ -279,6 +279,51 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
 }
 
 
+#: The numeric status of each code in columnar step results (``step_columns``): the index in
+#: this tuple; 0 is success. Append only: a number never changes meaning. The op errors come
+#: first (the ones a step item can get); any code not listed maps to 1, ``kvcm_error``.
+STATUS_CODES: tuple[str, ...] = (
+    "ok",
+    "kvcm_error",
+    "invalid_argument",
+    "sequence_too_long",
+    "unknown_request",
+    "duplicate_request",
+    "rewind_past_window",
+    "out_of_blocks",
+    "max_requests_reached",
+    "rewind_into_shared_block",
+    "step_aborted",
+    "internal_error",
+    "unknown_layer",
+    "insufficient_memory",
+    "unsupported_model",
+    "device_unavailable",
+    "requests_live",
+    "stale_generation",
+    "copy_into_shared_block",
+    "prefix_cache_in_use",
+    "kv_events_disabled",
+    "malformed_request",
+    "unauthorized",
+    "not_found",
+    "method_not_allowed",
+    "unknown_session",
+    "payload_too_large",
+    "limit_reached",
+    "unknown_consumer",
+    "service_unavailable",
+    "no_model",
+    "model_wait_timeout",
+)
+STATUS_OF: dict[str, int] = {code: i for i, code in enumerate(STATUS_CODES)}
+
+
+def status_of(code: str) -> int:
+    """The numeric status of an error code (1, ``kvcm_error``, for a code this side lacks)."""
+    return STATUS_OF.get(code, 1)
+
+
 def error_from_dict(body: dict[str, Any], status: int = 400) -> KVCMError:
     """Rebuild the typed error a service response describes (unknown codes stay KVCMError).
 

@@ -303,6 +303,10 @@ class RequestInfo(_Frozen):
     capacity: int
     num_committed: int = 0
     num_hit_tokens: int = 0
+    handle: int = 0
+    """The request's integer handle for ``step_columns`` (its row in the low 32 bits, an
+    allocation count above them, so a handle kept past a free never names the row's next
+    request); 0 where no handle applies."""
 
 
 class MultimodalInput(_Frozen):

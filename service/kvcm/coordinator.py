@@ -216,16 +216,16 @@ class Coordinator:
         new_tokens: np.ndarray,
         lookahead: np.ndarray,
         in_order: bool = False,
-    ) -> None:
-        """Add ``new_tokens`` to each row (distinct rows), all or nothing.
+    ) -> np.ndarray | int:
+        """Add ``new_tokens`` to each row (distinct rows), all or nothing; returns the block
+        positions added per row, summed over layer groups (an int for one row).
 
         A row that was never used or was released is empty, so allocate is grow on a new row.
         ``in_order`` also refuses a batch that fits as a whole but not row after row (a row
         whose window releases blocks can make room for an earlier one only in a batch).
         """
         if rows.size == 1:  # single ops: plain ints instead of ~40 tiny numpy calls
-            self._grow_one(int(rows[0]), int(new_tokens[0]), int(lookahead[0]))
-            return
+            return self.grow_one(int(rows[0]), int(new_tokens[0]), int(lookahead[0]))
         history = self.num_tokens[rows]
         length = history + new_tokens
         plans = self._plan(rows, history, length + lookahead, in_order)
@@ -242,8 +242,12 @@ class Coordinator:
         self.history[rows] = history
         self.lookahead[rows] = lookahead
         self.ops_since_take += 1
+        added = plans[0].add
+        for plan in plans[1:]:
+            added = added + plan.add
+        return added
 
-    def _grow_one(self, row: int, new_tokens: int, lookahead: int) -> None:
+    def grow_one(self, row: int, new_tokens: int, lookahead: int) -> int:
         """``grow`` of one row, same plan, same order of effects (release, then allocate)."""
         tpb = self.tokens_per_block
         history = int(self.num_tokens[row])
@@ -278,6 +282,7 @@ class Coordinator:
         self.history[row] = history
         self.lookahead[row] = lookahead
         self.ops_since_take += 1
+        return sum(step[3] for step in steps)
 
     def _release(self, plan: _GroupPlan) -> None:
         assert plan.stale is not None

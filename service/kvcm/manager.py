@@ -23,7 +23,6 @@ from kvcm_client.errors import (
     DeviceUnavailable,
     DuplicateRequest,
     InsufficientMemory,
-    InternalError,
     InvalidArgument,
     KVCMError,
     KVEventsDisabled,
@@ -37,6 +36,7 @@ from kvcm_client.errors import (
     invalid_from_validation,
 )
 from kvcm_client.models import (
+    AllocateOp,
     CommitOp,
     Estimate,
     ExtendOp,
@@ -57,6 +57,16 @@ from kvcm_client.models import (
 from kvcm_client.models import Layout as LayoutInfo
 
 from . import footprint, registration
+from .columnar import (
+    ROW_MASK,
+    SECTIONS,
+    StepColumns,
+    StepOutcome,
+    execute,
+    op_segments,
+    parse_columns,
+    run_columns,
+)
 from .commit_keys import commit_keys
 from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
@@ -84,6 +94,8 @@ _OPS = TypeAdapter(list[Op])
 #: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
 _FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp)
 _RESULTS = TypeAdapter(list[OpResult])
+#: A result slot not filled yet (``_piece_results``); never returned.
+_ABORTED_PLACEHOLDER: dict[str, Any] = {}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -209,40 +221,8 @@ class _Checkpoint:
     hits: np.ndarray
     tokens: dict[str, list[int]]
     committed: np.ndarray
-
-
-def _extend_runs(ops: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """Split ops into [start, end) pieces: maximal runs of extends of distinct requests, and
-    every other op alone.
-
-    Example: extend a, extend b, free c, extend a, extend a gives (0, 2), (2, 3), (3, 4),
-    (4, 5): the repeated id starts a new run.
-    """
-    pieces = []
-    n = len(ops)
-    kinds = [op["op"] for op in ops]
-    i = 0
-    while i < n:
-        if kinds[i] != "extend":
-            pieces.append((i, i + 1))
-            i += 1
-            continue
-        j = i + 1
-        while j < n and kinds[j] == "extend":
-            j += 1
-        ids = [op["request_id"] for op in ops[i:j]]
-        if len(set(ids)) == len(ids):
-            pieces.append((i, j))
-            i = j
-            continue
-        seen: set[str] = set()
-        k = i
-        while k < j and ids[k - i] not in seen:
-            seen.add(ids[k - i])
-            k += 1
-        pieces.append((i, k))
-        i = k
-    return pieces
+    ids: list[str | None]
+    handles: np.ndarray
 
 
 def _plan(
@@ -324,6 +304,14 @@ class KVCacheManager:
         )
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
+        #: Each row's request id and handle (None and 0 when free), and the row's allocations
+        #: so far (a handle's serial: kvcm.columnar).
+        self._ids: list[str | None] = [None] * cfg.max_requests
+        self._handle = np.zeros(cfg.max_requests, dtype=np.int64)
+        self._serial = np.zeros(cfg.max_requests, dtype=np.int64)
+        #: Scratch for the distinct-rows check of a batch of extends.
+        self._order = np.arange(cfg.max_requests, dtype=np.int64)
+        self._scratch = np.zeros(cfg.max_requests, dtype=np.int64)
         self._first: dict[str, _FirstAllocation] = {}
         self._prefix: dict[str, _PrefixState] = {}
         #: Tokens each row got from the prefix cache at allocation.
@@ -371,6 +359,22 @@ class KVCacheManager:
             shown = str(missing)[:64]
             raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
 
+    def _handle_rows(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows of int64 handles, and a mask of the live ones (None when all are live).
+
+        Example: handle ``2 << 32 | 7`` is row 7 if row 7's request is its second allocation;
+        after that request's free it names nothing (the row's next request has serial 3).
+        """
+        rows = handles & ROW_MASK
+        n = handles.size
+        if n and (int(handles.min()) <= 0 or int(rows.max()) >= self.config.max_requests):
+            inside = (handles > 0) & (rows < self.config.max_requests)
+            rows = np.where(inside, rows, 0)
+            live = inside & (self._handle[rows] == handles)
+            return rows, live
+        live = self._handle[rows] == handles
+        return rows, (None if live.all() else live)
+
     def _check_len(self, request_id: str, total: int) -> None:
         if total > self.config.max_seq_len:
             raise SequenceTooLong(
@@ -391,6 +395,7 @@ class KVCacheManager:
             capacity=n + int(c.lookahead[row]),
             num_committed=int(self._committed[row]),
             num_hit_tokens=int(self._hits[row]),
+            handle=int(self._handle[row]),
         )
 
     def allocate(
@@ -483,6 +488,9 @@ class KVCacheManager:
             stats.hit_tokens += hit_tokens
         self._free_rows.pop()
         self._rows[request_id] = row
+        self._ids[row] = request_id
+        self._serial[row] += 1
+        self._handle[row] = (int(self._serial[row]) << 32) | row
         if tokens is None:
             self._tokens[request_id] = []
         else:
@@ -609,11 +617,37 @@ class KVCacheManager:
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
         row = self._row(request_id)
+        self._extend_row(row, num_new_tokens, lookahead)
+        return self._info(request_id, row)
+
+    def _extend_row(self, row: int, num_new_tokens: int, lookahead: int) -> int:
+        """Extend one row (a columnar step's item); returns the block positions added."""
         num_new_tokens = _count("num_new_tokens", num_new_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
-        self._check_len(request_id, int(self._coord.num_tokens[row]) + num_new_tokens + lookahead)
-        self._coord.grow(np.array([row]), np.array([num_new_tokens]), np.array([lookahead]))
-        return self._info(request_id, row)
+        total = int(self._coord.num_tokens[row]) + num_new_tokens + lookahead
+        if total > self.config.max_seq_len:
+            self._check_len(self._ids[row] or "", total)
+        return self._coord.grow_one(row, num_new_tokens, lookahead)
+
+    def _extend_batch(
+        self, rows: np.ndarray, new: np.ndarray, ahead: np.ndarray
+    ) -> np.ndarray | None:
+        """Extend live rows as one batch, as if one after another; the blocks each added, or
+        None (nothing changed) if the rows repeat or the batch does not fit item after item:
+        then the caller runs them one by one."""
+        n = rows.size
+        order = self._order[:n]
+        scratch = self._scratch
+        scratch[rows] = order
+        if not (scratch[rows] == order).all():
+            return None  # a repeated row: the later write won, the earlier one differs
+        c = self._coord
+        if int((c.num_tokens[rows] + new + ahead).max()) > self.config.max_seq_len:
+            return None
+        try:
+            return c.grow(rows, new, ahead, in_order=True)  # type: ignore[return-value]
+        except KVCMError:
+            return None
 
     def extend_many(
         self,
@@ -650,6 +684,12 @@ class KVCacheManager:
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
         row = self._row(request_id)
+        self._rewind_row(row, num_tokens)
+        return self._info(request_id, row)
+
+    def _rewind_row(self, row: int, num_tokens: int) -> None:
+        request_id = self._ids[row]
+        assert request_id is not None
         length = int(self._coord.num_tokens[row])
         num_tokens = _count("num_tokens", num_tokens, 1)
         if num_tokens >= length:
@@ -676,7 +716,6 @@ class KVCacheManager:
             self._committed[row] = new_len
             if self._undo is not None:
                 self._undo.append(lambda: tokens.extend(tail))
-        return self._info(request_id, row)
 
     def _writable_cached(self, request_id: str, row: int, new_len: int) -> dict[int, list[int]]:
         """Cached blocks a rewind to ``new_len`` would make the request write into again.
@@ -715,10 +754,15 @@ class KVCacheManager:
         (``commit_keys``); other blocks are hashed.
         """
         row = self._row(request_id)
+        self._commit_row(row, token_ids)
+        return self._info(request_id, row)
+
+    def _commit_row(self, row: int, token_ids: Sequence[int]) -> None:
+        request_id = self._ids[row]
+        assert request_id is not None
         tokens, data = _token_ids(token_ids)
         self._check_commit(request_id, row, len(tokens))
         self._commit(request_id, row, tokens, data)
-        return self._info(request_id, row)
 
     def commit_many(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
         """Commit ``token_ids[i]`` to ``request_ids[i]`` (distinct requests: the end of one
@@ -835,8 +879,16 @@ class KVCacheManager:
         return list(self._tokens[request_id])
 
     def free(self, request_id: str) -> None:
-        row = self._row(request_id)
+        """End a request: its blocks go back to the pools (cached ones stay cached)."""
+        self._free_row(self._row(request_id))
+
+    def _free_row(self, row: int) -> str:
+        """Free a live row; returns its request id."""
+        request_id = self._ids[row]
+        assert request_id is not None
         self._coord.release_row(row)
+        self._ids[row] = None
+        self._handle[row] = 0
         del self._rows[request_id]
         del self._first[request_id]
         del self._tokens[request_id]
@@ -844,6 +896,68 @@ class KVCacheManager:
         self._committed[row] = 0
         self._hits[row] = 0
         self._free_rows.append(row)
+        return request_id
+
+    def _blocks_of(self, row: int) -> int:
+        """Block positions a row holds, summed over layer groups."""
+        return sum(int(n[row]) for n in self._coord.num_blocks)
+
+    def step_columns(
+        self,
+        *,
+        free: Sequence[int] | np.ndarray = (),
+        rewind: Sequence[int] | np.ndarray = (),
+        rewind_tokens: int | Sequence[int] | np.ndarray = 1,
+        commit: Sequence[int] | np.ndarray = (),
+        commit_tokens: Sequence[Sequence[int]] = (),
+        extend: Sequence[int] | np.ndarray = (),
+        num_new_tokens: int | Sequence[int] | np.ndarray = 1,
+        lookahead: int | Sequence[int] | np.ndarray = 0,
+        allocate: Sequence[AllocateOp | dict[str, Any]] = (),
+        atomic: bool = False,
+    ) -> StepOutcome:
+        """One scheduler step as arrays: the primary API (docs/requests.md#the-columnar-step).
+
+        Requests are named by handles (``RequestInfo.handle``, ``StepOutcome.handles`` of
+        their allocate). Sections run in order: ``free`` (handles), ``rewind`` (handles,
+        ``rewind_tokens`` to drop), ``commit`` (handles, ``commit_tokens``: each one's newly
+        computed token ids), ``extend`` (handles, ``num_new_tokens``, ``lookahead``: ints or
+        one per handle), ``allocate`` (``AllocateOp`` models or their dicts). Each item is
+        atomic on its own; ``atomic=True`` makes the step all or nothing. A malformed step
+        raises ``InvalidArgument`` and runs nothing; an item's own failure is its status.
+
+        Example: ``m.step_columns(free=[h0], extend=[h1, h2], allocate=[{"request_id": "c",
+        "num_tokens": 9}])`` frees h0's request, adds a token to two others, starts "c";
+        ``out.status["extend"]`` is ``[0, 0]`` when both fit, ``out.handles[0]`` is c's handle.
+        """
+        if type(atomic) is not bool:
+            raise InvalidArgument(f"atomic must be a bool, got {type(atomic).__name__}")
+        cols = parse_columns(
+            free,
+            rewind,
+            rewind_tokens,
+            commit,
+            commit_tokens,
+            extend,
+            num_new_tokens,
+            lookahead,
+            allocate,
+        )
+        sizes = cols.sizes()
+        total = sum(sizes.values())
+        self._check_step_size(total, total - sizes["extend"])
+        return run_columns(self, cols, atomic)
+
+    def _check_step_size(self, num_ops: int, others: int) -> None:
+        if num_ops > MAX_STEP_OPS or others > MAX_STEP_OTHER_OPS:
+            raise InvalidArgument(
+                f"a step takes at most {MAX_STEP_OPS} ops, {MAX_STEP_OTHER_OPS} of them other "
+                f"than extends; got {num_ops} ({others}): split it",
+                num_ops=num_ops,
+                num_other_ops=others,
+                max_ops=MAX_STEP_OPS,
+                max_other_ops=MAX_STEP_OTHER_OPS,
+            )
 
     def step(
         self, ops: Sequence[Op | dict[str, Any]], atomic: bool = False, brief: bool = False
@@ -888,60 +1002,117 @@ class KVCacheManager:
         at most ``MAX_STEP_OTHER_OPS`` of them other than extends, so that one call's work
         stays bounded.
         """
-        others = len(ops) - sum(1 for op in ops if op["op"] == "extend")
-        if len(ops) > MAX_STEP_OPS or others > MAX_STEP_OTHER_OPS:
-            raise InvalidArgument(
-                f"a step takes at most {MAX_STEP_OPS} ops, {MAX_STEP_OTHER_OPS} of them other "
-                f"than extends; got {len(ops)} ({others}): split it",
-                num_ops=len(ops),
-                num_other_ops=others,
-                max_ops=MAX_STEP_OPS,
-                max_other_ops=MAX_STEP_OTHER_OPS,
-            )
+        self._check_step_size(len(ops), len(ops) - sum(1 for op in ops if op["op"] == "extend"))
         if not atomic:
             return self._execute(ops, False, brief)
         with self.transaction() as undo:
             results = self._execute(ops, True, brief)
-            if results and not results[-1]["ok"]:
+            if results and not results[-1]["ok"]:  # stopped: every result is an error
                 undo()
-                return self._aborted(len(ops), len(results) - 1, results[-1])
             return results
 
     def _execute(
         self, ops: list[dict[str, Any]], stop_on_error: bool, brief: bool
     ) -> list[dict[str, Any]]:
+        """Run op dicts as columnar steps (``op_segments``), results back in op order."""
         results: list[dict[str, Any]] = []
-        for start, end in _extend_runs(ops):
-            run = ops[start:end]
-            rows = None
-            if end - start > 1:
-                ids = [op["request_id"] for op in run]
-                rows = self._try_batch(
-                    ids, [op["num_new_tokens"] for op in run], [op["lookahead"] for op in run]
-                )
-            if rows is not None:
-                if brief:
-                    results += [{"ok": True, "request": None, "error": None} for _ in run]
-                else:
-                    results += self._result_dicts(ids, rows)
-                continue
-            for op in run:
-                results.append(self._run(op, brief))
-                if results[-1]["ok"]:
-                    continue
-                if stop_on_error:
-                    return results
-                if results[-1]["error"]["code"] == InternalError.code:
-                    # A bug, not a refusal: the ops after it are not run, and each result
-                    # still says exactly which ops were applied.
-                    return self._aborted(len(ops), len(results) - 1, results[-1], results)
+        for start, end in op_segments(ops):
+            piece = ops[start:end]
+            cols, where = self._columns_of(piece)
+            out = execute(self, cols, stop_on_error)
+            piece_results = self._piece_results(piece, where, out, brief)
+            if out.failed is not None:
+                section, index = out.failed
+                at = where[section][index]
+                applied = None if stop_on_error else results + piece_results[:at]
+                return self._aborted(len(ops), start + at, piece_results[at], applied)
+            results += piece_results
         return results
 
-    def _try_batch(self, ids: list[str], new: list[int], ahead: list[int]) -> np.ndarray | None:
-        try:
-            return self._extend(ids, new, ahead, in_order=True)
-        except KVCMError:
-            return None
+    def _handles_of(self, request_ids: list[str]) -> np.ndarray:
+        """Handles of ids; 0 (no request) for an id that is not live."""
+        get = self._rows.get
+        rows = np.array([get(r, -1) for r in request_ids], dtype=np.int64)
+        handles = self._handle[rows]
+        handles[rows < 0] = 0
+        return handles
+
+    def _columns_of(self, piece: list[dict[str, Any]]) -> tuple[StepColumns, dict[str, list[int]]]:
+        """A piece of op dicts as columns, and each section's op positions in the piece."""
+        where: dict[str, list[int]] = {s: [] for s in SECTIONS}
+        ids: dict[str, list[str]] = {s: [] for s in SECTIONS}
+        for j, op in enumerate(piece):
+            kind = op["op"]
+            where[kind].append(j)
+            ids[kind].append(op["request_id"])
+        ext = [piece[j] for j in where["extend"]]
+        new = [op["num_new_tokens"] for op in ext]
+        ahead = [op["lookahead"] for op in ext]
+        cols = StepColumns(
+            free=self._handles_of(ids["free"]),
+            rewind=self._handles_of(ids["rewind"]),
+            rewind_tokens=[piece[j]["num_tokens"] for j in where["rewind"]],
+            commit=self._handles_of(ids["commit"]),
+            commit_tokens=[piece[j]["token_ids"] for j in where["commit"]],
+            extend=self._handles_of(ids["extend"]),
+            # Counts in range go as arrays (a batch may run); others stay ints, so that each
+            # item checks its own and fails alone (a count past int64 has no array).
+            num_new_tokens=(
+                np.array(new, dtype=np.int64)
+                if new and min(new) >= 1 and max(new) <= MAX_COUNT
+                else new
+            ),
+            lookahead=(
+                np.array(ahead, dtype=np.int64)
+                if ahead and min(ahead) >= 0 and max(ahead) <= MAX_COUNT
+                else ahead
+            ),
+            allocate=[{k: v for k, v in piece[j].items() if k != "op"} for j in where["allocate"]],
+        )
+        return cols, where
+
+    def _piece_results(
+        self,
+        piece: list[dict[str, Any]],
+        where: dict[str, list[int]],
+        out: StepOutcome,
+        brief: bool,
+    ) -> list[dict[str, Any]]:
+        """The result dict of each op of a piece (``step_aborted`` placeholders for ops the
+        step did not run: the caller replaces them)."""
+        results: list[dict[str, Any]] = [_ABORTED_PLACEHOLDER] * len(piece)
+        for section in SECTIONS:
+            status = out.status[section]
+            positions = where[section]
+            if not positions:
+                continue
+            if section == "extend" and not status.any():
+                if brief:
+                    for j in positions:
+                        results[j] = {"ok": True, "request": None, "error": None}
+                else:
+                    eids = [piece[j]["request_id"] for j in positions]
+                    rows = self._rows_of(eids)
+                    for j, r in zip(positions, self._result_dicts(eids, rows), strict=True):
+                        results[j] = r
+                continue
+            for j, code in zip(positions, status.tolist(), strict=True):
+                if code:
+                    continue
+                rid = piece[j]["request_id"]
+                if section == "free" or (brief and section == "extend"):
+                    results[j] = {"ok": True, "request": None, "error": None}
+                else:
+                    info = self._info(rid, self._rows[rid])
+                    results[j] = {"ok": True, "request": info.model_dump(), "error": None}
+        for e in out.errors:
+            j = where[e.section][e.index]
+            exc = e.error
+            if isinstance(exc, UnknownRequest):
+                shown = str(piece[j]["request_id"])[:64]
+                exc = UnknownRequest(f"unknown request {shown!r}", request_id=shown)
+            results[j] = {"ok": False, "request": None, "error": exc.to_dict()}
+        return results
 
     @staticmethod
     def _aborted(
@@ -984,6 +1155,8 @@ class KVCacheManager:
             committed=self._committed.copy(),
             prefix=dict(self._prefix),
             hits=self._hits.copy(),
+            ids=list(self._ids),
+            handles=self._handle.copy(),
         )
         self._undo = []
 
@@ -1000,6 +1173,8 @@ class KVCacheManager:
             self._committed[:] = saved.committed
             self._prefix = dict(saved.prefix)
             self._hits[:] = saved.hits
+            self._ids = list(saved.ids)
+            self._handle[:] = saved.handles
 
         try:
             yield undo
@@ -1016,6 +1191,7 @@ class KVCacheManager:
         capacity = (lengths + c.lookahead[rows]).tolist()
         committed = self._committed[rows].tolist()
         hits = self._hits[rows].tolist()
+        handles = self._handle[rows].tolist()
         return [
             {
                 "ok": True,
@@ -1026,52 +1202,21 @@ class KVCacheManager:
                     "capacity": cap,
                     "num_committed": k,
                     "num_hit_tokens": h,
+                    "handle": hd,
                 },
                 "error": None,
             }
-            for i, r, n, cap, k, h in zip(
-                request_ids, rows.tolist(), lengths.tolist(), capacity, committed, hits, strict=True
+            for i, r, n, cap, k, h, hd in zip(
+                request_ids,
+                rows.tolist(),
+                lengths.tolist(),
+                capacity,
+                committed,
+                hits,
+                handles,
+                strict=True,
             )
         ]
-
-    def _run(self, op: dict[str, Any], brief: bool = False) -> dict[str, Any]:
-        """One plain op, its error caught into its result."""
-        kind = op["op"]
-        try:
-            if kind == "allocate":
-                info = self.allocate(
-                    op["request_id"],
-                    op["num_tokens"],
-                    op["token_ids"],
-                    op["lookahead"],
-                    op["lora_id"],
-                    op["cache_salt"],
-                    op["multimodal"],
-                    op["block_keys"],
-                )
-            elif kind == "extend":
-                info = self.extend(op["request_id"], op["num_new_tokens"], op["lookahead"])
-            elif kind == "rewind":
-                info = self.rewind(op["request_id"], op["num_tokens"])
-            elif kind == "commit":
-                info = self.commit(op["request_id"], op["token_ids"])
-            else:
-                self.free(op["request_id"])
-                return {"ok": True, "request": None, "error": None}
-        except KVCMError as exc:
-            error = {"code": exc.code, "message": exc.message, "detail": exc.detail}
-            return {"ok": False, "request": None, "error": error}
-        except Exception as exc:  # a bug: logged, reported as this op's result
-            _log.exception("op %s failed with an internal error", kind)
-            error = {
-                "code": InternalError.code,
-                "message": f"internal error in op {kind!r} ({type(exc).__name__}); logged",
-                "detail": {},
-            }
-            return {"ok": False, "request": None, "error": error}
-        if brief and kind == "extend":
-            return {"ok": True, "request": None, "error": None}
-        return {"ok": True, "request": info.model_dump(), "error": None}
 
     def request(self, request_id: str) -> RequestInfo:
         return self._info(request_id, self._row(request_id))

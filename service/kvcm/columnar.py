@@ -1,0 +1,440 @@
+"""The columnar step: one scheduler step as arrays in, arrays out (docs/requests.md).
+
+A scheduler step is a batch: the requests that finished (frees), the rejected drafts
+(rewinds), the tokens whose KV the last forward pass computed (commits), one extend per running
+request and a few new requests (allocates). Requests are named by integer handles, which carry
+their page-table row, so the step looks up no string id; results are status arrays, with the
+full error of each failed item on the side.
+
+Sections run in this order, each item atomic on its own, in its position:
+
+    free -> rewind -> commit -> extend -> allocate
+
+Frees first, so that their blocks serve the step; rewinds before commits (a request rewinds its
+rejected drafts, then commits what was accepted); commits before allocates, so that a new
+request hits the blocks the last pass published; extends before allocates, so that running
+requests are served before new ones. A section of extends of distinct requests runs as one
+vectorised batch when it fits as a whole, item after item; otherwise its items run one by one
+(the same outcome, item by item). ``atomic=True`` makes the step all or nothing.
+
+Handles: ``(serial << 32) | row``, ``serial`` >= 1 counting the row's allocations, so a handle
+kept past a free never names the row's next request (it gets ``unknown_request``). Example:
+row 5 allocated for the third time has handle ``3 << 32 | 5 = 12884901893``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvcm_client.errors import (
+    InternalError,
+    InvalidArgument,
+    KVCMError,
+    StepAborted,
+    UnknownRequest,
+    status_of,
+)
+from kvcm_client.models import AllocateOp
+
+from .counts import _counts
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+_log = logging.getLogger("kvcm")
+
+#: The sections of a step, in the order they run.
+SECTIONS = ("free", "rewind", "commit", "extend", "allocate")
+#: Low 32 bits of a handle: the row.
+ROW_MASK = 0xFFFFFFFF
+_OK = 0
+_ABORTED = status_of(StepAborted.code)
+_UNKNOWN = status_of(UnknownRequest.code)
+_ALLOCATE_KEYS = frozenset(AllocateOp.model_fields) - {"op"}
+_ALLOCATE_DEFAULTS: dict[str, Any] = {
+    "lookahead": 0,
+    "token_ids": None,
+    "lora_id": None,
+    "cache_salt": None,
+    "multimodal": None,
+    "block_keys": None,
+}
+
+
+@dataclass(slots=True)
+class ItemError:
+    """The error of one item: its section, its index in that section, the error."""
+
+    section: str
+    index: int
+    error: KVCMError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"section": self.section, "index": self.index, **self.error.to_dict()}
+
+
+@dataclass(frozen=True, slots=True)
+class StepColumns:
+    """A validated columnar step (``parse_columns``): handles and counts as int64 arrays."""
+
+    free: np.ndarray
+    rewind: np.ndarray
+    rewind_tokens: np.ndarray | list[int]
+    commit: np.ndarray
+    commit_tokens: Sequence[Any]
+    extend: np.ndarray
+    num_new_tokens: np.ndarray | list[int]
+    """Checked counts as an array; unchecked ints as a list (only run item by item, each
+    item checking its own)."""
+    lookahead: np.ndarray | list[int]
+    allocate: list[dict[str, Any]]
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "free": self.free.size,
+            "rewind": self.rewind.size,
+            "commit": self.commit.size,
+            "extend": self.extend.size,
+            "allocate": len(self.allocate),
+        }
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What a columnar step did: a status per item (0 ok, else ``STATUS_CODES``' index of
+    its error), block counts, the allocated handles, the errors of failed items.
+
+    ``new_blocks``: block positions an extend added to the request's table rows, summed over
+    layer groups. ``allocate_new_blocks`` the same for an allocate (prefix-hit blocks
+    included). ``failed``: (section, index) of the item that stopped the step (an
+    all-or-nothing step's first failure, or an internal error), whose other unapplied items
+    have status ``step_aborted``; None when the step ran to the end.
+    """
+
+    status: dict[str, np.ndarray]
+    new_blocks: np.ndarray
+    handles: np.ndarray
+    hit_tokens: np.ndarray
+    allocate_new_blocks: np.ndarray
+    errors: list[ItemError] = field(default_factory=list)
+    failed: tuple[str, int] | None = None
+    freed_ids: list[str] = field(default_factory=list)
+    allocated_ids: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and self.failed is None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The result map of the step channel and of ``POST /v1/step_columns`` (bytes:
+        little-endian arrays, docs/step-channel.md)."""
+        return {
+            "status": {s: a.astype("<i2", copy=False).tobytes() for s, a in self.status.items()},
+            "new_blocks": self.new_blocks.astype("<i4", copy=False).tobytes(),
+            "handles": self.handles.astype("<i8", copy=False).tobytes(),
+            "hit_tokens": self.hit_tokens.astype("<i8", copy=False).tobytes(),
+            "allocate_new_blocks": self.allocate_new_blocks.astype("<i4", copy=False).tobytes(),
+            "errors": [e.to_dict() for e in self.errors],
+            "failed": None if self.failed is None else list(self.failed),
+        }
+
+
+# -- parsing -------------------------------------------------------------------------------------
+
+
+def _handles(name: str, value: Any) -> np.ndarray:
+    """Handles as int64: any sequence or 1-d array of ints (not bools)."""
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise InvalidArgument(f"{name} must be a sequence of handles", **{name: None})
+    else:
+        if bool in map(type, value):
+            raise InvalidArgument(f"{name} must be ints, not bools", **{name: None})
+        arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(f"{name} must be a 1-d sequence of ints", **{name: None})
+    if arr.dtype == np.int64:
+        return arr
+    if arr.size and arr.dtype.kind == "u" and int(arr.max()) >= 2**63:
+        return np.zeros(arr.size, dtype=np.int64)  # no live handle is that large
+    return arr.astype(np.int64)
+
+
+def _allocates(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        raise InvalidArgument("allocate must be a sequence of allocate ops", allocate=None)
+    out = []
+    for item in value:
+        if isinstance(item, AllocateOp):
+            op = item.model_dump()
+            del op["op"]
+            out.append(op)
+            continue
+        if type(item) is not dict or not item.keys() <= _ALLOCATE_KEYS | {"op"}:
+            raise InvalidArgument(
+                f"each allocate is an AllocateOp or its dict (keys {sorted(_ALLOCATE_KEYS)})",
+                allocate=None,
+            )
+        if item.get("op", "allocate") != "allocate":
+            raise InvalidArgument("an allocate item's op must be 'allocate'", allocate=None)
+        if "request_id" not in item or "num_tokens" not in item:
+            raise InvalidArgument("each allocate needs request_id and num_tokens", allocate=None)
+        op = {**_ALLOCATE_DEFAULTS, **item}
+        op.pop("op", None)
+        out.append(op)
+    return out
+
+
+def parse_columns(
+    free: Any = (),
+    rewind: Any = (),
+    rewind_tokens: Any = 1,
+    commit: Any = (),
+    commit_tokens: Any = (),
+    extend: Any = (),
+    num_new_tokens: Any = 1,
+    lookahead: Any = 0,
+    allocate: Any = (),
+) -> StepColumns:
+    """Check the shape of a step (raises ``InvalidArgument``, before anything runs); each
+    item's own arguments are checked when it runs (a bad one fails that item only)."""
+    free_h = _handles("free", free)
+    rewind_h = _handles("rewind", rewind)
+    commit_h = _handles("commit", commit)
+    extend_h = _handles("extend", extend)
+    if isinstance(commit_tokens, str | bytes) or not isinstance(
+        commit_tokens, Sequence | np.ndarray
+    ):
+        raise InvalidArgument("commit_tokens must be a list of token id lists", commit=None)
+    if len(commit_tokens) != commit_h.size:
+        raise InvalidArgument(
+            f"{commit_h.size} commits and {len(commit_tokens)} token id lists",
+            num_commits=commit_h.size,
+            num_token_id_lists=len(commit_tokens),
+        )
+    return StepColumns(
+        free=free_h,
+        rewind=rewind_h,
+        rewind_tokens=_counts("rewind_tokens", rewind_tokens, rewind_h.size, 1),
+        commit=commit_h,
+        commit_tokens=commit_tokens,
+        extend=extend_h,
+        num_new_tokens=_counts("num_new_tokens", num_new_tokens, extend_h.size, 1),
+        lookahead=_counts("lookahead", lookahead, extend_h.size, 0),
+        allocate=_allocates(allocate),
+    )
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def _ints(values: np.ndarray | list[int]) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else values
+
+
+class _Stop(Exception):
+    """Raised inside ``_execute`` to stop the step at a failed item."""
+
+
+class _Run:
+    """One step's execution: fills ``out`` section by section."""
+
+    def __init__(self, m: KVCacheManager, cols: StepColumns, stop_on_error: bool) -> None:
+        self.m = m
+        self.cols = cols
+        self.stop_on_error = stop_on_error
+        sizes = cols.sizes()
+        self.out = StepOutcome(
+            status={s: np.zeros(n, dtype=np.int16) for s, n in sizes.items()},
+            new_blocks=np.zeros(sizes["extend"], dtype=np.int32),
+            handles=np.zeros(sizes["allocate"], dtype=np.int64),
+            hit_tokens=np.zeros(sizes["allocate"], dtype=np.int64),
+            allocate_new_blocks=np.zeros(sizes["allocate"], dtype=np.int32),
+        )
+
+    def fail(self, section: str, index: int, exc: KVCMError) -> None:
+        self.out.status[section][index] = status_of(exc.code)
+        self.out.errors.append(ItemError(section, index, exc))
+        if self.stop_on_error or exc.code == InternalError.code:
+            self.out.failed = (section, index)
+            raise _Stop
+
+    def item(self, section: str, index: int, fn: Callable[[], Any]) -> Any:
+        """Run one item; its error becomes its status. None when it failed."""
+        try:
+            return fn()
+        except KVCMError as exc:
+            self.fail(section, index, exc)
+        except Exception as exc:  # a bug: logged, reported as this item's result
+            _log.exception("step item %s[%d] failed with an internal error", section, index)
+            self.fail(
+                section,
+                index,
+                InternalError(f"internal error in {section} ({type(exc).__name__}); logged"),
+            )
+        return None
+
+    def unknown(self, section: str, index: int, handle: int) -> None:
+        self.fail(
+            section, index, UnknownRequest(f"no live request has handle {handle}", handle=handle)
+        )
+
+    def run(self) -> StepOutcome:
+        try:
+            self.frees()
+            self.rewinds()
+            self.commits()
+            self.extends()
+            self.allocates()
+        except _Stop:
+            self.abort_rest()
+        return self.out
+
+    def abort_rest(self) -> None:
+        """Mark every item after the failed one ``step_aborted`` (an all-or-nothing step's
+        earlier items too: ``run_columns`` undid them)."""
+        assert self.out.failed is not None
+        section, index = self.out.failed
+        at = SECTIONS.index(section)
+        for s in SECTIONS[at:]:
+            status = self.out.status[s]
+            start = index + 1 if s == section else 0
+            status[start:] = _ABORTED
+        if not self.stop_on_error:
+            return
+        for s in SECTIONS[: at + 1]:
+            status = self.out.status[s]
+            end = index if s == section else status.size
+            status[:end] = _ABORTED
+        self.out.new_blocks[:] = 0
+        self.out.handles[:] = 0
+        self.out.hit_tokens[:] = 0
+        self.out.allocate_new_blocks[:] = 0
+        self.out.freed_ids.clear()
+        self.out.allocated_ids.clear()
+
+    # -- sections ------------------------------------------------------------------------------
+
+    def frees(self) -> None:
+        handles = self.cols.free
+        rows, live = self.m._handle_rows(handles)
+        for i, row in enumerate(rows.tolist()):
+            if live is not None and not live[i]:
+                self.unknown("free", i, int(handles[i]))
+                continue
+            rid = self.item("free", i, lambda row=row: self.m._free_row(row))
+            if rid is not None:
+                self.out.freed_ids.append(rid)
+
+    def rewinds(self) -> None:
+        handles = self.cols.rewind
+        rows, live = self.m._handle_rows(handles)
+        counts = _ints(self.cols.rewind_tokens)
+        for i, row in enumerate(rows.tolist()):
+            if live is not None and not live[i]:
+                self.unknown("rewind", i, int(handles[i]))
+                continue
+            self.item("rewind", i, lambda row=row, k=counts[i]: self.m._rewind_row(row, k))
+
+    def commits(self) -> None:
+        handles = self.cols.commit
+        rows, live = self.m._handle_rows(handles)
+        tokens = self.cols.commit_tokens
+        for i, row in enumerate(rows.tolist()):
+            if live is not None and not live[i]:
+                self.unknown("commit", i, int(handles[i]))
+                continue
+            self.item("commit", i, lambda row=row, t=tokens[i]: self.m._commit_row(row, t))
+
+    def extends(self) -> None:
+        cols = self.cols
+        handles = cols.extend
+        n = handles.size
+        if n == 0:
+            return
+        m = self.m
+        rows, live = m._handle_rows(handles)
+        checked = isinstance(cols.num_new_tokens, np.ndarray) and isinstance(
+            cols.lookahead, np.ndarray
+        )
+        if live is None and n > 1 and checked:
+            added = m._extend_batch(rows, cols.num_new_tokens, cols.lookahead)
+            if added is not None:
+                self.out.new_blocks[:] = added
+                return
+        new = _ints(cols.num_new_tokens)
+        ahead = _ints(cols.lookahead)
+        for i, row in enumerate(rows.tolist()):
+            if live is not None and not live[i]:
+                self.unknown("extend", i, int(handles[i]))
+                continue
+            added = self.item(
+                "extend", i, lambda row=row, k=new[i], a=ahead[i]: m._extend_row(row, k, a)
+            )
+            if added is not None:
+                self.out.new_blocks[i] = added
+
+    def allocates(self) -> None:
+        m = self.m
+        out = self.out
+        for i, op in enumerate(self.cols.allocate):
+            info = self.item("allocate", i, lambda op=op: m.allocate(**op))
+            if info is None:
+                continue
+            out.handles[i] = info.handle
+            out.hit_tokens[i] = info.num_hit_tokens
+            out.allocate_new_blocks[i] = m._blocks_of(info.row)
+            out.allocated_ids.append(info.request_id)
+
+
+def execute(m: KVCacheManager, cols: StepColumns, stop_on_error: bool) -> StepOutcome:
+    """Run a parsed step on ``m``, stopping at the first failed item with ``stop_on_error``
+    (the caller's transaction undoes what ran), else only at an internal error."""
+    return _Run(m, cols, stop_on_error).run()
+
+
+def run_columns(m: KVCacheManager, cols: StepColumns, atomic: bool) -> StepOutcome:
+    """Run a parsed step on ``m``; all or nothing with ``atomic``."""
+    if not atomic:
+        return execute(m, cols, False)
+    with m.transaction() as undo:
+        out = execute(m, cols, True)
+        if out.failed is not None:
+            undo()
+        return out
+
+
+#: Rank of each op kind in a step's section order.
+RANK = {section: i for i, section in enumerate(SECTIONS)}
+
+
+def op_segments(ops: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Split a list of ops into [start, end) pieces that each run as one columnar step with
+    the same outcome as running their ops in list order: within a piece the kinds follow the
+    section order and no request id repeats (so each op's result, read at the end of its
+    piece, is also its state right after the op).
+
+    Example: free a, extend b, extend c, allocate d, extend e gives (0, 4), (4, 5): the
+    extend after an allocate starts a new piece; so would a second op on b.
+    """
+    pieces = []
+    start, last = 0, -1
+    seen: set[str] = set()
+    for i, op in enumerate(ops):
+        rank = RANK[op["op"]]
+        rid = op["request_id"]
+        if rank < last or rid in seen:
+            pieces.append((start, i))
+            start = i
+            seen = set()
+        last = rank
+        seen.add(rid)
+    if start < len(ops):
+        pieces.append((start, len(ops)))
+    return pieces
