@@ -25,8 +25,10 @@ COPY pyproject.toml README.md ./
 COPY service service
 COPY client client
 COPY kernels kernels
+COPY examples/engine/kvcm_engine examples/engine/kvcm_engine
+# kvcm-client (./client, its own distribution) first: kvcm depends on it and it is not on PyPI.
 # torch from PyPI is the CUDA 12 build (constraints.txt pins the CPU build for tests only).
-RUN pip install ".[gpu]" && rm -rf /src
+RUN pip install ./client && pip install ".[gpu]" && rm -rf /src
 
 RUN useradd --system --uid 10001 --no-create-home kvcm \
     && mkdir -p /run/kvcm && chown kvcm /run/kvcm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -292,3 +293,85 @@ def test_settings_errors_name_the_flag_without_pydantic_internals(
         assert main(["serve", "--port", "0"]) == 2  # refused before anything binds
         err = capsys.readouterr().err
         assert "KVCM_API_TOKEN is set but empty" in err
+
+
+HEAVY = ("torch", "numpy", "cupy", "uvicorn", "fastapi")
+
+
+def test_help_starts_without_torch_or_numpy() -> None:
+    """``kvcm --help`` (and each command's) answers without importing torch, numpy or the
+    server: a warm ``bash scripts/run --help`` takes a fraction of a second."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kvcm", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "estimate" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()}
+    assert "kvcm" in imported and not imported & set(HEAVY)
+    probe = (
+        "import sys\n"
+        "from kvcm.cli import main\n"
+        "for argv in (['--help'], ['serve', '--help'], ['estimate', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[1:])))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *HEAVY], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "[]", out.stderr
+    import kvcm  # the lazy names still resolve
+
+    assert kvcm.KVCacheManager.__module__ == "kvcm.manager" and "block_keys" in dir(kvcm)
+
+
+def test_setup_runs_pip_only_when_the_install_changed(tmp_path: Path) -> None:
+    """scripts/setup (run by scripts/run and scripts/test) skips pip when the stamp says the
+    same pyproject files, constraints and extras are installed. The real script, with a fake
+    interpreter that records what it is asked to run."""
+    root = Path(__file__).resolve().parents[1]
+    for name in ("scripts/setup", "pyproject.toml", "client/pyproject.toml", "constraints.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((root / name).read_bytes())
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "fake-python"
+    # "-m venv DIR" makes DIR/bin/python (this same fake); anything else is logged.
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; '
+        "exit 0; fi\n"
+        'if [ "$1" = --version ]; then echo Python 3.11; exit 0; fi\n'
+        f'echo "$*" >>{log}\n'
+    )
+    fake.chmod(0o755)
+
+    def setup(*args: str, **env: str) -> list[str]:
+        before = log.read_text().splitlines() if log.exists() else []
+        proc = subprocess.run(
+            ["bash", "scripts/setup", *args],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHON": str(fake), "KVCM_SETUP_FORCE": "0", **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return log.read_text().splitlines()[len(before) :] if log.exists() else []
+
+    first = setup("test")
+    assert [c.split()[-1] for c in first] == ["./client", ".[test]"]
+    assert all(c.startswith("-m pip install") and "-c constraints.txt" in c for c in first)
+    assert (tmp_path / ".venv/.kvcm-setup-stamp").read_text().splitlines()[1] == "test"
+    assert setup("test") == []  # nothing changed: no pip
+    assert setup() == []  # scripts/run: fewer extras than installed
+    assert [c.split()[-1] for c in setup("gpu")] == ["./client", ".[gpu,test]"]
+    assert setup("test,gpu") == [] and setup("gpu") == []
+    with (tmp_path / "constraints.txt").open("a") as f:
+        f.write("# changed\n")
+    assert [c.split()[-1] for c in setup()] == ["./client", ".[gpu,test]"]
+    assert setup() == []
+    assert len(setup(KVCM_SETUP_FORCE="1")) == 2

@@ -1,4 +1,12 @@
-"""kvcm: a unified KV-cache manager for LLM inference (in process, and later as a sidecar)."""
+"""kvcm: a unified KV-cache manager for LLM inference (in process, and later as a sidecar).
+
+``KVCacheManager``, ``MultimodalItem`` and ``block_keys`` are imported on first use (they need
+torch and numpy), so that ``import kvcm.cli`` (``kvcm --help``) starts without them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from kvcm_client.errors import (
     DeviceUnavailable,
@@ -16,8 +24,28 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import ExtraBuffer, LayerSpec, ManagerConfig, ModelInfo
 
-from .hashing import MultimodalItem, block_keys
-from .manager import KVCacheManager
+if TYPE_CHECKING:
+    from .hashing import MultimodalItem, block_keys
+    from .manager import KVCacheManager
+
+#: The names imported on first use, and their modules.
+_LAZY = {"KVCacheManager": "manager", "MultimodalItem": "hashing", "block_keys": "hashing"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "DeviceUnavailable",

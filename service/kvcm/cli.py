@@ -19,14 +19,19 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from kvcm_client.errors import KVCMError
 
-from .manager import KVCacheManager
 from .server.settings import Settings
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+# torch, numpy and the manager are imported where they are used (estimate, serve), not here:
+# "kvcm --help" and flag errors answer without loading them.
 
 #: Flags shared by both commands: (flag, Settings field, argparse options).
 _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
@@ -364,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = _settings(args)
         if args.command == "estimate":
+            from .manager import KVCacheManager
+
             if not settings.has_model:
                 print("no model source given: sizing the embedded default model\n")
                 settings = settings.model_copy(update={"default_model": True})
