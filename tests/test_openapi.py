@@ -200,6 +200,7 @@ VALID = {
     "/v1/slot_mapping": {"request_ids": [], "layer_id": 0},
     "/v1/slot_mappings": {"request_ids": []},
     "/v1/probe": {"token_ids": [1]},
+    "/v1/step_columns": {},
     "/v1/reset_prefix_cache": {},
     "/v1/consumers": {"pid": 1, "generation": "g"},
     "/v1/sessions": {"ttl_s": 1},

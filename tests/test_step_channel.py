@@ -371,3 +371,76 @@ def test_msgpack_frame_format_is_documented() -> None:
     frame = pack({"op": "probe", "args": {"token_ids": [1]}})
     assert frame[:4] == struct.pack("<I", len(frame) - 4)
     assert msgpack.unpackb(frame[4:]) == {"op": "probe", "args": {"token_ids": [1]}}
+
+
+def _columnar_scenario(kv: KVCacheClient) -> list[Any]:
+    """A columnar decode loop: allocate by id, then handles only; every answer in order."""
+    out: list[Any] = []
+    first = kv.step_columns(
+        allocate=[
+            {"request_id": "a", "num_tokens": 20, "token_ids": list(range(20))},
+            {"request_id": "b", "num_tokens": 40},
+        ]
+    )
+    ha, hb = first.handles
+    out.append((first.ok, first.status, first.hit_tokens, first.allocate_new_blocks))
+    step = kv.step_columns(
+        commit=[ha], commit_tokens=[list(range(20))], extend=[ha, hb], num_new_tokens=[1, 30]
+    )
+    out.append((step.ok, step.status, step.new_blocks))
+    # c reuses a's committed block; b's stale handle after its free names nothing.
+    step = kv.step_columns(
+        free=[hb],
+        extend=[hb],
+        allocate=[{"request_id": "c", "num_tokens": 17, "token_ids": list(range(17))}],
+    )
+    out.append(
+        (step.ok, step.codes("extend"), step.hit_tokens, [e.error.code for e in step.errors])
+    )
+    out.append(kv.block_table("a"))
+    out.append(kv.block_table("c"))
+    return out
+
+
+def test_columnar_steps_answer_the_same_over_http_and_the_socket(
+    served: tuple[str, Path],
+) -> None:
+    url, path = served
+    with KVCacheClient(url, step_socket=str(path)) as fast:
+        over_socket = _columnar_scenario(fast)
+        assert fast.stats().num_requests == 2
+        metrics = httpx.get(f"{url}/metrics").text
+    assert 'kvcm_ops_total{op="extend",result="unknown_request"} 1.0' in metrics
+    with serve_process(*ARGS) as (http_url, _, _), KVCacheClient(http_url) as plain:
+        over_http = _columnar_scenario(plain)
+    assert over_socket == over_http
+    none: dict[str, list[int]] = {s: [] for s in ("free", "rewind", "commit", "extend")}
+    assert over_socket[0] == (True, {**none, "allocate": [0, 0]}, [0, 0], [2, 3])
+    assert over_socket[1] == (
+        True,
+        {**none, "commit": [0], "extend": [0, 0], "allocate": []},
+        [0, 2],  # b: 40 -> 70 tokens, 3 -> 5 blocks
+    )
+    assert over_socket[2][1:] == (["unknown_request"], [16], ["unknown_request"])
+    # The default model has the null page (slot 0). c hits a's first block and takes the
+    # queue's head (b's blocks went to its tail).
+    assert over_socket[3] == [[1, 2]] and over_socket[4] == [[1, 8]]
+
+
+def test_columnar_bad_input_is_refused_whole_over_the_socket(served: tuple[str, Path]) -> None:
+    from kvcm_client.errors import InvalidArgument
+
+    url, path = served
+    with KVCacheClient(url, step_socket=str(path)) as kv:
+        h = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}]).handles[0]
+        for bad in (
+            {"extend": [True]},
+            {"extend": [h], "num_new_tokens": [1, 2]},
+            {"commit": [h], "commit_tokens": []},
+        ):
+            with pytest.raises(InvalidArgument):
+                kv.step_columns(**bad)
+        frame = pack({"op": "step_columns", "args": {"extend": b"\x01\x02\x03"}})
+        answer, _ = _raw(path, frame)
+        assert answer["error"]["code"] == "invalid_argument"
+        assert kv.request("a").num_tokens == 3

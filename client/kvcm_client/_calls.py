@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
+from .columns import StepColumnsResult, json_columns
 from .errors import KVCMError, error_from_dict
 from .models import (
     ConsumerInfo,
@@ -253,6 +254,14 @@ def free(request_id: str) -> Call[None]:
 
 def step(ops: Sequence[Any], atomic: bool, brief: bool) -> Call[list[OpResult]]:
     return _post("/v1/step", _results, ops=list(ops), atomic=atomic, brief=brief)
+
+
+def _columns_result(raw: bytes) -> StepColumnsResult:
+    return StepColumnsResult(json.loads(raw))
+
+
+def step_columns(columns: dict[str, Any]) -> Call[StepColumnsResult]:
+    return _post("/v1/step_columns", _columns_result, **json_columns(**columns))
 
 
 def request(request_id: str) -> Call[RequestInfo]:

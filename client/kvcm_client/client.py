@@ -36,6 +36,7 @@ import httpx
 
 from . import _calls as calls
 from . import step_channel as channel
+from .columns import StepColumnsResult, wire_columns
 from .errors import (
     ModelWaitTimeout,
     NoModel,
@@ -227,9 +228,10 @@ class KVCacheClient:
         if self._channel is not None:
             self._channel.close()
 
-    def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T]) -> T:
+    def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T] | None) -> T:
         """``call`` over the step channel if this client has one, else ``fallback`` (HTTP)."""
         if self._channel is None:
+            assert fallback is not None
             return self._run(fallback)
         header = {"session": self.session_id, "generation": self.generation, "token": self._token}
         answer = self._channel.call(call, {k: v for k, v in header.items() if v is not None})
@@ -330,6 +332,39 @@ class KVCacheClient:
 
     def step(self, ops: Sequence[Any], atomic: bool = False, brief: bool = False) -> list[OpResult]:
         return self._fast(channel.step(ops, atomic, brief), calls.step(ops, atomic, brief))
+
+    def step_columns(
+        self,
+        *,
+        free: Any = (),
+        rewind: Any = (),
+        rewind_tokens: Any = 1,
+        commit: Any = (),
+        commit_tokens: Any = (),
+        extend: Any = (),
+        num_new_tokens: Any = 1,
+        lookahead: Any = 0,
+        allocate: Any = (),
+        atomic: bool = False,
+    ) -> StepColumnsResult:
+        """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
+        by handle, a status per item, results decoded when read. Over the step channel when
+        this client has one (raw int64 arrays), else ``POST /v1/step_columns``."""
+        columns = {
+            "free": free,
+            "rewind": rewind,
+            "rewind_tokens": rewind_tokens,
+            "commit": commit,
+            "commit_tokens": commit_tokens,
+            "extend": extend,
+            "num_new_tokens": num_new_tokens,
+            "lookahead": lookahead,
+            "allocate": allocate,
+            "atomic": atomic,
+        }
+        if self._channel is None:
+            return self._run(calls.step_columns(columns))
+        return self._fast(channel.step_columns(wire_columns(**columns)), None)
 
     def request(self, request_id: str) -> RequestInfo:
         return self._run(calls.request(request_id))
@@ -553,9 +588,10 @@ class AsyncKVCacheClient:
         if self._channel is not None:
             await self._channel.aclose()
 
-    async def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T]) -> T:
+    async def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T] | None) -> T:
         """As ``KVCacheClient._fast``."""
         if self._channel is None:
+            assert fallback is not None
             return await self._run(fallback)
         header = {"session": self.session_id, "generation": self.generation, "token": self._token}
         answer = await self._channel.call(call, {k: v for k, v in header.items() if v is not None})
@@ -656,6 +692,39 @@ class AsyncKVCacheClient:
     ) -> list[OpResult]:
         given = (ops, atomic, brief)
         return await self._fast(channel.step(*given), calls.step(*given))
+
+    async def step_columns(
+        self,
+        *,
+        free: Any = (),
+        rewind: Any = (),
+        rewind_tokens: Any = 1,
+        commit: Any = (),
+        commit_tokens: Any = (),
+        extend: Any = (),
+        num_new_tokens: Any = 1,
+        lookahead: Any = 0,
+        allocate: Any = (),
+        atomic: bool = False,
+    ) -> StepColumnsResult:
+        """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
+        by handle, a status per item, results decoded when read. Over the step channel when
+        this client has one (raw int64 arrays), else ``POST /v1/step_columns``."""
+        columns = {
+            "free": free,
+            "rewind": rewind,
+            "rewind_tokens": rewind_tokens,
+            "commit": commit,
+            "commit_tokens": commit_tokens,
+            "extend": extend,
+            "num_new_tokens": num_new_tokens,
+            "lookahead": lookahead,
+            "allocate": allocate,
+            "atomic": atomic,
+        }
+        if self._channel is None:
+            return await self._run(calls.step_columns(columns))
+        return await self._fast(channel.step_columns(wire_columns(**columns)), None)
 
     async def request(self, request_id: str) -> RequestInfo:
         return await self._run(calls.request(request_id))

@@ -572,6 +572,50 @@ class StepResponse(_Frozen):
     results: list[OpResult]
 
 
+Handle = Annotated[int, Strict()]
+
+
+class StepColumnsRequest(_Frozen):
+    """A columnar step (docs/requests.md#the-columnar-step): requests by handle, sections
+    run free, rewind, commit, extend, allocate; counts are one int or one per handle."""
+
+    free: list[Handle] = []
+    rewind: list[Handle] = []
+    rewind_tokens: Count | list[Count] = 1
+    commit: list[Handle] = []
+    commit_tokens: list[list[Count]] = []
+    extend: list[Handle] = []
+    num_new_tokens: Count | list[Count] = 1
+    lookahead: Count | list[Count] = 0
+    allocate: list[AllocateOp] = []
+    atomic: Annotated[bool, Strict()] = False
+
+
+class ItemErrorInfo(_Frozen):
+    """The error of one item of a columnar step: its section and index in that section."""
+
+    section: str
+    index: int
+    code: str
+    message: str
+    detail: dict[str, object] = {}
+
+
+class StepColumnsResponse(_Frozen):
+    """Per section a status per item (0 ok, else the index of its error code in
+    ``kvcm_client.errors.STATUS_CODES``); ``new_blocks`` per extend, ``handles``,
+    ``hit_tokens`` and ``allocate_new_blocks`` per allocate (0 where it failed); ``failed``:
+    the item that stopped the step, if one did."""
+
+    status: dict[str, list[int]]
+    new_blocks: list[int]
+    handles: list[int]
+    hit_tokens: list[int]
+    allocate_new_blocks: list[int]
+    errors: list[ItemErrorInfo] = []
+    failed: tuple[str, int] | None = None
+
+
 class ExtendManyRequest(_Frozen):
     request_ids: list[str]
     num_new_tokens: Count | list[Count] = 1

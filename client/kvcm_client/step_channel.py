@@ -26,6 +26,7 @@ import msgpack
 from pydantic import TypeAdapter
 
 from ._calls import _default, _prompt
+from .columns import StepColumnsResult
 from .errors import InvalidArgument, KVCMError, ServiceUnavailable, error_from_dict
 from .models import OpResult, RequestInfo
 
@@ -37,6 +38,7 @@ HEADER = struct.Struct("<I")
 #: Ops a step channel serves, and whether each one needs the API token (as its HTTP route).
 OPS: dict[str, bool] = {
     "step": True,
+    "step_columns": True,
     "allocate": True,
     "extend": True,
     "extend_many": True,
@@ -114,6 +116,10 @@ def step(ops: Sequence[Any], atomic: bool, brief: bool) -> StepCall[list[OpResul
     return StepCall(
         "step", {"ops": list(ops), "atomic": atomic, "brief": brief}, _RESULTS.validate_python
     )
+
+
+def step_columns(args: dict[str, Any]) -> StepCall[StepColumnsResult]:
+    return StepCall("step_columns", args, StepColumnsResult)
 
 
 def extend_many(request_ids: Sequence[str], num_new_tokens: Any, lookahead: Any) -> StepCall[None]:

@@ -130,6 +130,18 @@ class StepOutcome:
     def ok(self) -> bool:
         return not self.errors and self.failed is None
 
+    def to_json(self) -> dict[str, Any]:
+        """The ``StepColumnsResponse`` of ``POST /v1/step_columns`` (lists)."""
+        return {
+            "status": {s: a.tolist() for s, a in self.status.items()},
+            "new_blocks": self.new_blocks.tolist(),
+            "handles": self.handles.tolist(),
+            "hit_tokens": self.hit_tokens.tolist(),
+            "allocate_new_blocks": self.allocate_new_blocks.tolist(),
+            "errors": [e.to_dict() for e in self.errors],
+            "failed": None if self.failed is None else list(self.failed),
+        }
+
     def to_wire(self) -> dict[str, Any]:
         """The result map of the step channel and of ``POST /v1/step_columns`` (bytes:
         little-endian arrays, docs/step-channel.md)."""
@@ -229,6 +241,65 @@ def parse_columns(
         lookahead=_counts("lookahead", lookahead, extend_h.size, 0),
         allocate=_allocates(allocate),
     )
+
+
+_WIRE_KEYS = frozenset(
+    {
+        "free",
+        "rewind",
+        "rewind_tokens",
+        "commit",
+        "commit_tokens",
+        "commit_lengths",
+        "extend",
+        "num_new_tokens",
+        "lookahead",
+        "allocate",
+        "atomic",
+    }
+)
+
+
+def _wire_ints(name: str, value: Any, dtype: str) -> Any:
+    """Raw little-endian bytes as an array; lists and ints are left to ``parse_columns``."""
+    if type(value) is not bytes:
+        return value
+    size = np.dtype(dtype).itemsize
+    if len(value) % size:
+        raise InvalidArgument(f"{name} bytes are not whole {dtype} values", **{name: None})
+    return np.frombuffer(value, dtype=dtype)
+
+
+def columns_from_wire(args: dict[str, Any]) -> dict[str, Any]:
+    """A ``step_columns`` frame's args as ``KVCacheManager.step_columns`` keyword arguments
+    (docs/step-channel.md#step_columns): int64 bytes become arrays (no copy), commit tokens
+    (int32 bytes and a length per commit, or a list of lists) a list per commit."""
+    if not args.keys() <= _WIRE_KEYS:
+        unknown = sorted(str(k) for k in args.keys() - _WIRE_KEYS)
+        raise InvalidArgument(f"unknown step_columns fields: {unknown}")
+    out = {
+        k: _wire_ints(k, v, "<i8")
+        for k, v in args.items()
+        if k not in ("commit_tokens", "commit_lengths")
+    }
+    tokens = args.get("commit_tokens", [])
+    if type(tokens) is bytes:
+        flat = _wire_ints("commit_tokens", tokens, "<i4")
+        lengths = _wire_ints("commit_lengths", args.get("commit_lengths", b""), "<i8")
+        if (
+            not isinstance(lengths, np.ndarray)
+            or (lengths < 0).any()
+            or int(lengths.sum()) != flat.size
+        ):
+            raise InvalidArgument("commit_lengths must be the lengths of commit_tokens' parts")
+        ends = np.cumsum(lengths).tolist()
+        starts = [0, *ends[:-1]] if ends else []
+        values = flat.tolist()
+        tokens = [values[a:b] for a, b in zip(starts, ends, strict=True)]
+    elif "commit_lengths" in args:
+        raise InvalidArgument("commit_lengths goes with commit_tokens as int32 bytes")
+    out["commit_tokens"] = tokens
+    return out
 
 
 # -- running -------------------------------------------------------------------------------------

@@ -79,6 +79,8 @@ from kvcm_client.models import (
     SharedLayout,
     SlotMappingRequest,
     Stats,
+    StepColumnsRequest,
+    StepColumnsResponse,
     StepRequest,
     StepResponse,
 )
@@ -305,6 +307,16 @@ def create_app(
         state.run_step,
         summary="a batch of ops in order, one result each (atomic: all or nothing)",
         parse=state.parse_step,
+    )
+    rpc(
+        "/v1/step_columns",
+        StepColumnsRequest,
+        StepColumnsResponse,
+        lambda r, session: StepColumnsResponse.model_validate(
+            state.step_columns(r.model_dump(exclude_unset=True), session).to_json()
+        ),
+        summary="a columnar step: requests by handle, sections free, rewind, commit, extend, "
+        "allocate; a status per item",
     )
     rpc(
         "/v1/page_indices",

@@ -118,6 +118,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/free"): RouteDoc(_REQUEST, **_OP),
     # Op errors are results of a step (200), not its status.
     ("POST", "/v1/step"): RouteDoc(_MODEL, **_OP),
+    ("POST", "/v1/step_columns"): RouteDoc(_MODEL, **_OP),
     ("POST", "/v1/page_indices"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mapping"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mappings"): RouteDoc(_REQUEST, **_READ),

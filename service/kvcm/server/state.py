@@ -27,6 +27,7 @@ import orjson
 from pydantic import ValidationError
 
 from kvcm_client.errors import (
+    STATUS_CODES,
     KVCMError,
     LimitReached,
     NoModel,
@@ -53,6 +54,7 @@ from kvcm_client.models import (
 )
 
 from .. import footprint, registration
+from ..columnar import StepOutcome
 from ..manager import KVCacheManager, check_config
 from ..ops import plain_step
 from .leases import Leases
@@ -302,6 +304,29 @@ class ServiceState:
         if extends:
             tally["extend", "ok"] = extends
         self.metrics.count_ops(tally)
+
+    def step_columns(self, columns: dict[str, Any], session_id: str | None) -> StepOutcome:
+        """A columnar step (``KVCacheManager.step_columns`` keyword arguments) with leases
+        and op counts updated: the step of ``POST /v1/step_columns`` and the step channel."""
+        self.touch(session_id)
+        out = self.manager.step_columns(**columns)
+        tally: Tally[tuple[str, str]] = Tally()
+        for section, status in out.status.items():
+            n = status.size
+            if not n:
+                continue
+            failed = status[status != 0].tolist() if not out.ok else []
+            if n - len(failed):
+                tally[section, "ok"] += n - len(failed)
+            for code in failed:
+                tally[section, STATUS_CODES[code]] += 1
+        self.metrics.count_ops(tally)
+        if session_id is not None:
+            for rid in out.allocated_ids:
+                self.leases.adopt(session_id, rid)
+        for rid in out.freed_ids:
+            self.leases.release(rid)
+        return out
 
     # -- consumers (processes that mapped the shared pools) -------------------------------------
 

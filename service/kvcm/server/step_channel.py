@@ -53,6 +53,7 @@ from kvcm_client.models import (
 )
 from kvcm_client.step_channel import HEADER, OPS, unpack
 
+from ..columnar import columns_from_wire
 from ..ops import plain_step
 from .state import ServiceState
 
@@ -122,6 +123,7 @@ class StepChannel:
         self._latency = {op: m.latency.labels(f"/v1/{op}") for op in OPS}
         self._handlers: dict[str, Callable[[Any, str | None], Any]] = {
             "step": self._step,
+            "step_columns": self._step_columns,
             "allocate": self._model(AllocateOp, state.allocate),
             "extend": self._model(ExtendOp, state.extend),
             "extend_many": self._model(ExtendManyRequest, state.extend_many),
@@ -268,6 +270,9 @@ class StepChannel:
                 raise _invalid(exc) from None
             parsed = [op.model_dump() for op in req.ops], req.atomic, req.brief
         return self.state.step_results(parsed, session)
+
+    def _step_columns(self, args: dict[str, Any], session: str | None) -> dict[str, Any]:
+        return self.state.step_columns(columns_from_wire(args), session).to_wire()
 
     @staticmethod
     def _model(

@@ -1,0 +1,201 @@
+"""The columnar step on the wire, client side (docs/step-channel.md#step_columns), no numpy.
+
+Handles and counts travel as raw little-endian int64 bytes (``array('q')`` here, any int64
+numpy array as is), commit tokens as one int32 array and a length per commit; results come
+back as raw arrays and are read only when asked: ``StepColumnsResult.ok`` needs none of them.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import STATUS_CODES, InvalidArgument, KVCMError, error_from_dict
+
+#: The sections of a step, in the order they run.
+SECTIONS = ("free", "rewind", "commit", "extend", "allocate")
+_LITTLE = sys.byteorder == "little"
+
+
+def _raw(values: Any, name: str, code: str) -> bytes:
+    """Ints as little-endian bytes of ``code`` ('q' int64, 'i' int32)."""
+    if isinstance(values, bytes | bytearray | memoryview):
+        return bytes(values)
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None:  # a numpy array: no numpy import needed to convert it
+        if dtype.kind not in "iu" and values.size:
+            raise InvalidArgument(f"{name} must be ints", **{name: None})
+        return values.astype("<i8" if code == "q" else "<i4").tobytes()
+    if isinstance(values, str) or not isinstance(values, Sequence | array):
+        raise InvalidArgument(f"{name} must be a sequence of ints", **{name: None})
+    if isinstance(values, array) and values.typecode == code and _LITTLE:
+        return values.tobytes()
+    if bool in map(type, values):
+        raise InvalidArgument(f"{name} must be ints, not bools", **{name: None})
+    try:
+        out = array(code, values)
+    except (TypeError, OverflowError) as exc:
+        raise InvalidArgument(f"{name} must be ints in range: {exc}", **{name: None}) from None
+    if not _LITTLE:  # pragma: no cover - no big-endian hosts in CI
+        out.byteswap()
+    return out.tobytes()
+
+
+def _counts(values: Any, name: str) -> Any:
+    """One count as an int, several as int64 bytes."""
+    if isinstance(values, int) and not isinstance(values, bool):
+        return values
+    return _raw(values, name, "q")
+
+
+def wire_columns(
+    free: Any = (),
+    rewind: Any = (),
+    rewind_tokens: Any = 1,
+    commit: Any = (),
+    commit_tokens: Any = (),
+    extend: Any = (),
+    num_new_tokens: Any = 1,
+    lookahead: Any = 0,
+    allocate: Any = (),
+    atomic: bool = False,
+) -> dict[str, Any]:
+    """The ``args`` map of a ``step_columns`` frame. Empty sections are left out."""
+    args: dict[str, Any] = {}
+    if len(free):
+        args["free"] = _raw(free, "free", "q")
+    if len(rewind):
+        args["rewind"] = _raw(rewind, "rewind", "q")
+        args["rewind_tokens"] = _counts(rewind_tokens, "rewind_tokens")
+    if len(commit):
+        if isinstance(commit_tokens, str | bytes) or not isinstance(commit_tokens, Sequence):
+            raise InvalidArgument("commit_tokens must be a list of token id lists", commit=None)
+        args["commit"] = _raw(commit, "commit", "q")
+        args["commit_lengths"] = _raw([len(t) for t in commit_tokens], "commit_tokens", "q")
+        args["commit_tokens"] = b"".join(_raw(t, "commit_tokens", "i") for t in commit_tokens)
+    if len(extend):
+        args["extend"] = _raw(extend, "extend", "q")
+        args["num_new_tokens"] = _counts(num_new_tokens, "num_new_tokens")
+        args["lookahead"] = _counts(lookahead, "lookahead")
+    if len(allocate):
+        args["allocate"] = [_allocate(op) for op in allocate]
+    if atomic:
+        args["atomic"] = atomic
+    return args
+
+
+def _allocate(op: Any) -> Any:
+    if hasattr(op, "model_dump"):
+        return op.model_dump(mode="json", exclude_defaults=True)
+    return op
+
+
+def json_columns(**columns: Any) -> dict[str, Any]:
+    """The body of ``POST /v1/step_columns``: the same step with lists."""
+    out: dict[str, Any] = {}
+    for name, value in columns.items():
+        if name == "allocate":
+            out[name] = [_allocate(op) for op in value]
+        elif hasattr(value, "tolist"):
+            out[name] = value.tolist()
+        elif name == "commit_tokens":
+            out[name] = [t.tolist() if hasattr(t, "tolist") else list(t) for t in value]
+        elif isinstance(value, Sequence | array) and not isinstance(value, str):
+            out[name] = list(value)
+        else:
+            out[name] = value
+    return out
+
+
+class ItemError:
+    """A failed item: section, index in that section, the typed error."""
+
+    __slots__ = ("error", "index", "section")
+
+    def __init__(self, section: str, index: int, error: KVCMError) -> None:
+        self.section = section
+        self.index = index
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"ItemError({self.section!r}, {self.index}, {self.error.code!r})"
+
+
+class StepColumnsResult:
+    """A columnar step's answer, decoded on first read.
+
+    ``status[section]``: a status per item (0 ok, else ``STATUS_CODES`` index);
+    ``new_blocks`` per extend; ``handles``, ``hit_tokens``, ``allocate_new_blocks`` per
+    allocate; ``errors`` the failed items with typed errors; ``failed`` the item that stopped
+    the step, if any. ``ok`` is True when every item succeeded (read without decoding).
+    """
+
+    __slots__ = ("_cache", "_raw")
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self._raw = raw
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def ok(self) -> bool:
+        return not self._raw["errors"] and self._raw["failed"] is None
+
+    def _ints(self, name: str, code: str, value: Any) -> list[int]:
+        if isinstance(value, list):
+            return value
+        view = memoryview(value)
+        if not _LITTLE:  # pragma: no cover
+            swapped = array(code, value)
+            swapped.byteswap()
+            return swapped.tolist()
+        return view.cast(code).tolist()
+
+    @property
+    def status(self) -> dict[str, list[int]]:
+        if "status" not in self._cache:
+            raw = self._raw["status"]
+            self._cache["status"] = {s: self._ints(s, "h", raw[s]) for s in SECTIONS if s in raw}
+        return self._cache["status"]
+
+    def codes(self, section: str) -> list[str]:
+        """The status of each item of a section as error codes ('ok' for success)."""
+        return [
+            STATUS_CODES[s] if s < len(STATUS_CODES) else "kvcm_error" for s in self.status[section]
+        ]
+
+    def _array(self, name: str, code: str) -> list[int]:
+        if name not in self._cache:
+            self._cache[name] = self._ints(name, code, self._raw[name])
+        return self._cache[name]
+
+    @property
+    def new_blocks(self) -> list[int]:
+        return self._array("new_blocks", "i")
+
+    @property
+    def handles(self) -> list[int]:
+        return self._array("handles", "q")
+
+    @property
+    def hit_tokens(self) -> list[int]:
+        return self._array("hit_tokens", "q")
+
+    @property
+    def allocate_new_blocks(self) -> list[int]:
+        return self._array("allocate_new_blocks", "i")
+
+    @property
+    def errors(self) -> list[ItemError]:
+        return [
+            ItemError(e["section"], e["index"], error_from_dict(e)) for e in self._raw["errors"]
+        ]
+
+    @property
+    def failed(self) -> tuple[str, int] | None:
+        f = self._raw["failed"]
+        return None if f is None else (f[0], f[1])
+
+    def __repr__(self) -> str:
+        return f"StepColumnsResult(ok={self.ok}, errors={self.errors!r})"
