@@ -6,8 +6,11 @@
 One ``kvcm serve`` (started here, with ``--step-socket``) and one in-process manager run the
 load test's step sequence (``loadtest.Scheduler``: +1 token for each of 256 requests, about two
 finished requests freed and replaced per step). Variants, each with its own requests and the
-same seed: ``step_plain`` in process (what the service runs per step: the floor), the typed
-``KVCacheClient.step`` over HTTP and over the step channel, each also with ``brief=True``.
+same seed: ``step_plain`` and ``step_columns`` in process (what the service runs per step: the
+floor), the typed ``KVCacheClient.step`` over HTTP and over the step channel, each also with
+``brief=True``, and the typed ``KVCacheClient.step_columns`` (frees and extends by handle, an
+``array('q')`` of 256 handles; allocates by id; the result's ``ok`` and new ``handles`` read)
+over HTTP and over the step channel.
 Variants alternate in blocks of 50 steps, so the machine's drift hits them alike. The table is
 p50 and p99 of the wall time per step call, in microseconds.
 """
@@ -19,6 +22,7 @@ import platform
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,11 +37,50 @@ from kvcm_client import KVCacheClient
 BLOCK = 50
 NAMES = (
     "in-process step_plain",
-    "typed client, HTTP",
-    "typed client, step channel",
-    "typed client, HTTP, brief",
-    "typed client, step channel, brief",
+    "in-process step_columns",
+    "typed client step, HTTP",
+    "typed client step, step channel",
+    "typed client step, HTTP, brief",
+    "typed client step, step channel, brief",
+    "typed client step_columns, HTTP",
+    "typed client step_columns, step channel",
 )
+#: Variants that take columns (handles) rather than op lists.
+COLUMNAR = {NAMES[1], NAMES[6], NAMES[7]}
+
+
+class Columns:
+    """``loadtest.Scheduler``'s step sequence by handle: the same lengths, finishes and
+    replacements, sent as a columnar step (frees and extends by handle, allocates by id).
+    Translating the op list costs the scheduler, not the call, and is not timed."""
+
+    def __init__(self, inner: Scheduler) -> None:
+        self.inner = inner
+        self.handle: dict[str, int] = {}
+        self.pending: list[str] = []
+
+    def _columns(self, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        free, extend, allocate = [], array("q"), []
+        for op in ops:
+            kind = op["op"]
+            if kind == "extend":
+                extend.append(self.handle[op["request_id"]])
+            elif kind == "free":
+                free.append(self.handle.pop(op["request_id"]))
+            else:
+                allocate.append({k: v for k, v in op.items() if k != "op"})
+        self.pending = [a["request_id"] for a in allocate]
+        return {"free": free, "extend": extend, "allocate": allocate}
+
+    def start(self) -> dict[str, Any]:
+        return self._columns(self.inner.start_ops())
+
+    def next(self) -> dict[str, Any]:
+        return self._columns(self.inner.next_ops())
+
+    def record(self, handles: Any) -> None:
+        for rid, h in zip(self.pending, handles, strict=True):
+            self.handle[rid] = int(h)
 
 
 def variants(url: str, sock: Path, num_requests: int) -> dict[str, Callable[[list[Any]], Any]]:
@@ -47,12 +90,22 @@ def variants(url: str, sock: Path, num_requests: int) -> dict[str, Callable[[lis
     manager = KVCacheManager(_config(num_requests, 1))
     http = KVCacheClient(url)
     fast = KVCacheClient(url, step_socket=sock)
+    columnar = KVCacheManager(_config(num_requests, 1))
+
+    def handles(result: Any) -> Any:
+        if not result.ok:
+            raise RuntimeError(f"step failed: {result.errors}")
+        return result.handles
+
     return {
         NAMES[0]: lambda ops: manager.step_plain(plain_ops(ops) or []),
-        NAMES[1]: http.step,
-        NAMES[2]: fast.step,
-        NAMES[3]: lambda ops: http.step(ops, brief=True),
-        NAMES[4]: lambda ops: fast.step(ops, brief=True),
+        NAMES[1]: lambda cols: handles(columnar.step_columns(**cols)),
+        NAMES[2]: http.step,
+        NAMES[3]: fast.step,
+        NAMES[4]: lambda ops: http.step(ops, brief=True),
+        NAMES[5]: lambda ops: fast.step(ops, brief=True),
+        NAMES[6]: lambda cols: handles(http.step_columns(**cols)),
+        NAMES[7]: lambda cols: handles(fast.step_columns(**cols)),
     }
 
 
@@ -62,24 +115,35 @@ def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, floa
         url, proc, _ = start_server(num_requests, len(NAMES), "--step-socket", str(sock))
         try:
             calls = variants(url, sock, num_requests)
-            scheds = {
-                name: Scheduler(f"v{i}", num_requests, np.random.default_rng(seed))
-                for i, name in enumerate(calls)
-            }
+            scheds: dict[str, Any] = {}
+            for i, name in enumerate(calls):
+                inner = Scheduler(f"v{i}", num_requests, np.random.default_rng(seed))
+                scheds[name] = Columns(inner) if name in COLUMNAR else inner
             times: dict[str, list[float]] = {name: [] for name in calls}
-            for name, call in calls.items():
-                call(scheds[name].start_ops())
+
+            def one(name: str, first: bool = False) -> float:
+                sched = scheds[name]
+                if name in COLUMNAR:
+                    cols = sched.start() if first else sched.next()
+                    t0 = time.perf_counter()
+                    sched.record(calls[name](cols))
+                    return time.perf_counter() - t0
+                ops = sched.start_ops() if first else sched.next_ops()
+                t0 = time.perf_counter()
+                results = calls[name](ops)
+                elapsed = time.perf_counter() - t0
+                if len(results) != len(ops):
+                    raise RuntimeError(f"{name}: {len(results)} results")
+                return elapsed
+
+            for name in calls:
+                one(name, first=True)
                 for _ in range(BLOCK):  # warm-up
-                    call(scheds[name].next_ops())
+                    one(name)
             while any(len(t) < steps for t in times.values()):
-                for name, call in calls.items():
+                for name in calls:
                     for _ in range(min(BLOCK, steps - len(times[name]))):
-                        ops = scheds[name].next_ops()
-                        t0 = time.perf_counter()
-                        results = call(ops)
-                        times[name].append(time.perf_counter() - t0)
-                        if len(results) != len(ops):
-                            raise RuntimeError(f"{name}: {len(results)} results")
+                        times[name].append(one(name))
         finally:
             proc.terminate()
             proc.wait()
@@ -92,9 +156,13 @@ def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, floa
 
 def table(rows: dict[str, tuple[float, float]]) -> str:
     base = rows[NAMES[0]][0]
-    lines = ["| variant | p50 us | p99 us | p50 / in-process |", "|---|---|---|---|"]
+    http = rows[NAMES[2]][0]
+    lines = [
+        "| variant | p50 us | p99 us | p50 / in-process step_plain | HTTP step p50 / p50 |",
+        "|---|---|---|---|---|",
+    ]
     for name, (p50, p99) in rows.items():
-        lines.append(f"| {name} | {p50:.0f} | {p99:.0f} | {p50 / base:.1f}x |")
+        lines.append(f"| {name} | {p50:.0f} | {p99:.0f} | {p50 / base:.2f}x | {http / p50:.1f}x |")
     return "\n".join(lines)
 
 

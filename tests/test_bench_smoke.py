@@ -57,8 +57,23 @@ def test_bench_step_channel_quick_prints_every_variant() -> None:
         timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    for variant in ("in-process step_plain", "typed client, HTTP", "typed client, step channel"):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_step_channel import NAMES
+
+    for variant in NAMES:
         assert f"| {variant} |" in run.stdout
+
+
+def test_bench_columnar_quick_prints_every_workload() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_columnar.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    for workload in ("decode: step_columns, N=256", "typed step(ops), per op", "single extend()"):
+        assert f"| {workload} |" in run.stdout
 
 
 def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> None:

@@ -140,7 +140,8 @@ class StepColumnsResult:
 
     @property
     def ok(self) -> bool:
-        return not self._raw["errors"] and self._raw["failed"] is None
+        raw = self._raw
+        return not raw.get("errors") and raw.get("failed") is None
 
     def _ints(self, name: str, code: str, value: Any) -> list[int]:
         if isinstance(value, list):
@@ -156,7 +157,7 @@ class StepColumnsResult:
     def status(self) -> dict[str, list[int]]:
         if "status" not in self._cache:
             raw = self._raw["status"]
-            self._cache["status"] = {s: self._ints(s, "h", raw[s]) for s in SECTIONS if s in raw}
+            self._cache["status"] = {s: self._ints(s, "h", raw.get(s, [])) for s in SECTIONS}
         return self._cache["status"]
 
     def codes(self, section: str) -> list[str]:
@@ -167,7 +168,7 @@ class StepColumnsResult:
 
     def _array(self, name: str, code: str) -> list[int]:
         if name not in self._cache:
-            self._cache[name] = self._ints(name, code, self._raw[name])
+            self._cache[name] = self._ints(name, code, self._raw.get(name, []))
         return self._cache[name]
 
     @property
@@ -189,12 +190,13 @@ class StepColumnsResult:
     @property
     def errors(self) -> list[ItemError]:
         return [
-            ItemError(e["section"], e["index"], error_from_dict(e)) for e in self._raw["errors"]
+            ItemError(e["section"], e["index"], error_from_dict(e))
+            for e in self._raw.get("errors", [])
         ]
 
     @property
     def failed(self) -> tuple[str, int] | None:
-        f = self._raw["failed"]
+        f = self._raw.get("failed")
         return None if f is None else (f[0], f[1])
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ row 5 allocated for the third time has handle ``3 << 32 | 5 = 12884901893``.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import AllocateOp
 
-from .counts import _counts
+from .counts import _count, _counts
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -78,21 +79,23 @@ class ItemError:
         return {"section": self.section, "index": self.index, **self.error.to_dict()}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepColumns:
     """A validated columnar step (``parse_columns``): handles and counts as int64 arrays."""
 
     free: np.ndarray
     rewind: np.ndarray
-    rewind_tokens: np.ndarray | list[int]
+    rewind_tokens: np.ndarray | int | list[int]
     commit: np.ndarray
     commit_tokens: Sequence[Any]
     extend: np.ndarray
-    num_new_tokens: np.ndarray | list[int]
-    """Checked counts as an array; unchecked ints as a list (only run item by item, each
-    item checking its own)."""
-    lookahead: np.ndarray | list[int]
+    num_new_tokens: np.ndarray | int | list[int]
+    """Checked counts: an array, or one int for all; unchecked ints as a list (only run item
+    by item, each item checking its own)."""
+    lookahead: np.ndarray | int | list[int]
     allocate: list[dict[str, Any]]
+    """(Not frozen: a step builds one per call, and a frozen dataclass costs a microsecond
+    more to build. Nothing changes it after ``parse_columns``.)"""
 
     def sizes(self) -> dict[str, int]:
         return {
@@ -143,26 +146,42 @@ class StepOutcome:
         }
 
     def to_wire(self) -> dict[str, Any]:
-        """The result map of the step channel and of ``POST /v1/step_columns`` (bytes:
-        little-endian arrays, docs/step-channel.md)."""
-        return {
-            "status": {s: a.astype("<i2", copy=False).tobytes() for s, a in self.status.items()},
-            "new_blocks": self.new_blocks.astype("<i4", copy=False).tobytes(),
-            "handles": self.handles.astype("<i8", copy=False).tobytes(),
-            "hit_tokens": self.hit_tokens.astype("<i8", copy=False).tobytes(),
-            "allocate_new_blocks": self.allocate_new_blocks.astype("<i4", copy=False).tobytes(),
-            "errors": [e.to_dict() for e in self.errors],
-            "failed": None if self.failed is None else list(self.failed),
+        """The result map of the step channel (docs/step-channel.md#step_columns): arrays as
+        little-endian bytes (int16 status, int32 block counts, int64 handles and tokens);
+        empty sections, empty arrays and an empty error list are left out."""
+        out: dict[str, Any] = {
+            "status": {s: a.astype("<i2").tobytes() for s, a in self.status.items() if a.size}
         }
+        if self.new_blocks.size:
+            out["new_blocks"] = self.new_blocks.astype("<i4").tobytes()
+        if self.handles.size:
+            out["handles"] = self.handles.astype("<i8").tobytes()
+            out["hit_tokens"] = self.hit_tokens.astype("<i8").tobytes()
+            out["allocate_new_blocks"] = self.allocate_new_blocks.astype("<i4").tobytes()
+        if self.errors:
+            out["errors"] = [e.to_dict() for e in self.errors]
+        if self.failed is not None:
+            out["failed"] = list(self.failed)
+        return out
 
 
 # -- parsing -------------------------------------------------------------------------------------
 
 
+_NO_HANDLES = np.zeros(0, dtype=np.int64)
+_NO_HANDLES.flags.writeable = False
+
+
 def _handles(name: str, value: Any) -> np.ndarray:
     """Handles as int64: any sequence or 1-d array of ints (not bools)."""
+    if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
+        return value
+    if type(value) is tuple and not value:
+        return _NO_HANDLES
     if isinstance(value, np.ndarray):
         arr = value
+    elif isinstance(value, array):  # the client's int64 arrays: no copy
+        arr = np.frombuffer(value, dtype=np.int64) if value.typecode == "q" else np.asarray(value)
     elif isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise InvalidArgument(f"{name} must be a sequence of handles", **{name: None})
     else:
@@ -220,7 +239,9 @@ def parse_columns(
     rewind_h = _handles("rewind", rewind)
     commit_h = _handles("commit", commit)
     extend_h = _handles("extend", extend)
-    if isinstance(commit_tokens, str | bytes) or not isinstance(
+    if type(commit_tokens) is tuple and not commit_tokens and not commit_h.size:
+        pass
+    elif isinstance(commit_tokens, str | bytes) or not isinstance(
         commit_tokens, Sequence | np.ndarray
     ):
         raise InvalidArgument("commit_tokens must be a list of token id lists", commit=None)
@@ -233,14 +254,21 @@ def parse_columns(
     return StepColumns(
         free=free_h,
         rewind=rewind_h,
-        rewind_tokens=_counts("rewind_tokens", rewind_tokens, rewind_h.size, 1),
+        rewind_tokens=_counts_of("rewind_tokens", rewind_tokens, rewind_h.size, 1),
         commit=commit_h,
         commit_tokens=commit_tokens,
         extend=extend_h,
-        num_new_tokens=_counts("num_new_tokens", num_new_tokens, extend_h.size, 1),
-        lookahead=_counts("lookahead", lookahead, extend_h.size, 0),
-        allocate=_allocates(allocate),
+        num_new_tokens=_counts_of("num_new_tokens", num_new_tokens, extend_h.size, 1),
+        lookahead=_counts_of("lookahead", lookahead, extend_h.size, 0),
+        allocate=[] if type(allocate) is tuple and not allocate else _allocates(allocate),
     )
+
+
+def _counts_of(name: str, value: Any, n: int, minimum: int) -> np.ndarray | int:
+    """Checked counts: one int stays an int (numpy broadcasts it), else an array of n."""
+    if type(value) is int:
+        return _count(name, value, minimum)
+    return _counts(name, value, n, minimum)
 
 
 _WIRE_KEYS = frozenset(
@@ -305,8 +333,16 @@ def columns_from_wire(args: dict[str, Any]) -> dict[str, Any]:
 # -- running -------------------------------------------------------------------------------------
 
 
-def _ints(values: np.ndarray | list[int]) -> list[int]:
-    return values.tolist() if isinstance(values, np.ndarray) else values
+#: Empty results, shared (nothing writes into an empty array).
+_NONE16 = np.zeros(0, dtype=np.int16)
+_NONE32 = np.zeros(0, dtype=np.int32)
+_NONE64 = np.zeros(0, dtype=np.int64)
+
+
+def _ints(values: np.ndarray | int | list[int], n: int) -> list[int]:
+    if isinstance(values, np.ndarray):
+        return values.tolist()
+    return [values] * n if type(values) is int else values
 
 
 class _Stop(Exception):
@@ -321,12 +357,13 @@ class _Run:
         self.cols = cols
         self.stop_on_error = stop_on_error
         sizes = cols.sizes()
+        na = sizes["allocate"]
         self.out = StepOutcome(
-            status={s: np.zeros(n, dtype=np.int16) for s, n in sizes.items()},
+            status={s: np.zeros(n, dtype=np.int16) if n else _NONE16 for s, n in sizes.items()},
             new_blocks=np.zeros(sizes["extend"], dtype=np.int32),
-            handles=np.zeros(sizes["allocate"], dtype=np.int64),
-            hit_tokens=np.zeros(sizes["allocate"], dtype=np.int64),
-            allocate_new_blocks=np.zeros(sizes["allocate"], dtype=np.int32),
+            handles=np.zeros(na, dtype=np.int64) if na else _NONE64,
+            hit_tokens=np.zeros(na, dtype=np.int64) if na else _NONE64,
+            allocate_new_blocks=np.zeros(na, dtype=np.int32) if na else _NONE32,
         )
 
     def fail(self, section: str, index: int, exc: KVCMError) -> None:
@@ -394,6 +431,8 @@ class _Run:
 
     def frees(self) -> None:
         handles = self.cols.free
+        if not handles.size:
+            return
         rows, live = self.m._handle_rows(handles)
         for i, row in enumerate(rows.tolist()):
             if live is not None and not live[i]:
@@ -405,8 +444,10 @@ class _Run:
 
     def rewinds(self) -> None:
         handles = self.cols.rewind
+        if not handles.size:
+            return
         rows, live = self.m._handle_rows(handles)
-        counts = _ints(self.cols.rewind_tokens)
+        counts = _ints(self.cols.rewind_tokens, handles.size)
         for i, row in enumerate(rows.tolist()):
             if live is not None and not live[i]:
                 self.unknown("rewind", i, int(handles[i]))
@@ -415,6 +456,8 @@ class _Run:
 
     def commits(self) -> None:
         handles = self.cols.commit
+        if not handles.size:
+            return
         rows, live = self.m._handle_rows(handles)
         tokens = self.cols.commit_tokens
         for i, row in enumerate(rows.tolist()):
@@ -430,17 +473,14 @@ class _Run:
         if n == 0:
             return
         m = self.m
-        rows, live = m._handle_rows(handles)
-        checked = isinstance(cols.num_new_tokens, np.ndarray) and isinstance(
-            cols.lookahead, np.ndarray
-        )
-        if live is None and n > 1 and checked:
-            added = m._extend_batch(rows, cols.num_new_tokens, cols.lookahead)
-            if added is not None:
-                self.out.new_blocks[:] = added
+        if n > 1 and type(cols.num_new_tokens) is not list and type(cols.lookahead) is not list:
+            done = m._extend_handles(handles, cols.num_new_tokens, cols.lookahead)
+            if done is not None:
+                self.out.new_blocks[:] = done[1]
                 return
-        new = _ints(cols.num_new_tokens)
-        ahead = _ints(cols.lookahead)
+        rows, live = m._handle_rows(handles)
+        new = _ints(cols.num_new_tokens, n)
+        ahead = _ints(cols.lookahead, n)
         for i, row in enumerate(rows.tolist()):
             if live is not None and not live[i]:
                 self.unknown("extend", i, int(handles[i]))

@@ -49,6 +49,14 @@ def segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return items, np.arange(items.size) - starts[items]
 
 
+def _net(moves: list[tuple[np.ndarray, np.ndarray | int]]) -> np.ndarray:
+    """Blocks each row takes net of those it frees, over the groups of one pool group."""
+    net = moves[0][0] - moves[0][1]
+    for add, freed in moves[1:]:
+        net = net + add - freed
+    return net
+
+
 @dataclass(slots=True)
 class _GroupPlan:
     group: int
@@ -128,22 +136,26 @@ class Coordinator:
         capacity: np.ndarray,
         in_order: bool = False,
     ) -> list[_GroupPlan]:
-        want = -(-capacity // self.tokens_per_block)
+        tpb = self.tokens_per_block
+        want = (capacity + (tpb - 1)) // tpb
         plans = []
         need = [0] * len(self.pools)
         back = [0] * len(self.pools)
-        net: list[np.ndarray | int] = [0] * len(self.pools)
+        #: Per pool group, each group's (blocks added, blocks freed) per row, in order.
+        moves: list[list[tuple[np.ndarray, np.ndarray | int]]] = [[] for _ in self.pools]
         stale: list[list[np.ndarray]] = [[] for _ in self.pools]
         for g, policy in enumerate(self.policies):
             current = self.num_blocks[g][rows]
-            rel_old = self.released_end[g][rows]
-            add = np.maximum(want - current, 0)
+            add = want - current
+            np.maximum(add, 0, out=add)
             num_add = int(add.sum())
             if self.windowed[g]:
+                rel_old = self.released_end[g][rows]
                 rel_new = policy.released_end(history, rel_old)
                 num_released = int((rel_new - rel_old).sum())
-            else:
-                rel_new, num_released = rel_old, 0
+            else:  # nothing is released: the plan never reads these
+                rel_old = rel_new = current
+                num_released = 0
             pg = self.group_pool[g]
             need[pg] += num_add
             freed: np.ndarray | int = 0
@@ -164,7 +176,7 @@ class Coordinator:
                         # toward refusing the batch, whose ops then run one by one.
                         freed = np.bincount(items[alone], minlength=rows.size)
             if in_order:
-                net[pg] = net[pg] + add - freed
+                moves[pg].append((add, freed))
             plans.append(
                 _GroupPlan(g, add, num_add, rel_old, rel_new, num_released, current, cells)
             )
@@ -174,7 +186,7 @@ class Coordinator:
         for pg, pool in enumerate(self.pools):
             # In order, row i runs after rows < i: it needs what they took net of what they
             # gave back, so every prefix of the net needs must fit, not only the total.
-            if in_order and back[pg] and int(np.cumsum(net[pg]).max()) > pool.num_free:
+            if in_order and back[pg] and int(np.cumsum(_net(moves[pg])).max()) > pool.num_free:
                 raise OutOfBlocks(
                     f"pool group {pg}: the rows do not fit one after another",
                     pool_group=pg,
@@ -228,14 +240,27 @@ class Coordinator:
             return self.grow_one(int(rows[0]), int(new_tokens[0]), int(lookahead[0]))
         history = self.num_tokens[rows]
         length = history + new_tokens
-        plans = self._plan(rows, history, length + lookahead, in_order)
+        return self.grow_rows(rows, history, length, length + lookahead, lookahead, in_order)
+
+    def grow_rows(
+        self,
+        rows: np.ndarray,
+        history: np.ndarray,
+        length: np.ndarray,
+        capacity: np.ndarray,
+        lookahead: np.ndarray | int,
+        in_order: bool = False,
+    ) -> np.ndarray:
+        """``grow`` of several rows with their lengths computed by the caller (``history``:
+        ``num_tokens[rows]``, ``length`` after the op, ``capacity`` = length + lookahead)."""
+        plans = self._plan(rows, history, capacity, in_order)
         for plan in plans:
             if plan.num_released:
                 self._release(plan)
         for plan in plans:
             if plan.num_add:
                 self._allocate(plan, rows)
-            self.num_blocks[plan.group][rows] = plan.current + plan.add
+                self.num_blocks[plan.group][rows] = plan.current + plan.add
             if self.windowed[plan.group]:
                 self.released_end[plan.group][rows] = plan.released_new
         self.num_tokens[rows] = length
@@ -291,8 +316,13 @@ class Coordinator:
         self._set(plan.group, r, pos, None)
 
     def _allocate(self, plan: _GroupPlan, rows: np.ndarray) -> None:
-        items, offsets = segments(plan.add)
         slots = self._take(self.group_pool[plan.group], plan.num_add)
+        items = plan.add.nonzero()[0]
+        if items.size == plan.num_add:
+            # Each row adds at most one block (a decode step): no offsets to expand.
+            self._set(plan.group, rows[items], plan.current[items], slots)
+            return
+        items, offsets = segments(plan.add)
         self._set(plan.group, rows[items], plan.current[items] + offsets, slots)
 
     def _take(self, pg: int, k: int) -> np.ndarray:

@@ -304,10 +304,11 @@ class KVCacheManager:
         )
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
-        #: Each row's request id and handle (None and 0 when free), and the row's allocations
-        #: so far (a handle's serial: kvcm.columnar).
+        #: Each row's request id and handle (None and -1 when free: no handle a caller passes
+        #: can equal -1 with a row below max_requests), and the row's allocations so far (a
+        #: handle's serial: kvcm.columnar).
         self._ids: list[str | None] = [None] * cfg.max_requests
-        self._handle = np.zeros(cfg.max_requests, dtype=np.int64)
+        self._handle = np.full(cfg.max_requests, -1, dtype=np.int64)
         self._serial = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Scratch for the distinct-rows check of a batch of extends.
         self._order = np.arange(cfg.max_requests, dtype=np.int64)
@@ -366,14 +367,46 @@ class KVCacheManager:
         after that request's free it names nothing (the row's next request has serial 3).
         """
         rows = handles & ROW_MASK
-        n = handles.size
-        if n and (int(handles.min()) <= 0 or int(rows.max()) >= self.config.max_requests):
-            inside = (handles > 0) & (rows < self.config.max_requests)
+        if handles.size and int(rows.max()) >= self.config.max_requests:
+            inside = rows < self.config.max_requests
             rows = np.where(inside, rows, 0)
             live = inside & (self._handle[rows] == handles)
             return rows, live
+        # Live handles are > 0 and a free row holds -1, whose row bits are past every row:
+        # so a handle of 0 or below never matches.
         live = self._handle[rows] == handles
         return rows, (None if live.all() else live)
+
+    def _extend_handles(
+        self, handles: np.ndarray, new: np.ndarray | int, ahead: np.ndarray | int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """A decode step's fast path: extend live, distinct handles as one batch, as if one
+        after another; (rows, blocks each added), or None (nothing changed) if any handle is
+        not live, one repeats, or the batch does not fit item after item: the caller then
+        runs the items one by one.
+
+        Distinct rows: each writes its position into ``scratch``; a repeated row keeps only
+        its last write, so an earlier position reads back something else.
+        """
+        n = handles.size
+        rows = handles & ROW_MASK
+        if int(rows.max()) >= self.config.max_requests:
+            return None
+        order = self._order[:n]
+        scratch = self._scratch
+        scratch[rows] = order
+        if not ((scratch[rows] == order) & (self._handle[rows] == handles)).all():
+            return None
+        c = self._coord
+        history = c.num_tokens[rows]
+        length = history + new
+        capacity = length + ahead if type(ahead) is not int or ahead else length
+        if int(capacity.max()) > self.config.max_seq_len:
+            return None
+        try:
+            return rows, c.grow_rows(rows, history, length, capacity, ahead, in_order=True)
+        except KVCMError:
+            return None
 
     def _check_len(self, request_id: str, total: int) -> None:
         if total > self.config.max_seq_len:
@@ -388,7 +421,8 @@ class KVCacheManager:
     def _info(self, request_id: str, row: int) -> RequestInfo:
         c = self._coord
         n = int(c.num_tokens[row])
-        return RequestInfo(
+        # Built from checked ints: no validation needed (it would double an extend's cost).
+        return RequestInfo.model_construct(
             request_id=request_id,
             row=row,
             num_tokens=n,
@@ -629,26 +663,6 @@ class KVCacheManager:
             self._check_len(self._ids[row] or "", total)
         return self._coord.grow_one(row, num_new_tokens, lookahead)
 
-    def _extend_batch(
-        self, rows: np.ndarray, new: np.ndarray, ahead: np.ndarray
-    ) -> np.ndarray | None:
-        """Extend live rows as one batch, as if one after another; the blocks each added, or
-        None (nothing changed) if the rows repeat or the batch does not fit item after item:
-        then the caller runs them one by one."""
-        n = rows.size
-        order = self._order[:n]
-        scratch = self._scratch
-        scratch[rows] = order
-        if not (scratch[rows] == order).all():
-            return None  # a repeated row: the later write won, the earlier one differs
-        c = self._coord
-        if int((c.num_tokens[rows] + new + ahead).max()) > self.config.max_seq_len:
-            return None
-        try:
-            return c.grow(rows, new, ahead, in_order=True)  # type: ignore[return-value]
-        except KVCMError:
-            return None
-
     def extend_many(
         self,
         request_ids: Sequence[str],
@@ -888,7 +902,7 @@ class KVCacheManager:
         assert request_id is not None
         self._coord.release_row(row)
         self._ids[row] = None
-        self._handle[row] = 0
+        self._handle[row] = -1
         del self._rows[request_id]
         del self._first[request_id]
         del self._tokens[request_id]

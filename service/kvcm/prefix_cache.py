@@ -94,6 +94,8 @@ class PrefixCache:
 
     def evict(self, pool_group: int, slots: np.ndarray) -> None:
         """Slots the queue just handed out: forget the blocks they held."""
+        if not self.slot_key[pool_group]:  # nothing cached in this pool group
+            return
         hit = slots[self.cached[pool_group][slots]]
         if hit.size:
             self._remove(pool_group, hit.tolist())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -77,6 +78,7 @@ class Metrics:
     def __init__(self, current: Current, leases: Leases, consumers: dict) -> None:
         """``current`` gives the manager now (None: no model yet)."""
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
         self.registry.register(_StateCollector(current, leases, consumers))
         self.ops = Counter(
             "kvcm_ops",
@@ -119,10 +121,19 @@ class Metrics:
             registry=self.registry,
         )
 
+    def child(self, metric: Counter, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: prometheus builds the key anew at each call
+        (microseconds, on every step). Labels are op names and error codes: a bounded set."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def count_ops(self, tally: Tally[tuple[str, str]]) -> None:
         """One ``inc`` per distinct (op, result): a 256-op step costs a handful of calls."""
         for (op, result), n in tally.items():
-            self.ops.labels(op, result).inc(n)
+            self.child(self.ops, op, result).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

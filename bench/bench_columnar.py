@@ -1,0 +1,154 @@
+"""In-process cost of the step-path calls (issue 13's targets), each timed in the same run.
+
+  python bench/bench_columnar.py            # ~1 min
+  python bench/bench_columnar.py --quick    # a smoke run
+
+Workloads (block size 16, 4 full-attention layers of 1 KV head; every request has room):
+
+- ``decode``: ``step_columns(extend=handles)``, +1 token for each of N = 256 running requests
+  whose lengths are staggered, so that about 1/16 of them cross a block boundary per step.
+- ``mixed``: the same 256 extends plus 2 frees, 2 allocates of 512-token prompts with prefix
+  hashing (token ids given: each prompt is hashed, its first 256 tokens hit the cache) and 16
+  commits of 16 tokens (one full block each, published), in one ``step_columns`` call.
+- ``typed step``: ``step([ExtendOp] * 256)``, per op (models in, ``OpResult`` models out).
+- ``extend()``: one single-op ``extend`` (returns a ``RequestInfo``).
+- ``publish``: ``commit`` of a whole 8192-token request (512 blocks keyed and published),
+  per block; allocate computed the prompt's keys, so commit reuses them.
+- ``extend_many`` by string ids over the same 256 requests: the per-id baseline.
+
+Each row is the median of repeated runs, in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvcm import KVCacheManager
+from kvcm_client.models import ExtendOp
+
+TPB = 16
+N = 256
+
+
+def _manager(num_blocks: int = 400_000, max_seq_len: int = 1 << 20) -> KVCacheManager:
+    layers = [{"layer_id": i, "num_kv_heads": 1, "head_dim": 8} for i in range(4)]
+    return KVCacheManager(
+        {
+            "layers": layers,
+            "tokens_per_block": TPB,
+            "num_blocks": num_blocks,
+            "max_requests": 1024,
+            "max_seq_len": max_seq_len,
+        }
+    )
+
+
+def _median_us(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter_ns() - t0) / inner / 1000)
+    return statistics.median(samples)
+
+
+def _running(m: KVCacheManager, n: int) -> tuple[list[str], np.ndarray]:
+    ids = [f"r{i}" for i in range(n)]
+    handles = np.array([m.allocate(r, 100 + i).handle for i, r in enumerate(ids)])
+    return ids, handles
+
+
+def bench(repeats: int) -> dict[str, float]:
+    rows: dict[str, float] = {}
+    m = _manager()
+    ids, handles = _running(m, N)
+    rows["decode: step_columns, N=256"] = _median_us(
+        lambda: m.step_columns(extend=handles), repeats, 20
+    )
+    rows["baseline: extend_many by id, N=256"] = _median_us(lambda: m.extend_many(ids), repeats, 20)
+
+    # mixed: a long-lived cached prefix; each step frees the two requests it allocated last
+    # step and allocates two new ones that share the prefix.
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 50_000, 256).tolist()
+    m.allocate("prefix", 256, token_ids=prefix)
+    m.commit("prefix", prefix)
+    m.free("prefix")
+    committers = [m.allocate(f"c{i}", 1 << 14).handle for i in range(16)]
+    state = {"new": [m.allocate(f"n{i}", 512).handle for i in range(2)], "count": 0}
+    block = list(range(TPB))
+
+    def mixed() -> None:
+        k = state["count"]
+        state["count"] = k + 1
+        allocs = [
+            {
+                "request_id": f"p{k}-{j}",
+                "num_tokens": 512,
+                "token_ids": prefix + rng.integers(0, 50_000, 256).tolist(),
+            }
+            for j in range(2)
+        ]
+        out = m.step_columns(
+            free=state["new"],
+            commit=committers,
+            commit_tokens=[block] * 16,
+            extend=handles,
+            allocate=allocs,
+        )
+        state["new"] = out.handles.tolist()
+
+    rows["mixed: 256 extends + 2 frees + 2 allocates (512) + 16 commits"] = _median_us(
+        mixed, repeats, 5
+    )
+    ops = [ExtendOp(request_id=r, num_new_tokens=1) for r in ids]
+    rows["typed step(ops), per op"] = _median_us(lambda: m.step(ops), repeats, 2) / N
+    rows["single extend()"] = _median_us(lambda: m.extend("r0", 1), repeats, 200)
+
+    # publish: allocate keyed the prompt; commit publishes 512 blocks.
+    p = _manager(num_blocks=4096, max_seq_len=8192)
+    tokens = rng.integers(0, 50_000, 8192).tolist()
+    times = []
+    for i in range(max(repeats // 4, 3)):
+        p.allocate(f"q{i}", 8192, token_ids=[*tokens[:-1], i])  # distinct last block
+        t0 = time.perf_counter_ns()
+        p.commit(f"q{i}", [*tokens[:-1], i])
+        times.append((time.perf_counter_ns() - t0) / 1000 / (8192 // TPB))
+        p.free(f"q{i}")
+        p.reset_prefix_cache()
+    rows["publish an 8k-token request, per block"] = statistics.median(times)
+    return rows
+
+
+TARGETS = {
+    "decode: step_columns, N=256": 20.0,
+    "mixed: 256 extends + 2 frees + 2 allocates (512) + 16 commits": 60.0,
+    "typed step(ops), per op": 2.0,
+    "single extend()": 3.0,
+    "publish an 8k-token request, per block": 0.5,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rows = bench(5 if args.quick else 40)
+    print(f"{platform.node()} {platform.processor() or platform.machine()}")
+    print("| workload | us | target us |")
+    print("|---|---|---|")
+    for name, us in rows.items():
+        target = TARGETS.get(name)
+        print(f"| {name} | {us:.2f} | {'' if target is None else f'{target:g}'} |")
+
+
+if __name__ == "__main__":
+    main()
