@@ -78,8 +78,9 @@ def test_unsigned_handles_past_int64_are_unknown_not_an_overflow() -> None:
     assert m.request("a").num_tokens == 2
 
 
-def test_sections_run_free_rewind_commit_extend_allocate() -> None:
-    """Frees serve the same step's extends and allocates; a commit serves its allocate's hit."""
+def test_sections_run_commit_free_rewind_extend_allocate() -> None:
+    """Frees serve the same step's extends and allocates; a commit serves its allocate's hit;
+    a request that finished commits its last tokens in the step that frees it."""
     m = manager([layer(0)], num_blocks=4)
     a = m.allocate("a", 8, token_ids=list(range(8))).handle  # blocks 0, 1
     b = m.allocate("b", 4).handle  # block 2
@@ -97,6 +98,19 @@ def test_sections_run_free_rewind_commit_extend_allocate() -> None:
     assert m.block_table("a") == [[0, 1, 3]]
     assert m.block_table("c") == [[0, 1, 2]] and out.hit_tokens.tolist() == [8]
     assert out.allocate_new_blocks.tolist() == [3]
+    # A finished request commits its last tokens and is freed in one step; the allocate of
+    # the same step hits its blocks (idle now, still cached).
+    d = m.request("c").handle
+    out = m.step_columns(
+        commit=[d],
+        commit_tokens=[list(range(8, 9))],
+        free=[d, m.request("a").handle],
+        allocate=[{"request_id": "e", "num_tokens": 9, "token_ids": list(range(9))}],
+    )
+    assert out.ok and out.freed_ids == ["c", "a"] and out.hit_tokens.tolist() == [8]
+    # c's free gave back block 2 (a still held 0 and 1), then a's gave back 3, 1, 0: e
+    # claims its hits 0 and 1 and takes the queue's head, 2.
+    assert m.block_table("e") == [[0, 1, 2]]
 
 
 def test_a_batch_that_does_not_fit_runs_item_by_item() -> None:
@@ -180,7 +194,7 @@ def test_an_item_with_bad_arguments_fails_alone() -> None:
         rewind=[a, b],
         rewind_tokens=[4, 1],  # a would keep no token
         commit=[b],
-        commit_tokens=[[1, 2, 3, 4]],  # b has 3 tokens after its rewind
+        commit_tokens=[[1, 2, 3, 4, 5]],  # b has 4 tokens (commits run before rewinds)
         allocate=[{"request_id": "c", "num_tokens": 0}, {"request_id": "d", "num_tokens": 1}],
     )
     assert out.status["rewind"].tolist() == [status_of("invalid_argument"), OK]
@@ -188,6 +202,7 @@ def test_an_item_with_bad_arguments_fails_alone() -> None:
     assert out.status["allocate"].tolist() == [status_of("invalid_argument"), OK]
     assert out.handles[0] == 0 and out.handles[1] == m.request("d").handle
     assert m.request("a").num_tokens == 4 and m.request("b").num_tokens == 3
+    assert m.committed_tokens("b") == []
 
 
 def _one_by_one(m, ops: list[tuple]) -> list[str]:  # type: ignore[no-untyped-def]
@@ -240,7 +255,7 @@ def test_random_steps_match_single_ops_in_section_order(seed: int) -> None:
             serial += 1
             n = int(rng.integers(1, 14))
             ops.append(("allocate", f"r{serial}", n, [int(t) for t in rng.integers(0, 3, n)]))
-        ops.sort(key=lambda o: ["free", "rewind", "commit", "extend", "allocate"].index(o[0]))
+        ops.sort(key=lambda o: ["commit", "free", "rewind", "extend", "allocate"].index(o[0]))
         # Extends run after all rewinds and commits (section order): the oracle too.
         expected = _one_by_one(one, ops)
         handle = {r: col.request(r).handle for r in live}
@@ -262,7 +277,7 @@ def test_random_steps_match_single_ops_in_section_order(seed: int) -> None:
         )
         got = [
             STATUS_CODES[s]
-            for section in ("free", "rewind", "commit", "extend", "allocate")
+            for section in ("commit", "free", "rewind", "extend", "allocate")
             for s in out.status[section].tolist()
         ]
         assert got == expected

@@ -224,13 +224,14 @@ def test_steps_split_into_pieces_in_section_order_without_repeated_requests() ->
         kinds = {"e": "extend", "f": "free", "a": "allocate", "c": "commit", "r": "rewind"}
         return [{"op": kinds[s[0]], "request_id": s[1]} for s in spec.split()]
 
-    # free < rewind < commit < extend < allocate; a kind of lower rank or a repeated id
+    # commit < free < rewind < extend < allocate; a kind of lower rank or a repeated id
     # starts a new piece.
-    assert op_segments(ops("fa rb cc ed ee af")) == [(0, 6)]
+    assert op_segments(ops("ca fb rc ed ee af")) == [(0, 6)]
     assert op_segments(ops("ea eb fc ea ea")) == [(0, 2), (2, 4), (4, 5)]
     assert op_segments(ops("ea eb ec eb ed")) == [(0, 3), (3, 5)]
     assert op_segments(ops("fa ab")) == [(0, 2)]
     assert op_segments(ops("fa aa")) == [(0, 1), (1, 2)]
     assert op_segments(ops("ab ea")) == [(0, 1), (1, 2)]
-    assert op_segments(ops("ra ca ea")) == [(0, 1), (1, 2), (2, 3)]
+    assert op_segments(ops("ca fa")) == [(0, 1), (1, 2)]
+    assert op_segments(ops("fa cb")) == [(0, 1), (1, 2)]
     assert op_segments([]) == []

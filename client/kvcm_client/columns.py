@@ -15,7 +15,7 @@ from typing import Any
 from .errors import STATUS_CODES, InvalidArgument, KVCMError, error_from_dict
 
 #: The sections of a step, in the order they run.
-SECTIONS = ("free", "rewind", "commit", "extend", "allocate")
+SECTIONS = ("commit", "free", "rewind", "extend", "allocate")
 _LITTLE = sys.byteorder == "little"
 
 

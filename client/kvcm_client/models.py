@@ -577,7 +577,7 @@ Handle = Annotated[int, Strict()]
 
 class StepColumnsRequest(_Frozen):
     """A columnar step (docs/requests.md#the-columnar-step): requests by handle, sections
-    run free, rewind, commit, extend, allocate; counts are one int or one per handle."""
+    run commit, free, rewind, extend, allocate; counts are one int or one per handle."""
 
     free: list[Handle] = []
     rewind: list[Handle] = []

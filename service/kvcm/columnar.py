@@ -1,19 +1,21 @@
 """The columnar step: one scheduler step as arrays in, arrays out (docs/requests.md).
 
-A scheduler step is a batch: the requests that finished (frees), the rejected drafts
-(rewinds), the tokens whose KV the last forward pass computed (commits), one extend per running
+A scheduler step is a batch: the tokens whose KV the last forward pass computed (commits),
+the requests that finished (frees), the rejected drafts (rewinds), one extend per running
 request and a few new requests (allocates). Requests are named by integer handles, which carry
 their page-table row, so the step looks up no string id; results are status arrays, with the
 full error of each failed item on the side.
 
 Sections run in this order, each item atomic on its own, in its position:
 
-    free -> rewind -> commit -> extend -> allocate
+    commit -> free -> rewind -> extend -> allocate
 
-Frees first, so that their blocks serve the step; rewinds before commits (a request rewinds its
-rejected drafts, then commits what was accepted); commits before allocates, so that a new
-request hits the blocks the last pass published; extends before allocates, so that running
-requests are served before new ones. A section of extends of distinct requests runs as one
+Commits first, so that a request that finished publishes its last blocks before its free, and
+a new request of the same step hits what the last pass computed; frees and rewinds before
+extends and allocates, so that the blocks they give back serve the step; extends before
+allocates, so that running requests are served before new ones. (A rewind drops only tokens
+past the new length, so committing the accepted tokens of a verified draft and rewinding the
+rejected ones work in this order.) A section of extends of distinct requests runs as one
 vectorised batch when it fits as a whole, item after item; otherwise its items run one by one
 (the same outcome, item by item). ``atomic=True`` makes the step all or nothing.
 
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("kvcm")
 
 #: The sections of a step, in the order they run.
-SECTIONS = ("free", "rewind", "commit", "extend", "allocate")
+SECTIONS = ("commit", "free", "rewind", "extend", "allocate")
 #: Low 32 bits of a handle: the row.
 ROW_MASK = 0xFFFFFFFF
 _OK = 0
@@ -395,9 +397,9 @@ class _Run:
 
     def run(self) -> StepOutcome:
         try:
+            self.commits()
             self.frees()
             self.rewinds()
-            self.commits()
             self.extends()
             self.allocates()
         except _Stop:
@@ -531,8 +533,8 @@ def op_segments(ops: list[dict[str, Any]]) -> list[tuple[int, int]]:
     section order and no request id repeats (so each op's result, read at the end of its
     piece, is also its state right after the op).
 
-    Example: free a, extend b, extend c, allocate d, extend e gives (0, 4), (4, 5): the
-    extend after an allocate starts a new piece; so would a second op on b.
+    Example: commit a, free b, extend c, allocate d, extend e gives (0, 4), (4, 5): the
+    extend after an allocate starts a new piece; so would a second op on c.
     """
     pieces = []
     start, last = 0, -1

@@ -865,9 +865,14 @@ class KVCacheManager:
             pg = c.group_pool[g]
             index = cache.scope(g, state.root)
             held = c.tables[g][row, have:full]
-            # Live slots not cached yet (one numpy pass; a -1 indexes the last slot, masked).
-            fresh = ((held > empty) & ~cache.cached[pg][held]).tolist()
-            slots = held.tolist()
+            if full - have <= 4:  # a decode-time commit: ints beat numpy calls
+                slots = held.tolist()
+                flags = cache.cached[pg]
+                fresh = [s > empty and not flags[s] for s in slots]
+            else:
+                # Live slots not cached yet (one numpy pass; a -1 indexes the last slot, masked).
+                fresh = ((held > empty) & ~cache.cached[pg][held]).tolist()
+                slots = held.tolist()
             keys = state.keys
             run: list[int] = []  # block positions of a contiguous run of new blocks
             for b in range(have, full + 1):
@@ -933,9 +938,9 @@ class KVCacheManager:
         """One scheduler step as arrays: the primary API (docs/requests.md#the-columnar-step).
 
         Requests are named by handles (``RequestInfo.handle``, ``StepOutcome.handles`` of
-        their allocate). Sections run in order: ``free`` (handles), ``rewind`` (handles,
-        ``rewind_tokens`` to drop), ``commit`` (handles, ``commit_tokens``: each one's newly
-        computed token ids), ``extend`` (handles, ``num_new_tokens``, ``lookahead``: ints or
+        their allocate). Sections run in order: ``commit`` (handles, ``commit_tokens``: each
+        one's newly computed token ids), ``free`` (handles), ``rewind`` (handles,
+        ``rewind_tokens`` to drop), ``extend`` (handles, ``num_new_tokens``, ``lookahead``: ints or
         one per handle), ``allocate`` (``AllocateOp`` models or their dicts). Each item is
         atomic on its own; ``atomic=True`` makes the step all or nothing. A malformed step
         raises ``InvalidArgument`` and runs nothing; an item's own failure is its status.

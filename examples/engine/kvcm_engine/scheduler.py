@@ -2,14 +2,16 @@
 
 Each step it decides which requests compute how many tokens under a token budget (decodes
 first, then prefill chunks of at most ``chunk`` tokens, then new requests), and sends kvcm one
-``step`` call with, in this order: ``commit`` of the tokens computed in the previous step
-(their blocks become reusable prefixes), ``free`` of finished requests, ``extend`` of running
-ones and ``allocate`` of new ones (with their token ids, so they reuse cached prefixes).
+columnar ``step_columns`` call (docs/requests.md#the-columnar-step) with, in its section order:
+``commit`` of the tokens computed in the previous step (their blocks become reusable
+prefixes), ``free`` of finished requests, ``extend`` of running ones and ``allocate`` of new
+ones (with their token ids, so they reuse cached prefixes). Running requests are named by
+their kvcm handle; only new ones by id.
 
 When an ``extend`` finds no free block (``out_of_blocks``) the newest running request is
 preempted: freed, and put back at the head of the queue to be recomputed later from its
 prompt and the tokens it generated so far (which then mostly hit the prefix cache). That
-takes one more call per preemption; a step without preemption is one ``step`` call, plus
+takes one more call per preemption; a step without preemption is one ``step_columns`` call, plus
 one ``probe`` per newly admitted request (to size its first chunk after its cached prefix).
 
 Sequence arithmetic: a request's sequence is prompt + output; the KV of ``seq[:computed]`` is
@@ -25,11 +27,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+#: Statuses that mean "no room now": the scheduler preempts or waits instead of failing.
+_ROOM = frozenset({"out_of_blocks", "max_requests_reached"})
+ROW_MASK = 0xFFFFFFFF
+
 
 class KVCM(Protocol):
     """What the scheduler calls: ``KVCacheManager`` in process or ``KVCacheClient``."""
 
-    def step(self, ops: Any, atomic: bool = False, brief: bool = False) -> Any: ...
+    def step_columns(self, **columns: Any) -> Any: ...
 
     def probe(self, token_ids: Any) -> int: ...
 
@@ -46,6 +52,7 @@ class Request:
     computed: int = 0
     committed: int = 0
     row: int = -1
+    handle: int = 0
     admissions: int = 0
     hit_tokens: int = 0
 
@@ -103,27 +110,21 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.waiting or self.running or self._to_free)
 
-    def _commits(self) -> list[dict[str, Any]]:
-        ops = []
+    def _commits(self) -> tuple[list[int], list[list[int]]]:
+        handles, tokens = [], []
         for r in [*self.running, *self._to_free]:
             if r.computed > r.committed:
-                seq = r.seq
-                ops.append(
-                    {
-                        "op": "commit",
-                        "request_id": r.kv_id,
-                        "token_ids": seq[r.committed : r.computed],
-                    }
-                )
+                handles.append(r.handle)
+                tokens.append(r.seq[r.committed : r.computed])
                 r.committed = r.computed
-        return ops
+        return handles, tokens
 
     def schedule(self) -> list[Work]:
         """Plan this step and make kvcm's step call; return the work the model does."""
         self.stats.steps += 1
         budget = self.max_batch_tokens
-        ops = self._commits()
-        ops += [{"op": "free", "request_id": r.kv_id} for r in self._to_free]
+        commit, commit_tokens = self._commits()
+        free = [r.handle for r in self._to_free]
         self._to_free.clear()
         plan: list[Work] = []
         # Decodes first (one token each), then prefill chunks, in admission order.
@@ -135,27 +136,33 @@ class Scheduler:
                 n = min(pending, self.chunk, budget)
                 budget -= n
                 plan.append(Work(r, r.computed, n))
-        ops += [_extend(w) for w in plan]
         admits = self._candidates(budget)
+        allocate = []
         for r, n in admits:
             r.admissions += 1
-            ops.append(
-                {"op": "allocate", "request_id": r.kv_id, "num_tokens": n, "token_ids": r.seq[:n]}
-            )
-        results = self._call(ops)
-        first = len(ops) - len(admits) - len(plan)
-        extended = results[first : first + len(plan)]
-        failed = [w for w, res in zip(plan, extended, strict=True) if not res.ok]
-        for (r, n), res in zip(admits, results[first + len(plan) :], strict=True):
-            if not res.ok:  # no room yet: it stays in the queue, in its place
+            allocate.append({"request_id": r.kv_id, "num_tokens": n, "token_ids": r.seq[:n]})
+        out = self._call(
+            commit=commit,
+            commit_tokens=commit_tokens,
+            free=free,
+            extend=[w.request.handle for w in plan],
+            num_new_tokens=[w.count for w in plan] or 1,
+            allocate=allocate,
+        )
+        extended = out.status["extend"]
+        failed = [w for w, status in zip(plan, extended, strict=True) if status]
+        hits = out.hit_tokens
+        for i, ((r, n), status) in enumerate(zip(admits, out.status["allocate"], strict=True)):
+            if status:  # no room yet: it stays in the queue, in its place
                 r.admissions -= 1
                 continue
             self.waiting.remove(r)
-            info = res.request
-            r.row, r.computed = info.row, info.num_hit_tokens
-            r.committed = info.num_hit_tokens
-            r.hit_tokens += info.num_hit_tokens
-            self.stats.hit_tokens += info.num_hit_tokens
+            hit = int(hits[i])
+            r.handle = int(out.handles[i])
+            r.row, r.computed = r.handle & ROW_MASK, hit
+            r.committed = hit
+            r.hit_tokens += hit
+            self.stats.hit_tokens += hit
             self.stats.admitted += 1
             self.running.append(r)
             plan.append(Work(r, r.computed, n - r.computed))
@@ -184,20 +191,20 @@ class Scheduler:
             out.append((r, n))
         return out
 
-    def _call(self, ops: list[dict[str, Any]]) -> list[Any]:
-        if not ops:
-            return []
+    def _call(self, **columns: Any) -> Any:
+        """One ``step_columns`` call; any failure but "no room" for an extend or an
+        allocate is a bug here."""
         self.stats.kvcm_calls += 1
-        results = self.kvcm.step(ops, brief=True)
-        for op, res in zip(ops, results, strict=True):
-            room = (
-                op["op"] in ("extend", "allocate")
-                and res.error is not None
-                and (res.error.code in ("out_of_blocks", "request_limit_reached"))
-            )
-            if not res.ok and not room:
-                raise RuntimeError(f"kvcm refused {op['op']} of {op['request_id']}: {res.error}")
-        return results
+        out = self.kvcm.step_columns(**columns)
+        if not out.ok:
+            bad = [
+                e
+                for e in out.errors
+                if e.section not in ("extend", "allocate") or e.error.code not in _ROOM
+            ]
+            if bad or out.failed is not None:
+                raise RuntimeError(f"kvcm refused part of a step: {bad}")
+        return out
 
     def _preempt_for(self, failed: list[Work], plan: list[Work]) -> list[Work]:
         """Free the newest running requests until every failed extend succeeds (or was
@@ -205,15 +212,18 @@ class Scheduler:
         while failed:
             victim = self.running.pop()
             self.stats.preemptions += 1
-            ops: list[dict[str, Any]] = [{"op": "free", "request_id": victim.kv_id}]
+            free = [victim.handle]
             victim.computed = victim.committed = 0
-            victim.row = -1
+            victim.row, victim.handle = -1, 0
             self.waiting.appendleft(victim)
             plan = [w for w in plan if w.request is not victim]
             failed = [w for w in failed if w.request is not victim]
-            ops += [_extend(w) for w in failed]
-            results = self._call(ops)
-            failed = [w for w, res in zip(failed, results[1:], strict=True) if not res.ok]
+            out = self._call(
+                free=free,
+                extend=[w.request.handle for w in failed],
+                num_new_tokens=[w.count for w in failed] or 1,
+            )
+            failed = [w for w, status in zip(failed, out.status["extend"], strict=True) if status]
         return plan
 
     def finish_step(self, plan: list[Work], next_tokens: dict[str, int]) -> None:
@@ -229,7 +239,3 @@ class Scheduler:
                     self.running.remove(r)
                     self._to_free.append(r)
                     self.finished.append(r)
-
-
-def _extend(w: Work) -> dict[str, Any]:
-    return {"op": "extend", "request_id": w.request.kv_id, "num_new_tokens": w.count}

@@ -315,7 +315,7 @@ def create_app(
         lambda r, session: StepColumnsResponse.model_validate(
             state.step_columns(r.model_dump(exclude_unset=True), session).to_json()
         ),
-        summary="a columnar step: requests by handle, sections free, rewind, commit, extend, "
+        summary="a columnar step: requests by handle, sections commit, free, rewind, extend, "
         "allocate; a status per item",
     )
     rpc(
