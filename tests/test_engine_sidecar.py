@@ -51,4 +51,8 @@ def test_engine_through_the_sidecar_then_another_model(tmp_path: Path) -> None:
             r'kvcm_step_channel_frames_total\{op="(\w+)",result="ok"\} (\d+)',
             httpx.get(f"{url}/metrics").text,
         )
-        assert {op for op, n in frames if float(n) > 0} >= {"step_columns", "probe", "slot_mappings"}
+        assert {op for op, n in frames if float(n) > 0} >= {
+            "step_columns",
+            "probe",
+            "slot_mappings",
+        }
