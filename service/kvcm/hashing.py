@@ -52,6 +52,8 @@ def _text(tag: bytes, value: str) -> bytes:
 
 def root_key(lora_id: int | str | None = None, cache_salt: str | None = None) -> bytes:
     """The parent of block 0 for these extra keys."""
+    if lora_id is None and cache_salt is None:
+        return _PLAIN_ROOT  # most requests: no hash needed
     seed = bytearray(_ROOT_TAG)
     if lora_id is not None:
         if isinstance(lora_id, bool) or not isinstance(lora_id, int | str):
@@ -68,6 +70,10 @@ def root_key(lora_id: int | str | None = None, cache_salt: str | None = None) ->
             raise InvalidArgument("cache_salt must be a str or None", cache_salt=None)
         seed += _text(b"S", cache_salt)
     return sha256(bytes(seed)).digest()
+
+
+#: The root of requests without a LoRA or a salt.
+_PLAIN_ROOT = sha256(_ROOT_TAG).digest()
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:

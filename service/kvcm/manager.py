@@ -421,8 +421,7 @@ class KVCacheManager:
     def _info(self, request_id: str, row: int) -> RequestInfo:
         c = self._coord
         n = int(c.num_tokens[row])
-        # Built from checked ints: no validation needed (it would double an extend's cost).
-        return RequestInfo.model_construct(
+        return RequestInfo(
             request_id=request_id,
             row=row,
             num_tokens=n,
@@ -511,10 +510,10 @@ class KVCacheManager:
             c.check_fits(need)
             hit_tokens = hit * self.tokens_per_block
             c.place_hits(row, hits, idle, ends, hit_tokens)
-            c.grow(np.array([row]), np.array([num_tokens - hit_tokens]), np.array([lookahead]))
+            c.grow_one(row, num_tokens - hit_tokens, lookahead)
         else:
             hit_tokens = 0
-            c.grow(np.array([row]), np.array([num_tokens]), np.array([lookahead]))
+            c.grow_one(row, num_tokens, lookahead)
         if tokens is not None:
             stats = c.cache.stats
             stats.queries += 1
