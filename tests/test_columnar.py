@@ -70,14 +70,6 @@ def test_handles_that_were_never_issued_are_unknown(bad: int) -> None:
     assert out.status["extend"].tolist() == [UNKNOWN]
 
 
-def test_unsigned_handles_past_int64_are_unknown_not_an_overflow() -> None:
-    m = manager([layer(0)], num_blocks=8)
-    h = m.allocate("a", 2).handle
-    out = m.step_columns(extend=np.array([h, 2**64 - 1], dtype=np.uint64))
-    assert out.status["extend"].tolist() == [UNKNOWN, UNKNOWN]
-    assert m.request("a").num_tokens == 2
-
-
 def test_sections_run_commit_free_rewind_extend_allocate() -> None:
     """Frees serve the same step's extends and allocates; a commit serves its allocate's hit;
     a request that finished commits its last tokens in the step that frees it."""
@@ -298,3 +290,56 @@ def test_random_steps_match_single_ops_in_section_order(seed: int) -> None:
             if col.request(rid).num_tokens > 40:
                 col.free(rid)
                 one.free(rid)
+
+
+def test_a_handle_freed_twice_in_one_step_is_unknown_the_second_time() -> None:
+    m = manager([layer(0)], num_blocks=8)
+    a = m.allocate("a", 2).handle
+    b = m.allocate("b", 3).handle
+    out = m.step_columns(free=[a, a], extend=[b])
+    assert out.status["free"].tolist() == [OK, UNKNOWN] and out.freed_ids == ["a"]
+    assert out.status["extend"].tolist() == [OK] and out.failed is None
+    assert m.request("b").num_tokens == 4
+
+
+def test_more_extends_than_rows_run_one_by_one() -> None:
+    m = manager([layer(0)], num_blocks=8, max_requests=2)
+    a = m.allocate("a", 4).handle
+    out = m.step_columns(extend=[a, a, a])  # 4 tokens in 1 block: the 5th opens block 2
+    assert out.ok and out.new_blocks.tolist() == [1, 0, 0]
+    assert m.request("a").num_tokens == 7
+    results = m.step([{"op": "extend", "request_id": r, "num_new_tokens": 1} for r in "axy"])
+    assert [r.ok for r in results] == [True, False, False]
+    assert [r.error.code for r in results[1:] if r.error] == ["unknown_request"] * 2
+
+
+def test_a_retried_allocate_answers_its_first_result_and_allocates_nothing() -> None:
+    m = manager([layer(0)], num_blocks=8)
+    ops = [
+        {"op": "allocate", "request_id": "a", "num_tokens": 5},
+        {"op": "extend", "request_id": "a", "num_new_tokens": 3},
+        {"op": "allocate", "request_id": "a", "num_tokens": 5},
+    ]
+    assert [r.request.num_tokens for r in m.step(ops) if r.request] == [5, 8, 5]
+    out = m.step_columns(allocate=[{"request_id": "a", "num_tokens": 5}])
+    assert out.ok and out.allocate_new_blocks.tolist() == [0] and out.allocated_ids == []
+    assert out.handles.tolist() == [m.request("a").handle]
+
+
+def test_handles_of_a_replaced_model_name_nothing_in_the_new_one() -> None:
+    m = manager([layer(0)], num_blocks=8)
+    old = m.allocate("a", 2).handle
+    m.free("a")
+    m.register_model(layers=[layer(0)], num_blocks=8, tokens_per_block=4, max_seq_len=64)
+    new = m.allocate("b", 2).handle
+    assert new & 0xFFFFFFFF == old & 0xFFFFFFFF and new != old
+    out = m.step_columns(free=[old])
+    assert out.status["free"].tolist() == [UNKNOWN] and m.request_ids() == ["b"]
+
+
+def test_one_huge_unsigned_handle_fails_alone() -> None:
+    m = manager([layer(0)], num_blocks=8)
+    h = m.allocate("a", 2).handle
+    out = m.step_columns(extend=np.array([h, 2**64 - 1], dtype=np.uint64))
+    assert out.status["extend"].tolist() == [OK, UNKNOWN]
+    assert m.request("a").num_tokens == 3

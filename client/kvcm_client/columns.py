@@ -17,6 +17,8 @@ from .errors import STATUS_CODES, InvalidArgument, KVCMError, error_from_dict
 #: The sections of a step, in the order they run.
 SECTIONS = ("commit", "free", "rewind", "extend", "allocate")
 _LITTLE = sys.byteorder == "little"
+#: The values each array code holds (a numpy array is checked against it before its cast).
+_RANGE = {"q": (-(2**63), 2**63 - 1), "i": (-(2**31), 2**31 - 1)}
 
 
 def _raw(values: Any, name: str, code: str) -> bytes:
@@ -25,8 +27,12 @@ def _raw(values: Any, name: str, code: str) -> bytes:
         return bytes(values)
     dtype = getattr(values, "dtype", None)
     if dtype is not None:  # a numpy array: no numpy import needed to convert it
-        if dtype.kind not in "iu" and values.size:
-            raise InvalidArgument(f"{name} must be ints", **{name: None})
+        if values.size:
+            low, high = _RANGE[code]
+            if dtype.kind not in "iu" or not low <= int(values.min()) <= int(values.max()) <= high:
+                raise InvalidArgument(
+                    f"{name} must be ints in [{low}, {high}]: a cast would wrap", **{name: None}
+                )
         return values.astype("<i8" if code == "q" else "<i4").tobytes()
     if isinstance(values, str) or not isinstance(values, Sequence | array):
         raise InvalidArgument(f"{name} must be a sequence of ints", **{name: None})

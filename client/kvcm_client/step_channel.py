@@ -251,12 +251,14 @@ class StepSocket:
             except OSError as exc:
                 sock.close()
                 raise _Broken(exc, sent=False) from None
-            # Blocking mode with the kernel's timeouts (see the class docstring).
+            # Blocking mode with the kernel's timeouts (see the class docstring); no timeout
+            # (None) blocks, and at least 1 us is set (a zero timeval means no timeout).
             sock.settimeout(None)
-            whole = int(self.timeout)
-            limit = struct.pack("ll", whole, int((self.timeout - whole) * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+            if self.timeout is not None:
+                micros = max(int(self.timeout * 1e6), 1)
+                limit = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             self._sock = sock
         return self._sock
 

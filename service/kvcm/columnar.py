@@ -44,7 +44,7 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import AllocateOp
 
-from .counts import _count, _counts
+from .counts import MAX_COUNT, _count, _counts
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -130,6 +130,9 @@ class StepOutcome:
     failed: tuple[str, int] | None = None
     freed_ids: list[str] = field(default_factory=list)
     allocated_ids: list[str] = field(default_factory=list)
+    infos: list[Any] = field(default_factory=list)
+    """Per allocate, the ``RequestInfo`` it returned (None where it failed): for a retry,
+    the first allocation's result, as ``allocate`` answers it."""
 
     @property
     def ok(self) -> bool:
@@ -195,7 +198,8 @@ def _handles(name: str, value: Any) -> np.ndarray:
     if arr.dtype == np.int64:
         return arr
     if arr.size and arr.dtype.kind == "u" and int(arr.max()) >= 2**63:
-        return np.zeros(arr.size, dtype=np.int64)  # no live handle is that large
+        # No live handle is that large: those items become 0 (unknown), the others stay.
+        return np.where(arr >= 2**63, 0, arr).astype(np.int64)
     return arr.astype(np.int64)
 
 
@@ -318,7 +322,7 @@ def columns_from_wire(args: dict[str, Any]) -> dict[str, Any]:
         lengths = _wire_ints("commit_lengths", args.get("commit_lengths", b""), "<i8")
         if (
             not isinstance(lengths, np.ndarray)
-            or (lengths < 0).any()
+            or (lengths.size and not 0 <= int(lengths.min()) <= int(lengths.max()) <= MAX_COUNT)
             or int(lengths.sum()) != flat.size
         ):
             raise InvalidArgument("commit_lengths must be the lengths of commit_tokens' parts")
@@ -428,6 +432,7 @@ class _Run:
         self.out.allocate_new_blocks[:] = 0
         self.out.freed_ids.clear()
         self.out.allocated_ids.clear()
+        self.out.infos = [None] * len(self.out.infos)
 
     # -- sections ------------------------------------------------------------------------------
 
@@ -436,8 +441,10 @@ class _Run:
         if not handles.size:
             return
         rows, live = self.m._handle_rows(handles)
+        current = self.m._handle
         for i, row in enumerate(rows.tolist()):
-            if live is not None and not live[i]:
+            # Checked again per item: an earlier item of this section may have freed the row.
+            if (live is not None and not live[i]) or current[row] != handles[i]:
                 self.unknown("free", i, int(handles[i]))
                 continue
             rid = self.item("free", i, lambda row=row: self.m._free_row(row))
@@ -496,14 +503,19 @@ class _Run:
     def allocates(self) -> None:
         m = self.m
         out = self.out
+        out.infos = [None] * len(self.cols.allocate)
         for i, op in enumerate(self.cols.allocate):
+            rid = op["request_id"]
+            retry = isinstance(rid, str) and rid in m._rows  # the same allocate again, or a dup
             info = self.item("allocate", i, lambda op=op: m.allocate(**op))
             if info is None:
                 continue
+            out.infos[i] = info
             out.handles[i] = info.handle
             out.hit_tokens[i] = info.num_hit_tokens
-            out.allocate_new_blocks[i] = m._blocks_of(info.row)
-            out.allocated_ids.append(info.request_id)
+            if not retry:  # a retry allocates nothing
+                out.allocate_new_blocks[i] = m._blocks_of(info.row)
+                out.allocated_ids.append(info.request_id)
 
 
 def execute(m: KVCacheManager, cols: StepColumns, stop_on_error: bool) -> StepOutcome:

@@ -264,8 +264,12 @@ class KVCacheManager:
         tools that report the layout anyway, like ``kvcm estimate``)."""
         self._build(ManagerConfig.model_validate(config), check_budget)
 
-    def _build(self, config: ManagerConfig, check_budget: bool = True) -> None:
-        """Everything ``__init__`` sets; ``register_model`` builds a manager anew with it."""
+    def _build(
+        self, config: ManagerConfig, check_budget: bool = True, serial_base: int = 0
+    ) -> None:
+        """Everything ``__init__`` sets; ``register_model`` builds a manager anew with it
+        (``serial_base``: the previous model's last handle serial, so that no handle of it
+        ever names a request of the new one)."""
         self.config = cfg = config
         self.device, self.layout, self._sizing, self._slots = _plan(cfg, check_budget)
         self.tokens_per_block = cfg.tokens_per_block
@@ -309,7 +313,7 @@ class KVCacheManager:
         #: handle's serial: kvcm.columnar).
         self._ids: list[str | None] = [None] * cfg.max_requests
         self._handle = np.full(cfg.max_requests, -1, dtype=np.int64)
-        self._serial = np.zeros(cfg.max_requests, dtype=np.int64)
+        self._serial = np.full(cfg.max_requests, serial_base, dtype=np.int64)
         #: Scratch for the distinct-rows check of a batch of extends.
         self._order = np.arange(cfg.max_requests, dtype=np.int64)
         self._scratch = np.zeros(cfg.max_requests, dtype=np.int64)
@@ -389,6 +393,8 @@ class KVCacheManager:
         its last write, so an earlier position reads back something else.
         """
         n = handles.size
+        if n > self.config.max_requests:  # cannot all be distinct live rows
+            return None
         rows = handles & ROW_MASK
         if int(rows.max()) >= self.config.max_requests:
             return None
@@ -1114,14 +1120,17 @@ class KVCacheManager:
                     for j, r in zip(positions, self._result_dicts(eids, rows), strict=True):
                         results[j] = r
                 continue
-            for j, code in zip(positions, status.tolist(), strict=True):
+            for k, (j, code) in enumerate(zip(positions, status.tolist(), strict=True)):
                 if code:
                     continue
                 rid = piece[j]["request_id"]
                 if section == "free" or (brief and section == "extend"):
                     results[j] = {"ok": True, "request": None, "error": None}
                 else:
-                    info = self._info(rid, self._rows[rid])
+                    # An allocate answers what it returned (a retry: the first result).
+                    info = out.infos[k] if section == "allocate" else None
+                    if info is None:
+                        info = self._info(rid, self._rows[rid])
                     results[j] = {"ok": True, "request": info.model_dump(), "error": None}
         for e in out.errors:
             j = where[e.section][e.index]
@@ -1497,14 +1506,15 @@ class KVCacheManager:
                 num_requests=len(self._rows),
             )
         previous = self.config
+        serials = int(self._serial.max())
         self.close()
         self.__dict__.clear()  # drop the old pools before the new ones are allocated
         try:
             with footprint.allocating():
-                self._build(new)
+                self._build(new, serial_base=serials)
         except BaseException:
             self.__dict__.clear()
-            self._build(previous, check_budget=False)  # it was built before
+            self._build(previous, check_budget=False, serial_base=serials)  # built before
             raise
         return self.model()
 

@@ -331,9 +331,14 @@ class _Connection(asyncio.Protocol):
                 break
             body = bytes(buffer[HEADER.size : end])
             del buffer[:end]
+            self._stop_timer()  # the next frame, if begun, gets a timer of its own
             answer, close = channel.handle(body)
             self._send(answer, close)
-        if buffer and not self.closing:
+        if self.closing or self.paused:
+            # Paused, the buffer may hold whole frames that wait for the client to read:
+            # no timer then; resuming looks again.
+            self._stop_timer()
+        elif buffer:
             if self.timer is None:
                 loop = asyncio.get_running_loop()
                 self.timer = loop.call_later(channel.read_timeout, self._too_slow)
