@@ -343,3 +343,21 @@ def test_one_huge_unsigned_handle_fails_alone() -> None:
     out = m.step_columns(extend=np.array([h, 2**64 - 1], dtype=np.uint64))
     assert out.status["extend"].tolist() == [OK, UNKNOWN]
     assert m.request("a").num_tokens == 3
+
+
+def test_step_results_are_built_when_read_and_equal_the_models() -> None:
+    from kvcm_client.models import OpResult
+
+    m = manager([layer(0)], num_blocks=8)
+    ops = [
+        {"op": "allocate", "request_id": "a", "num_tokens": 3},
+        {"op": "extend", "request_id": "a", "num_new_tokens": 2},
+        {"op": "extend", "request_id": "zz", "num_new_tokens": 1},
+    ]
+    results = m.step(ops)
+    assert len(results) == 3 and results._built == [None, None, None]  # nothing built yet
+    assert results[-1].error is not None and results[-1].error.code == "unknown_request"
+    assert results._built[0] is None and results._built[2] is not None
+    expected = [OpResult.model_validate(d) for d in results._dicts]
+    assert results == expected and list(results) == expected and results[:2] == expected[:2]
+    assert results[1].request is not None and results[1].request.num_tokens == 5

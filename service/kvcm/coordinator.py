@@ -109,6 +109,7 @@ class Coordinator:
         ]
         self.sinks = [g.sink_blocks for g in layout.layer_groups]
         self.windowed = [g.sliding_window is not None for g in layout.layer_groups]
+        self.any_windowed = any(self.windowed)
         ng = len(layout.layer_groups)
         self.num_tokens = np.zeros(max_requests, dtype=np.int64)
         self.history = np.zeros(max_requests, dtype=np.int64)
@@ -278,6 +279,13 @@ class Coordinator:
         history = int(self.num_tokens[row])
         length = history + new_tokens
         want = -(-(length + lookahead) // tpb)
+        if not self.any_windowed and all(int(n[row]) >= want for n in self.num_blocks):
+            # Most decode tokens: no block to take, none to release.
+            self.num_tokens[row] = length
+            self.history[row] = history
+            self.lookahead[row] = lookahead
+            self.ops_since_take += 1
+            return 0
         need = [0] * len(self.pools)
         back = [0] * len(self.pools)
         steps = []

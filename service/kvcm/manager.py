@@ -60,6 +60,7 @@ from . import footprint, registration
 from .columnar import (
     ROW_MASK,
     SECTIONS,
+    OpResults,
     StepColumns,
     StepOutcome,
     execute,
@@ -93,7 +94,6 @@ _log = logging.getLogger("kvcm")
 _OPS = TypeAdapter(list[Op])
 #: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
 _FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp)
-_RESULTS = TypeAdapter(list[OpResult])
 #: A result slot not filled yet (``_piece_results``); never returned.
 _ABORTED_PLACEHOLDER: dict[str, Any] = {}
 
@@ -661,8 +661,10 @@ class KVCacheManager:
 
     def _extend_row(self, row: int, num_new_tokens: int, lookahead: int) -> int:
         """Extend one row (a columnar step's item); returns the block positions added."""
-        num_new_tokens = _count("num_new_tokens", num_new_tokens, 1)
-        lookahead = _count("lookahead", lookahead, 0)
+        if not (type(num_new_tokens) is int and 0 < num_new_tokens <= MAX_COUNT):
+            num_new_tokens = _count("num_new_tokens", num_new_tokens, 1)
+        if not (type(lookahead) is int and 0 <= lookahead <= MAX_COUNT):
+            lookahead = _count("lookahead", lookahead, 0)
         total = int(self._coord.num_tokens[row]) + num_new_tokens + lookahead
         if total > self.config.max_seq_len:
             self._check_len(self._ids[row] or "", total)
@@ -985,8 +987,9 @@ class KVCacheManager:
 
     def step(
         self, ops: Sequence[Op | dict[str, Any]], atomic: bool = False, brief: bool = False
-    ) -> list[OpResult]:
-        """Run ops in order, each atomic on its own; one result per op.
+    ) -> Sequence[OpResult]:
+        """Run ops in order, each atomic on its own; one result per op (``OpResults``: a
+        sequence whose models are built when read).
 
         Ops are models or their dicts. ``atomic=True`` makes the whole step all or nothing:
         at the first failing op every earlier op is undone; that op's result carries its
@@ -1010,7 +1013,7 @@ class KVCacheManager:
             except ValidationError as exc:
                 raise invalid_from_validation(exc.errors()) from None
             plain = [m.model_dump() for m in models]
-        return _RESULTS.validate_python(self.step_plain(plain, atomic, brief))
+        return OpResults(self.step_plain(plain, atomic, brief))
 
     def step_plain(
         self, ops: list[dict[str, Any]], atomic: bool = False, brief: bool = False
