@@ -138,6 +138,13 @@ def _token_ids(value: Any) -> tuple[list[int], bytes]:
     return np.frombuffer(data, dtype="<i4").tolist(), data
 
 
+def _token_data(value: Any) -> bytes:
+    """``_token_ids``' bytes only: what a commit keeps (it makes no int per token)."""
+    if not isinstance(value, Sequence | np.ndarray):
+        raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
+    return token_bytes(value)
+
+
 def _check_key_sizes(keys: list[bytes]) -> None:
     """Refuse caller-given keys that are not 32 bytes (those past the hit: the hit's are
     cached keys already). A malformed key could never hit, but it is a client's bug worth
@@ -322,7 +329,9 @@ class KVCacheManager:
         #: Tokens each row got from the prefix cache at allocation.
         self._hits = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Committed token ids per request, and their count per row (for batch results).
-        self._tokens: dict[str, list[int]] = {}
+        #: (Committed ids as int32 bytes: a commit appends its checked bytes, a rewind cuts
+        #: them, and no Python int is made per token; ``committed_tokens`` decodes them.)
+        self._tokens: dict[str, bytearray] = {}
         self._committed = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Undo actions for token-list edits while an all-or-nothing step runs.
         self._undo: list[Callable[[], None]] | None = None
@@ -530,11 +539,7 @@ class KVCacheManager:
         self._ids[row] = request_id
         self._serial[row] += 1
         self._handle[row] = (int(self._serial[row]) << 32) | row
-        if tokens is None:
-            self._tokens[request_id] = []
-        else:
-            head = tokens[:hit_tokens]
-            self._tokens[request_id] = head if type(head) is list else list(head)
+        self._tokens[request_id] = bytearray(data[: 4 * hit_tokens])
         self._committed[row] = hit_tokens
         self._hits[row] = hit_tokens
         # Only keys kvcm hashed itself are kept for commits: caller-given keys are untrusted
@@ -731,9 +736,9 @@ class KVCacheManager:
         if self._undo is not None and dropped:
             self._undo.append(lambda: state.keys.extend(dropped))
         tokens = self._tokens[request_id]
-        if len(tokens) > new_len:
-            tail = tokens[new_len:]
-            del tokens[new_len:]
+        if len(tokens) > 4 * new_len:
+            tail = tokens[4 * new_len :]
+            del tokens[4 * new_len :]
             self._committed[row] = new_len
             if self._undo is not None:
                 self._undo.append(lambda: tokens.extend(tail))
@@ -781,9 +786,9 @@ class KVCacheManager:
     def _commit_row(self, row: int, token_ids: Sequence[int]) -> None:
         request_id = self._ids[row]
         assert request_id is not None
-        tokens, data = _token_ids(token_ids)
-        self._check_commit(request_id, row, len(tokens))
-        self._commit(request_id, row, tokens, data)
+        data = _token_data(token_ids)
+        self._check_commit(request_id, row, len(data) // 4)
+        self._commit(request_id, row, data)
 
     def commit_many(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
         """Commit ``token_ids[i]`` to ``request_ids[i]`` (distinct requests: the end of one
@@ -802,16 +807,16 @@ class KVCacheManager:
                 num_ids=n,
                 num_token_id_lists=len(token_ids),
             )
-        checked = [_token_ids(t) for t in token_ids]
+        checked = [_token_data(t) for t in token_ids]
         ids = list(request_ids)
-        for request_id, row, (tokens, _) in zip(ids, rows.tolist(), checked, strict=True):
-            self._check_commit(request_id, row, len(tokens))
-        for request_id, row, (tokens, data) in zip(ids, rows.tolist(), checked, strict=True):
-            self._commit(request_id, row, tokens, data)
+        for request_id, row, data in zip(ids, rows.tolist(), checked, strict=True):
+            self._check_commit(request_id, row, len(data) // 4)
+        for request_id, row, data in zip(ids, rows.tolist(), checked, strict=True):
+            self._commit(request_id, row, data)
 
     def _check_commit(self, request_id: str, row: int, num_new: int) -> None:
         """Refuse committing ``num_new`` more tokens than the request has uncommitted."""
-        done = len(self._tokens[request_id])
+        done = len(self._tokens[request_id]) // 4
         length = int(self._coord.num_tokens[row])
         if done + num_new > length:
             raise InvalidArgument(
@@ -823,42 +828,42 @@ class KVCacheManager:
                 num_new=num_new,
             )
 
-    def _commit(self, request_id: str, row: int, tokens: list[int], data: bytes) -> None:
+    def _commit(self, request_id: str, row: int, data: bytes) -> None:
         """Append checked tokens (``data``: their int32 bytes) and publish the blocks they
         fill; a publish that raises changes nothing."""
         held = self._tokens[request_id]
-        done = len(held)
+        done = len(held) // 4
         state = self._prefix[request_id]
         have = len(state.keys)
-        held.extend(tokens)
+        held += data
         try:
             self._publish(state, row, held, done, data)
         except BaseException:  # a refused commit changes nothing
-            del held[done:]
+            del held[4 * done :]
             del state.keys[have:]
             raise
-        self._committed[row] = done + len(tokens)
+        self._committed[row] = len(held) // 4
         if self._undo is not None:
-            self._undo.append(lambda: held.__delitem__(slice(done, None)))
+            self._undo.append(lambda: held.__delitem__(slice(4 * done, None)))
             self._undo.append(lambda: state.keys.__delitem__(slice(have, None)))
 
     def _publish(
-        self, state: _PrefixState, row: int, tokens: list[int], done: int, data: bytes
+        self, state: _PrefixState, row: int, tokens: bytearray, done: int, data: bytes
     ) -> None:
         """Key the request's newly full blocks and publish them in every reusable group.
 
-        ``tokens`` are all its committed ids, the last ones new; ``data`` is the int32 bytes of
-        ``tokens[done:]``. Blocks before ``len(state.keys)`` are keyed already, so the bytes
+        ``tokens`` are all its committed ids (int32 bytes), the last ones new; ``data`` is the
+        bytes of ids ``[done:]``. Blocks before ``len(state.keys)`` are keyed already, so the bytes
         to key start at that block: the few uncommitted-block ids before ``done``, then
         ``data``. Example (tokens_per_block 4): 6 committed, 5 new: 1 block keyed, ids 4 and
         5 are packed again and blocks 1 and 2 are keyed from ids [4, 12).
         """
         tpb = self.tokens_per_block
-        have, full = len(state.keys), len(tokens) // tpb
+        have, full = len(state.keys), len(tokens) // (4 * tpb)
         if full <= have:
             return
         step = 4 * tpb
-        chunk = token_bytes(tokens[have * tpb : done]) + data
+        chunk = bytes(tokens[have * step : 4 * done]) + data
         parent = state.keys[-1] if have else state.root
         state.keys += commit_keys(
             parent, chunk, have, tpb, state.multimodal, state.prompt, state.prompt_keys
@@ -881,9 +886,22 @@ class KVCacheManager:
                 fresh = ((held > empty) & ~cache.cached[pg][held]).tolist()
                 slots = held.tolist()
             keys = state.keys
+            new = [f and k not in index for f, k in zip(fresh, keys[have:full], strict=True)]
+            if all(new):  # the usual case: every block is new, one run
+                cache.store(
+                    g,
+                    state.root,
+                    keys[have:full],
+                    slots,
+                    keys[have - 1] if have else None,
+                    chunk[: (full - have) * step],
+                    state.lora_id,
+                    state.has_salt,
+                )
+                continue
             run: list[int] = []  # block positions of a contiguous run of new blocks
             for b in range(have, full + 1):
-                if b < full and fresh[b - have] and keys[b] not in index:
+                if b < full and new[b - have]:
                     run.append(b)
                     continue
                 if run:
@@ -902,7 +920,7 @@ class KVCacheManager:
     def committed_tokens(self, request_id: str) -> list[int]:
         """The committed token ids of a request, in order (a copy)."""
         self._row(request_id)
-        return list(self._tokens[request_id])
+        return np.frombuffer(bytes(self._tokens[request_id]), dtype="<i4").tolist()
 
     def free(self, request_id: str) -> None:
         """End a request: its blocks go back to the pools (cached ones stay cached)."""
