@@ -6,7 +6,7 @@ loopback through ``KVCacheClient`` and through ``AsyncKVCacheClient``. Every cal
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,8 +43,8 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         # Addresses differ between two managers' allocations; everything else must agree.
         return {k: _plain(v) for k, v in value.items() if k != "base_address"}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [_plain(v) for v in value]  # lists, and step's OpResults
     return value
 
 
