@@ -86,15 +86,15 @@ def bench(repeats: int) -> dict[str, float]:
     state = {"new": [m.allocate(f"n{i}", 512).handle for i in range(2)], "count": 0}
     block = list(range(TPB))
 
+    # Prompts are made up front (the caller's work, not the step's): a shared 256-token
+    # prefix, then 256 tokens of their own. Never committed, so they never hit each other.
+    prompts = [prefix + rng.integers(0, 50_000, 256).tolist() for _ in range(64)]
+
     def mixed() -> None:
         k = state["count"]
         state["count"] = k + 1
         allocs = [
-            {
-                "request_id": f"p{k}-{j}",
-                "num_tokens": 512,
-                "token_ids": prefix + rng.integers(0, 50_000, 256).tolist(),
-            }
+            {"request_id": f"p{k}-{j}", "num_tokens": 512, "token_ids": prompts[(2 * k + j) % 64]}
             for j in range(2)
         ]
         out = m.step_columns(
@@ -108,6 +108,21 @@ def bench(repeats: int) -> dict[str, float]:
 
     rows["mixed: 256 extends + 2 frees + 2 allocates (512) + 16 commits"] = _median_us(
         mixed, repeats, 5
+    )
+
+    # The parts of the mixed step, each alone.
+    def turnover() -> None:
+        k = state["count"]
+        state["count"] = k + 1
+        allocs = [
+            {"request_id": f"p{k}-{j}", "num_tokens": 512, "token_ids": prompts[(2 * k + j) % 64]}
+            for j in range(2)
+        ]
+        state["new"] = m.step_columns(free=state["new"], allocate=allocs).handles.tolist()
+
+    rows["  part: 2 frees + 2 allocates (512, hashed)"] = _median_us(turnover, repeats, 5)
+    rows["  part: 16 commits of one block each"] = _median_us(
+        lambda: m.step_columns(commit=committers, commit_tokens=[block] * 16), repeats, 5
     )
     ops = [ExtendOp(request_id=r, num_new_tokens=1) for r in ids]
     rows["typed step(ops), per op"] = _median_us(lambda: m.step(ops), repeats, 2) / N
