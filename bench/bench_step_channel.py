@@ -45,6 +45,8 @@ NAMES = (
     "typed client step_columns, HTTP",
     "typed client step_columns, step channel",
 )
+#: Measured after the others, alone: decode steps without replacements.
+DECODE = "typed client step_columns, step channel, decode only"
 #: Variants that take columns (handles) rather than op lists.
 COLUMNAR = {NAMES[1], NAMES[6], NAMES[7]}
 
@@ -109,10 +111,31 @@ def variants(url: str, sock: Path, num_requests: int) -> dict[str, Callable[[lis
     }
 
 
+def decode_only(url: str, sock: Path, num_requests: int, steps: int) -> list[float]:
+    """The transport's share alone: ``step_columns(extend=handles)`` over the channel, +1
+    token for each of the requests, no replacements (lengths stay below max_seq_len)."""
+    fast = KVCacheClient(url, step_socket=sock)
+    out = fast.step_columns(
+        allocate=[{"request_id": f"d{i}", "num_tokens": 32} for i in range(num_requests)]
+    )
+    handles = array("q", out.handles)
+    times = []
+    for i in range(min(steps, 900) + BLOCK):
+        t0 = time.perf_counter()
+        ok = fast.step_columns(extend=handles).ok
+        if i >= BLOCK:  # the first ones warm up
+            times.append(time.perf_counter() - t0)
+        if not ok:
+            raise RuntimeError("a decode-only step failed")
+    fast.step_columns(free=handles)
+    return times
+
+
 def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, float]]:
     with tempfile.TemporaryDirectory(prefix="kvcm-sc-") as tmp:
         sock = Path(tmp) / "step.sock"
-        url, proc, _ = start_server(num_requests, len(NAMES), "--step-socket", str(sock))
+        # One more scheduler's room: the decode-only run.
+        url, proc, _ = start_server(num_requests, len(NAMES) + 1, "--step-socket", str(sock))
         try:
             calls = variants(url, sock, num_requests)
             scheds: dict[str, Any] = {}
@@ -144,6 +167,7 @@ def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, floa
                 for name in calls:
                     for _ in range(min(BLOCK, steps - len(times[name]))):
                         times[name].append(one(name))
+            times[DECODE] = decode_only(url, sock, num_requests, steps)
         finally:
             proc.terminate()
             proc.wait()

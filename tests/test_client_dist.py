@@ -52,6 +52,11 @@ with KVCacheClient(url, step_socket=step_socket) as kv:  # msgpack frames on the
         kv.attach()  # needs the "attach" extra
     except ModuleNotFoundError as exc:
         out["attach"] = exc.name
+    out["consumers"] = len(kv.consumers())  # a failed attach registered none
+    cols = kv.step_columns(allocate=[{"request_id": "c", "num_tokens": 16}])
+    done = kv.step_columns(extend=cols.handles, free=[])
+    out["columns"] = [cols.ok, done.ok, done.new_blocks, kv.request("c").num_tokens]
+    kv.step_columns(free=cols.handles)
 out["loaded"] = sorted(
     {m.split(".")[0] for m in sys.modules} & {"torch", "numpy", "cupy", "kvcm"}
 )
@@ -117,5 +122,6 @@ def test_client_alone_in_a_fresh_venv_drives_a_real_service(tmp_path: Path) -> N
     assert out["free_after"] is True
     assert out["step"] == 17
     assert out["error"] == "unknown_request"
-    assert out["attach"] == "torch"
+    assert out["attach"] == "torch" and out["consumers"] == 0
+    assert out["columns"] == [True, True, [1], 17]
     assert out["loaded"] == []

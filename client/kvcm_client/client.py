@@ -487,8 +487,9 @@ class KVCacheClient:
     def attach(self) -> Attachment:
         """Map the pools and page tables here and register this process as a consumer;
         ``close()`` on the result unregisters it."""
-        from .shared import Attachment
+        from .shared import Attachment, require_torch
 
+        require_torch()  # before the service hears of this consumer
         layout = self.pools()
         info = self._run(calls.register_consumer(os.getpid(), layout.generation))
         return Attachment(
@@ -831,8 +832,9 @@ class AsyncKVCacheClient:
 
     async def attach(self) -> Attachment:
         """As ``KVCacheClient.attach``; call ``detach(attachment)`` to unregister."""
-        from .shared import Attachment
+        from .shared import Attachment, require_torch
 
+        require_torch()
         layout = await self.pools()
         info = await self._run(calls.register_consumer(os.getpid(), layout.generation))
         attachment = Attachment(layout)

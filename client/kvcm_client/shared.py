@@ -22,6 +22,17 @@ from .errors import InvalidArgument, StaleGeneration
 from .models import SharedLayout, SharedSegment
 
 
+def require_torch() -> None:
+    """Raise ``ModuleNotFoundError`` (install ``kvcm-client[attach]``) unless torch imports:
+    checked before a consumer is registered, so that a failed attach leaves none behind."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "attaching to the pools needs torch: pip install 'kvcm-client[attach]'", name="torch"
+        ) from exc
+
+
 def _open(segment: SharedSegment) -> shared_memory.SharedMemory:
     try:
         shm = shared_memory.SharedMemory(name=segment.name, create=False)
