@@ -181,7 +181,7 @@ def _handles(name: str, value: Any) -> np.ndarray:
     """Handles as int64: any sequence or 1-d array of ints (not bools)."""
     if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
         return value
-    if type(value) is tuple and not value:
+    if (type(value) is tuple or type(value) is list) and not value:
         return _NO_HANDLES
     if isinstance(value, np.ndarray):
         arr = value
@@ -245,10 +245,10 @@ def parse_columns(
     rewind_h = _handles("rewind", rewind)
     commit_h = _handles("commit", commit)
     extend_h = _handles("extend", extend)
-    if type(commit_tokens) is tuple and not commit_tokens and not commit_h.size:
-        pass
-    elif isinstance(commit_tokens, str | bytes) or not isinstance(
-        commit_tokens, Sequence | np.ndarray
+    plain = type(commit_tokens) is list or type(commit_tokens) is tuple
+    if not plain and (
+        isinstance(commit_tokens, str | bytes)
+        or not isinstance(commit_tokens, Sequence | np.ndarray)
     ):
         raise InvalidArgument("commit_tokens must be a list of token id lists", commit=None)
     if len(commit_tokens) != commit_h.size:
@@ -266,7 +266,11 @@ def parse_columns(
         extend=extend_h,
         num_new_tokens=_counts_of("num_new_tokens", num_new_tokens, extend_h.size, 1),
         lookahead=_counts_of("lookahead", lookahead, extend_h.size, 0),
-        allocate=[] if type(allocate) is tuple and not allocate else _allocates(allocate),
+        allocate=(
+            []
+            if (type(allocate) is tuple or type(allocate) is list) and not allocate
+            else _allocates(allocate)
+        ),
     )
 
 
