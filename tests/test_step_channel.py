@@ -353,7 +353,14 @@ with KVCacheClient(sys.argv[1], step_socket=sys.argv[2]) as kv:
 
 def test_the_client_needs_no_torch(served: tuple[str, Path]) -> None:
     url, path = served
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "client")}
+    # The client's own dependencies may come from PYTHONPATH (the GPU machine installs them
+    # in a directory there); the project's other packages may not.
+    kept = [
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not Path(p).resolve().is_relative_to(ROOT)
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "client"), *kept])}
     out = subprocess.run(
         [sys.executable, "-c", NO_TORCH, url, str(path)],
         capture_output=True,
