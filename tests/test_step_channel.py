@@ -108,6 +108,8 @@ def test_the_same_scenario_gives_the_same_answers_over_http_and_the_socket(
 def test_the_async_client_gives_the_same_answers(sock_path: Path) -> None:
     with serve_process(*ARGS) as (url, _, _), KVCacheClient(url) as kv:
         over_http = _scenario(kv)
+    with serve_process(*ARGS) as (url, _, _), KVCacheClient(url) as kv:
+        columnar_over_http = _columnar_scenario(kv)
     with serve_process(*ARGS, "--step-socket", str(sock_path)) as (url, _, _):
         kv = SyncOverAsync(AsyncKVCacheClient(url, step_socket=sock_path))
         try:
@@ -118,6 +120,13 @@ def test_the_async_client_gives_the_same_answers(sock_path: Path) -> None:
             kv.close()
         text = httpx.get(f"{url}/metrics").text
         assert 'kvcm_step_channel_frames_total{op="step",result="ok"} 2.0' in text
+    sock_path.unlink(missing_ok=True)
+    with serve_process(*ARGS, "--step-socket", str(sock_path)) as (url, _, _):
+        kv = SyncOverAsync(AsyncKVCacheClient(url, step_socket=sock_path))
+        try:
+            assert _columnar_scenario(kv) == columnar_over_http
+        finally:
+            kv.close()
 
 
 def test_socket_mode_and_a_live_or_stale_socket(served: tuple[str, Path], tmp_path: Path) -> None:
