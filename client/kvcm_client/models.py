@@ -254,6 +254,11 @@ class ManagerConfig(_Frozen):
     """Record KV events (``events()``, ``GET /v1/events``). Off, publishing and evicting
     record nothing and ``events()`` raises ``kv_events_disabled`` (409): for a replica no
     router follows."""
+    host_memory_bytes: PosInt | None = None
+    """A host tier of about this many bytes (docs/host-tier.md): cached blocks the device
+    evicts are copied there instead of dropped, and prefix hits on them are copied back. It
+    is split between pool groups in proportion to their device slots; full-attention layer
+    groups only (a sliding window's blocks are not offloaded in this version)."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:

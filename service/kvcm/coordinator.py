@@ -127,6 +127,8 @@ class Coordinator:
         #: (layer group, rows, positions, slots or None for ``empty``).
         self.edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None = None
         self.ops_since_take = 0
+        #: The host tier (``kvcm.host_tier``), set by the manager when it has one.
+        self.host: Any = None
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -334,9 +336,15 @@ class Coordinator:
         self._set(plan.group, rows[items], plan.current[items] + offsets, slots)
 
     def _take(self, pg: int, k: int) -> np.ndarray:
-        """k slots off the queue's head, held once; blocks cached in them are evicted."""
+        """k slots off the queue's head, held once; blocks cached in them are evicted (to the
+        host tier first, if there is one: copied before the slots are handed out)."""
         slots = self.pools[pg].pop(k)
         self.refs[pg][slots] = 1
+        if self.host is not None and self.cache.slot_key[pg]:
+            cached = slots[self.cache.cached[pg][slots]].tolist()
+            if cached:
+                keys = self.cache.slot_key[pg]
+                self.host.offload(pg, [(s, keys[s]) for s in cached])
         self.cache.evict(pg, slots)
         return slots
 

@@ -12,7 +12,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -81,6 +81,7 @@ from .hashing import (
     root_key,
     token_bytes,
 )
+from .host_tier import HostTier
 from .ids import LayerGroupId, PoolGroupId
 from .layout import BufferPlacement, Layout, build_layout
 from .ops import plain_ops
@@ -339,6 +340,8 @@ class KVCacheManager:
             self._coord, self.device, None if self.device.type == "cpu" else table_memory
         )
         self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
+        self._host = self._host_tier(cfg)
+        self._coord.host = self._host
         self._views = TablesAndViews(
             cfg,
             self.layout,
@@ -349,6 +352,30 @@ class KVCacheManager:
             self._tables,
             _weak(self._rows_of),
         )
+
+    def _host_tier(self, cfg: ManagerConfig) -> HostTier | None:
+        """The host tier of ``host_memory_bytes``, split between pool groups in proportion
+        to their device bytes (each gets ``floor(share / slot_bytes)`` slots)."""
+        if cfg.host_memory_bytes is None:
+            return None
+        if any(g.sliding_window is not None for g in self.layout.layer_groups):
+            raise InvalidArgument(
+                "host_memory_bytes needs full-attention layer groups only in this version",
+                host_memory_bytes=cfg.host_memory_bytes,
+            )
+        device = {
+            int(pg.pool_group_id): self._slots[pg.pool_group_id] * pg.slot_bytes
+            for pg in self.layout.pool_groups
+        }
+        total = sum(device.values())
+        host = {
+            int(pg.pool_group_id): cfg.host_memory_bytes
+            * device[int(pg.pool_group_id)]
+            // total
+            // pg.slot_bytes
+            for pg in self.layout.pool_groups
+        }
+        return HostTier(self.layout, self.memory.tensors, host, self.device)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -513,6 +540,8 @@ class KVCacheManager:
         hit = 0
         if tokens is not None:
             keys = self._keys_of(tokens, data, root, items, block_keys)
+            if self._host is not None:
+                self._onboard(root, keys, num_tokens, data, lora_id, cache_salt is not None)
             hit, hits, ends = find_hit(
                 self._coord.cache, root, keys, num_tokens, self.tokens_per_block, self._windows
             )
@@ -551,6 +580,138 @@ class KVCacheManager:
         info = self._info(request_id, row)
         self._first[request_id] = _FirstAllocation(args, info)
         return info
+
+    def _onboard(
+        self,
+        root: bytes,
+        keys: list[bytes],
+        num_tokens: int,
+        data: bytes,
+        lora_id: int | str | None,
+        has_salt: bool,
+    ) -> None:
+        """Bring the host-resident blocks of a prompt's reusable prefix back to the device,
+        so that the hit that follows finds them there (docs/host-tier.md).
+
+        The prefix is the run of keys every layer group holds on the device or the host, at
+        most ``num_tokens - 1`` tokens. Its idle device blocks are pinned first (held once,
+        out of the queue) so that the slots taken for the host blocks cannot evict them; the
+        host blocks are reserved (out of the host index) before those slots are taken, since
+        taking them may offload other blocks to a full host. If the free slots do not cover
+        every host block, the prefix is cut where they do. Example (tpb 4, 1 group): blocks
+        0-1 cached on the device, 2-3 on the host, a 17-token prompt: 2 slots are taken, the
+        host pages copied into them and published; the allocate then hits 16 tokens.
+        """
+        host, c = self._host, self._coord
+        assert host is not None
+        cache = c.cache
+        groups = range(len(self.layout.layer_groups))
+        cap = min(len(keys), (num_tokens - 1) // self.tokens_per_block)
+        if cap <= 0 or not all(cache.reusable):
+            return
+        index = [cache.scope(g, root) for g in groups]
+        end = 0
+        while end < cap and all(
+            keys[end] in index[g] or host.holds(g, root, keys[end]) for g in groups
+        ):
+            end += 1
+
+        def missing(upto: int) -> dict[int, list[int]]:
+            return {g: [b for b in range(upto) if keys[b] not in index[g]] for g in groups}
+
+        gaps = missing(end)
+        if not any(gaps.values()):
+            return
+        pinned: dict[int, list[int]] = {}
+        for g in groups:
+            pg = c.group_pool[g]
+            for b in range(end):
+                slot = index[g].get(keys[b])
+                if slot is not None and c.refs[pg][slot] == 0:
+                    c.pools[pg].claim(np.array([slot]))
+                    c.refs[pg][slot] = 1
+                    pinned.setdefault(pg, []).append(slot)
+        while end:
+            need: dict[int, int] = {}
+            for g, blocks in gaps.items():
+                need[c.group_pool[g]] = need.get(c.group_pool[g], 0) + len(blocks)
+            if all(n <= c.pools[pg].num_free for pg, n in need.items()):
+                break
+            end -= 1
+            gaps = missing(end)
+        taken: dict[int, list[int]] = {}
+        if any(gaps.values()):
+            reserved = {
+                g: host.reserve(c.group_pool[g], [(g, root, keys[b]) for b in blocks])
+                for g, blocks in gaps.items()
+            }
+            step = 4 * self.tokens_per_block
+            for g, blocks in gaps.items():
+                if not blocks:
+                    continue
+                pg = c.group_pool[g]
+                slots = c._take(pg, len(blocks)).tolist()
+                host.onboard(pg, reserved[g], slots)
+                taken.setdefault(pg, []).extend(slots)
+                for b, slot in zip(blocks, slots, strict=True):
+                    cache.store(
+                        g,
+                        root,
+                        [keys[b]],
+                        [slot],
+                        keys[b - 1] if b else None,
+                        data[b * step : (b + 1) * step],
+                        lora_id,
+                        has_salt,
+                    )
+        # Onboarded blocks become idle cached blocks; pinned ones idle again (queue tail).
+        for pg, slots in (*taken.items(), *pinned.items()):
+            c._unref(pg, np.array(slots, dtype=np.int64))
+
+    def probe_tiers(
+        self,
+        token_ids: Sequence[int],
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[int, int]:
+        """(tokens a new request would reuse from the device now, tokens more it would
+        onboard from the host tier): the run of the prompt's blocks every layer group holds
+        on the device, then the run held on the device or the host; claims nothing."""
+        self._check_prompt(token_ids, None)
+        tokens, data = _token_ids(token_ids)
+        root = root_key(lora_id, cache_salt)
+        keys = chain_keys(root, data, self.tokens_per_block, 0, ())
+        cache = self._coord.cache
+        tpb = self.tokens_per_block
+        cap = min(len(keys), (len(tokens) - 1) // tpb) if tokens else 0
+        if cap <= 0 or not all(cache.reusable):
+            return 0, 0
+        index = [cache.scope(g, root) for g in range(len(self.layout.layer_groups))]
+        device = 0
+        while device < cap and all(keys[device] in i for i in index):
+            device += 1
+        if device and any(w is not None for w, _ in self._windows):
+            device = self.probe(token_ids, lora_id, cache_salt) // tpb
+        end = device
+        host = self._host
+        while (
+            host is not None
+            and end < cap
+            and all(keys[end] in i or host.holds(g, root, keys[end]) for g, i in enumerate(index))
+        ):
+            end += 1
+        return device * tpb, (end - device) * tpb
+
+    def host_stats(self) -> dict[str, Any]:
+        """The host tier's counters and occupancy ({} without one)."""
+        host = self._host
+        if host is None:
+            return {}
+        return {
+            **asdict(host.stats),
+            "host_slots": {int(pg): n for pg, n in host.num_slots.items()},
+            "host_used": {int(pg): host.num_used(pg) for pg in host.num_slots},
+        }
 
     def _check_prompt(self, token_ids: Any, num_tokens: int | None) -> None:
         """Refuse a prompt of the wrong length before any work on it (hashing a prompt is the
@@ -639,6 +800,8 @@ class KVCacheManager:
                 num_requests=len(self._rows),
             )
         self._coord.cache.clear()
+        if self._host is not None:
+            self._host.clear()
 
     @property
     def last_event_seq(self) -> int:

@@ -1,0 +1,172 @@
+"""The host tier: cached blocks the device pools evict are copied to host memory instead of
+being dropped, and a prefix hit on them copies them back (docs/host-tier.md).
+
+One host region per pool group, ``host_slots`` slots of the pool group's slot size (every pool
+of the group has its own region, as on the device), allocated in chunks of at most 64 MiB so
+that a large tier does not stall start-up; pinned when the device is CUDA (a second ordinary
+memory region on the CPU, so every feature runs in CI).
+
+A block key lives in at most one place per layer group at a time as far as the index says:
+on the device (the prefix cache) or on the host (this index). Offloading happens inside the
+op that evicts the device slot, before that slot is handed to its new owner; onboarding
+happens inside the allocate that hits, before the hit is placed. Copies are synchronous here
+(the op returns only once its copies are done), which is what makes "no slot is read or
+written before the copy that involves it completed" hold by construction; the host index and
+its LRU never refer to a slot whose copy has not completed.
+
+Worked example (one pool group, 2 host slots): device slot 7 holds cached key k1 and is
+handed out to a new request: k1's page is copied to host slot 0 and indexed there; later an
+allocate whose prompt continues past the device hit with k1 takes a free device slot (say 3),
+copies host slot 0 into it, publishes k1 on the device again and frees host slot 0.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import Layout
+
+#: Largest single host allocation: a large tier is built from chunks of at most this size.
+CHUNK_BYTES = 64 << 20
+
+HostKey = tuple[int, bytes, bytes]
+"""(layer group, scope root, block key) of a block on the host."""
+
+
+@dataclass(slots=True)
+class HostStats:
+    offloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    onboarded_blocks: int = 0
+    onboarded_bytes: int = 0
+    dropped_blocks: int = 0
+    """Host blocks dropped to make room (the host tier's own LRU eviction)."""
+
+
+class _Region:
+    """``num_slots`` host slots of ``slot_bytes``, in chunks of at most ``CHUNK_BYTES``."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pinned: bool) -> None:
+        per_chunk = max(1, CHUNK_BYTES // max(slot_bytes, 1))
+        self.per_chunk = per_chunk
+        self.chunks = [
+            torch.empty(
+                (min(per_chunk, num_slots - start), slot_bytes),
+                dtype=torch.uint8,
+                pin_memory=pinned,
+            )
+            for start in range(0, num_slots, per_chunk)
+        ]
+
+    def rows(self, slot: int) -> torch.Tensor:
+        return self.chunks[slot // self.per_chunk][slot % self.per_chunk]
+
+
+class HostTier:
+    """Host copies of evicted cached blocks, per pool group, with their own LRU."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        device_pools: list[torch.Tensor],
+        host_slots: dict[int, int],
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.device_pools = device_pools
+        self.pinned = device.type == "cuda"
+        self.num_slots = dict(host_slots)
+        #: Per pool group: its pools (a slot spans the same row of each) and slot bytes.
+        self.pools_of = {pg.pool_group_id: list(pg.pools) for pg in layout.pool_groups}
+        self.slot_bytes = {pg.pool_group_id: pg.slot_bytes for pg in layout.pool_groups}
+        self.regions = {
+            pool.pool_id: _Region(host_slots[pool.pool_group], pool.slot_bytes, self.pinned)
+            for pool in layout.pools
+        }
+        self.group_pool = [int(g.pool_group) for g in layout.layer_groups]
+        #: Per pool group: free host slots (a stack), and key -> host slot in LRU order.
+        self.free = {pg: list(range(n - 1, -1, -1)) for pg, n in host_slots.items()}
+        self.lru: dict[int, OrderedDict[HostKey, int]] = {pg: OrderedDict() for pg in host_slots}
+        self.stats = HostStats()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def holds(self, group: int, root: bytes, key: bytes) -> bool:
+        return (group, root, key) in self.lru[self.group_pool[group]]
+
+    def num_used(self, pool_group: int) -> int:
+        return len(self.lru[pool_group])
+
+    # -- copies ------------------------------------------------------------------------------------
+
+    def _copy(
+        self, pool_group: int, device_slots: list[int], host_slots: list[int], out: bool
+    ) -> None:
+        """Copy whole slots between the device pools and the host regions (synchronous)."""
+        for pool in self.pools_of[pool_group]:
+            dev = self.device_pools[pool]
+            region = self.regions[pool]
+            if out:
+                rows = dev[torch.as_tensor(device_slots, dtype=torch.long, device=dev.device)]
+                rows = rows.to("cpu")
+                for i, h in enumerate(host_slots):
+                    region.rows(h).copy_(rows[i])
+            else:
+                rows = torch.stack([region.rows(h) for h in host_slots])
+                index = torch.as_tensor(device_slots, dtype=torch.long, device=dev.device)
+                dev.index_copy_(0, index, rows.to(dev.device, non_blocking=self.pinned))
+        if self.pinned:
+            torch.cuda.synchronize(self.device_pools[0].device)
+
+    # -- offload and onboard --------------------------------------------------------------------
+
+    def offload(self, pool_group: int, entries: list[tuple[int, HostKey]]) -> None:
+        """Copy evicted device blocks (device slot, key) to host slots, dropping the host's
+        least recently used blocks when it is full. Called before the device slots are
+        handed out again."""
+        if not self.num_slots.get(pool_group):
+            return
+        lru, free = self.lru[pool_group], self.free[pool_group]
+        device_slots, host_slots = [], []
+        for slot, key in entries:
+            if key in lru:  # already on the host (it was onboarded and kept a copy)
+                lru.move_to_end(key)
+                continue
+            if not free:
+                _, dropped = lru.popitem(last=False)
+                free.append(dropped)
+                self.stats.dropped_blocks += 1
+            h = free.pop()
+            device_slots.append(slot)
+            host_slots.append(h)
+            lru[key] = h
+        if device_slots:
+            self._copy(pool_group, device_slots, host_slots, out=True)
+            self.stats.offloaded_blocks += len(device_slots)
+            self.stats.offloaded_bytes += len(device_slots) * self.slot_bytes[pool_group]
+
+    def reserve(self, pool_group: int, keys: list[HostKey]) -> list[int]:
+        """Take blocks out of the index for onboarding: their host slots are then neither
+        free nor indexed (copying in) until ``onboard`` frees them, so that offloads of the
+        same op (the device slots the onboarding takes may evict) cannot drop them."""
+        lru = self.lru[pool_group]
+        return [lru.pop(key) for key in keys]
+
+    def onboard(self, pool_group: int, host_slots: list[int], device_slots: list[int]) -> None:
+        """Copy reserved host slots into (fresh) device slots, then free the host slots."""
+        self._copy(pool_group, device_slots, host_slots, out=False)
+        self.free[pool_group].extend(host_slots)
+        self.stats.onboarded_blocks += len(host_slots)
+        self.stats.onboarded_bytes += len(host_slots) * self.slot_bytes[pool_group]
+
+    def clear(self) -> None:
+        for pg, lru in self.lru.items():
+            self.free[pg].extend(lru.values())
+            lru.clear()
+
+    def used_slots(self, pool_group: int) -> np.ndarray:
+        return np.fromiter(self.lru[pool_group].values(), dtype=np.int64)

@@ -1,0 +1,176 @@
+"""The host tier (docs/host-tier.md): evicted cached blocks offloaded to host memory, prefix
+hits onboarded from it, with a checksum in every block's KV to prove nothing is corrupted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import layer, manager
+
+from kvcm import KVCacheManager
+from kvcm_client.errors import InvalidArgument, OutOfBlocks
+
+TPB = 4
+
+
+def _words(m: KVCacheManager) -> np.ndarray:
+    """Pool 0 as int64 words, [slots, words per slot]: the test writes checksums there."""
+    return (
+        m.memory.tensors[0]
+        .view(-1)
+        .numpy()
+        .view(np.int64)
+        .reshape(m.memory.tensors[0].shape[0], -1)
+    )
+
+
+def _sum(tokens: list[int]) -> int:
+    """The KV content the test writes for a block whose prefix is ``tokens``."""
+    return hash(tuple(tokens)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def test_evicted_blocks_go_to_the_host_and_come_back_on_a_hit() -> None:
+    m = manager([layer(0)], num_blocks=4, host_memory_bytes=1 << 16)
+    words = _words(m)
+    prompt = list(range(9))
+    m.allocate("a", 9, token_ids=prompt)  # blocks 0, 1, 2
+    m.commit("a", prompt)
+    for b, slot in enumerate(m.block_table("a")[0]):
+        words[slot] = b + 100
+    m.free("a")  # 0 and 1 cached (idle), 2 free
+    m.allocate("b", 16)  # takes every slot: 0 and 1 are copied to the host first
+    assert m.host_stats()["offloaded_blocks"] == 2 and m.host_stats()["host_used"] == {0: 2}
+    words[:] = -1  # b overwrites everything on the device
+    m.free("b")
+    assert m.probe(prompt) == 0 and m.probe_tiers(prompt) == (0, 8)
+    info = m.allocate("c", 9, token_ids=prompt)
+    assert info.num_hit_tokens == 8
+    table = m.block_table("c")[0]
+    assert [int(words[s][0]) for s in table[:2]] == [100, 101]  # the pages came back
+    stats = m.host_stats()
+    assert stats["onboarded_blocks"] == 2 and stats["host_used"] == {0: 0}
+
+
+def test_a_full_host_drops_its_least_recently_used_blocks() -> None:
+    # 1 << 9 bytes over 8 device slots of 128 bytes: 4 host slots.
+    m = manager([layer(0)], num_blocks=8, host_memory_bytes=1 << 9)
+    assert m.host_stats()["host_slots"] == {0: 4}
+    for i in range(3):  # three prompts of 2 full blocks, cached then evicted
+        prompt = [i * 100 + t for t in range(9)]
+        m.allocate(f"p{i}", 9, token_ids=prompt)
+        m.commit(f"p{i}", prompt)
+        m.free(f"p{i}")
+        m.allocate("fill", 32)  # every slot: the cached blocks go to the host
+        m.free("fill")
+    stats = m.host_stats()
+    assert stats["host_used"] == {0: 4} and stats["dropped_blocks"] == 2
+    assert m.probe_tiers([t for t in range(9)]) == (0, 0)  # p0's blocks were dropped
+    assert m.probe_tiers([200 + t for t in range(9)]) == (0, 8)
+
+
+def test_onboarding_stops_where_free_slots_end() -> None:
+    m = manager([layer(0)], num_blocks=6, host_memory_bytes=1 << 16)
+    prompt = list(range(17))
+    m.allocate("a", 17, token_ids=prompt)
+    m.commit("a", prompt)
+    m.free("a")
+    m.allocate("fill", 24)  # all 6 slots: a's 4 cached blocks offloaded
+    m.free("fill")
+    m.allocate("hold", 16)  # 4 slots held: 2 free
+    with pytest.raises(OutOfBlocks):
+        m.allocate("b", 17, token_ids=prompt)  # 2 onboarded, then 1 more block is needed
+    assert m.probe_tiers(prompt) == (8, 8)  # the 2 onboarded are on the device now
+    m.free("hold")
+    assert m.allocate("b", 17, token_ids=prompt).num_hit_tokens == 16
+
+
+def test_sliding_window_layers_are_refused_for_now() -> None:
+    with pytest.raises(InvalidArgument):
+        manager([layer(0, sliding_window=8)], num_blocks=8, host_memory_bytes=1 << 16)
+
+
+@pytest.mark.parametrize(("seed", "cycles"), [(0, 100_000), (1, 6000)])
+def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles: int) -> None:
+    """Many allocate / extend / commit / free cycles with shared prefixes on a pool much
+    smaller than the working set, so that blocks are evicted to the host, dropped there and
+    onboarded again. The test writes a checksum of each block's token prefix into its KV
+    (what an engine writes), then checks every live request's blocks against it: a block
+    served from the host must hold exactly the KV its key was computed for."""
+    rng = np.random.default_rng(seed)
+    m = manager(
+        [layer(0)], num_blocks=20, max_requests=6, max_seq_len=48, host_memory_bytes=1 << 11
+    )  # 16 host slots
+    words = _words(m)
+    families = [rng.integers(0, 1000, 40).tolist() for _ in range(8)]
+    seqs: dict[str, list[int]] = {}
+    counter = 0
+
+    def write(rid: str, start: int) -> None:
+        seq = seqs[rid]
+        table = m.block_table(rid)[0]
+        for b in range(start // TPB, -(-len(seq) // TPB)):
+            words[table[b]] = _sum(seq[: min(len(seq), (b + 1) * TPB)])
+
+    def check(rid: str) -> None:
+        seq = seqs[rid]
+        table = m.block_table(rid)[0]
+        got = words[table[: -(-len(seq) // TPB)], 0].tolist()
+        want = [_sum(seq[: min(len(seq), (b + 1) * TPB)]) for b in range(len(got))]
+        assert got == want, (rid, seq)
+
+    for cycle in range(cycles):
+        choice = rng.integers(0, 3)
+        if choice == 0 and len(seqs) < 6:
+            family = families[rng.integers(0, len(families))]
+            n = int(rng.integers(2, 30))
+            seq = (
+                family[:n]
+                if rng.random() < 0.7
+                else [*family[: n // 2], *rng.integers(0, 1000, n - n // 2).tolist()]
+            )
+            rid = f"r{counter}"
+            counter += 1
+            try:
+                info = m.allocate(rid, len(seq), token_ids=seq)
+            except OutOfBlocks:
+                continue
+            seqs[rid] = seq
+            write(rid, info.num_hit_tokens)
+            m.commit(rid, seq[info.num_hit_tokens :])
+            check(rid)
+        elif choice == 1 and seqs:
+            rid = list(seqs)[rng.integers(0, len(seqs))]
+            k = int(rng.integers(1, 5))
+            if len(seqs[rid]) + k > 48:
+                continue
+            try:
+                m.extend(rid, k)
+            except OutOfBlocks:
+                continue
+            start = len(seqs[rid])
+            seqs[rid] = seqs[rid] + rng.integers(0, 1000, k).tolist()
+            write(rid, start)
+            m.commit(rid, seqs[rid][start:])
+            check(rid)
+        elif seqs:
+            rid = list(seqs)[rng.integers(0, len(seqs))]
+            check(rid)
+            m.free(rid)
+            del seqs[rid]
+        if cycle % 200 == 0:
+            for rid in seqs:
+                check(rid)
+    stats = m.host_stats()
+    assert stats["offloaded_blocks"] > 500 and stats["onboarded_blocks"] > 100
+    assert stats["dropped_blocks"] > 0
+    for rid in list(seqs):
+        check(rid)
+        m.free(rid)
+    # No leaked slot in either tier: every device slot free again, every host slot free or
+    # indexed exactly once.
+    assert m.num_free_blocks() == m.num_total_blocks()
+    host = m._host
+    assert host is not None
+    used = sorted(host.lru[0].values())
+    assert len(set(used)) == len(used)
+    assert sorted(used + host.free[0]) == list(range(host.num_slots[0]))
