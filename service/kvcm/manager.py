@@ -81,7 +81,7 @@ from .hashing import (
     root_key,
     token_bytes,
 )
-from .host_tier import HostTier
+from .host_tier import HostTier, onboard_prefix
 from .ids import LayerGroupId, PoolGroupId
 from .layout import BufferPlacement, Layout, build_layout
 from .ops import plain_ops
@@ -590,83 +590,9 @@ class KVCacheManager:
         lora_id: int | str | None,
         has_salt: bool,
     ) -> None:
-        """Bring the host-resident blocks of a prompt's reusable prefix back to the device,
-        so that the hit that follows finds them there (docs/host-tier.md).
-
-        The prefix is the run of keys every layer group holds on the device or the host, at
-        most ``num_tokens - 1`` tokens. Its idle device blocks are pinned first (held once,
-        out of the queue) so that the slots taken for the host blocks cannot evict them; the
-        host blocks are reserved (out of the host index) before those slots are taken, since
-        taking them may offload other blocks to a full host. If the free slots do not cover
-        every host block, the prefix is cut where they do. Example (tpb 4, 1 group): blocks
-        0-1 cached on the device, 2-3 on the host, a 17-token prompt: 2 slots are taken, the
-        host pages copied into them and published; the allocate then hits 16 tokens.
-        """
-        host, c = self._host, self._coord
-        assert host is not None
-        cache = c.cache
-        groups = range(len(self.layout.layer_groups))
+        assert self._host is not None
         cap = min(len(keys), (num_tokens - 1) // self.tokens_per_block)
-        if cap <= 0 or not all(cache.reusable):
-            return
-        index = [cache.scope(g, root) for g in groups]
-        end = 0
-        while end < cap and all(
-            keys[end] in index[g] or host.holds(g, root, keys[end]) for g in groups
-        ):
-            end += 1
-
-        def missing(upto: int) -> dict[int, list[int]]:
-            return {g: [b for b in range(upto) if keys[b] not in index[g]] for g in groups}
-
-        gaps = missing(end)
-        if not any(gaps.values()):
-            return
-        pinned: dict[int, list[int]] = {}
-        for g in groups:
-            pg = c.group_pool[g]
-            for b in range(end):
-                slot = index[g].get(keys[b])
-                if slot is not None and c.refs[pg][slot] == 0:
-                    c.pools[pg].claim(np.array([slot]))
-                    c.refs[pg][slot] = 1
-                    pinned.setdefault(pg, []).append(slot)
-        while end:
-            need: dict[int, int] = {}
-            for g, blocks in gaps.items():
-                need[c.group_pool[g]] = need.get(c.group_pool[g], 0) + len(blocks)
-            if all(n <= c.pools[pg].num_free for pg, n in need.items()):
-                break
-            end -= 1
-            gaps = missing(end)
-        taken: dict[int, list[int]] = {}
-        if any(gaps.values()):
-            reserved = {
-                g: host.reserve(c.group_pool[g], [(g, root, keys[b]) for b in blocks])
-                for g, blocks in gaps.items()
-            }
-            step = 4 * self.tokens_per_block
-            for g, blocks in gaps.items():
-                if not blocks:
-                    continue
-                pg = c.group_pool[g]
-                slots = c._take(pg, len(blocks)).tolist()
-                host.onboard(pg, reserved[g], slots)
-                taken.setdefault(pg, []).extend(slots)
-                for b, slot in zip(blocks, slots, strict=True):
-                    cache.store(
-                        g,
-                        root,
-                        [keys[b]],
-                        [slot],
-                        keys[b - 1] if b else None,
-                        data[b * step : (b + 1) * step],
-                        lora_id,
-                        has_salt,
-                    )
-        # Onboarded blocks become idle cached blocks; pinned ones idle again (queue tail).
-        for pg, slots in (*taken.items(), *pinned.items()):
-            c._unref(pg, np.array(slots, dtype=np.int64))
+        onboard_prefix(self._coord, self._host, root, keys, cap, data, lora_id, has_salt)
 
     def probe_tiers(
         self,
