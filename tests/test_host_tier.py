@@ -174,3 +174,48 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles:
     used = sorted(host.lru[0].values())
     assert len(set(used)) == len(used)
     assert sorted(used + host.free[0]) == list(range(host.num_slots[0]))
+
+
+def test_the_service_offloads_and_onboards_and_says_so() -> None:
+    """A real ``kvcm serve``: the registered model has a host tier; stats and metrics show
+    the blocks that went to the host and came back."""
+    import httpx
+    from servers import serve_process
+
+    from kvcm_client import KVCacheClient
+
+    with serve_process(model=False) as (url, _, _), KVCacheClient(url) as kv:
+        kv.register_model(
+            layers=[{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
+            num_blocks=4,
+            tokens_per_block=4,
+            max_seq_len=64,
+            null_page=False,
+            host_memory_bytes=1 << 16,
+        )
+        prompt = list(range(9))
+        kv.allocate("a", 9, token_ids=prompt)
+        kv.commit("a", prompt)
+        kv.free("a")
+        kv.allocate("b", 16)  # every slot: a's 2 cached blocks go to the host
+        kv.free("b")
+        assert kv.allocate("c", 9, token_ids=prompt).num_hit_tokens == 8
+        host = kv.stats().host_tier
+        assert host is not None
+        assert (host.offloaded_blocks, host.onboarded_blocks, host.host_used) == (2, 2, {0: 0})
+        text = httpx.get(f"{url}/metrics").text
+        assert "kvcm_host_onboarded_blocks_total 2.0" in text
+        assert 'kvcm_host_slots{pool_group="0"}' in text
+
+
+def test_kvcm_serve_host_memory_flag_sizes_the_tier() -> None:
+    from servers import serve_process
+
+    from kvcm_client import KVCacheClient
+
+    # The embedded model's slot: 32 layers x 16 tokens x 8 heads x 128 x 2 bytes (fp16)
+    # for the keys, the same for the values: 2 MiB.
+    args = ("--default-model", "--num-blocks", "4", "--host-memory", "8MiB")
+    with serve_process(*args) as (url, _, _), KVCacheClient(url) as kv:
+        host = kv.stats().host_tier
+        assert host is not None and host.host_slots == {0: 4}

@@ -447,6 +447,8 @@ class KVCacheClient:
         max_lookahead: int | None = None,
         null_page: bool | None = None,
         share: bool | None = None,
+        kv_events: bool | None = None,
+        host_memory_bytes: int | None = None,
     ) -> ModelInfo:
         """Register the model (``ModelRegistration``: ``layers`` or ``hf_config``, at most
         one budget; what is left out takes the service's flags). Refused while requests are
@@ -806,6 +808,8 @@ class AsyncKVCacheClient:
         max_lookahead: int | None = None,
         null_page: bool | None = None,
         share: bool | None = None,
+        kv_events: bool | None = None,
+        host_memory_bytes: int | None = None,
     ) -> ModelInfo:
         """As ``KVCacheClient.register_model``."""
         return await self._run(calls.register_model(_fields(locals())))

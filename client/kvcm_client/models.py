@@ -508,6 +508,19 @@ class PrefixCacheStats(_Frozen):
     cached_blocks: dict[int, int]
 
 
+class HostTierStats(_Frozen):
+    """The host tier's counters since start, and its slots per pool group."""
+
+    offloaded_blocks: int
+    offloaded_bytes: int
+    onboarded_blocks: int
+    onboarded_bytes: int
+    dropped_blocks: int
+    """Host blocks dropped to make room (its own LRU)."""
+    host_slots: dict[int, int]
+    host_used: dict[int, int]
+
+
 class Stats(_Frozen):
     """Slot counts per pool group (usable slots: the null page's slot 0 is not one), and what
     one new request can get in every layer group (``request_free_blocks``:
@@ -520,6 +533,8 @@ class Stats(_Frozen):
     request_free_blocks: int
     request_total_blocks: int
     prefix_cache: PrefixCacheStats | None = None
+    host_tier: HostTierStats | None = None
+    """None without a host tier (docs/host-tier.md)."""
 
 
 class KVEvent(_Frozen):
@@ -731,6 +746,9 @@ class ModelRegistration(_Frozen):
     share: StrictBool | None = None
     kv_events: StrictBool | None = None
     """Record KV events (``ManagerConfig.kv_events``); None: as the service (on by default)."""
+    host_memory_bytes: StrictPosInt | None = None
+    """A host tier of this many bytes (``ManagerConfig.host_memory_bytes``); None: as the
+    service (``kvcm serve --host-memory``; none by default)."""
 
     @model_validator(mode="after")
     def _rules(self) -> ModelRegistration:

@@ -53,6 +53,7 @@ _MODEL_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--kv-dtype", {"help": "KV dtype (fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, nvfp4)"}),
     ("--tensor-parallel", {"type": int, "help": "ranks the KV heads are split over"}),
     ("--memory", {"help": "KV budget, e.g. 8GiB or 512MiB"}),
+    ("--host-memory", {"help": "a host tier for evicted cached blocks, e.g. 32GiB"}),
     ("--num-blocks", {"type": int, "help": "slots per pool group (instead of --memory)"}),
     ("--tokens-per-block", {"type": int}),
     ("--device", {"help": "cpu or cuda[:N]"}),

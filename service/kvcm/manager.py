@@ -41,6 +41,7 @@ from kvcm_client.models import (
     Estimate,
     ExtendOp,
     FreeOp,
+    HostTierStats,
     KVEvents,
     ManagerConfig,
     ModelInfo,
@@ -1539,6 +1540,7 @@ class KVCacheManager:
                 evictions=st.evictions,
                 cached_blocks={i: cache.num_cached(i) for i in free},
             ),
+            host_tier=HostTierStats(**self.host_stats()) if self._host is not None else None,
         )
 
     def pools(self) -> SharedLayout:

@@ -46,6 +46,7 @@ def defaults_of(config: ManagerConfig) -> dict[str, Any]:
         "kv_events": config.kv_events,
         "memory_bytes": config.memory_bytes,
         "num_blocks": config.num_blocks,
+        "host_memory_bytes": config.host_memory_bytes,
     }
 
 

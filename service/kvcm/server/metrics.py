@@ -72,6 +72,25 @@ class _StateCollector(Collector):
         for pg, value in sorted(cache.cached_blocks.items()):
             family.add_metric([str(pg)], value)
         yield family
+        host = stats.host_tier
+        if host is None:
+            return
+        for name, value, text in (
+            ("kvcm_host_offloaded_blocks", host.offloaded_blocks, "Blocks copied to the host"),
+            ("kvcm_host_offloaded_bytes", host.offloaded_bytes, "Bytes copied to the host"),
+            ("kvcm_host_onboarded_blocks", host.onboarded_blocks, "Blocks copied back"),
+            ("kvcm_host_onboarded_bytes", host.onboarded_bytes, "Bytes copied back"),
+            ("kvcm_host_dropped_blocks", host.dropped_blocks, "Host blocks dropped for room"),
+        ):
+            yield CounterMetricFamily(name, text, value=value)
+        for name, values, text in (
+            ("kvcm_host_slots", host.host_slots, "Host tier slots per pool group"),
+            ("kvcm_host_used", host.host_used, "Host tier slots holding a block"),
+        ):
+            family = GaugeMetricFamily(name, text, labels=["pool_group"])
+            for pg, value in sorted(values.items()):
+                family.add_metric([str(pg)], value)
+            yield family
 
 
 class Metrics:

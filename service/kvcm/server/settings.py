@@ -97,6 +97,8 @@ class Settings(BaseSettings):
     tensor_parallel: int = Field(default=1, ge=1)
     # -- sizing overrides --
     memory: int | None = None
+    host_memory: int | None = None
+    """A host tier of this many bytes (``ManagerConfig.host_memory_bytes``, docs/host-tier.md)."""
     num_blocks: int | None = Field(default=None, gt=0)
     tokens_per_block: int | None = Field(default=None, gt=0)
     device: str | None = None
@@ -130,7 +132,7 @@ class Settings(BaseSettings):
     log_level: str = "info"
     access_log: bool = False
 
-    @field_validator("memory", mode="before")
+    @field_validator("memory", "host_memory", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         return None if value is None else parse_size(value)
@@ -162,6 +164,7 @@ class Settings(BaseSettings):
         service's (the flags are in it, and a ``config`` file may name its own)."""
         out = {key: getattr(self, key) for key in _REGISTRATION_DEFAULTS}
         out["memory_bytes"] = self.memory
+        out["host_memory_bytes"] = self.host_memory
         if started is not None:
             out |= defaults_of(started)
         return out
@@ -206,6 +209,8 @@ class Settings(BaseSettings):
             raw["share"] = self.share
         elif "share" not in raw:
             raw["share"] = str(raw.get("device", "cpu")) == "cpu"
+        if self.host_memory is not None:
+            raw["host_memory_bytes"] = self.host_memory
         if self.memory is not None:
             raw["memory_bytes"], raw["num_blocks"] = self.memory, None
         elif self.num_blocks is not None:
