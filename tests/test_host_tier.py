@@ -8,7 +8,7 @@ import pytest
 from helpers import layer, manager
 
 from kvcm import KVCacheManager
-from kvcm_client.errors import InvalidArgument, OutOfBlocks
+from kvcm_client.errors import InvalidArgument, OutOfBlocks, status_of
 
 TPB = 4
 
@@ -91,11 +91,12 @@ def test_sliding_window_layers_are_refused_for_now() -> None:
 
 @pytest.mark.parametrize(("seed", "cycles"), [(0, 100_000), (1, 6000)])
 def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles: int) -> None:
-    """Many allocate / extend / commit / free cycles with shared prefixes on a pool much
-    smaller than the working set, so that blocks are evicted to the host, dropped there and
-    onboarded again. The test writes a checksum of each block's token prefix into its KV
-    (what an engine writes), then checks every live request's blocks against it: a block
-    served from the host must hold exactly the KV its key was computed for."""
+    """Many allocate / extend / commit / free / suspend / resume cycles with shared prefixes
+    on a pool much smaller than the working set, so that blocks are evicted to the host,
+    dropped there and onboarded again, and requests are preempted to the host and back.
+    The test writes a checksum of each block's token prefix into its KV (what an engine
+    writes), then checks every live request's blocks against it: a block served from the
+    host must hold exactly the KV its key was computed for."""
     rng = np.random.default_rng(seed)
     m = manager(
         [layer(0)], num_blocks=20, max_requests=6, max_seq_len=48, host_memory_bytes=1 << 11
@@ -118,8 +119,35 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles:
         want = [_sum(seq[: min(len(seq), (b + 1) * TPB)]) for b in range(len(got))]
         assert got == want, (rid, seq)
 
+    suspended: set[str] = set()
     for cycle in range(cycles):
-        choice = rng.integers(0, 3)
+        choice = rng.integers(0, 5)
+        live = [r for r in seqs if r not in suspended]
+        if choice == 3 and live:  # preemption: the blocks go to the host, the row stays
+            rid = live[rng.integers(0, len(live))]
+            check(rid)
+            try:
+                m.suspend(rid)
+            except OutOfBlocks:
+                continue
+            suspended.add(rid)
+            continue
+        if choice == 4 and suspended:
+            rid = sorted(suspended)[rng.integers(0, len(suspended))]
+            if rng.random() < 0.2:
+                m.free(rid)
+                del seqs[rid]
+                suspended.discard(rid)
+                continue
+            try:
+                m.resume(rid)
+            except OutOfBlocks:
+                continue
+            suspended.discard(rid)
+            check(rid)
+            continue
+        if choice > 2:
+            continue
         if choice == 0 and len(seqs) < 6:
             family = families[rng.integers(0, len(families))]
             n = int(rng.integers(2, 30))
@@ -138,8 +166,8 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles:
             write(rid, info.num_hit_tokens)
             m.commit(rid, seq[info.num_hit_tokens :])
             check(rid)
-        elif choice == 1 and seqs:
-            rid = list(seqs)[rng.integers(0, len(seqs))]
+        elif choice == 1 and live:
+            rid = live[rng.integers(0, len(live))]
             k = int(rng.integers(1, 5))
             if len(seqs[rid]) + k > 48:
                 continue
@@ -152,25 +180,28 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles:
             write(rid, start)
             m.commit(rid, seqs[rid][start:])
             check(rid)
-        elif seqs:
-            rid = list(seqs)[rng.integers(0, len(seqs))]
+        elif choice == 2 and live:
+            rid = live[rng.integers(0, len(live))]
             check(rid)
             m.free(rid)
             del seqs[rid]
         if cycle % 200 == 0:
             for rid in seqs:
-                check(rid)
+                if rid not in suspended:
+                    check(rid)
     stats = m.host_stats()
     assert stats["offloaded_blocks"] > 500 and stats["onboarded_blocks"] > 100
     assert stats["dropped_blocks"] > 0
     for rid in list(seqs):
+        if rid in suspended:
+            m.resume(rid)
         check(rid)
         m.free(rid)
     # No leaked slot in either tier: every device slot free again, every host slot free or
     # indexed exactly once.
     assert m.num_free_blocks() == m.num_total_blocks()
     host = m._host
-    assert host is not None
+    assert host is not None and host.held[0] == 0
     used = sorted(host.lru[0].values())
     assert len(set(used)) == len(used)
     assert sorted(used + host.free[0]) == list(range(host.num_slots[0]))
@@ -219,3 +250,57 @@ def test_kvcm_serve_host_memory_flag_sizes_the_tier() -> None:
     with serve_process(*args) as (url, _, _), KVCacheClient(url) as kv:
         host = kv.stats().host_tier
         assert host is not None and host.host_slots == {0: 4}
+
+
+def test_suspend_moves_a_request_to_the_host_and_resume_brings_it_back() -> None:
+    from kvcm_client.errors import RequestSuspended
+
+    m = manager([layer(0)], num_blocks=6, host_memory_bytes=1 << 16)
+    words = _words(m)
+    a = m.allocate("a", 10)  # 3 blocks
+    for b, slot in enumerate(m.block_table("a")[0]):
+        words[slot] = 500 + b
+    m.commit("a", list(range(6)))
+    info = m.suspend("a")
+    assert info.num_tokens == 10 and info.num_committed == 6
+    assert m.num_free_blocks() == 6 and m.host_stats()["host_used"] == {0: 0}
+    assert m._host is not None and m._host.held[0] == 3
+    for op in (lambda: m.extend("a", 1), lambda: m.block_table("a"), lambda: m.suspend("a")):
+        with pytest.raises(RequestSuspended):
+            op()
+    out = m.step_columns(extend=[a.handle])  # its handle names nothing while suspended
+    assert out.status["extend"].tolist() == [status_of("unknown_request")]
+    results = m.step([{"op": "extend", "request_id": "a", "num_new_tokens": 1}])
+    assert results[0].error is not None and results[0].error.code == "request_suspended"
+    m.allocate("x", 24)  # every slot, overwritten
+    words[:] = -1
+    with pytest.raises(OutOfBlocks):
+        m.resume("a")  # no room: nothing changes
+    assert "a" in m._suspended and m._host.held[0] == 3
+    m.free("x")
+    back = m.resume("a")
+    assert back.handle == a.handle and back.num_tokens == 10
+    assert [int(words[s][0]) for s in m.block_table("a")[0]] == [500, 501, 502]
+    assert m.committed_tokens("a") == list(range(6)) and m._host.held[0] == 0
+    m.extend("a", 3)  # an ordinary request again
+    m.free("a")
+    assert m.num_free_blocks() == 6
+
+
+def test_a_suspend_the_host_cannot_hold_changes_nothing() -> None:
+    m = manager([layer(0)], num_blocks=8, host_memory_bytes=1 << 8)  # 2 host slots
+    m.allocate("a", 12)  # 3 blocks
+    with pytest.raises(OutOfBlocks) as exc:
+        m.suspend("a")
+    assert exc.value.detail["tier"] == "host"
+    assert m.block_table("a") == [[0, 1, 2]] and m.num_free_blocks() == 5
+
+
+def test_freeing_a_suspended_request_frees_its_host_slots() -> None:
+    m = manager([layer(0)], num_blocks=8, host_memory_bytes=1 << 16)
+    m.allocate("a", 12)
+    m.suspend("a")
+    m.free("a")
+    assert m._host is not None and m._host.held[0] == 0
+    assert sorted(m._host.free[0]) == list(range(m._host.num_slots[0]))
+    assert m.request_ids() == [] and m.num_free_blocks() == 8

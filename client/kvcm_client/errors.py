@@ -150,6 +150,13 @@ class RequestsLive(KVCMError):
     status = 409
 
 
+class RequestSuspended(KVCMError):
+    """The request is suspended (its blocks are on the host tier): resume it first."""
+
+    code = "request_suspended"
+    status = 409
+
+
 class StepAborted(KVCMError):
     """An op of an all-or-nothing step that was not applied because another op failed."""
 
@@ -258,6 +265,7 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         DeviceUnavailable,
         RequestsLive,
         StepAborted,
+        RequestSuspended,
         StaleGeneration,
         RewindIntoSharedBlock,
         CopyIntoSharedBlock,
@@ -315,6 +323,7 @@ STATUS_CODES: tuple[str, ...] = (
     "service_unavailable",
     "no_model",
     "model_wait_timeout",
+    "request_suspended",
 )
 STATUS_OF: dict[str, int] = {code: i for i, code in enumerate(STATUS_CODES)}
 

@@ -95,6 +95,8 @@ class HostTier:
         #: Per pool group: free host slots (a stack), and key -> host slot in LRU order.
         self.free = {pg: list(range(n - 1, -1, -1)) for pg, n in host_slots.items()}
         self.lru: dict[int, OrderedDict[HostKey, int]] = {pg: OrderedDict() for pg in host_slots}
+        #: Per pool group: host slots held by suspended requests (private, never dropped).
+        self.held = dict.fromkeys(host_slots, 0)
         self.stats = HostStats()
 
     # -- queries ---------------------------------------------------------------------------------
@@ -130,8 +132,9 @@ class HostTier:
 
     def offload(self, pool_group: int, entries: list[tuple[int, HostKey]]) -> None:
         """Copy evicted device blocks (device slot, key) to host slots, dropping the host's
-        least recently used blocks when it is full. Called before the device slots are
-        handed out again."""
+        least recently used blocks when it is full (a block finds no room at all only when
+        suspended requests hold every host slot: it is dropped then). Called before the
+        device slots are handed out again."""
         if not self.num_slots.get(pool_group):
             return
         lru, free = self.lru[pool_group], self.free[pool_group]
@@ -141,6 +144,9 @@ class HostTier:
                 lru.move_to_end(key)
                 continue
             if not free:
+                if not lru:  # every host slot is held by a suspended request: dropped
+                    self.stats.dropped_blocks += 1
+                    continue
                 _, dropped = lru.popitem(last=False)
                 free.append(dropped)
                 self.stats.dropped_blocks += 1
@@ -166,6 +172,40 @@ class HostTier:
         self.free[pool_group].extend(host_slots)
         self.stats.onboarded_blocks += len(host_slots)
         self.stats.onboarded_bytes += len(host_slots) * self.slot_bytes[pool_group]
+
+    # -- suspended requests --------------------------------------------------------------------
+
+    def room(self, pool_group: int) -> int:
+        """Host slots a suspend can have: the free ones and those of cached blocks (dropped
+        for it, least recently used first)."""
+        return len(self.free[pool_group]) + len(self.lru[pool_group])
+
+    def hold(self, pool_group: int, device_slots: list[int]) -> list[int]:
+        """Copy device slots (a suspended request's blocks) into private host slots, which
+        no LRU drops; the caller checked ``room``."""
+        free, lru = self.free[pool_group], self.lru[pool_group]
+        while len(free) < len(device_slots):
+            _, dropped = lru.popitem(last=False)
+            free.append(dropped)
+            self.stats.dropped_blocks += 1
+        host_slots = [free.pop() for _ in device_slots]
+        self._copy(pool_group, device_slots, host_slots, out=True)
+        self.held[pool_group] += len(host_slots)
+        self.stats.offloaded_blocks += len(host_slots)
+        self.stats.offloaded_bytes += len(host_slots) * self.slot_bytes[pool_group]
+        return host_slots
+
+    def give_back(self, pool_group: int, host_slots: list[int], device_slots: list[int]) -> None:
+        """Copy held host slots into device slots (resume) and free them."""
+        self._copy(pool_group, device_slots, host_slots, out=False)
+        self.discard(pool_group, host_slots)
+        self.stats.onboarded_blocks += len(host_slots)
+        self.stats.onboarded_bytes += len(host_slots) * self.slot_bytes[pool_group]
+
+    def discard(self, pool_group: int, host_slots: list[int]) -> None:
+        """Free held host slots (a suspended request that is freed)."""
+        self.free[pool_group].extend(host_slots)
+        self.held[pool_group] -= len(host_slots)
 
     def clear(self) -> None:
         for pg, lru in self.lru.items():

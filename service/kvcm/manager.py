@@ -26,9 +26,11 @@ from kvcm_client.errors import (
     InvalidArgument,
     KVCMError,
     KVEventsDisabled,
+    OutOfBlocks,
     PrefixCacheInUse,
     RequestLimitReached,
     RequestsLive,
+    RequestSuspended,
     RewindIntoSharedBlock,
     SequenceTooLong,
     StepAborted,
@@ -220,6 +222,15 @@ class _PrefixState:
     prompt_keys: list[bytes]
 
 
+@dataclass(frozen=True, slots=True)
+class _Suspended:
+    """A suspended request: per layer group, the table positions of its blocks and the
+    host slots holding their pages; the handle it gets back at resume."""
+
+    blocks: list[tuple[np.ndarray, list[int]]]
+    handle: int
+
+
 @dataclass(slots=True)
 class _Checkpoint:
     coordinator: Any
@@ -343,6 +354,8 @@ class KVCacheManager:
         self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
         self._host = self._host_tier(cfg)
         self._coord.host = self._host
+        #: Suspended requests: their blocks' positions and host slots per layer group.
+        self._suspended: dict[str, _Suspended] = {}
         self._views = TablesAndViews(
             cfg,
             self.layout,
@@ -380,12 +393,19 @@ class KVCacheManager:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _row(self, request_id: str) -> int:
+    def _row(self, request_id: str, suspended: bool = False) -> int:
+        """The row of a live request; ``RequestSuspended`` for a suspended one unless
+        ``suspended`` (what reads its bookkeeping, frees or resumes it)."""
         try:
-            return self._rows[request_id]
+            row = self._rows[request_id]
         except (KeyError, TypeError):
             shown = str(request_id)[:64]
             raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
+        if not suspended and request_id in self._suspended:
+            raise RequestSuspended(
+                f"request {request_id!r} is suspended: resume it first", request_id=request_id
+            )
+        return row
 
     def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
         # A str is a collection too: "ab" would be the requests "a" and "b".
@@ -400,6 +420,12 @@ class KVCacheManager:
             missing = next(r for r in request_ids if not isinstance(r, str) or r not in rows)
             shown = str(missing)[:64]
             raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
+        if self._suspended:
+            for r in request_ids:
+                if r in self._suspended:
+                    raise RequestSuspended(
+                        f"request {r!r} is suspended: resume it first", request_id=r
+                    )
 
     def _handle_rows(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Rows of int64 handles, and a mask of the live ones (None when all are live).
@@ -639,6 +665,73 @@ class KVCacheManager:
             "host_slots": {int(pg): n for pg, n in host.num_slots.items()},
             "host_used": {int(pg): host.num_used(pg) for pg in host.num_slots},
         }
+
+    def suspend(self, request_id: str) -> RequestInfo:
+        """Move a request's blocks to the host tier and free their device slots; it keeps
+        its id, row, length, committed tokens and keys, and answers ``request_suspended`` to
+        every op but ``request``, ``committed_tokens``, ``free`` and ``resume`` (its handle
+        names nothing until it is resumed). ``OutOfBlocks`` (detail ``tier="host"``) when
+        the host tier cannot hold them even after dropping its cached blocks; nothing
+        changes then (docs/host-tier.md)."""
+        host = self._host
+        if host is None:
+            raise InvalidArgument("suspend needs a host tier (host_memory_bytes)")
+        row = self._row(request_id)
+        c = self._coord
+        blocks = []
+        need: dict[int, int] = {}
+        for g in range(len(self.layout.layer_groups)):
+            seg = c.tables[g][row, : int(c.num_blocks[g][row])]
+            positions = np.flatnonzero(seg > c.empty)
+            blocks.append((positions, seg[positions].tolist()))
+            pg = c.group_pool[g]
+            need[pg] = need.get(pg, 0) + positions.size
+        for pg, n in need.items():
+            if n > host.room(pg):
+                raise OutOfBlocks(
+                    f"the host tier of pool group {pg} has room for {host.room(pg)} of the "
+                    f"{n} blocks to suspend",
+                    pool_group=pg,
+                    needed=n,
+                    free=host.room(pg),
+                    tier="host",
+                )
+        saved = []
+        for g, (positions, slots) in enumerate(blocks):
+            pg = c.group_pool[g]
+            saved.append((positions, host.hold(pg, slots) if slots else []))
+            if slots:
+                c._unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
+                c._set(g, row, positions, None)
+        self._suspended[request_id] = _Suspended(saved, int(self._handle[row]))
+        self._handle[row] = -1
+        return self._info(request_id, row)
+
+    def resume(self, request_id: str) -> RequestInfo:
+        """Bring a suspended request's blocks back into new device slots and rewrite its
+        table row; ``OutOfBlocks`` when the device has too few free slots, and nothing
+        changes. The request has its handle back."""
+        row = self._row(request_id, suspended=True)
+        saved = self._suspended.get(request_id)
+        if saved is None:
+            raise InvalidArgument(f"request {request_id!r} is not suspended", request_id=request_id)
+        assert self._host is not None
+        c = self._coord
+        need = [0] * len(c.pools)
+        for g, (positions, _) in enumerate(saved.blocks):
+            need[c.group_pool[g]] += positions.size
+        c.check_fits(need)
+        for g, (positions, host_slots) in enumerate(saved.blocks):
+            if not host_slots:
+                continue
+            pg = c.group_pool[g]
+            slots = c._take(pg, len(host_slots))
+            self._host.give_back(pg, host_slots, slots.tolist())
+            c._set(g, row, positions, slots)
+        c.ops_since_take += 1
+        del self._suspended[request_id]
+        self._handle[row] = saved.handle
+        return self._info(request_id, row)
 
     def _check_prompt(self, token_ids: Any, num_tokens: int | None) -> None:
         """Refuse a prompt of the wrong length before any work on it (hashing a prompt is the
@@ -1009,12 +1102,18 @@ class KVCacheManager:
 
     def committed_tokens(self, request_id: str) -> list[int]:
         """The committed token ids of a request, in order (a copy)."""
-        self._row(request_id)
+        self._row(request_id, suspended=True)
         return np.frombuffer(bytes(self._tokens[request_id]), dtype="<i4").tolist()
 
     def free(self, request_id: str) -> None:
         """End a request: its blocks go back to the pools (cached ones stay cached)."""
-        self._free_row(self._row(request_id))
+        row = self._row(request_id, suspended=True)
+        saved = self._suspended.pop(request_id, None)
+        if saved is not None:
+            assert self._host is not None
+            for g, (_, host_slots) in enumerate(saved.blocks):
+                self._host.discard(self._coord.group_pool[g], host_slots)
+        self._free_row(row)
 
     def _free_row(self, row: int) -> str:
         """Free a live row; returns its request id."""
@@ -1247,8 +1346,13 @@ class KVCacheManager:
             j = where[e.section][e.index]
             exc = e.error
             if isinstance(exc, UnknownRequest):
-                shown = str(piece[j]["request_id"])[:64]
-                exc = UnknownRequest(f"unknown request {shown!r}", request_id=shown)
+                rid = piece[j]["request_id"]
+                shown = str(rid)[:64]
+                exc = (
+                    RequestSuspended(f"request {shown!r} is suspended", request_id=shown)
+                    if isinstance(rid, str) and rid in self._suspended
+                    else UnknownRequest(f"unknown request {shown!r}", request_id=shown)
+                )
             results[j] = {"ok": False, "request": None, "error": exc.to_dict()}
         return results
 
@@ -1357,7 +1461,7 @@ class KVCacheManager:
         ]
 
     def request(self, request_id: str) -> RequestInfo:
-        return self._info(request_id, self._row(request_id))
+        return self._info(request_id, self._row(request_id, suspended=True))
 
     def request_ids(self) -> list[str]:
         return list(self._rows)
