@@ -8,20 +8,18 @@ import pytest
 from helpers import layer, manager
 
 from kvcm import KVCacheManager
-from kvcm_client.errors import InvalidArgument, OutOfBlocks, status_of
+from kvcm_client.errors import OutOfBlocks, status_of
 
 TPB = 4
 
 
-def _words(m: KVCacheManager) -> np.ndarray:
-    """Pool 0 as int64 words, [slots, words per slot]: the test writes checksums there."""
-    return (
-        m.memory.tensors[0]
-        .view(-1)
-        .numpy()
-        .view(np.int64)
-        .reshape(m.memory.tensors[0].shape[0], -1)
-    )
+def _words(m: KVCacheManager, group: int = 0) -> np.ndarray:
+    """The first pool of a layer group's pool group as int64 words, [slots, words per slot]:
+    the test writes checksums into word 0 of a block's slot (a slot belongs to one block of
+    one layer group at a time, even where layer groups share a pool group)."""
+    pg = m.layout.layer_groups[group].pool_group
+    pool = m.memory.tensors[m.layout.pool_groups[pg].pools[0]]
+    return pool.view(-1).numpy().view(np.int64).reshape(pool.shape[0], -1)
 
 
 def _sum(tokens: list[int]) -> int:
@@ -84,13 +82,12 @@ def test_onboarding_stops_where_free_slots_end() -> None:
     assert m.allocate("b", 17, token_ids=prompt).num_hit_tokens == 16
 
 
-def test_sliding_window_layers_are_refused_for_now() -> None:
-    with pytest.raises(InvalidArgument):
-        manager([layer(0, sliding_window=8)], num_blocks=8, host_memory_bytes=1 << 16)
-
-
-@pytest.mark.parametrize(("seed", "cycles"), [(0, 100_000), (1, 6000)])
-def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "cycles", "windowed"), [(0, 100_000, False), (1, 6000, False), (2, 20_000, True)]
+)
+def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(
+    seed: int, cycles: int, windowed: bool
+) -> None:
     """Many allocate / extend / commit / free / suspend / resume cycles with shared prefixes
     on a pool much smaller than the working set, so that blocks are evicted to the host,
     dropped there and onboarded again, and requests are preempted to the host and back.
@@ -98,26 +95,36 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles:
     writes), then checks every live request's blocks against it: a block served from the
     host must hold exactly the KV its key was computed for."""
     rng = np.random.default_rng(seed)
+    # Windowed: a sliding window of 8 tokens (group 0) beside full attention (group 1), in
+    # one pool group of 40 slots shared by both.
+    layers = [layer(0, sliding_window=8), layer(1)] if windowed else [layer(0)]
     m = manager(
-        [layer(0)], num_blocks=20, max_requests=6, max_seq_len=48, host_memory_bytes=1 << 11
-    )  # 16 host slots
-    words = _words(m)
+        layers,
+        num_blocks=40 if windowed else 20,
+        max_requests=6,
+        max_seq_len=48,
+        host_memory_bytes=1 << 12 if windowed else 1 << 11,
+    )  # 16 host slots per pool group
+    groups = range(len(m.layout.layer_groups))
+    words = [_words(m, g) for g in groups]
     families = [rng.integers(0, 1000, 40).tolist() for _ in range(8)]
     seqs: dict[str, list[int]] = {}
     counter = 0
 
     def write(rid: str, start: int) -> None:
         seq = seqs[rid]
-        table = m.block_table(rid)[0]
-        for b in range(start // TPB, -(-len(seq) // TPB)):
-            words[table[b]] = _sum(seq[: min(len(seq), (b + 1) * TPB)])
+        for g, table in enumerate(m.block_table(rid)):
+            for b in range(start // TPB, -(-len(seq) // TPB)):
+                if table[b] >= 0:  # -1: released by the window
+                    words[g][table[b]] = _sum(seq[: min(len(seq), (b + 1) * TPB)]) + g
 
     def check(rid: str) -> None:
         seq = seqs[rid]
-        table = m.block_table(rid)[0]
-        got = words[table[: -(-len(seq) // TPB)], 0].tolist()
-        want = [_sum(seq[: min(len(seq), (b + 1) * TPB)]) for b in range(len(got))]
-        assert got == want, (rid, seq)
+        for g, table in enumerate(m.block_table(rid)):
+            held = [(b, s) for b, s in enumerate(table[: -(-len(seq) // TPB)]) if s >= 0]
+            got = [int(words[g][s, 0]) for _, s in held]
+            want = [_sum(seq[: min(len(seq), (b + 1) * TPB)]) + g for b, _ in held]
+            assert got == want, (rid, g, seq)
 
     suspended: set[str] = set()
     for cycle in range(cycles):
@@ -201,10 +208,12 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(seed: int, cycles:
     # indexed exactly once.
     assert m.num_free_blocks() == m.num_total_blocks()
     host = m._host
-    assert host is not None and host.held[0] == 0
-    used = sorted(host.lru[0].values())
-    assert len(set(used)) == len(used)
-    assert sorted(used + host.free[0]) == list(range(host.num_slots[0]))
+    assert host is not None
+    for pg in host.num_slots:
+        assert host.held[pg] == 0
+        used = sorted(host.lru[pg].values())
+        assert len(set(used)) == len(used)
+        assert sorted(used + host.free[pg]) == list(range(host.num_slots[pg]))
 
 
 def test_the_service_offloads_and_onboards_and_says_so() -> None:

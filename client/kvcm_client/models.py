@@ -257,8 +257,8 @@ class ManagerConfig(_Frozen):
     host_memory_bytes: PosInt | None = None
     """A host tier of about this many bytes (docs/host-tier.md): cached blocks the device
     evicts are copied there instead of dropped, and prefix hits on them are copied back. It
-    is split between pool groups in proportion to their device slots; full-attention layer
-    groups only (a sliding window's blocks are not offloaded in this version)."""
+    is split between pool groups in proportion to their device bytes. ``suspend`` and
+    ``resume`` need one."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:

@@ -372,11 +372,6 @@ class KVCacheManager:
         to their device bytes (each gets ``floor(share / slot_bytes)`` slots)."""
         if cfg.host_memory_bytes is None:
             return None
-        if any(g.sliding_window is not None for g in self.layout.layer_groups):
-            raise InvalidArgument(
-                "host_memory_bytes needs full-attention layer groups only in this version",
-                host_memory_bytes=cfg.host_memory_bytes,
-            )
         device = {
             int(pg.pool_group_id): self._slots[pg.pool_group_id] * pg.slot_bytes
             for pg in self.layout.pool_groups
