@@ -3,6 +3,8 @@ hits onboarded from it, with a checksum in every block's KV to prove nothing is 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import layer, manager
@@ -239,26 +241,51 @@ def test_the_service_offloads_and_onboards_and_says_so() -> None:
         kv.free("a")
         kv.allocate("b", 16)  # every slot: a's 2 cached blocks go to the host
         kv.free("b")
+        assert kv.probe_tiers(prompt) == (0, 8)
         assert kv.allocate("c", 9, token_ids=prompt).num_hit_tokens == 8
+        handle = kv.request("c").handle
+        kv.suspend("c")  # preempted: 3 blocks to the host, the device empty
+        assert kv.num_free_blocks() == 4
+        from kvcm_client.errors import RequestSuspended
+
+        with pytest.raises(RequestSuspended):
+            kv.extend("c", 1)
+        assert kv.resume("c").handle == handle
+        kv.free("c")
         host = kv.stats().host_tier
         assert host is not None
-        assert (host.offloaded_blocks, host.onboarded_blocks, host.host_used) == (2, 2, {0: 0})
+        # Out: 2 evicted, 3 suspended, and 1 more: a slot the resume took held one of c's
+        # published blocks (idle since the suspend), whose page went to the host first.
+        # Back: 2 onboarded, 3 resumed.
+        assert (host.offloaded_blocks, host.onboarded_blocks, host.host_used) == (6, 5, {0: 1})
         text = httpx.get(f"{url}/metrics").text
-        assert "kvcm_host_onboarded_blocks_total 2.0" in text
+        assert "kvcm_host_onboarded_blocks_total 5.0" in text
+        assert 'kvcm_ops_total{op="suspend",result="ok"} 1.0' in text
         assert 'kvcm_host_slots{pool_group="0"}' in text
 
 
-def test_kvcm_serve_host_memory_flag_sizes_the_tier() -> None:
+def test_kvcm_serve_host_memory_flag_and_suspend_over_the_step_channel(tmp_path: Path) -> None:
+    import httpx
     from servers import serve_process
 
     from kvcm_client import KVCacheClient
 
     # The embedded model's slot: 32 layers x 16 tokens x 8 heads x 128 x 2 bytes (fp16)
     # for the keys, the same for the values: 2 MiB.
+    sock = tmp_path / "s.sock"
     args = ("--default-model", "--num-blocks", "4", "--host-memory", "8MiB")
-    with serve_process(*args) as (url, _, _), KVCacheClient(url) as kv:
+    with (
+        serve_process(*args, "--step-socket", str(sock)) as (url, _, _),
+        KVCacheClient(url, step_socket=sock) as kv,
+    ):
         host = kv.stats().host_tier
         assert host is not None and host.host_slots == {0: 4}
+        kv.allocate("a", 20)  # 2 blocks (the null page takes slot 0: 3 usable)
+        assert kv.suspend("a").num_tokens == 20 and kv.num_free_blocks() == 3
+        assert kv.resume("a").num_tokens == 20 and kv.num_free_blocks() == 1
+        text = httpx.get(f"{url}/metrics").text
+        for op in ("suspend", "resume"):
+            assert f'kvcm_step_channel_frames_total{{op="{op}",result="ok"}} 1.0' in text
 
 
 def test_suspend_moves_a_request_to_the_host_and_resume_brings_it_back() -> None:
@@ -274,7 +301,14 @@ def test_suspend_moves_a_request_to_the_host_and_resume_brings_it_back() -> None
     assert info.num_tokens == 10 and info.num_committed == 6
     assert m.num_free_blocks() == 6 and m.host_stats()["host_used"] == {0: 0}
     assert m._host is not None and m._host.held[0] == 3
-    for op in (lambda: m.extend("a", 1), lambda: m.block_table("a"), lambda: m.suspend("a")):
+    for op in (
+        lambda: m.extend("a", 1),
+        lambda: m.extend_many(["a"]),
+        lambda: m.commit_many(["a"], [[1]]),
+        lambda: m.slot_mappings(["a"]),
+        lambda: m.block_table("a"),
+        lambda: m.suspend("a"),
+    ):
         with pytest.raises(RequestSuspended):
             op()
     out = m.step_columns(extend=[a.handle])  # its handle names nothing while suspended

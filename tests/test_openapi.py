@@ -200,6 +200,9 @@ VALID = {
     "/v1/slot_mapping": {"request_ids": [], "layer_id": 0},
     "/v1/slot_mappings": {"request_ids": []},
     "/v1/probe": {"token_ids": [1]},
+    "/v1/probe_tiers": {"token_ids": [1]},
+    "/v1/suspend": {"request_id": "v"},
+    "/v1/resume": {"request_id": "v"},
     "/v1/step_columns": {},
     "/v1/reset_prefix_cache": {},
     "/v1/consumers": {"pid": 1, "generation": "g"},
@@ -310,6 +313,36 @@ def _specific(call: Recorder, generation: str) -> None:
         call(method, route, "unknown_session", path=route.format(session_id="nope"))
 
 
+def _host_tier(call: Recorder) -> None:
+    """Suspend and resume, and what a suspended request answers (a manager of 8 device
+    slots and 2 host slots; both layer groups share one pool group)."""
+    call("POST", "/v1/allocate", 200, json={"request_id": "s", "num_tokens": 1})
+    call("POST", "/v1/suspend", 200, json={"request_id": "s"})
+    s = {"request_id": "s"}
+    ids = {"request_ids": ["s"]}
+    for method, route, body in (
+        ("POST", "/v1/extend", s | {"num_new_tokens": 1}),
+        ("POST", "/v1/extend_many", ids),
+        ("POST", "/v1/rewind", s | {"num_tokens": 1}),
+        ("POST", "/v1/commit", s | {"token_ids": [1]}),
+        ("POST", "/v1/commit_many", ids | {"token_ids": [[1]]}),
+        ("POST", "/v1/suspend", s),
+        ("POST", "/v1/page_indices", ids | {"layer_id": 0}),
+        ("POST", "/v1/slot_mapping", ids | {"layer_id": 0}),
+        ("POST", "/v1/slot_mappings", ids),
+    ):
+        call(method, route, "request_suspended", json=body)
+    call("GET", "/v1/block_table", "request_suspended", params=s)
+    call("POST", "/v1/allocate", 200, json={"request_id": "t", "num_tokens": 5})  # 4 blocks
+    call("POST", "/v1/suspend", "out_of_blocks", json={"request_id": "t"})  # the host: 2
+    call("POST", "/v1/resume", "invalid_argument", json={"request_id": "t"})  # not suspended
+    call("POST", "/v1/allocate", 200, json={"request_id": "u", "num_tokens": 8})  # device full
+    call("POST", "/v1/resume", "out_of_blocks", json=s)
+    call("POST", "/v1/probe_tiers", "sequence_too_long", json={"token_ids": [1] * 100})
+    call("POST", "/v1/free", 204, json={"request_id": "u"})
+    call("POST", "/v1/resume", 200, json=s)
+
+
 def _without_a_model(call: Recorder) -> None:
     """Every route that needs the model, on a service that has none; and a registration on a
     device the service cannot use."""
@@ -363,6 +396,12 @@ def test_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) ->
     # The same without share=True: /v1/pools has nothing to describe.
     with serve_in_thread(create_app(KVCacheManager(CONFIG))) as url:
         samples.append(("GET", "/v1/pools", httpx.get(f"{url}/v1/pools")))
+    # A host tier: a suspended request refuses every op that needs its blocks.
+    host = CONFIG | {"num_blocks": 8, "host_memory_bytes": 256}  # 2 host slots
+    with serve_in_thread(create_app(KVCacheManager(host))) as url, httpx.Client(base_url=url) as h:
+        call = Recorder(h)
+        _host_tier(call)
+        samples += call.samples
     # A manager that records no KV events refuses to list them.
     with serve_in_thread(create_app(KVCacheManager(CONFIG | {"kv_events": False}))) as url:
         samples.append(("GET", "/v1/events", httpx.get(f"{url}/v1/events")))

@@ -30,6 +30,7 @@ from .models import (
     ModelInfo,
     OpResult,
     ProbeResult,
+    ProbeTiersResult,
     RequestIds,
     RequestInfo,
     SessionClosed,
@@ -262,6 +263,23 @@ def _columns_result(raw: bytes) -> StepColumnsResult:
 
 def step_columns(columns: dict[str, Any]) -> Call[StepColumnsResult]:
     return _post("/v1/step_columns", _columns_result, **json_columns(**columns))
+
+
+def suspend(request_id: str) -> Call[RequestInfo]:
+    return _post("/v1/suspend", _model(RequestInfo), request_id=request_id)
+
+
+def resume(request_id: str) -> Call[RequestInfo]:
+    return _post("/v1/resume", _model(RequestInfo), request_id=request_id)
+
+
+def probe_tiers(token_ids: Any, lora_id: Any, cache_salt: Any) -> Call[tuple[int, int]]:
+    def parse(raw: bytes) -> tuple[int, int]:
+        result = ProbeTiersResult.model_validate_json(raw)
+        return result.device_tokens, result.host_tokens
+
+    body = {"token_ids": token_ids} | _prompt(None, lora_id, cache_salt, None, None)
+    return _post("/v1/probe_tiers", parse, idempotent=True, **body)
 
 
 def request(request_id: str) -> Call[RequestInfo]:

@@ -366,6 +366,23 @@ class KVCacheClient:
             return self._run(calls.step_columns(columns))
         return self._fast(channel.step_columns(wire_columns(**columns)), None)
 
+    def suspend(self, request_id: str) -> RequestInfo:
+        """``KVCacheManager.suspend``: the request's blocks to the host tier."""
+        return self._fast(channel.suspend(request_id), calls.suspend(request_id))
+
+    def resume(self, request_id: str) -> RequestInfo:
+        """``KVCacheManager.resume``: back into new device slots."""
+        return self._fast(channel.resume(request_id), calls.resume(request_id))
+
+    def probe_tiers(
+        self,
+        token_ids: Sequence[int],
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[int, int]:
+        """``KVCacheManager.probe_tiers``: (device tokens, host tokens) a prompt would reuse."""
+        return self._run(calls.probe_tiers(token_ids, lora_id, cache_salt))
+
     def request(self, request_id: str) -> RequestInfo:
         return self._run(calls.request(request_id))
 
@@ -728,6 +745,20 @@ class AsyncKVCacheClient:
         if self._channel is None:
             return await self._run(calls.step_columns(columns))
         return await self._fast(channel.step_columns(wire_columns(**columns)), None)
+
+    async def suspend(self, request_id: str) -> RequestInfo:
+        return await self._fast(channel.suspend(request_id), calls.suspend(request_id))
+
+    async def resume(self, request_id: str) -> RequestInfo:
+        return await self._fast(channel.resume(request_id), calls.resume(request_id))
+
+    async def probe_tiers(
+        self,
+        token_ids: Sequence[int],
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[int, int]:
+        return await self._run(calls.probe_tiers(token_ids, lora_id, cache_salt))
 
     async def request(self, request_id: str) -> RequestInfo:
         return await self._run(calls.request(request_id))

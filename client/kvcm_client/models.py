@@ -575,6 +575,26 @@ class ProbeResult(_Frozen):
     num_hit_tokens: int
 
 
+class ProbeTiersRequest(_Frozen):
+    token_ids: list[Count]
+    lora_id: Annotated[int, Strict()] | Annotated[str, Strict()] | None = None
+    cache_salt: Annotated[str, Strict()] | None = None
+
+
+class ProbeTiersResult(_Frozen):
+    """Tokens a new request would reuse from the device now, and how many more it would
+    onboard from the host tier (docs/host-tier.md)."""
+
+    device_tokens: int
+    host_tokens: int
+
+
+class RequestRef(_Frozen):
+    """A request by id (``/v1/suspend``, ``/v1/resume``)."""
+
+    request_id: str
+
+
 # --- service wire bodies ----------------------------------------------------------------------
 # Bodies of the HTTP routes that are not an op model themselves. Ops (AllocateOp, ...) are the
 # bodies of their own routes, so the in-process ``step`` and the wire share one schema.

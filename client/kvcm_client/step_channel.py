@@ -45,6 +45,8 @@ OPS: dict[str, bool] = {
     "rewind": True,
     "commit": True,
     "free": True,
+    "suspend": True,
+    "resume": True,
     "slot_mapping": False,
     "slot_mappings": False,
     "probe": False,
@@ -176,6 +178,14 @@ def rewind(request_id: str, num_tokens: int) -> StepCall[RequestInfo]:
 
 def commit(request_id: str, token_ids: Sequence[int]) -> StepCall[RequestInfo]:
     return StepCall("commit", {"request_id": request_id, "token_ids": list(token_ids)}, _info)
+
+
+def suspend(request_id: str) -> StepCall[RequestInfo]:
+    return StepCall("suspend", {"request_id": request_id}, _info)
+
+
+def resume(request_id: str) -> StepCall[RequestInfo]:
+    return StepCall("resume", {"request_id": request_id}, _info)
 
 
 def free(request_id: str) -> StepCall[None]:

@@ -408,7 +408,7 @@ class KVCacheManager:
             raise InvalidArgument("request_ids must be a list of request ids", request_ids=None)
         rows = self._rows
         try:
-            return np.fromiter(
+            found = np.fromiter(
                 (rows[r] for r in request_ids), dtype=np.int64, count=len(request_ids)
             )
         except (KeyError, TypeError):
@@ -421,6 +421,7 @@ class KVCacheManager:
                     raise RequestSuspended(
                         f"request {r!r} is suspended: resume it first", request_id=r
                     )
+        return found
 
     def _handle_rows(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Rows of int64 handles, and a mask of the live ones (None when all are live).
@@ -668,10 +669,10 @@ class KVCacheManager:
         names nothing until it is resumed). ``OutOfBlocks`` (detail ``tier="host"``) when
         the host tier cannot hold them even after dropping its cached blocks; nothing
         changes then (docs/host-tier.md)."""
+        row = self._row(request_id)
         host = self._host
         if host is None:
             raise InvalidArgument("suspend needs a host tier (host_memory_bytes)")
-        row = self._row(request_id)
         c = self._coord
         blocks = []
         need: dict[int, int] = {}

@@ -70,8 +70,11 @@ from kvcm_client.models import (
     PageIndicesRequest,
     ProbeRequest,
     ProbeResult,
+    ProbeTiersRequest,
+    ProbeTiersResult,
     RequestIds,
     RequestInfo,
+    RequestRef,
     RewindOp,
     SessionClosed,
     SessionInfo,
@@ -301,6 +304,20 @@ def create_app(
     )
     rpc("/v1/free", FreeOp, None, state.free, summary="free a request")
     rpc(
+        "/v1/suspend",
+        RequestRef,
+        RequestInfo,
+        state.suspend,
+        summary="move a request's blocks to the host tier (preemption without recompute)",
+    )
+    rpc(
+        "/v1/resume",
+        RequestRef,
+        RequestInfo,
+        state.resume,
+        summary="bring a suspended request's blocks back into new device slots",
+    )
+    rpc(
         "/v1/step",
         StepRequest,
         StepResponse,
@@ -352,6 +369,22 @@ def create_app(
         summary="slot mappings of every layer group",
     )
 
+    rpc(
+        "/v1/probe_tiers",
+        ProbeTiersRequest,
+        ProbeTiersResult,
+        lambda r, _: ProbeTiersResult(
+            **dict(
+                zip(
+                    ("device_tokens", "host_tokens"),
+                    mgr().probe_tiers(r.token_ids, r.lora_id, r.cache_salt),
+                    strict=True,
+                )
+            )
+        ),
+        mutating=False,
+        summary="tokens a new request would reuse from the device and from the host tier",
+    )
     rpc(
         "/v1/probe",
         ProbeRequest,

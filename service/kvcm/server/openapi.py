@@ -47,6 +47,7 @@ from kvcm_client.errors import (
     PrefixCacheInUse,
     RequestLimitReached,
     RequestsLive,
+    RequestSuspended,
     RewindIntoSharedBlock,
     SequenceTooLong,
     StaleGeneration,
@@ -95,8 +96,10 @@ class RouteDoc:
 
 #: Routes that need the model: 503 ``no_model`` until one is registered.
 _MODEL = (NoModel,)
-#: Requests named by id: in a body, or the ``request_id`` query parameter.
+#: Requests named by id: in a body, or the ``request_id`` query parameter (only a host tier
+#: suspends them; those routes answer ``request_suspended`` for a suspended one).
 _REQUEST = (*_MODEL, UnknownRequest)
+_LIVE = (*_REQUEST, RequestSuspended)
 #: Ops that grow a request.
 _GROW = (*_REQUEST, SequenceTooLong, OutOfBlocks)
 #: A path id with a '/' (as %2F) names no route: 404 ``not_found``.
@@ -110,19 +113,22 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/allocate"): RouteDoc(
         (*_MODEL, SequenceTooLong, DuplicateRequest, OutOfBlocks, RequestLimitReached), **_OP
     ),
-    ("POST", "/v1/extend"): RouteDoc(_GROW, **_OP),
-    ("POST", "/v1/extend_many"): RouteDoc(_GROW, **_OP),
-    ("POST", "/v1/rewind"): RouteDoc((*_REQUEST, InvalidRewind, RewindIntoSharedBlock), **_OP),
-    ("POST", "/v1/commit"): RouteDoc(_REQUEST, **_OP),
-    ("POST", "/v1/commit_many"): RouteDoc(_REQUEST, **_OP),
+    ("POST", "/v1/extend"): RouteDoc((*_GROW, RequestSuspended), **_OP),
+    ("POST", "/v1/extend_many"): RouteDoc((*_GROW, RequestSuspended), **_OP),
+    ("POST", "/v1/rewind"): RouteDoc((*_LIVE, InvalidRewind, RewindIntoSharedBlock), **_OP),
+    ("POST", "/v1/commit"): RouteDoc(_LIVE, **_OP),
+    ("POST", "/v1/commit_many"): RouteDoc(_LIVE, **_OP),
     ("POST", "/v1/free"): RouteDoc(_REQUEST, **_OP),
+    ("POST", "/v1/suspend"): RouteDoc((*_LIVE, InvalidArgument, OutOfBlocks), **_OP),
+    ("POST", "/v1/resume"): RouteDoc((*_REQUEST, InvalidArgument, OutOfBlocks), **_OP),
     # Op errors are results of a step (200), not its status.
     ("POST", "/v1/step"): RouteDoc(_MODEL, **_OP),
     ("POST", "/v1/step_columns"): RouteDoc(_MODEL, **_OP),
-    ("POST", "/v1/page_indices"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
-    ("POST", "/v1/slot_mapping"): RouteDoc((*_REQUEST, UnknownLayer), **_READ),
-    ("POST", "/v1/slot_mappings"): RouteDoc(_REQUEST, **_READ),
+    ("POST", "/v1/page_indices"): RouteDoc((*_LIVE, UnknownLayer), **_READ),
+    ("POST", "/v1/slot_mapping"): RouteDoc((*_LIVE, UnknownLayer), **_READ),
+    ("POST", "/v1/slot_mappings"): RouteDoc(_LIVE, **_READ),
     ("POST", "/v1/probe"): RouteDoc((*_MODEL, SequenceTooLong), **_READ),
+    ("POST", "/v1/probe_tiers"): RouteDoc((*_MODEL, SequenceTooLong), **_READ),
     ("POST", "/v1/reset_prefix_cache"): RouteDoc((*_MODEL, PrefixCacheInUse), body=True, auth=True),
     ("GET", "/v1/events"): RouteDoc((InvalidArgument, *_MODEL, KVEventsDisabled), auth=True),
     ("GET", "/v1/layout"): RouteDoc(_MODEL),
@@ -130,7 +136,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("GET", "/v1/stats"): RouteDoc(_MODEL),
     ("GET", "/v1/requests"): RouteDoc(_MODEL),
     ("GET", "/v1/request"): RouteDoc((InvalidArgument, *_REQUEST)),
-    ("GET", "/v1/block_table"): RouteDoc((InvalidArgument, *_REQUEST)),
+    ("GET", "/v1/block_table"): RouteDoc((InvalidArgument, *_LIVE)),
     ("GET", "/v1/committed_tokens"): RouteDoc((InvalidArgument, *_REQUEST), auth=True),
     # 422 when the manager was built without share=True.
     ("GET", "/v1/pools"): RouteDoc((InvalidArgument, *_MODEL)),

@@ -48,6 +48,7 @@ from kvcm_client.models import (
     ModelInfo,
     ModelRegistration,
     RequestInfo,
+    RequestRef,
     RewindOp,
     SessionInfo,
     StepRequest,
@@ -241,6 +242,14 @@ class ServiceState:
         self.touch(session_id)
         self._counted("free", lambda: self.manager.free(op.request_id))
         self.leases.release(op.request_id)
+
+    def suspend(self, op: RequestRef, session_id: str | None) -> RequestInfo:
+        self.touch(session_id)
+        return self._counted("suspend", lambda: self.manager.suspend(op.request_id))
+
+    def resume(self, op: RequestRef, session_id: str | None) -> RequestInfo:
+        self.touch(session_id)
+        return self._counted("resume", lambda: self.manager.resume(op.request_id))
 
     @staticmethod
     def parse_step(raw: bytes) -> tuple[list[dict[str, Any]], bool, bool]:
