@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import layer, manager
 
-from kvcm import KVCacheManager
+from kvcm import KVCacheManager, block_keys
 from kvcm_client.errors import OutOfBlocks, status_of
 
 TPB = 4
@@ -49,6 +49,19 @@ def test_evicted_blocks_go_to_the_host_and_come_back_on_a_hit() -> None:
     assert [int(words[s][0]) for s in table[:2]] == [100, 101]  # the pages came back
     stats = m.host_stats()
     assert stats["onboarded_blocks"] == 2 and stats["host_used"] == {0: 0}
+    # Events say where each block went: published on the device; stored on the host, then
+    # removed from the device, when its slot was taken (a router never sees it nowhere);
+    # back on the device at the hit.
+    keys = [k.hex() for k in block_keys(prompt, TPB)[:2]]
+    seen = [(e.kind, e.tier, sorted(e.block_keys)) for e in m.events().events]
+    assert seen == [
+        ("block_stored", "device", sorted(keys)),
+        ("block_stored", "host", sorted(keys)),
+        ("block_removed", "device", sorted(keys)),
+        ("block_stored", "device", keys[:1]),
+        ("block_stored", "device", keys[1:]),
+        ("block_removed", "host", sorted(keys)),
+    ]
 
 
 def test_a_full_host_drops_its_least_recently_used_blocks() -> None:

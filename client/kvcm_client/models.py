@@ -552,6 +552,9 @@ class KVEvent(_Frozen):
     token_ids: list[int] | None = None
     lora_id: int | str | None = None
     has_salt: bool | None = None
+    tier: Literal["device", "host"] = "device"
+    """Where the blocks are stored or removed: the device pools or the host tier (whose
+    events carry keys only)."""
 
 
 class KVEvents(_Frozen):

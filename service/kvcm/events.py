@@ -7,7 +7,11 @@ dicts (``KVEvent`` fields) from them. A log built with ``enabled=False`` records
 its sequence number stays 0: ``ManagerConfig.kv_events=False``.
 
 Records: ``(seq, "block_stored", layer_group, keys, parent, token_bytes or None, lora_id,
-has_salt)``, ``(seq, "block_removed", layer_group, keys)``, ``(seq, "all_blocks_cleared")``.
+has_salt)``, ``(seq, "block_removed", layer_group, keys)``, ``(seq, "all_blocks_cleared")``;
+events of the host tier (docs/host-tier.md) carry ``"host"`` as one more field, and the dict
+says ``tier`` (``"device"`` otherwise). A block moved to the host is a ``block_stored`` on
+the host, then a ``block_removed`` on the device; one brought back a ``block_stored`` on the
+device, then a ``block_removed`` on the host: a follower never sees a block nowhere.
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ def _built(record: tuple[Any, ...]) -> dict[str, Any]:
     seq, kind = record[0], record[1]
     if kind == "all_blocks_cleared":
         return {"seq": seq, "kind": kind}
+    tier = "device"
+    if record[-1] == "host":
+        tier, record = "host", record[:-1]
     event = {
         "seq": seq,
         "kind": kind,
         "layer_group": record[2],
         "block_keys": [k.hex() for k in record[3]],
+        "tier": tier,
     }
-    if kind == "block_stored":
+    if kind == "block_stored" and len(record) > 4:
         parent, tokens, lora_id, has_salt = record[4:]
         event["parent_key"] = None if parent is None else parent.hex()
         event["token_ids"] = None if tokens is None else np.frombuffer(tokens, "<i4").tolist()
@@ -72,6 +80,12 @@ class EventLog:
         """Blocks evicted or taken out of one layer group."""
         if self.enabled:
             self._append((self.last_seq + 1, "block_removed", layer_group, keys))
+
+    def host(self, kind: str, layer_group: int, keys: list[bytes]) -> None:
+        """Blocks of one layer group stored on or removed from the host tier (keys only: the
+        host keeps no parent or tokens)."""
+        if self.enabled:
+            self._append((self.last_seq + 1, kind, layer_group, keys, "host"))
 
     def cleared(self) -> None:
         if self.enabled:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .events import EventLog
 from .layout import Layout
 
 if TYPE_CHECKING:
@@ -79,8 +80,10 @@ class HostTier:
         device_pools: list[torch.Tensor],
         host_slots: dict[int, int],
         device: torch.device,
+        log: EventLog,
     ) -> None:
         self.layout = layout
+        self.log = log
         self.device_pools = device_pools
         self.pinned = device.type == "cuda"
         self.num_slots = dict(host_slots)
@@ -139,6 +142,8 @@ class HostTier:
             return
         lru, free = self.lru[pool_group], self.free[pool_group]
         device_slots, host_slots = [], []
+        stored: dict[int, list[bytes]] = {}
+        removed: dict[int, list[bytes]] = {}
         for slot, key in entries:
             if key in lru:  # already on the host (it was onboarded and kept a copy)
                 lru.move_to_end(key)
@@ -147,13 +152,19 @@ class HostTier:
                 if not lru:  # every host slot is held by a suspended request: dropped
                     self.stats.dropped_blocks += 1
                     continue
-                _, dropped = lru.popitem(last=False)
+                old, dropped = lru.popitem(last=False)
                 free.append(dropped)
                 self.stats.dropped_blocks += 1
+                removed.setdefault(old[0], []).append(old[2])
             h = free.pop()
             device_slots.append(slot)
             host_slots.append(h)
             lru[key] = h
+            stored.setdefault(key[0], []).append(key[2])
+        for group, keys in removed.items():
+            self.log.host("block_removed", group, keys)
+        for group, keys in stored.items():
+            self.log.host("block_stored", group, keys)
         if device_slots:
             self._copy(pool_group, device_slots, host_slots, out=True)
             self.stats.offloaded_blocks += len(device_slots)
@@ -185,9 +196,10 @@ class HostTier:
         no LRU drops; the caller checked ``room``."""
         free, lru = self.free[pool_group], self.lru[pool_group]
         while len(free) < len(device_slots):
-            _, dropped = lru.popitem(last=False)
+            old, dropped = lru.popitem(last=False)
             free.append(dropped)
             self.stats.dropped_blocks += 1
+            self.log.host("block_removed", old[0], [old[2]])
         host_slots = [free.pop() for _ in device_slots]
         self._copy(pool_group, device_slots, host_slots, out=True)
         self.held[pool_group] += len(host_slots)
@@ -298,6 +310,7 @@ def onboard_prefix(
                     lora_id,
                     has_salt,
                 )
+            host.log.host("block_removed", g, [keys[b] for b in blocks])
     # Onboarded blocks become idle cached blocks; pinned ones idle again (queue tail).
     for pg, slots in (*taken.items(), *pinned.items()):
         c._unref(pg, np.array(slots, dtype=np.int64))

@@ -384,7 +384,7 @@ class KVCacheManager:
             // pg.slot_bytes
             for pg in self.layout.pool_groups
         }
-        return HostTier(self.layout, self.memory.tensors, host, self.device)
+        return HostTier(self.layout, self.memory.tensors, host, self.device, self._coord.cache.log)
 
     # -- requests ----------------------------------------------------------------------------
 
