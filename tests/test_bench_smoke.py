@@ -104,3 +104,15 @@ def test_bench_engine_quick_runs_four_ways_with_equal_tokens() -> None:
     ]
     # Every kvcm way generated the baseline's tokens for all 4 requests.
     assert [row.split("|")[-2].strip() for row in rows[2:]] == ["4", "4", "4"]
+
+
+def test_bench_host_tier_quick_compares_with_a_plain_copy() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_host_tier.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1 and rows[0].count("%") == 2

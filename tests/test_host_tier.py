@@ -4,9 +4,11 @@ hits onboarded from it, with a checksum in every block's KV to prove nothing is 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from helpers import layer, manager
 
 from kvcm import KVCacheManager, block_keys
@@ -22,6 +24,25 @@ def _words(m: KVCacheManager, group: int = 0) -> np.ndarray:
     pg = m.layout.layer_groups[group].pool_group
     pool = m.memory.tensors[m.layout.pool_groups[pg].pools[0]]
     return pool.view(-1).numpy().view(np.int64).reshape(pool.shape[0], -1)
+
+
+class Words:
+    """Word 0 of each slot of a layer group's first pool, on any device: where the random
+    test writes checksums (a numpy view on the CPU, int64 tensor ops on CUDA)."""
+
+    def __init__(self, m: KVCacheManager, group: int) -> None:
+        pg = m.layout.layer_groups[group].pool_group
+        pool = m.memory.tensors[m.layout.pool_groups[pg].pools[0]]
+        self.cpu = pool.device.type == "cpu"
+        self.words = _words(m, group) if self.cpu else pool.view(torch.int64)
+
+    def write(self, slot: int, value: int) -> None:
+        self.words[slot, 0] = value
+
+    def read(self, slots: list[int]) -> list[int]:
+        if self.cpu:
+            return self.words[slots, 0].tolist()
+        return self.words[torch.tensor(slots, device=self.words.device), 0].tolist()
 
 
 def _sum(tokens: list[int]) -> int:
@@ -103,6 +124,10 @@ def test_onboarding_stops_where_free_slots_end() -> None:
 def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(
     seed: int, cycles: int, windowed: bool
 ) -> None:
+    run_cycles(seed, cycles, windowed, "cpu")
+
+
+def run_cycles(seed: int, cycles: int, windowed: bool, device: str) -> dict[str, Any]:
     """Many allocate / extend / commit / free / suspend / resume cycles with shared prefixes
     on a pool much smaller than the working set, so that blocks are evicted to the host,
     dropped there and onboarded again, and requests are preempted to the host and back.
@@ -119,9 +144,10 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(
         max_requests=6,
         max_seq_len=48,
         host_memory_bytes=1 << 12 if windowed else 1 << 11,
+        device=device,
     )  # 16 host slots per pool group
     groups = range(len(m.layout.layer_groups))
-    words = [_words(m, g) for g in groups]
+    words = [Words(m, g) for g in groups]
     families = [rng.integers(0, 1000, 40).tolist() for _ in range(8)]
     seqs: dict[str, list[int]] = {}
     counter = 0
@@ -131,13 +157,13 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(
         for g, table in enumerate(m.block_table(rid)):
             for b in range(start // TPB, -(-len(seq) // TPB)):
                 if table[b] >= 0:  # -1: released by the window
-                    words[g][table[b]] = _sum(seq[: min(len(seq), (b + 1) * TPB)]) + g
+                    words[g].write(table[b], _sum(seq[: min(len(seq), (b + 1) * TPB)]) + g)
 
     def check(rid: str) -> None:
         seq = seqs[rid]
         for g, table in enumerate(m.block_table(rid)):
             held = [(b, s) for b, s in enumerate(table[: -(-len(seq) // TPB)]) if s >= 0]
-            got = [int(words[g][s, 0]) for _, s in held]
+            got = words[g].read([s for _, s in held]) if held else []
             want = [_sum(seq[: min(len(seq), (b + 1) * TPB)]) + g for b, _ in held]
             assert got == want, (rid, g, seq)
 
@@ -229,6 +255,7 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(
         used = sorted(host.lru[pg].values())
         assert len(set(used)) == len(used)
         assert sorted(used + host.free[pg]) == list(range(host.num_slots[pg]))
+    return stats
 
 
 def test_the_service_offloads_and_onboards_and_says_so() -> None:

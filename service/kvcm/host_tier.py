@@ -22,6 +22,7 @@ copies host slot 0 into it, publishes k1 on the device again and frees host slot
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -86,6 +87,8 @@ class HostTier:
         self.log = log
         self.device_pools = device_pools
         self.pinned = device.type == "cuda"
+        #: The stream host copies run on (CUDA only).
+        self.stream = torch.cuda.Stream(device) if self.pinned else None
         self.num_slots = dict(host_slots)
         #: Per pool group: its pools (a slot spans the same row of each) and slot bytes.
         self.pools_of = {pg.pool_group_id: list(pg.pools) for pg in layout.pool_groups}
@@ -115,21 +118,25 @@ class HostTier:
     def _copy(
         self, pool_group: int, device_slots: list[int], host_slots: list[int], out: bool
     ) -> None:
-        """Copy whole slots between the device pools and the host regions (synchronous)."""
-        for pool in self.pools_of[pool_group]:
-            dev = self.device_pools[pool]
-            region = self.regions[pool]
-            if out:
-                rows = dev[torch.as_tensor(device_slots, dtype=torch.long, device=dev.device)]
-                rows = rows.to("cpu")
-                for i, h in enumerate(host_slots):
-                    region.rows(h).copy_(rows[i])
-            else:
-                rows = torch.stack([region.rows(h) for h in host_slots])
-                index = torch.as_tensor(device_slots, dtype=torch.long, device=dev.device)
-                dev.index_copy_(0, index, rows.to(dev.device, non_blocking=self.pinned))
-        if self.pinned:
-            torch.cuda.synchronize(self.device_pools[0].device)
+        """Copy whole slots between the device pools and the host regions, one direct copy
+        per (pool, block): a slot is one contiguous row on both sides, so each is a single
+        DMA between device memory and pinned host memory on CUDA. On CUDA the copies run on
+        the tier's own stream, after the work already queued on the current one, and the op
+        waits for them (synchronous: a slot is handed out only once its copy completed)."""
+        stream = self.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for pool in self.pools_of[pool_group]:
+                dev = self.device_pools[pool]
+                region = self.regions[pool]
+                for d, h in zip(device_slots, host_slots, strict=True):
+                    if out:
+                        region.rows(h).copy_(dev[d], non_blocking=self.pinned)
+                    else:
+                        dev[d].copy_(region.rows(h), non_blocking=self.pinned)
+        if stream is not None:
+            stream.synchronize()
 
     # -- offload and onboard --------------------------------------------------------------------
 
