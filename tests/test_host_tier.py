@@ -387,3 +387,18 @@ def test_freeing_a_suspended_request_frees_its_host_slots() -> None:
     assert m._host is not None and m._host.held[0] == 0
     assert sorted(m._host.free[0]) == list(range(m._host.num_slots[0]))
     assert m.request_ids() == [] and m.num_free_blocks() == 8
+
+
+def test_estimate_reports_the_host_tier_and_its_suspended_capacity_holds() -> None:
+    """The estimate says how many requests of seq_len the host holds suspended: exactly
+    that many suspends of such requests succeed, one more is refused."""
+    m = manager([layer(0)], num_blocks=16, max_requests=8, host_memory_bytes=10 * 128)
+    est = m.estimate(12)  # 3 blocks a request; 10 host slots: 3 requests
+    assert est.pool_groups[0].host_slots == 10 and est.host_max_requests == 3
+    assert manager([layer(0)], num_blocks=16).estimate(12).host_max_requests is None
+    for i in range(4):
+        m.allocate(f"r{i}", 12)
+    for i in range(3):
+        m.suspend(f"r{i}")
+    with pytest.raises(OutOfBlocks):
+        m.suspend("r3")

@@ -471,6 +471,11 @@ class PoolGroupEstimate(_Frozen):
     blocks_per_request: int
     max_requests: int
     required_blocks: int | None = None
+    host_slots: int = 0
+    """Slots of the host tier (docs/host-tier.md); 0 without one."""
+    host_requests: int = 0
+    """Requests of ``seq_len`` the host tier holds at once (suspended): host_slots //
+    blocks_per_request."""
 
 
 class Estimate(_Frozen):
@@ -490,6 +495,9 @@ class Estimate(_Frozen):
     pool_groups: tuple[PoolGroupEstimate, ...]
     num_requests: int | None = None
     fits: bool | None = None
+    host_max_requests: int | None = None
+    """With a host tier: requests of ``seq_len`` it can hold suspended at once besides the
+    ``max_requests`` on the device (the least over pool groups); None without one."""
 
 
 class PrefixCacheStats(_Frozen):

@@ -1572,8 +1572,27 @@ class KVCacheManager:
         if lookahead is not None:
             shape = StepShape(shape.chunk, _count("lookahead", lookahead, 0))
         seq_len = _count("seq_len", seq_len, 1)
-        return self._sizing.estimate(
+        est = self._sizing.estimate(
             seq_len, self._usable_slots(), self.config.max_requests, num_requests, shape
+        )
+        host = self._host
+        if host is None:
+            return est
+        pools = tuple(
+            p.model_copy(
+                update={
+                    "host_slots": host.num_slots[p.pool_group_id],
+                    "host_requests": host.num_slots[p.pool_group_id]
+                    // max(p.blocks_per_request, 1),
+                }
+            )
+            for p in est.pool_groups
+        )
+        return est.model_copy(
+            update={
+                "pool_groups": pools,
+                "host_max_requests": min(p.host_requests for p in pools),
+            }
         )
 
     def check_budget(self) -> None:
