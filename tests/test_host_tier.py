@@ -402,3 +402,29 @@ def test_estimate_reports_the_host_tier_and_its_suspended_capacity_holds() -> No
         m.suspend(f"r{i}")
     with pytest.raises(OutOfBlocks):
         m.suspend("r3")
+
+
+def test_an_all_or_nothing_step_does_not_onboard_and_its_undo_corrupts_nothing() -> None:
+    """Onboarding writes pages into device slots; an undone step would hand those slots back
+    to the cache entries they held. So an allocate inside ``atomic=True`` serves only the
+    device hit, and an undone step leaves every cached page as it was."""
+    m = manager([layer(0)], num_blocks=4, host_memory_bytes=1 << 16)
+    words = _words(m)
+    first = list(range(9))
+    m.allocate("a", 9, token_ids=first)
+    m.commit("a", first)
+    for b, slot in enumerate(m.block_table("a")[0]):
+        words[slot] = 100 + b
+    m.free("a")
+    m.allocate("b", 16)
+    m.free("b")  # a's two blocks are on the host now
+    out = m.step(
+        [
+            {"op": "allocate", "request_id": "c", "num_tokens": 9, "token_ids": first},
+            {"op": "extend", "request_id": "c", "num_new_tokens": 40},  # fails: all undone
+        ],
+        atomic=True,
+    )
+    assert [r.ok for r in out] == [False, False] and m.host_stats()["onboarded_blocks"] == 0
+    assert m.allocate("c", 9, token_ids=first).num_hit_tokens == 8  # onboarded now
+    assert [int(words[s][0]) for s in m.block_table("c")[0][:2]] == [100, 101]

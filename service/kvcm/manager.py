@@ -563,7 +563,9 @@ class KVCacheManager:
         hit = 0
         if tokens is not None:
             keys = self._keys_of(tokens, data, root, items, block_keys)
-            if self._host is not None:
+            # Not inside an all-or-nothing step: onboarding writes pages into device slots,
+            # and an undo would give those slots back to the cache entries they had.
+            if self._host is not None and self._undo is None:
                 self._onboard(root, keys, num_tokens, data, lora_id, cache_salt is not None)
             hit, hits, ends = find_hit(
                 self._coord.cache, root, keys, num_tokens, self.tokens_per_block, self._windows
