@@ -12,7 +12,7 @@ import torch
 from helpers import layer, manager
 
 from kvcm import KVCacheManager, block_keys
-from kvcm_client.errors import OutOfBlocks, status_of
+from kvcm_client.errors import InvalidArgument, OutOfBlocks, status_of
 
 TPB = 4
 
@@ -428,3 +428,41 @@ def test_an_all_or_nothing_step_does_not_onboard_and_its_undo_corrupts_nothing()
     assert [r.ok for r in out] == [False, False] and m.host_stats()["onboarded_blocks"] == 0
     assert m.allocate("c", 9, token_ids=first).num_hit_tokens == 8  # onboarded now
     assert [int(words[s][0]) for s in m.block_table("c")[0][:2]] == [100, 101]
+
+
+def test_suspend_and_resume_are_sections_of_the_columnar_step_and_ops_of_step() -> None:
+    """A scheduler preempts in its step: suspends run after frees and rewinds, resumes
+    before extends and allocates; by handle in ``step_columns`` (the resumed one by the
+    handle it had), by id in ``step``; never in an all-or-nothing step."""
+    m = manager([layer(0)], num_blocks=6, host_memory_bytes=1 << 16)
+    a = m.allocate("a", 8).handle  # 2 blocks
+    b = m.allocate("b", 8).handle  # 2 blocks
+    out = m.step_columns(
+        suspend=[a],
+        extend=[b],
+        num_new_tokens=8,  # b needs 2 more blocks: 2 free + a's 2 freed by its suspend
+        allocate=[{"request_id": "c", "num_tokens": 12}],  # 3 more, 2 are free: refused
+    )
+    assert out.status["suspend"].tolist() == [0] and out.status["extend"].tolist() == [0]
+    assert out.status["allocate"].tolist() == [status_of("out_of_blocks")]
+    assert m.request("a").handle == a and m.num_free_blocks() == 2
+    out = m.step_columns(free=[b], resume=[a, b])  # b freed first; its handle names nothing
+    assert out.status["resume"].tolist() == [0, status_of("unknown_request")]
+    assert m.block_table("a")[0] != [] and m.request("a").num_tokens == 8
+    out = m.step_columns(resume=[a])  # a is live: not suspended
+    assert out.status["resume"].tolist() == [status_of("invalid_argument")]
+    results = m.step(
+        [
+            {"op": "suspend", "request_id": "a"},
+            {"op": "allocate", "request_id": "d", "num_tokens": 4},
+            {"op": "resume", "request_id": "a"},
+        ]
+    )
+    assert [r.ok for r in results] == [True, True, True]
+    assert results[0].request is not None and results[0].request.handle == a
+    assert m.request("a").num_tokens == 8 and m.request_ids() == ["a", "d"]
+    with pytest.raises(InvalidArgument):
+        m.step_columns(suspend=[a], atomic=True)
+    atomic = m.step([{"op": "suspend", "request_id": "a"}], atomic=True)
+    assert atomic[0].error is not None and atomic[0].error.code == "invalid_argument"
+    assert m.block_table("a")[0] != []  # nothing changed

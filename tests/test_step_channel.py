@@ -430,7 +430,9 @@ def test_columnar_steps_answer_the_same_over_http_and_the_socket(
     with serve_process(*ARGS) as (http_url, _, _), KVCacheClient(http_url) as plain:
         over_http = _columnar_scenario(plain)
     assert over_socket == over_http
-    none: dict[str, list[int]] = {s: [] for s in ("free", "rewind", "commit", "extend")}
+    none: dict[str, list[int]] = {
+        s: [] for s in ("free", "rewind", "commit", "suspend", "resume", "extend")
+    }
     assert over_socket[0] == (True, {**none, "allocate": [0, 0]}, [0, 0], [2, 3])
     assert over_socket[1] == (
         True,

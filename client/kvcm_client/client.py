@@ -345,6 +345,8 @@ class KVCacheClient:
         num_new_tokens: Any = 1,
         lookahead: Any = 0,
         allocate: Any = (),
+        suspend: Any = (),
+        resume: Any = (),
         atomic: bool = False,
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
@@ -360,6 +362,8 @@ class KVCacheClient:
             "num_new_tokens": num_new_tokens,
             "lookahead": lookahead,
             "allocate": allocate,
+            "suspend": suspend,
+            "resume": resume,
             "atomic": atomic,
         }
         if self._channel is None:
@@ -725,6 +729,8 @@ class AsyncKVCacheClient:
         num_new_tokens: Any = 1,
         lookahead: Any = 0,
         allocate: Any = (),
+        suspend: Any = (),
+        resume: Any = (),
         atomic: bool = False,
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
@@ -740,6 +746,8 @@ class AsyncKVCacheClient:
             "num_new_tokens": num_new_tokens,
             "lookahead": lookahead,
             "allocate": allocate,
+            "suspend": suspend,
+            "resume": resume,
             "atomic": atomic,
         }
         if self._channel is None:

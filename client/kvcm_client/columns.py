@@ -15,7 +15,7 @@ from typing import Any
 from .errors import STATUS_CODES, InvalidArgument, KVCMError, error_from_dict
 
 #: The sections of a step, in the order they run.
-SECTIONS = ("commit", "free", "rewind", "extend", "allocate")
+SECTIONS = ("commit", "free", "rewind", "suspend", "resume", "extend", "allocate")
 _LITTLE = sys.byteorder == "little"
 #: The values each array code holds (a numpy array is checked against it before its cast).
 _RANGE = {"q": (-(2**63), 2**63 - 1), "i": (-(2**31), 2**31 - 1)}
@@ -67,6 +67,8 @@ def wire_columns(
     lookahead: Any = 0,
     allocate: Any = (),
     atomic: bool = False,
+    suspend: Any = (),
+    resume: Any = (),
 ) -> dict[str, Any]:
     """The ``args`` map of a ``step_columns`` frame. Empty sections are left out."""
     args: dict[str, Any] = {}
@@ -87,6 +89,10 @@ def wire_columns(
         args["lookahead"] = _counts(lookahead, "lookahead")
     if len(allocate):
         args["allocate"] = [_allocate(op) for op in allocate]
+    if len(suspend):
+        args["suspend"] = _raw(suspend, "suspend", "q")
+    if len(resume):
+        args["resume"] = _raw(resume, "resume", "q")
     if atomic:
         args["atomic"] = atomic
     return args

@@ -359,7 +359,24 @@ class FreeOp(_Frozen):
     request_id: str
 
 
-Op = Annotated[AllocateOp | ExtendOp | RewindOp | CommitOp | FreeOp, Field(discriminator="op")]
+class SuspendOp(_Frozen):
+    """Move the request's blocks to the host tier (docs/host-tier.md)."""
+
+    op: Literal["suspend"] = "suspend"
+    request_id: str
+
+
+class ResumeOp(_Frozen):
+    """Bring a suspended request's blocks back into new device slots."""
+
+    op: Literal["resume"] = "resume"
+    request_id: str
+
+
+Op = Annotated[
+    AllocateOp | ExtendOp | RewindOp | CommitOp | FreeOp | SuspendOp | ResumeOp,
+    Field(discriminator="op"),
+]
 
 
 class ErrorInfo(_Frozen):
@@ -628,7 +645,8 @@ Handle = Annotated[int, Strict()]
 
 class StepColumnsRequest(_Frozen):
     """A columnar step (docs/requests.md#the-columnar-step): requests by handle, sections
-    run commit, free, rewind, extend, allocate; counts are one int or one per handle."""
+    run commit, free, rewind, suspend, resume, extend, allocate; counts are one int or one
+    per handle."""
 
     free: list[Handle] = []
     rewind: list[Handle] = []
@@ -639,6 +657,8 @@ class StepColumnsRequest(_Frozen):
     num_new_tokens: Count | list[Count] = 1
     lookahead: Count | list[Count] = 0
     allocate: list[AllocateOp] = []
+    suspend: list[Handle] = []
+    resume: list[Handle] = []
     atomic: Annotated[bool, Strict()] = False
 
 

@@ -8,12 +8,14 @@ full error of each failed item on the side.
 
 Sections run in this order, each item atomic on its own, in its position:
 
-    commit -> free -> rewind -> extend -> allocate
+    commit -> free -> rewind -> suspend -> resume -> extend -> allocate
 
 Commits first, so that a request that finished publishes its last blocks before its free, and
 a new request of the same step hits what the last pass computed; frees and rewinds before
-extends and allocates, so that the blocks they give back serve the step; extends before
-allocates, so that running requests are served before new ones. (A rewind drops only tokens
+extends and allocates, so that the blocks they give back serve the step; suspends (a
+preemption to the host tier) before resumes, and both before extends and allocates, so that
+preempted requests come back before new ones start. Suspends and resumes copy pages, so they
+cannot be part of an all-or-nothing step. (A rewind drops only tokens
 past the new length, so committing the accepted tokens of a verified draft and rewinding the
 rejected ones work in this order.) A section of extends of distinct requests runs as one
 vectorised batch when it fits as a whole, item after item; otherwise its items run one by one
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("kvcm")
 
 #: The sections of a step, in the order they run.
-SECTIONS = ("commit", "free", "rewind", "extend", "allocate")
+SECTIONS = ("commit", "free", "rewind", "suspend", "resume", "extend", "allocate")
 #: Low 32 bits of a handle: the row.
 ROW_MASK = 0xFFFFFFFF
 _OK = 0
@@ -88,6 +90,8 @@ class StepColumns:
     free: np.ndarray
     rewind: np.ndarray
     rewind_tokens: np.ndarray | int | list[int]
+    suspend: np.ndarray
+    resume: np.ndarray
     commit: np.ndarray
     commit_tokens: Sequence[Any]
     extend: np.ndarray
@@ -103,6 +107,8 @@ class StepColumns:
         return {
             "free": self.free.size,
             "rewind": self.rewind.size,
+            "suspend": self.suspend.size,
+            "resume": self.resume.size,
             "commit": self.commit.size,
             "extend": self.extend.size,
             "allocate": len(self.allocate),
@@ -238,6 +244,8 @@ def parse_columns(
     num_new_tokens: Any = 1,
     lookahead: Any = 0,
     allocate: Any = (),
+    suspend: Any = (),
+    resume: Any = (),
 ) -> StepColumns:
     """Check the shape of a step (raises ``InvalidArgument``, before anything runs); each
     item's own arguments are checked when it runs (a bad one fails that item only)."""
@@ -261,6 +269,8 @@ def parse_columns(
         free=free_h,
         rewind=rewind_h,
         rewind_tokens=_counts_of("rewind_tokens", rewind_tokens, rewind_h.size, 1),
+        suspend=_handles("suspend", suspend),
+        resume=_handles("resume", resume),
         commit=commit_h,
         commit_tokens=commit_tokens,
         extend=extend_h,
@@ -294,6 +304,8 @@ _WIRE_KEYS = frozenset(
         "lookahead",
         "allocate",
         "atomic",
+        "suspend",
+        "resume",
     }
 )
 
@@ -408,6 +420,8 @@ class _Run:
             self.commits()
             self.frees()
             self.rewinds()
+            self.suspends()
+            self.resumes()
             self.extends()
             self.allocates()
         except _Stop:
@@ -478,6 +492,37 @@ class _Run:
                 self.unknown("commit", i, int(handles[i]))
                 continue
             self.item("commit", i, lambda row=row, t=tokens[i]: self.m._commit_row(row, t))
+
+    def suspends(self) -> None:
+        handles = self.cols.suspend
+        if not handles.size:
+            return
+        rows, live = self.m._handle_rows(handles)
+        current = self.m._handle
+        for i, row in enumerate(rows.tolist()):
+            if (live is not None and not live[i]) or current[row] != handles[i]:
+                self.unknown("suspend", i, int(handles[i]))
+                continue
+            self.item("suspend", i, lambda row=row: self.m._suspend_row(row))
+
+    def resumes(self) -> None:
+        """By the handle the request had: kept for it while it is suspended."""
+        m = self.m
+        for i, handle in enumerate(self.cols.resume.tolist()):
+            rid = m._suspended_handles.get(handle)
+            if rid is None:
+                rows, live = m._handle_rows(np.array([handle], dtype=np.int64))
+                if live is None:  # a live request: not suspended
+                    rid = m._ids[int(rows[0])]
+                    self.fail(
+                        "resume",
+                        i,
+                        InvalidArgument(f"request {rid!r} is not suspended", request_id=rid),
+                    )
+                else:
+                    self.unknown("resume", i, handle)
+                continue
+            self.item("resume", i, lambda rid=rid: m.resume(rid))
 
     def extends(self) -> None:
         cols = self.cols

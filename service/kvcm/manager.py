@@ -51,11 +51,13 @@ from kvcm_client.models import (
     OpResult,
     PrefixCacheStats,
     RequestInfo,
+    ResumeOp,
     RewindOp,
     Role,
     SharedBuffer,
     SharedLayout,
     Stats,
+    SuspendOp,
 )
 from kvcm_client.models import Layout as LayoutInfo
 
@@ -97,7 +99,7 @@ from .views import TablesAndViews
 _log = logging.getLogger("kvcm")
 _OPS = TypeAdapter(list[Op])
 #: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
-_FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp)
+_FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp, SuspendOp, ResumeOp)
 #: A result slot not filled yet (``_piece_results``); never returned.
 _ABORTED_PLACEHOLDER: dict[str, Any] = {}
 
@@ -356,6 +358,8 @@ class KVCacheManager:
         self._coord.host = self._host
         #: Suspended requests: their blocks' positions and host slots per layer group.
         self._suspended: dict[str, _Suspended] = {}
+        #: The handle each suspended request gets back, to its id (a resume by handle).
+        self._suspended_handles: dict[int, str] = {}
         self._views = TablesAndViews(
             cfg,
             self.layout,
@@ -486,6 +490,7 @@ class KVCacheManager:
     def _info(self, request_id: str, row: int) -> RequestInfo:
         c = self._coord
         n = int(c.num_tokens[row])
+        saved = self._suspended.get(request_id)
         return RequestInfo(
             request_id=request_id,
             row=row,
@@ -493,7 +498,7 @@ class KVCacheManager:
             capacity=n + int(c.lookahead[row]),
             num_committed=int(self._committed[row]),
             num_hit_tokens=int(self._hits[row]),
-            handle=int(self._handle[row]),
+            handle=int(self._handle[row]) if saved is None else saved.handle,
         )
 
     def allocate(
@@ -672,9 +677,18 @@ class KVCacheManager:
         the host tier cannot hold them even after dropping its cached blocks; nothing
         changes then (docs/host-tier.md)."""
         row = self._row(request_id)
+        self._suspend_row(row)
+        return self._info(request_id, row)
+
+    def _suspend_row(self, row: int) -> None:
+        """``suspend`` of a live row (a columnar step's item)."""
+        request_id = self._ids[row]
+        assert request_id is not None
         host = self._host
         if host is None:
             raise InvalidArgument("suspend needs a host tier (host_memory_bytes)")
+        if self._undo is not None:
+            raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
         c = self._coord
         blocks = []
         need: dict[int, int] = {}
@@ -701,9 +715,10 @@ class KVCacheManager:
             if slots:
                 c._unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
                 c._set(g, row, positions, None)
-        self._suspended[request_id] = _Suspended(saved, int(self._handle[row]))
+        handle = int(self._handle[row])
+        self._suspended[request_id] = _Suspended(saved, handle)
+        self._suspended_handles[handle] = request_id
         self._handle[row] = -1
-        return self._info(request_id, row)
 
     def resume(self, request_id: str) -> RequestInfo:
         """Bring a suspended request's blocks back into new device slots and rewrite its
@@ -713,6 +728,8 @@ class KVCacheManager:
         saved = self._suspended.get(request_id)
         if saved is None:
             raise InvalidArgument(f"request {request_id!r} is not suspended", request_id=request_id)
+        if self._undo is not None:
+            raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
         assert self._host is not None
         c = self._coord
         need = [0] * len(c.pools)
@@ -728,6 +745,7 @@ class KVCacheManager:
             c._set(g, row, positions, slots)
         c.ops_since_take += 1
         del self._suspended[request_id]
+        del self._suspended_handles[saved.handle]
         self._handle[row] = saved.handle
         return self._info(request_id, row)
 
@@ -1108,6 +1126,7 @@ class KVCacheManager:
         row = self._row(request_id, suspended=True)
         saved = self._suspended.pop(request_id, None)
         if saved is not None:
+            del self._suspended_handles[saved.handle]
             assert self._host is not None
             for g, (_, host_slots) in enumerate(saved.blocks):
                 self._host.discard(self._coord.group_pool[g], host_slots)
@@ -1145,6 +1164,8 @@ class KVCacheManager:
         num_new_tokens: int | Sequence[int] | np.ndarray = 1,
         lookahead: int | Sequence[int] | np.ndarray = 0,
         allocate: Sequence[AllocateOp | dict[str, Any]] = (),
+        suspend: Sequence[int] | np.ndarray = (),
+        resume: Sequence[int] | np.ndarray = (),
         atomic: bool = False,
     ) -> StepOutcome:
         """One scheduler step as arrays: the primary API (docs/requests.md#the-columnar-step).
@@ -1152,9 +1173,11 @@ class KVCacheManager:
         Requests are named by handles (``RequestInfo.handle``, ``StepOutcome.handles`` of
         their allocate). Sections run in order: ``commit`` (handles, ``commit_tokens``: each
         one's newly computed token ids), ``free`` (handles), ``rewind`` (handles,
-        ``rewind_tokens`` to drop), ``extend`` (handles, ``num_new_tokens``, ``lookahead``: ints or
-        one per handle), ``allocate`` (``AllocateOp`` models or their dicts). Each item is
-        atomic on its own; ``atomic=True`` makes the step all or nothing. A malformed step
+        ``rewind_tokens`` to drop), ``suspend`` (handles: to the host tier), ``resume`` (the
+        handles the suspended requests had), ``extend`` (handles, ``num_new_tokens``,
+        ``lookahead``: ints or one per handle), ``allocate`` (``AllocateOp`` models or their
+        dicts). Each item is atomic on its own; ``atomic=True`` makes the step all or nothing
+        (then without suspends and resumes, which copy pages). A malformed step
         raises ``InvalidArgument`` and runs nothing; an item's own failure is its status.
 
         Example: ``m.step_columns(free=[h0], extend=[h1, h2], allocate=[{"request_id": "c",
@@ -1173,7 +1196,11 @@ class KVCacheManager:
             num_new_tokens,
             lookahead,
             allocate,
+            suspend,
+            resume,
         )
+        if atomic and (cols.suspend.size or cols.resume.size):
+            raise InvalidArgument("suspend and resume cannot be part of an all-or-nothing step")
         sizes = cols.sizes()
         total = sum(sizes.values())
         self._check_step_size(total, total - sizes["extend"])
@@ -1300,6 +1327,16 @@ class KVCacheManager:
                 else ahead
             ),
             allocate=[{k: v for k, v in piece[j].items() if k != "op"} for j in where["allocate"]],
+            suspend=self._handles_of(ids["suspend"]),
+            # A suspended request by the handle it gets back; others as any id (a live one
+            # is "not suspended", an unknown one unknown).
+            resume=np.array(
+                [
+                    self._suspended[r].handle if r in self._suspended else int(h)
+                    for r, h in zip(ids["resume"], self._handles_of(ids["resume"]), strict=True)
+                ],
+                dtype=np.int64,
+            ),
         )
         return cols, where
 

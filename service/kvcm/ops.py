@@ -32,6 +32,8 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int | None]]] = {
     "rewind": (("request_id", "num_tokens"), {}),
     "commit": (("request_id", "token_ids"), {}),
     "free": (("request_id",), {}),
+    "suspend": (("request_id",), {}),
+    "resume": (("request_id",), {}),
 }
 _STEP_KEYS = frozenset({"ops", "atomic", "brief"})
 _KEYS = {
