@@ -33,7 +33,6 @@ from kvcm_client.errors import (
     RequestSuspended,
     RewindIntoSharedBlock,
     SequenceTooLong,
-    StepAborted,
     UnknownRequest,
     invalid_from_validation,
 )
@@ -64,12 +63,8 @@ from kvcm_client.models import Layout as LayoutInfo
 from . import footprint, registration
 from .columnar import (
     ROW_MASK,
-    SECTIONS,
     OpResults,
-    StepColumns,
     StepOutcome,
-    execute,
-    op_segments,
     parse_columns,
     run_columns,
 )
@@ -89,6 +84,7 @@ from .hashing import (
 from .host_tier import HostTier, onboard_prefix
 from .ids import LayerGroupId, PoolGroupId
 from .layout import BufferPlacement, Layout, build_layout
+from .op_steps import execute_ops
 from .ops import plain_ops
 from .pools import PoolMemory
 from .prefix_cache import find_hit
@@ -100,8 +96,6 @@ _log = logging.getLogger("kvcm")
 _OPS = TypeAdapter(list[Op])
 #: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
 _FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp, SuspendOp, ResumeOp)
-#: A result slot not filled yet (``_piece_results``); never returned.
-_ABORTED_PLACEHOLDER: dict[str, Any] = {}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -1263,157 +1257,12 @@ class KVCacheManager:
         """
         self._check_step_size(len(ops), len(ops) - sum(1 for op in ops if op["op"] == "extend"))
         if not atomic:
-            return self._execute(ops, False, brief)
+            return execute_ops(self, ops, False, brief)
         with self.transaction() as undo:
-            results = self._execute(ops, True, brief)
+            results = execute_ops(self, ops, True, brief)
             if results and not results[-1]["ok"]:  # stopped: every result is an error
                 undo()
             return results
-
-    def _execute(
-        self, ops: list[dict[str, Any]], stop_on_error: bool, brief: bool
-    ) -> list[dict[str, Any]]:
-        """Run op dicts as columnar steps (``op_segments``), results back in op order."""
-        results: list[dict[str, Any]] = []
-        for start, end in op_segments(ops):
-            piece = ops[start:end]
-            cols, where = self._columns_of(piece)
-            out = execute(self, cols, stop_on_error)
-            piece_results = self._piece_results(piece, where, out, brief)
-            if out.failed is not None:
-                section, index = out.failed
-                at = where[section][index]
-                applied = None if stop_on_error else results + piece_results[:at]
-                return self._aborted(len(ops), start + at, piece_results[at], applied)
-            results += piece_results
-        return results
-
-    def _handles_of(self, request_ids: list[str]) -> np.ndarray:
-        """Handles of ids; 0 (no request) for an id that is not live."""
-        get = self._rows.get
-        rows = np.array([get(r, -1) for r in request_ids], dtype=np.int64)
-        handles = self._handle[rows]
-        handles[rows < 0] = 0
-        return handles
-
-    def _columns_of(self, piece: list[dict[str, Any]]) -> tuple[StepColumns, dict[str, list[int]]]:
-        """A piece of op dicts as columns, and each section's op positions in the piece."""
-        where: dict[str, list[int]] = {s: [] for s in SECTIONS}
-        ids: dict[str, list[str]] = {s: [] for s in SECTIONS}
-        for j, op in enumerate(piece):
-            kind = op["op"]
-            where[kind].append(j)
-            ids[kind].append(op["request_id"])
-        ext = [piece[j] for j in where["extend"]]
-        new = [op["num_new_tokens"] for op in ext]
-        ahead = [op["lookahead"] for op in ext]
-        cols = StepColumns(
-            free=self._handles_of(ids["free"]),
-            rewind=self._handles_of(ids["rewind"]),
-            rewind_tokens=[piece[j]["num_tokens"] for j in where["rewind"]],
-            commit=self._handles_of(ids["commit"]),
-            commit_tokens=[piece[j]["token_ids"] for j in where["commit"]],
-            extend=self._handles_of(ids["extend"]),
-            # Counts in range go as arrays (a batch may run); others stay ints, so that each
-            # item checks its own and fails alone (a count past int64 has no array).
-            num_new_tokens=(
-                np.array(new, dtype=np.int64)
-                if new and min(new) >= 1 and max(new) <= MAX_COUNT
-                else new
-            ),
-            lookahead=(
-                np.array(ahead, dtype=np.int64)
-                if ahead and min(ahead) >= 0 and max(ahead) <= MAX_COUNT
-                else ahead
-            ),
-            allocate=[{k: v for k, v in piece[j].items() if k != "op"} for j in where["allocate"]],
-            suspend=self._handles_of(ids["suspend"]),
-            # A suspended request by the handle it gets back; others as any id (a live one
-            # is "not suspended", an unknown one unknown).
-            resume=np.array(
-                [
-                    self._suspended[r].handle if r in self._suspended else int(h)
-                    for r, h in zip(ids["resume"], self._handles_of(ids["resume"]), strict=True)
-                ],
-                dtype=np.int64,
-            ),
-        )
-        return cols, where
-
-    def _piece_results(
-        self,
-        piece: list[dict[str, Any]],
-        where: dict[str, list[int]],
-        out: StepOutcome,
-        brief: bool,
-    ) -> list[dict[str, Any]]:
-        """The result dict of each op of a piece (``step_aborted`` placeholders for ops the
-        step did not run: the caller replaces them)."""
-        results: list[dict[str, Any]] = [_ABORTED_PLACEHOLDER] * len(piece)
-        for section in SECTIONS:
-            status = out.status[section]
-            positions = where[section]
-            if not positions:
-                continue
-            if section == "extend" and not status.any():
-                if brief:
-                    for j in positions:
-                        results[j] = {"ok": True, "request": None, "error": None}
-                else:
-                    eids = [piece[j]["request_id"] for j in positions]
-                    rows = self._rows_of(eids)
-                    for j, r in zip(positions, self._result_dicts(eids, rows), strict=True):
-                        results[j] = r
-                continue
-            for k, (j, code) in enumerate(zip(positions, status.tolist(), strict=True)):
-                if code:
-                    continue
-                rid = piece[j]["request_id"]
-                if section == "free" or (brief and section == "extend"):
-                    results[j] = {"ok": True, "request": None, "error": None}
-                else:
-                    # An allocate answers what it returned (a retry: the first result).
-                    info = out.infos[k] if section == "allocate" else None
-                    if info is None:
-                        info = self._info(rid, self._rows[rid])
-                    results[j] = {"ok": True, "request": info.model_dump(), "error": None}
-        for e in out.errors:
-            j = where[e.section][e.index]
-            exc = e.error
-            if isinstance(exc, UnknownRequest):
-                rid = piece[j]["request_id"]
-                shown = str(rid)[:64]
-                exc = (
-                    RequestSuspended(f"request {shown!r} is suspended", request_id=shown)
-                    if isinstance(rid, str) and rid in self._suspended
-                    else UnknownRequest(f"unknown request {shown!r}", request_id=shown)
-                )
-            results[j] = {"ok": False, "request": None, "error": exc.to_dict()}
-        return results
-
-    @staticmethod
-    def _aborted(
-        n: int,
-        failed: int,
-        result: dict[str, Any],
-        applied: list[dict[str, Any]] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Results of a step stopped at op ``failed``: ``applied`` (the results before it,
-        kept; None for an all-or-nothing step, whose earlier ops were undone), that op's
-        result, and ``step_aborted`` for every op not applied."""
-        code = result["error"]["code"]
-        what = "of this all-or-nothing step " if applied is None else ""
-        aborted = {
-            "ok": False,
-            "request": None,
-            "error": {
-                "code": StepAborted.code,
-                "message": f"not applied: op {failed} {what}failed ({code})",
-                "detail": {"failed_op": failed},
-            },
-        }
-        head = applied[:failed] if applied is not None else [aborted] * failed
-        return [*head, result, *([aborted] * (n - failed - 1))]
 
     @contextmanager
     def transaction(self) -> Iterator[Callable[[], None]]:
@@ -1460,40 +1309,6 @@ class KVCacheManager:
             raise
         finally:
             self._undo = None
-
-    def _result_dicts(self, request_ids: Sequence[str], rows: np.ndarray) -> list[dict[str, Any]]:
-        """The ``OpResult`` dicts of successful extends of these rows (``model_dump`` form)."""
-        c = self._coord
-        lengths = c.num_tokens[rows]
-        capacity = (lengths + c.lookahead[rows]).tolist()
-        committed = self._committed[rows].tolist()
-        hits = self._hits[rows].tolist()
-        handles = self._handle[rows].tolist()
-        return [
-            {
-                "ok": True,
-                "request": {
-                    "request_id": i,
-                    "row": r,
-                    "num_tokens": n,
-                    "capacity": cap,
-                    "num_committed": k,
-                    "num_hit_tokens": h,
-                    "handle": hd,
-                },
-                "error": None,
-            }
-            for i, r, n, cap, k, h, hd in zip(
-                request_ids,
-                rows.tolist(),
-                lengths.tolist(),
-                capacity,
-                committed,
-                hits,
-                handles,
-                strict=True,
-            )
-        ]
 
     def request(self, request_id: str) -> RequestInfo:
         return self._info(request_id, self._row(request_id, suspended=True))
