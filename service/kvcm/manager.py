@@ -68,7 +68,6 @@ from .columnar import (
     parse_columns,
     run_columns,
 )
-from .commit_keys import commit_keys
 from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
 from .counts import _count, _counts
@@ -88,6 +87,7 @@ from .op_steps import execute_ops
 from .ops import plain_ops
 from .pools import PoolMemory
 from .prefix_cache import find_hit
+from .publish import PrefixState, publish
 from .shared_memory import CudaSegments, SharedSegments
 from .sizing import Sizing, StepShape
 from .views import TablesAndViews
@@ -203,21 +203,6 @@ class _FirstAllocation:
     result: RequestInfo
 
 
-@dataclass(slots=True)
-class _PrefixState:
-    """A request's extra keys, the keys of its committed full blocks (a chain), and its
-    prompt's int32 bytes and block keys as allocate had them (``commit_keys`` reuses them;
-    never changed after allocate, so a rewind needs no undo for them)."""
-
-    root: bytes
-    lora_id: int | str | None
-    has_salt: bool
-    multimodal: tuple[MultimodalItem, ...]
-    keys: list[bytes]
-    prompt: bytes
-    prompt_keys: list[bytes]
-
-
 @dataclass(frozen=True, slots=True)
 class _Suspended:
     """A suspended request: per layer group, the table positions of its blocks and the
@@ -233,7 +218,7 @@ class _Checkpoint:
     rows: dict[str, int]
     free_rows: list[int]
     first: dict[str, _FirstAllocation]
-    prefix: dict[str, _PrefixState]
+    prefix: dict[str, PrefixState]
     hits: np.ndarray
     tokens: dict[str, list[int]]
     committed: np.ndarray
@@ -334,7 +319,7 @@ class KVCacheManager:
         self._order = np.arange(cfg.max_requests, dtype=np.int64)
         self._scratch = np.zeros(cfg.max_requests, dtype=np.int64)
         self._first: dict[str, _FirstAllocation] = {}
-        self._prefix: dict[str, _PrefixState] = {}
+        self._prefix: dict[str, PrefixState] = {}
         #: Tokens each row got from the prefix cache at allocation.
         self._hits = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Committed token ids per request, and their count per row (for batch results).
@@ -598,7 +583,7 @@ class KVCacheManager:
         # Only keys kvcm hashed itself are kept for commits: caller-given keys are untrusted
         # past the hit (a client could pass another scope's keys), so commits hash those.
         kept = keys if block_keys is None else keys[:hit]
-        self._prefix[request_id] = _PrefixState(
+        self._prefix[request_id] = PrefixState(
             root, lora_id, cache_salt is not None, items, keys[:hit], data, kept
         )
         info = self._info(request_id, row)
@@ -1030,7 +1015,7 @@ class KVCacheManager:
         have = len(state.keys)
         held += data
         try:
-            self._publish(state, row, held, done, data)
+            publish(self._coord, state, row, held, done, data)
         except BaseException:  # a refused commit changes nothing
             del held[4 * done :]
             del state.keys[have:]
@@ -1039,76 +1024,6 @@ class KVCacheManager:
         if self._undo is not None:
             self._undo.append(lambda: held.__delitem__(slice(4 * done, None)))
             self._undo.append(lambda: state.keys.__delitem__(slice(have, None)))
-
-    def _publish(
-        self, state: _PrefixState, row: int, tokens: bytearray, done: int, data: bytes
-    ) -> None:
-        """Key the request's newly full blocks and publish them in every reusable group.
-
-        ``tokens`` are all its committed ids (int32 bytes), the last ones new; ``data`` is the
-        bytes of ids ``[done:]``. Blocks before ``len(state.keys)`` are keyed already, so the bytes
-        to key start at that block: the few uncommitted-block ids before ``done``, then
-        ``data``. Example (tokens_per_block 4): 6 committed, 5 new: 1 block keyed, ids 4 and
-        5 are packed again and blocks 1 and 2 are keyed from ids [4, 12).
-        """
-        tpb = self.tokens_per_block
-        have, full = len(state.keys), len(tokens) // (4 * tpb)
-        if full <= have:
-            return
-        step = 4 * tpb
-        chunk = bytes(tokens[have * step : 4 * done]) + data
-        parent = state.keys[-1] if have else state.root
-        state.keys += commit_keys(
-            parent, chunk, have, tpb, state.multimodal, state.prompt, state.prompt_keys
-        )
-        c = self._coord
-        cache = c.cache
-        empty = c.empty
-        for g in range(len(self.layout.layer_groups)):
-            if not cache.reusable[g]:
-                continue
-            pg = c.group_pool[g]
-            index = cache.scope(g, state.root)
-            held = c.tables[g][row, have:full]
-            if full - have <= 4:  # a decode-time commit: ints beat numpy calls
-                slots = held.tolist()
-                flags = cache.cached[pg]
-                fresh = [s > empty and not flags[s] for s in slots]
-            else:
-                # Live slots not cached yet (one numpy pass; a -1 indexes the last slot, masked).
-                fresh = ((held > empty) & ~cache.cached[pg][held]).tolist()
-                slots = held.tolist()
-            keys = state.keys
-            new = [f and k not in index for f, k in zip(fresh, keys[have:full], strict=True)]
-            if all(new):  # the usual case: every block is new, one run
-                cache.store(
-                    g,
-                    state.root,
-                    keys[have:full],
-                    slots,
-                    keys[have - 1] if have else None,
-                    chunk[: (full - have) * step],
-                    state.lora_id,
-                    state.has_salt,
-                )
-                continue
-            run: list[int] = []  # block positions of a contiguous run of new blocks
-            for b in range(have, full + 1):
-                if b < full and new[b - have]:
-                    run.append(b)
-                    continue
-                if run:
-                    cache.store(
-                        g,
-                        state.root,
-                        keys[run[0] : run[-1] + 1],
-                        slots[run[0] - have : run[-1] + 1 - have],
-                        keys[run[0] - 1] if run[0] else None,
-                        chunk[(run[0] - have) * step : (run[-1] + 1 - have) * step],
-                        state.lora_id,
-                        state.has_salt,
-                    )
-                    run = []
 
     def committed_tokens(self, request_id: str) -> list[int]:
         """The committed token ids of a request, in order (a copy)."""
