@@ -160,41 +160,37 @@ class _VllmDecode:
             req.append_output_token_ids(7)  # the prefill's sampled token
             self.reqs.append(req)
 
-    def step(self) -> float:
-        m, reqs = self.m, self.reqs
+    def _allocate_step(self) -> float:
+        """The KV-manager calls of one decode step, timed (us): what the rows compare."""
+        m = self.m
         allocate = m.allocate_slots
         t0 = time.perf_counter_ns()
         m.new_step_starts()
-        for req in reqs:
+        for req in self.reqs:
             if allocate(req, 1) is None:
                 raise RuntimeError("vLLM: out of blocks")
-        t1 = time.perf_counter_ns()
+        return (time.perf_counter_ns() - t0) / 1000
+
+    def step(self) -> float:
+        took = self._allocate_step()
         # The scheduler's and the engine's bookkeeping after the step: not timed.
-        for req in reqs:
+        for req in self.reqs:
             req.num_computed_tokens += 1
             req.append_output_token_ids(7)
-        return (t1 - t0) / 1000
+        return took
 
 
 class _VllmDecodeWithHashing(_VllmDecode):
     """The same step with prefix caching on; also times the hashing in the bookkeeping."""
 
     def step_and_append(self) -> tuple[float, float]:
-        m, reqs = self.m, self.reqs
-        allocate = m.allocate_slots
-        t0 = time.perf_counter_ns()
-        m.new_step_starts()
-        for req in reqs:
-            if allocate(req, 1) is None:
-                raise RuntimeError("vLLM: out of blocks")
-        t1 = time.perf_counter_ns()
-        for req in reqs:
+        took = self._allocate_step()
+        for req in self.reqs:
             req.num_computed_tokens += 1
         t2 = time.perf_counter_ns()
-        for req in reqs:
+        for req in self.reqs:
             req.append_output_token_ids(7)
-        t3 = time.perf_counter_ns()
-        return (t1 - t0) / 1000, (t3 - t2) / 1000
+        return took, (time.perf_counter_ns() - t2) / 1000
 
 
 def _check_decode(k: KVCacheManager, v: _VllmDecode, vc: _VllmDecode, steps: int) -> None:

@@ -352,20 +352,7 @@ class KVCacheClient:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when
         this client has one (raw int64 arrays), else ``POST /v1/step_columns``."""
-        columns = {
-            "free": free,
-            "rewind": rewind,
-            "rewind_tokens": rewind_tokens,
-            "commit": commit,
-            "commit_tokens": commit_tokens,
-            "extend": extend,
-            "num_new_tokens": num_new_tokens,
-            "lookahead": lookahead,
-            "allocate": allocate,
-            "suspend": suspend,
-            "resume": resume,
-            "atomic": atomic,
-        }
+        columns = _fields(locals())
         if self._channel is None:
             return self._run(calls.step_columns(columns))
         return self._fast(channel.step_columns(wire_columns(**columns)), None)
@@ -736,20 +723,7 @@ class AsyncKVCacheClient:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when
         this client has one (raw int64 arrays), else ``POST /v1/step_columns``."""
-        columns = {
-            "free": free,
-            "rewind": rewind,
-            "rewind_tokens": rewind_tokens,
-            "commit": commit,
-            "commit_tokens": commit_tokens,
-            "extend": extend,
-            "num_new_tokens": num_new_tokens,
-            "lookahead": lookahead,
-            "allocate": allocate,
-            "suspend": suspend,
-            "resume": resume,
-            "atomic": atomic,
-        }
+        columns = _fields(locals())
         if self._channel is None:
             return await self._run(calls.step_columns(columns))
         return await self._fast(channel.step_columns(wire_columns(**columns)), None)

@@ -454,56 +454,37 @@ class _Run:
 
     # -- sections ------------------------------------------------------------------------------
 
-    def frees(self) -> None:
-        handles = self.cols.free
+    def each_row(self, section: str, run: Callable[[int, int], Any], recheck: bool = False) -> None:
+        """``run(index, row)`` for each item of a section of handles, in order, as an item;
+        a handle that is not live is ``unknown_request``. ``recheck``: liveness is checked
+        again per item, since an earlier item of the section may have freed (or suspended)
+        the row."""
+        handles = getattr(self.cols, section)
         if not handles.size:
             return
         rows, live = self.m._handle_rows(handles)
         current = self.m._handle
         for i, row in enumerate(rows.tolist()):
-            # Checked again per item: an earlier item of this section may have freed the row.
-            if (live is not None and not live[i]) or current[row] != handles[i]:
-                self.unknown("free", i, int(handles[i]))
+            if (live is not None and not live[i]) or (recheck and current[row] != handles[i]):
+                self.unknown(section, i, int(handles[i]))
                 continue
-            rid = self.item("free", i, lambda row=row: self.m._free_row(row))
-            if rid is not None:
-                self.out.freed_ids.append(rid)
+            self.item(section, i, lambda i=i, row=row: run(i, row))
+
+    def frees(self) -> None:
+        m, freed = self.m, self.out.freed_ids
+        self.each_row("free", lambda _, row: freed.append(m._free_row(row)), recheck=True)
 
     def rewinds(self) -> None:
-        handles = self.cols.rewind
-        if not handles.size:
-            return
-        rows, live = self.m._handle_rows(handles)
-        counts = _ints(self.cols.rewind_tokens, handles.size)
-        for i, row in enumerate(rows.tolist()):
-            if live is not None and not live[i]:
-                self.unknown("rewind", i, int(handles[i]))
-                continue
-            self.item("rewind", i, lambda row=row, k=counts[i]: self.m._rewind_row(row, k))
+        m, counts = self.m, _ints(self.cols.rewind_tokens, self.cols.rewind.size)
+        self.each_row("rewind", lambda i, row: m._rewind_row(row, counts[i]))
 
     def commits(self) -> None:
-        handles = self.cols.commit
-        if not handles.size:
-            return
-        rows, live = self.m._handle_rows(handles)
-        tokens = self.cols.commit_tokens
-        for i, row in enumerate(rows.tolist()):
-            if live is not None and not live[i]:
-                self.unknown("commit", i, int(handles[i]))
-                continue
-            self.item("commit", i, lambda row=row, t=tokens[i]: self.m._commit_row(row, t))
+        m, tokens = self.m, self.cols.commit_tokens
+        self.each_row("commit", lambda i, row: m._commit_row(row, tokens[i]))
 
     def suspends(self) -> None:
-        handles = self.cols.suspend
-        if not handles.size:
-            return
-        rows, live = self.m._handle_rows(handles)
-        current = self.m._handle
-        for i, row in enumerate(rows.tolist()):
-            if (live is not None and not live[i]) or current[row] != handles[i]:
-                self.unknown("suspend", i, int(handles[i]))
-                continue
-            self.item("suspend", i, lambda row=row: self.m._suspend_row(row))
+        m = self.m
+        self.each_row("suspend", lambda _, row: m._suspend_row(row), recheck=True)
 
     def resumes(self) -> None:
         """By the handle the request had: kept for it while it is suspended."""

@@ -138,6 +138,23 @@ class HostTier:
         if stream is not None:
             stream.synchronize()
 
+    def _copy_out(self, pool_group: int, device_slots: list[int], host_slots: list[int]) -> None:
+        self._copy(pool_group, device_slots, host_slots, out=True)
+        self.stats.offloaded_blocks += len(host_slots)
+        self.stats.offloaded_bytes += len(host_slots) * self.slot_bytes[pool_group]
+
+    def _copy_in(self, pool_group: int, host_slots: list[int], device_slots: list[int]) -> None:
+        self._copy(pool_group, device_slots, host_slots, out=False)
+        self.stats.onboarded_blocks += len(host_slots)
+        self.stats.onboarded_bytes += len(host_slots) * self.slot_bytes[pool_group]
+
+    def _drop_oldest(self, pool_group: int) -> HostKey:
+        """Drop the host's least recently used block (its slot is free again)."""
+        key, slot = self.lru[pool_group].popitem(last=False)
+        self.free[pool_group].append(slot)
+        self.stats.dropped_blocks += 1
+        return key
+
     # -- offload and onboard --------------------------------------------------------------------
 
     def offload(self, pool_group: int, entries: list[tuple[int, HostKey]]) -> None:
@@ -159,9 +176,7 @@ class HostTier:
                 if not lru:  # every host slot is held by a suspended request: dropped
                     self.stats.dropped_blocks += 1
                     continue
-                old, dropped = lru.popitem(last=False)
-                free.append(dropped)
-                self.stats.dropped_blocks += 1
+                old = self._drop_oldest(pool_group)
                 removed.setdefault(old[0], []).append(old[2])
             h = free.pop()
             device_slots.append(slot)
@@ -173,9 +188,7 @@ class HostTier:
         for group, keys in stored.items():
             self.log.host("block_stored", group, keys)
         if device_slots:
-            self._copy(pool_group, device_slots, host_slots, out=True)
-            self.stats.offloaded_blocks += len(device_slots)
-            self.stats.offloaded_bytes += len(device_slots) * self.slot_bytes[pool_group]
+            self._copy_out(pool_group, device_slots, host_slots)
 
     def reserve(self, pool_group: int, keys: list[HostKey]) -> list[int]:
         """Take blocks out of the index for onboarding: their host slots are then neither
@@ -186,10 +199,8 @@ class HostTier:
 
     def onboard(self, pool_group: int, host_slots: list[int], device_slots: list[int]) -> None:
         """Copy reserved host slots into (fresh) device slots, then free the host slots."""
-        self._copy(pool_group, device_slots, host_slots, out=False)
+        self._copy_in(pool_group, host_slots, device_slots)
         self.free[pool_group].extend(host_slots)
-        self.stats.onboarded_blocks += len(host_slots)
-        self.stats.onboarded_bytes += len(host_slots) * self.slot_bytes[pool_group]
 
     # -- suspended requests --------------------------------------------------------------------
 
@@ -201,25 +212,19 @@ class HostTier:
     def hold(self, pool_group: int, device_slots: list[int]) -> list[int]:
         """Copy device slots (a suspended request's blocks) into private host slots, which
         no LRU drops; the caller checked ``room``."""
-        free, lru = self.free[pool_group], self.lru[pool_group]
+        free = self.free[pool_group]
         while len(free) < len(device_slots):
-            old, dropped = lru.popitem(last=False)
-            free.append(dropped)
-            self.stats.dropped_blocks += 1
+            old = self._drop_oldest(pool_group)
             self.log.host("block_removed", old[0], [old[2]])
         host_slots = [free.pop() for _ in device_slots]
-        self._copy(pool_group, device_slots, host_slots, out=True)
+        self._copy_out(pool_group, device_slots, host_slots)
         self.held[pool_group] += len(host_slots)
-        self.stats.offloaded_blocks += len(host_slots)
-        self.stats.offloaded_bytes += len(host_slots) * self.slot_bytes[pool_group]
         return host_slots
 
     def give_back(self, pool_group: int, host_slots: list[int], device_slots: list[int]) -> None:
         """Copy held host slots into device slots (resume) and free them."""
-        self._copy(pool_group, device_slots, host_slots, out=False)
+        self._copy_in(pool_group, host_slots, device_slots)
         self.discard(pool_group, host_slots)
-        self.stats.onboarded_blocks += len(host_slots)
-        self.stats.onboarded_bytes += len(host_slots) * self.slot_bytes[pool_group]
 
     def discard(self, pool_group: int, host_slots: list[int]) -> None:
         """Free held host slots (a suspended request that is freed)."""
@@ -230,9 +235,6 @@ class HostTier:
         for pg, lru in self.lru.items():
             self.free[pg].extend(lru.values())
             lru.clear()
-
-    def used_slots(self, pool_group: int) -> np.ndarray:
-        return np.fromiter(self.lru[pool_group].values(), dtype=np.int64)
 
 
 def onboard_prefix(

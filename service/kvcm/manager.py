@@ -132,9 +132,7 @@ def _token_ids(value: Any) -> tuple[list[int], bytes]:
 
     Python counts a bool as an int, and so does this check; the wire refuses bools.
     """
-    if not isinstance(value, Sequence | np.ndarray):
-        raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
-    data = token_bytes(value)
+    data = _token_data(value)
     return np.frombuffer(data, dtype="<i4").tolist(), data
 
 
