@@ -7,9 +7,10 @@ Layout: Llama-3-8B-like, 32 layers of 8 KV heads x 128, bf16, 16-token blocks, o
 (a block's slot is 32 x 2 x 16 x 8 x 128 x 2 bytes = 2 MiB, one contiguous row). For batches of
 1 to 64 blocks:
 
-- ``offload``: ``HostTier.offload`` of that many cached blocks (device -> pinned host, one copy
-  per block on the tier's stream, then a wait), as an eviction does;
-- ``onboard``: ``HostTier.onboard`` of as many host blocks into device slots (host -> device);
+- ``offload``: ``HostTier.offload`` of that many cached blocks (device -> pinned host) and the
+  wait for its copies, as a step that evicts them does (one ``copy_segments`` launch on the
+  tier's stream, ``kvcm.tier_copies``);
+- ``onboard``: as many host blocks copied into device slots (host -> device) and the wait;
 - ``baseline``: one ``copy_`` of the same number of bytes between a contiguous device buffer
   and a pinned host buffer, each way, synchronised: what a single cudaMemcpy of that size
   costs in the same run.
@@ -17,6 +18,16 @@ Layout: Llama-3-8B-like, 32 layers of 8 KV heads x 128, bf16, 16-token blocks, o
 Each row: median time of the kvcm copy, its bandwidth, and its fraction of the baseline's
 bandwidth the same way (target: >= 80% for batches of 2 MiB or more). On the CPU both sides
 are plain memory copies.
+
+On CUDA (not ``--quick``), two more tables, with a Llama-3-8B-shaped model from transformers
+(random bf16 weights, SDPA attention):
+
+- decode beside offloading: the model's forward of a batch of 64 single tokens (every weight
+  read once, what dominates a decode step; no KV attention) timed by CUDA events, alone and
+  while the CPU offloads 8 blocks (16 MiB) per step and waits for them, the copy kernel on
+  the tier's stream capped at 16, 64 or 256 thread blocks (target: at most 3% slower);
+- host hit against recompute: onboarding a prompt's blocks from the host (queue and wait)
+  against the model's prefill of the same tokens, for 512 to 8192 tokens.
 """
 
 from __future__ import annotations
@@ -84,6 +95,121 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for n in batches:
         print(_row(host, n, slot_bytes, device, repeats))
+    if device.type == "cuda" and not args.quick:
+        _model_tables(device)
+
+
+def _llama_8b(device: torch.device) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        attn_implementation="sdpa",
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model.eval()
+
+
+def _event_ms(fn, device: torch.device, repeats: int, beside=None) -> float:  # type: ignore[no-untyped-def]
+    """Median GPU time of ``fn``'s work (CUDA events on the current stream); ``beside`` runs
+    on the CPU right after ``fn`` is launched, while its kernels run."""
+    samples = []
+    for i in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if beside is not None:
+            beside()
+        torch.cuda.synchronize(device)
+        if i >= 3:
+            samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _model_tables(device: torch.device) -> None:
+    model = _llama_8b(device)
+    blocks, top = 8, 512
+    m = KVCacheManager(
+        {
+            "layers": [
+                {"layer_id": i, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
+                for i in range(32)
+            ],
+            "tokens_per_block": 16,
+            "num_blocks": top + 1,
+            "max_seq_len": 16 * top,
+            "device": str(device),
+            "host_memory_bytes": 1,
+        },
+        check_budget=False,
+    )
+    from kvcm.host_tier import HostTier
+
+    host = HostTier(m.layout, m.memory.tensors, {0: top}, device, m._coord.cache.log)
+    ids = torch.randint(0, 128256, (64, 1), device=device)
+
+    def decode() -> None:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+
+    keys = [(0, b"r", i.to_bytes(4, "little")) for i in range(blocks)]
+    entries = list(zip(range(1, blocks + 1), keys, strict=True))
+
+    def offload() -> None:
+        host.offload(0, entries)
+        host.copier.finish()
+        host.clear()
+
+    print("\n| decode step (batch 64) | ms | vs alone |")
+    print("|---|---|---|")
+    alone = _event_ms(decode, device, 30)
+    print(f"| alone | {alone:.3f} | 1.000 |")
+    for cap in (16, 64, 256):
+        host.copier.max_blocks = cap
+        beside = _event_ms(decode, device, 30, offload)
+        print(
+            f"| beside offloading 16 MiB/step, copy kernel <= {cap} blocks | {beside:.3f} "
+            f"| {beside / alone:.3f} |"
+        )
+    alone2 = _event_ms(decode, device, 30)
+    print(f"| alone, again | {alone2:.3f} | {alone2 / alone:.3f} |")
+    host.copier.max_blocks = 64
+
+    print("\n| prompt tokens | host hit: onboard ms | recompute: prefill ms | prefill / onboard |")
+    print("|---|---|---|---|")
+    for tokens in (512, 2048, 8192):
+        n = tokens // 16
+        prompt = torch.randint(0, 128256, (1, tokens), device=device)
+
+        def prefill(prompt: torch.Tensor = prompt) -> None:
+            with torch.no_grad():
+                model(prompt, use_cache=False, logits_to_keep=1)
+
+        entries_n = [(1 + i, (0, b"p", i.to_bytes(4, "little"))) for i in range(n)]
+        host.offload(0, entries_n)
+        host.copier.finish()
+        held = list(host.lru[0].values())
+        slots = list(range(1, n + 1))
+
+        def onboard(slots: list[int] = slots, held: list[int] = held) -> None:
+            host.copier.queue(0, False, slots, held)
+            host.copier.finish()
+
+        on_ms = _median_s(onboard, device, 10) * 1e3
+        pre_ms = _event_ms(prefill, device, 5)
+        host.clear()
+        print(f"| {tokens} | {on_ms:.3f} | {pre_ms:.2f} | {pre_ms / on_ms:.1f}x |")
 
 
 def _row(host: Any, n: int, slot_bytes: int, device: torch.device, repeats: int) -> str:
@@ -98,13 +224,20 @@ def _row(host: Any, n: int, slot_bytes: int, device: torch.device, repeats: int)
 
     def offload() -> None:
         host.offload(0, entries)
+        host.copier.finish()
         host.clear()  # the next round offloads again
 
     out_s = _median_s(offload, device, repeats)
     host.offload(0, entries)
+    host.copier.finish()
     held = [host.lru[0][k] for k in keys]
     slots = [slot for slot, _ in entries]
-    in_s = _median_s(lambda: host._copy(0, slots, held, out=False), device, repeats)
+
+    def onboard() -> None:
+        host.copier.queue(0, False, slots, held)
+        host.copier.finish()
+
+    in_s = _median_s(onboard, device, repeats)
     host.clear()
     gbs = [nbytes / s / 1e9 for s in (out_s, d2h, in_s, h2d)]
     return (

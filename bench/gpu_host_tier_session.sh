@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The host tier on the GPU machine in one call: its randomized checksum run with the pools on
-# cuda:0 (KVCM_GPU_HOST_CYCLES cycles, default 300000; 10^6 for the long run), then the copy
-# bandwidth benchmark. Needs the service wheels in .whl (../shared/gpu/fetch-wheels .whl
+# The host tier on the GPU machine in one call: the copy benchmark (bandwidth, decode beside
+# offloading, host hit against prefill), the copy kernel's tests against the CPU reference,
+# then the randomized checksum run with the pools on cuda:0 (KVCM_GPU_HOST_CYCLES cycles,
+# default 300000; 10^6 for the long run; KVCM_GPU_HOST_BENCH=0 skips the benchmark). Needs the service wheels in .whl (../shared/gpu/fetch-wheels .whl
 # httptools msgpack). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -11,7 +12,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/service:$PWD/client:$PWD/kernels:$PWD/examples/engine
 export PYTHONUNBUFFERED=1 KVCM_GPU_HOST_CYCLES=${KVCM_GPU_HOST_CYCLES:-300000}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-python3 bench/bench_host_tier.py --device cuda 2>&1 | tee "$out/bench-host-tier.log"
+if [ "${KVCM_GPU_HOST_BENCH:-1}" != 0 ]; then
+  python3 bench/bench_host_tier.py --device cuda 2>&1 | tee "$out/bench-host-tier.log"
+fi
+python3 -m pytest tests/gpu/test_tier_copies_gpu.py -p no:cacheprovider -q -ra 2>&1 \
+  | tee "$out/pytest-tier-copies.log" | tail -8
 start=$(date +%s)
 python3 -m pytest tests/gpu/test_host_tier_gpu.py -p no:cacheprovider -q -ra -s \
   2>&1 | tee "$out/pytest-host-tier.log" | tail -8

@@ -6,6 +6,7 @@ function that dispatches between them (``_dispatch.gpu_path``). CuPy is optional
 or for CPU tensors, the reference runs.
 """
 
+from .block_copy import copy_segments, copy_segments_reference, segments
 from .kv_copy import TokenCopyPool, copy_tokens
 from .page_indices import kernel_page_indices
 from .page_table_edits import apply_page_table_edits
@@ -17,8 +18,11 @@ __all__ = [
     "TokenCopyPool",
     "apply_edits_and_map_slots",
     "apply_page_table_edits",
+    "copy_segments",
+    "copy_segments_reference",
     "copy_tokens",
     "kernel_page_indices",
     "layer_pointers",
+    "segments",
     "slot_mapping",
 ]

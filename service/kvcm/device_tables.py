@@ -100,9 +100,13 @@ class DeviceTables:
         return self._upload
 
     def take_pending(self) -> np.ndarray:
-        """The edits not yet on the device, int64 ``[E, 4]``; the caller must apply them."""
+        """The edits not yet on the device, int64 ``[E, 4]``; the caller must apply them on
+        the current stream, which then waits for the host tier's copies so far: a table
+        cell never reaches the device before the copy that fills or empties its slot."""
         if self._upload is None or not self._coord.ops_since_take:
             return np.empty((0, 4), dtype=np.int64)
+        if self._coord.host is not None:
+            self._coord.host.copier.order_before(torch.cuda.current_stream(self.device))
         return self._coord.take_edits()
 
     def sync(self) -> torch.Tensor:

@@ -6,13 +6,13 @@ of the group has its own region, as on the device), allocated in chunks of at mo
 that a large tier does not stall start-up; pinned when the device is CUDA (a second ordinary
 memory region on the CPU, so every feature runs in CI).
 
-A block key lives in at most one place per layer group at a time as far as the index says:
-on the device (the prefix cache) or on the host (this index). Offloading happens inside the
-op that evicts the device slot, before that slot is handed to its new owner; onboarding
-happens inside the allocate that hits, before the hit is placed. Copies are synchronous here
-(the op returns only once its copies are done), which is what makes "no slot is read or
-written before the copy that involves it completed" hold by construction; the host index and
-its LRU never refer to a slot whose copy has not completed.
+The index says where each block key of a layer group is: on the device (the prefix cache), on
+the host (this index), or both (``BlockState``). Offloading happens inside the op that evicts
+the device slot, before that slot is handed to its new owner; onboarding happens inside the
+allocate that hits, before the hit is placed. Copies are queued and launched in batches by
+``kvcm.tier_copies`` (one launch per step unless two copies of a step involve the same slot),
+and every op waits for its copies before it answers: nothing outside the manager ever reads
+or writes a slot whose copy is in flight.
 
 Worked example (one pool group, 2 host slots): device slot 7 holds cached key k1 and is
 handed out to a new request: k1's page is copied to host slot 0 and indexed there; later an
@@ -22,9 +22,9 @@ copies host slot 0 into it, publishes k1 on the device again and frees host slot
 
 from __future__ import annotations
 
-import contextlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,15 +32,41 @@ import torch
 
 from .events import EventLog
 from .layout import Layout
+from .tier_copies import TierCopier
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
+    from .prefix_cache import PrefixCache
 
 #: Largest single host allocation: a large tier is built from chunks of at most this size.
 CHUNK_BYTES = 64 << 20
 
 HostKey = tuple[int, bytes, bytes]
 """(layer group, scope root, block key) of a block on the host."""
+
+
+class BlockState(Enum):
+    """Where a cached block is: what the device index, the host index and the queued copies
+    say together (``HostTier.state_of``). The transitions, each made by one op:
+
+    - ``DEVICE`` -> ``COPYING_OUT``: its device slot is handed out (evicted); the copy to a
+      host slot is queued and the host index has it. -> ``HOST`` when the copy completes.
+    - ``HOST`` -> ``COPYING_IN``: a prefix hit takes a fresh device slot for it; the copy is
+      queued, the device index has it, its host slot is free. -> ``DEVICE`` when it completes.
+    - ``HOST`` -> ``BOTH``: the same block is computed and published again on the device.
+      ``BOTH`` -> ``HOST`` when the device slot is evicted (no copy needed), -> ``DEVICE``
+      when the host's LRU drops it.
+    - ``DEVICE`` or ``HOST`` -> gone: evicted with no host tier, or dropped by the host LRU.
+
+    The copying states exist only inside an op: every op waits for its copies before it
+    answers, and until then nothing outside the manager sees the slots involved.
+    """
+
+    DEVICE = "device"
+    COPYING_OUT = "copying_out"
+    BOTH = "both"
+    HOST = "host"
+    COPYING_IN = "copying_in"
 
 
 @dataclass(slots=True)
@@ -68,9 +94,6 @@ class _Region:
             for start in range(0, num_slots, per_chunk)
         ]
 
-    def rows(self, slot: int) -> torch.Tensor:
-        return self.chunks[slot // self.per_chunk][slot % self.per_chunk]
-
 
 class HostTier:
     """Host copies of evicted cached blocks, per pool group, with their own LRU."""
@@ -87,8 +110,6 @@ class HostTier:
         self.log = log
         self.device_pools = device_pools
         self.pinned = device.type == "cuda"
-        #: The stream host copies run on (CUDA only).
-        self.stream = torch.cuda.Stream(device) if self.pinned else None
         self.num_slots = dict(host_slots)
         #: Per pool group: its pools (a slot spans the same row of each) and slot bytes.
         self.pools_of = {pg.pool_group_id: list(pg.pools) for pg in layout.pool_groups}
@@ -97,9 +118,17 @@ class HostTier:
             pool.pool_id: _Region(host_slots[pool.pool_group], pool.slot_bytes, self.pinned)
             for pool in layout.pools
         }
+        self.copier = TierCopier(
+            device_pools,
+            {pool: region.chunks for pool, region in self.regions.items()},
+            self.pools_of,
+            device,
+        )
         self.group_pool = [int(g.pool_group) for g in layout.layer_groups]
-        #: Per pool group: free host slots (a stack), and key -> host slot in LRU order.
-        self.free = {pg: list(range(n - 1, -1, -1)) for pg, n in host_slots.items()}
+        #: Per pool group: free host slots, taken from the right; slots a copy in just read
+        #: go back on the left (reused last, so a later copy of the same step rarely has to
+        #: wait for that read), and key -> host slot in LRU order.
+        self.free = {pg: deque(range(n - 1, -1, -1)) for pg, n in host_slots.items()}
         self.lru: dict[int, OrderedDict[HostKey, int]] = {pg: OrderedDict() for pg in host_slots}
         #: Per pool group: host slots held by suspended requests (private, never dropped).
         self.held = dict.fromkeys(host_slots, 0)
@@ -110,41 +139,34 @@ class HostTier:
     def holds(self, group: int, root: bytes, key: bytes) -> bool:
         return (group, root, key) in self.lru[self.group_pool[group]]
 
+    def state_of(
+        self, cache: PrefixCache, group: int, root: bytes, key: bytes
+    ) -> BlockState | None:
+        """Where the block ``key`` of layer group ``group`` (scope ``root``) is; None when
+        neither tier has it."""
+        pg = self.group_pool[group]
+        slot = cache.scope(group, root).get(key)
+        host_slot = self.lru[pg].get((group, root, key))
+        if slot is not None and self.copier.writing_device(pg, slot):
+            return BlockState.COPYING_IN
+        if host_slot is not None and self.copier.writing_host(pg, host_slot):
+            return BlockState.COPYING_OUT
+        if slot is not None:
+            return BlockState.DEVICE if host_slot is None else BlockState.BOTH
+        return None if host_slot is None else BlockState.HOST
+
     def num_used(self, pool_group: int) -> int:
         return len(self.lru[pool_group])
 
     # -- copies ------------------------------------------------------------------------------------
 
-    def _copy(
-        self, pool_group: int, device_slots: list[int], host_slots: list[int], out: bool
-    ) -> None:
-        """Copy whole slots between the device pools and the host regions, one direct copy
-        per (pool, block): a slot is one contiguous row on both sides, so each is a single
-        DMA between device memory and pinned host memory on CUDA. On CUDA the copies run on
-        the tier's own stream, after the work already queued on the current one, and the op
-        waits for them (synchronous: a slot is handed out only once its copy completed)."""
-        stream = self.stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for pool in self.pools_of[pool_group]:
-                dev = self.device_pools[pool]
-                region = self.regions[pool]
-                for d, h in zip(device_slots, host_slots, strict=True):
-                    if out:
-                        region.rows(h).copy_(dev[d], non_blocking=self.pinned)
-                    else:
-                        dev[d].copy_(region.rows(h), non_blocking=self.pinned)
-        if stream is not None:
-            stream.synchronize()
-
     def _copy_out(self, pool_group: int, device_slots: list[int], host_slots: list[int]) -> None:
-        self._copy(pool_group, device_slots, host_slots, out=True)
+        self.copier.queue(pool_group, True, device_slots, host_slots)
         self.stats.offloaded_blocks += len(host_slots)
         self.stats.offloaded_bytes += len(host_slots) * self.slot_bytes[pool_group]
 
     def _copy_in(self, pool_group: int, host_slots: list[int], device_slots: list[int]) -> None:
-        self._copy(pool_group, device_slots, host_slots, out=False)
+        self.copier.queue(pool_group, False, device_slots, host_slots)
         self.stats.onboarded_blocks += len(host_slots)
         self.stats.onboarded_bytes += len(host_slots) * self.slot_bytes[pool_group]
 
@@ -200,7 +222,7 @@ class HostTier:
     def onboard(self, pool_group: int, host_slots: list[int], device_slots: list[int]) -> None:
         """Copy reserved host slots into (fresh) device slots, then free the host slots."""
         self._copy_in(pool_group, host_slots, device_slots)
-        self.free[pool_group].extend(host_slots)
+        self.free[pool_group].extendleft(host_slots)
 
     # -- suspended requests --------------------------------------------------------------------
 
@@ -227,8 +249,8 @@ class HostTier:
         self.discard(pool_group, host_slots)
 
     def discard(self, pool_group: int, host_slots: list[int]) -> None:
-        """Free held host slots (a suspended request that is freed)."""
-        self.free[pool_group].extend(host_slots)
+        """Free held host slots (a resumed or freed suspended request)."""
+        self.free[pool_group].extendleft(host_slots)
         self.held[pool_group] -= len(host_slots)
 
     def clear(self) -> None:

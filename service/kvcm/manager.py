@@ -7,6 +7,7 @@ Every op is atomic: it raises before anything changes, or it completes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 import weakref
@@ -178,6 +179,25 @@ def _doc(source: Callable[..., Any]) -> Callable[[_F], _F]:
         return method
 
     return wrap
+
+
+def _settles(method: _F) -> _F:
+    """Return only once the host-tier copies the op queued have completed (kvcm.tier_copies).
+
+    A step queues its copies and launches them in batches; its caller may write a slot the
+    step evicted, or read a block it onboarded, as soon as it answers, so every public op
+    that can take or give back slots waits for its copies here, also when it raises.
+    """
+
+    @functools.wraps(method)
+    def call(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if self._host is not None:
+                self._host.copier.finish()
+
+    return call  # type: ignore[return-value]
 
 
 def _weak(method: Callable[[Sequence[str]], np.ndarray]) -> Callable[[Sequence[str]], np.ndarray]:
@@ -478,6 +498,7 @@ class KVCacheManager:
             handle=int(self._handle[row]) if saved is None else saved.handle,
         )
 
+    @_settles
     def allocate(
         self,
         request_id: str,
@@ -646,6 +667,7 @@ class KVCacheManager:
             "host_used": {int(pg): host.num_used(pg) for pg in host.num_slots},
         }
 
+    @_settles
     def suspend(self, request_id: str) -> RequestInfo:
         """Move a request's blocks to the host tier and free their device slots; it keeps
         its id, row, length, committed tokens and keys, and answers ``request_suspended`` to
@@ -697,6 +719,7 @@ class KVCacheManager:
         self._suspended_handles[handle] = request_id
         self._handle[row] = -1
 
+    @_settles
     def resume(self, request_id: str) -> RequestInfo:
         """Bring a suspended request's blocks back into new device slots and rewrite its
         table row; ``OutOfBlocks`` when the device has too few free slots, and nothing
@@ -834,6 +857,7 @@ class KVCacheManager:
         events, lost = log.after(after, limit)
         return KVEvents.model_validate({"events": events, "last_seq": log.last_seq, "lost": lost})
 
+    @_settles
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
         row = self._row(request_id)
@@ -851,6 +875,7 @@ class KVCacheManager:
             self._check_len(self._ids[row] or "", total)
         return self._coord.grow_one(row, num_new_tokens, lookahead)
 
+    @_settles
     def extend_many(
         self,
         request_ids: Sequence[str],
@@ -883,6 +908,7 @@ class KVCacheManager:
         self._coord.grow(rows, new, ahead, in_order)
         return rows
 
+    @_settles
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
         row = self._row(request_id)
@@ -1059,6 +1085,7 @@ class KVCacheManager:
         """Block positions a row holds, summed over layer groups."""
         return sum(int(n[row]) for n in self._coord.num_blocks)
 
+    @_settles
     def step_columns(
         self,
         *,
@@ -1124,6 +1151,7 @@ class KVCacheManager:
                 max_other_ops=MAX_STEP_OTHER_OPS,
             )
 
+    @_settles
     def step(
         self, ops: Sequence[Op | dict[str, Any]], atomic: bool = False, brief: bool = False
     ) -> Sequence[OpResult]:
@@ -1154,6 +1182,7 @@ class KVCacheManager:
             plain = [m.model_dump() for m in models]
         return OpResults(self.step_plain(plain, atomic, brief))
 
+    @_settles
     def step_plain(
         self, ops: list[dict[str, Any]], atomic: bool = False, brief: bool = False
     ) -> list[dict[str, Any]]:

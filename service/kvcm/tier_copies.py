@@ -1,0 +1,225 @@
+"""Block copies between the device pools and the host tier's regions, batched per step.
+
+The host tier queues each copy here (``queue``): a pool group's device slots to or from host
+slots, every pool of the group. Queued copies are launched together (``flush``): on CUDA one
+``copy_segments`` kernel on the tier's own stream for everything queued, after the work
+already on the current stream (a CUDA event orders them), reading its descriptors straight
+from pinned memory; on the CPU, one indexed copy per (pool, host chunk). ``finish`` flushes
+and waits for the copies: every public op that can queue copies calls it before it answers
+(``kvcm.manager._settles``), so no caller ever sees a slot whose copy is in flight.
+
+Within a step, a queued copy and a later one can involve the same slot: an onboard into a
+device slot the step just evicted (whose copy out is queued), a host slot dropped and reused,
+a host block offloaded and hit again. A copy that reads or writes a slot a queued copy writes,
+or writes a slot a queued copy reads, first launches what is queued; stream order then puts
+the earlier copy first (a hazard costs one more launch, never a wrong byte). The usual decode
+step with offloading queues copies out of distinct evicted slots into distinct free host slots
+and launches once.
+
+``immediate`` copies run as they are queued. It is the CPU's default: the CPU page tables are
+the numpy arrays the coordinator edits in place, so a consumer mapping them would see a table
+cell as soon as it is written, and the copy that fills that slot must already be done. On CUDA
+the tables reach the device only at ``DeviceTables.sync``, which runs after ``finish``.
+
+Worked example (one pool of 64-byte slots, CUDA): an op evicts device slots 7 and 9 (cached
+blocks) to host slots 0 and 1: two queued copies out; it then onboards a host block from host
+slot 4 into device slot 7: slot 7 is read by a queued copy, so the two copies out launch
+first (one kernel, 2 segments) and the copy in is queued; ``finish`` launches it (a second
+kernel) and waits for the tier stream's event.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import kvcm_kernels
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Queued copies of one pool group; ``out``: device to host."""
+
+    out: list[bool] = field(default_factory=list)
+    device: list[list[int]] = field(default_factory=list)
+    host: list[list[int]] = field(default_factory=list)
+    device_read: set[int] = field(default_factory=set)
+    device_write: set[int] = field(default_factory=set)
+    host_read: set[int] = field(default_factory=set)
+    host_write: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class CopyStats:
+    launches: int = 0
+    """Batches launched (CUDA kernels, CPU flushes)."""
+    hazard_launches: int = 0
+    """Of those, batches launched early because a new copy involved a queued copy's slot."""
+    seconds: float = 0.0
+    """Time spent launching copies (the CPU: copying) and waiting for them."""
+
+
+class TierCopier:
+    """Queues and launches the host tier's copies (one per tier)."""
+
+    def __init__(
+        self,
+        device_pools: list[torch.Tensor],
+        regions: dict[int, list[torch.Tensor]],
+        pools_of: dict[int, list[int]],
+        device: torch.device,
+        immediate: bool | None = None,
+    ) -> None:
+        """``device_pools[pool]``: ``[slots, slot_bytes]`` uint8; ``regions[pool]``: the host
+        chunks of that pool, each ``[rows, slot_bytes]``, all but the last of equal rows;
+        ``pools_of[pool_group]``: its pools."""
+        self.device_pools = device_pools
+        self.regions = regions
+        self.pools_of = pools_of
+        self.cuda = device.type == "cuda"
+        self.immediate = not self.cuda if immediate is None else immediate
+        self.per_chunk = {
+            pool: int(chunks[0].shape[0]) if chunks else 1 for pool, chunks in regions.items()
+        }
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.pending = {pg: _Pending() for pg in pools_of}
+        #: CUDA: the slots of launched copies not yet waited for (the CPU's are done).
+        self.flying = {pg: _Pending() for pg in pools_of}
+        self.queued = 0
+        #: Thread blocks of a CUDA launch (``kvcm_kernels.block_copy.MAX_BLOCKS``).
+        self.max_blocks = kvcm_kernels.block_copy.MAX_BLOCKS
+        #: Launched and not yet waited for (CUDA): keeps their descriptors alive.
+        self._launched: list[torch.Tensor] = []
+        self.stats = CopyStats()
+        #: Per pool: the address of each host chunk.
+        self._bases = {
+            pool: np.array([c.data_ptr() for c in chunks], dtype=np.int64)
+            for pool, chunks in regions.items()
+        }
+
+    # -- state queries (the block states of kvcm.host_tier) ---------------------------------
+
+    def writing_device(self, pool_group: int, slot: int) -> bool:
+        """Whether a copy queued or in flight writes this device slot."""
+        return slot in self.pending[pool_group].device_write or (
+            slot in self.flying[pool_group].device_write
+        )
+
+    def writing_host(self, pool_group: int, slot: int) -> bool:
+        return slot in self.pending[pool_group].host_write or (
+            slot in self.flying[pool_group].host_write
+        )
+
+    def busy_device_slots(self, pool_group: int) -> set[int]:
+        """Device slots a copy queued or in flight reads or writes."""
+        p, f = self.pending[pool_group], self.flying[pool_group]
+        return p.device_read | p.device_write | f.device_read | f.device_write
+
+    # -- queue, launch, wait -------------------------------------------------------------------
+
+    def queue(self, pool_group: int, out: bool, device: list[int], host: list[int]) -> None:
+        """Copy ``device`` slots to ``host`` slots (``out``) or back, in every pool of the
+        group; launches what is queued first when the copy involves a slot a queued copy
+        writes, or writes one a queued copy reads."""
+        if not device:
+            return
+        p = self.pending[pool_group]
+        reads, writes = (device, host) if out else (host, device)
+        read_w, write_w = (p.device_write, p.host_write) if out else (p.host_write, p.device_write)
+        write_r = p.host_read if out else p.device_read
+        if self.queued and (
+            not read_w.isdisjoint(reads)
+            or not write_w.isdisjoint(writes)
+            or not write_r.isdisjoint(writes)
+        ):
+            self.stats.hazard_launches += 1
+            self.flush()
+            p = self.pending[pool_group]
+        p.out.append(out)
+        p.device.append(list(device))
+        p.host.append(list(host))
+        (p.device_read if out else p.device_write).update(device)
+        (p.host_write if out else p.host_read).update(host)
+        self.queued += 1
+        if self.immediate:
+            self.flush()
+
+    def flush(self) -> None:
+        """Launch everything queued (CUDA: one kernel, not waited for; CPU: the copies)."""
+        if not self.queued:
+            return
+        self.stats.launches += 1
+        t0 = time.perf_counter()
+        self._launch()
+        self.stats.seconds += time.perf_counter() - t0
+        for pg, p in self.pending.items():
+            if self.cuda:
+                f = self.flying[pg]
+                for mine, theirs in (
+                    (f.device_read, p.device_read),
+                    (f.device_write, p.device_write),
+                    (f.host_read, p.host_read),
+                    (f.host_write, p.host_write),
+                ):
+                    mine |= theirs
+            self.pending[pg] = _Pending()
+        self.queued = 0
+
+    def finish(self) -> None:
+        """Launch what is queued and wait until every launched copy has completed."""
+        if self.queued:
+            self.flush()
+        if self._launched:
+            assert self.event is not None
+            t0 = time.perf_counter()
+            self.event.synchronize()
+            self.stats.seconds += time.perf_counter() - t0
+            self._launched.clear()
+            self.flying = {pg: _Pending() for pg in self.pools_of}
+
+    def order_before(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream``'s later work wait for every copy queued or launched so far."""
+        self.flush()
+        if self._launched:
+            assert self.event is not None
+            stream.wait_event(self.event)
+
+    # -- the batch ----------------------------------------------------------------------------
+
+    def _segments(self) -> np.ndarray:
+        """Every queued copy as (source, destination, bytes) segments, one per block and pool:
+        device slot d of a pool is at ``base + d * slot_bytes``, host slot h at row
+        ``h % per_chunk`` of chunk ``h // per_chunk``."""
+        parts = []
+        for pg, p in self.pending.items():
+            for out, device, host in zip(p.out, p.device, p.host, strict=True):
+                d = np.asarray(device, dtype=np.int64)
+                h = np.asarray(host, dtype=np.int64)
+                for pool in self.pools_of[pg]:
+                    dev = self.device_pools[pool]
+                    slot_bytes = int(dev.shape[1])
+                    per = self.per_chunk[pool]
+                    dev_at = dev.data_ptr() + d * slot_bytes
+                    host_at = self._bases[pool][h // per] + (h % per) * slot_bytes
+                    src, dst = (dev_at, host_at) if out else (host_at, dev_at)
+                    parts.append(kvcm_kernels.segments(src, dst, slot_bytes))
+        return np.concatenate(parts)
+
+    def _launch(self) -> None:
+        """CUDA: one kernel on the tier's stream, after the current stream's work; the CPU:
+        the copies, now."""
+        desc = self._segments()
+        if self.stream is None:
+            kvcm_kernels.copy_segments(desc, torch.device("cpu"))
+            return
+        assert self.event is not None
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            pinned = kvcm_kernels.copy_segments(desc, self.stream.device, self.max_blocks)
+            self.event.record(self.stream)
+        assert pinned is not None
+        self._launched.append(pinned)
