@@ -133,7 +133,12 @@ def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(
 
 
 def run_cycles(
-    seed: int, cycles: int, windowed: bool, device: str, deferred: bool = False
+    seed: int,
+    cycles: int,
+    windowed: bool,
+    device: str,
+    deferred: bool = False,
+    dma_min_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Many allocate / extend / commit / free / suspend / resume cycles with shared prefixes
     on a pool much smaller than the working set, so that blocks are evicted to the host,
@@ -142,7 +147,8 @@ def run_cycles(
     writes), then checks every live request's blocks against it: a block served from the
     host must hold exactly the KV its key was computed for. ``deferred``: the CPU's copies
     wait for the op's end as on CUDA, so an op's copies that share a slot exercise the
-    copier's early launches; between ops no block is in a copying state."""
+    copier's early launches; between ops no block is in a copying state. ``dma_min_bytes``
+    (CUDA): the copier's threshold for the copy engines (1: every copy on them)."""
     rng = np.random.default_rng(seed)
     # Windowed: a sliding window of 8 tokens (group 0) beside full attention (group 1), in
     # one pool group of 40 slots shared by both.
@@ -160,6 +166,8 @@ def run_cycles(
     host = m._host
     assert host is not None
     host.copier.immediate = not deferred and device == "cpu"
+    if dma_min_bytes is not None:
+        host.copier.dma_min_bytes = dma_min_bytes
     families = [rng.integers(0, 1000, 40).tolist() for _ in range(8)]
     seqs: dict[str, list[int]] = {}
     counter = 0

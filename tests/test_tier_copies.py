@@ -26,7 +26,8 @@ def test_segments_cut_slots_into_pieces() -> None:
     # The worked example of kvcm_kernels.block_copy: two 80 KiB slots, pieces of 32 KiB.
     p, h = 1 << 40, 1 << 41
     rows = kvcm_kernels.segments(np.array([3, 5]) * 81920 + p, np.array([0, 1]) * 81920 + h, 81920)
-    assert rows.tolist() == [
+    assert rows.tolist() == [[p + 245760, h, 81920], [p + 409600, h + 81920, 81920]]
+    assert kvcm_kernels.pieces(rows).tolist() == [
         [p + 245760, h, 32768],
         [p + 278528, h + 32768, 32768],
         [p + 311296, h + 65536, 16384],
@@ -45,6 +46,17 @@ def test_the_reference_copies_every_segment() -> None:
     )
     kvcm_kernels.copy_segments(desc, torch.device("cpu"))
     assert (dst[[1, 3, 0]] == src[[5, 0, 2]]).all() and not dst[2].any()
+
+
+def test_the_reference_refuses_segments_that_depend_on_each_other() -> None:
+    buf = np.zeros(256, dtype=np.uint8)
+    a = buf.ctypes.data
+    ok = np.array([[a, a + 64, 32], [a + 32, a + 128, 32], [a + 96, a + 160, 32]])
+    kvcm_kernels.copy_segments_reference(ok)  # reads and writes all disjoint
+    with pytest.raises(ValueError, match="write the same bytes"):
+        kvcm_kernels.copy_segments_reference(np.array([[a, a + 64, 32], [a + 32, a + 80, 32]]))
+    with pytest.raises(ValueError, match="reads bytes another one writes"):
+        kvcm_kernels.copy_segments_reference(np.array([[a, a + 64, 32], [a + 90, a + 160, 8]]))
 
 
 def _copier(immediate: bool) -> tuple[TierCopier, torch.Tensor, list[torch.Tensor]]:

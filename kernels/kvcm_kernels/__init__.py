@@ -6,7 +6,7 @@ function that dispatches between them (``_dispatch.gpu_path``). CuPy is optional
 or for CPU tensors, the reference runs.
 """
 
-from .block_copy import copy_segments, copy_segments_reference, segments
+from .block_copy import copy_segments, copy_segments_reference, pieces, segments
 from .kv_copy import TokenCopyPool, copy_tokens
 from .page_indices import kernel_page_indices
 from .page_table_edits import apply_page_table_edits
@@ -23,6 +23,7 @@ __all__ = [
     "copy_tokens",
     "kernel_page_indices",
     "layer_pointers",
+    "pieces",
     "segments",
     "slot_mapping",
 ]

@@ -187,9 +187,12 @@ class HostTier:
         if not self.num_slots.get(pool_group):
             return
         lru, free = self.lru[pool_group], self.free[pool_group]
-        device_slots, host_slots = [], []
-        stored: dict[int, list[bytes]] = {}
+        #: Keys this call stores -> their host slots, in order: a copy each. A key the loop
+        #: itself drops again (a host with little room besides suspended requests) loses its
+        #: copy and makes no event: two copies into one host slot would race in a batch.
+        fresh: dict[HostKey, int] = {}
         removed: dict[int, list[bytes]] = {}
+        devices: dict[int, int] = {}
         for slot, key in entries:
             if key in lru:  # already on the host (it was onboarded and kept a copy)
                 lru.move_to_end(key)
@@ -199,18 +202,23 @@ class HostTier:
                     self.stats.dropped_blocks += 1
                     continue
                 old = self._drop_oldest(pool_group)
-                removed.setdefault(old[0], []).append(old[2])
+                if old in fresh:
+                    del devices[fresh.pop(old)]
+                else:
+                    removed.setdefault(old[0], []).append(old[2])
             h = free.pop()
-            device_slots.append(slot)
-            host_slots.append(h)
+            devices[h] = slot
+            fresh[key] = h
             lru[key] = h
-            stored.setdefault(key[0], []).append(key[2])
         for group, keys in removed.items():
             self.log.host("block_removed", group, keys)
+        stored: dict[int, list[bytes]] = {}
+        for group, _, key in fresh:
+            stored.setdefault(group, []).append(key)
         for group, keys in stored.items():
             self.log.host("block_stored", group, keys)
-        if device_slots:
-            self._copy_out(pool_group, device_slots, host_slots)
+        if devices:
+            self._copy_out(pool_group, list(devices.values()), list(devices))
 
     def reserve(self, pool_group: int, keys: list[HostKey]) -> list[int]:
         """Take blocks out of the index for onboarding: their host slots are then neither

@@ -1,10 +1,11 @@
 """Block copies between the device pools and the host tier's regions, batched per step.
 
 The host tier queues each copy here (``queue``): a pool group's device slots to or from host
-slots, every pool of the group. Queued copies are launched together (``flush``): on CUDA one
-``copy_segments`` kernel on the tier's own stream for everything queued, after the work
-already on the current stream (a CUDA event orders them), reading its descriptors straight
-from pinned memory; on the CPU, one indexed copy per (pool, host chunk). ``finish`` flushes
+slots, every pool of the group. Queued copies are launched together (``flush``): on CUDA, on
+the tier's own stream after the work already on the current stream (a CUDA event orders
+them), large segments on the copy engines and all small ones in one ``copy_segments`` kernel
+that reads them straight from pinned memory (``kvcm_kernels.block_copy``); on the CPU, a
+``memmove`` per segment. ``finish`` flushes
 and waits for the copies: every public op that can queue copies calls it before it answers
 (``kvcm.manager._settles``), so no caller ever sees a slot whose copy is in flight.
 
@@ -25,7 +26,8 @@ Worked example (one pool of 64-byte slots, CUDA): an op evicts device slots 7 an
 blocks) to host slots 0 and 1: two queued copies out; it then onboards a host block from host
 slot 4 into device slot 7: slot 7 is read by a queued copy, so the two copies out launch
 first (one kernel, 2 segments) and the copy in is queued; ``finish`` launches it (a second
-kernel) and waits for the tier stream's event.
+kernel) and waits for the tier stream's event. Slots of 2 MiB (a Llama-8B block in one pool)
+would go to the copy engines instead: two ``cudaMemcpyAsync``, then one.
 """
 
 from __future__ import annotations
@@ -85,15 +87,21 @@ class TierCopier:
             pool: int(chunks[0].shape[0]) if chunks else 1 for pool, chunks in regions.items()
         }
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        #: Recorded after each launch (``finish`` waits for it), and on the current stream
+        #: before each launch (the tier's stream waits for it).
         self.event = torch.cuda.Event() if self.cuda else None
+        self._ready = torch.cuda.Event() if self.cuda else None
         self.pending = {pg: _Pending() for pg in pools_of}
         #: CUDA: the slots of launched copies not yet waited for (the CPU's are done).
         self.flying = {pg: _Pending() for pg in pools_of}
         self.queued = 0
-        #: Thread blocks of a CUDA launch (``kvcm_kernels.block_copy.MAX_BLOCKS``).
+        #: Thread blocks of a CUDA launch, and the segment size from which the copy engines
+        #: copy instead (``kvcm_kernels.block_copy``).
         self.max_blocks = kvcm_kernels.block_copy.MAX_BLOCKS
-        #: Launched and not yet waited for (CUDA): keeps their descriptors alive.
-        self._launched: list[torch.Tensor] = []
+        self.dma_min_bytes = kvcm_kernels.block_copy.DMA_MIN_BYTES
+        #: Launched and not yet waited for (CUDA), with their pinned pieces (None when the
+        #: copy engines took every segment): keeps them alive until they are done.
+        self._launched: list[torch.Tensor | None] = []
         self.stats = CopyStats()
         #: Per pool: the address of each host chunk.
         self._bases = {
@@ -127,6 +135,8 @@ class TierCopier:
         writes, or writes one a queued copy reads."""
         if not device:
             return
+        if len(set(device)) < len(device) or len(set(host)) < len(host):
+            raise ValueError("a copy names a slot twice")  # its segments would race
         p = self.pending[pool_group]
         reads, writes = (device, host) if out else (host, device)
         read_w, write_w = (p.device_write, p.host_write) if out else (p.host_write, p.device_write)
@@ -216,10 +226,12 @@ class TierCopier:
         if self.stream is None:
             kvcm_kernels.copy_segments(desc, torch.device("cpu"))
             return
-        assert self.event is not None
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        assert self.event is not None and self._ready is not None
+        self._ready.record(torch.cuda.current_stream(self.stream.device))
+        self.stream.wait_event(self._ready)
         with torch.cuda.stream(self.stream):
-            pinned = kvcm_kernels.copy_segments(desc, self.stream.device, self.max_blocks)
+            pinned = kvcm_kernels.copy_segments(
+                desc, self.stream.device, self.max_blocks, self.dma_min_bytes
+            )
             self.event.record(self.stream)
-        assert pinned is not None
         self._launched.append(pinned)

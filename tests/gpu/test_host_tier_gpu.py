@@ -17,8 +17,11 @@ from test_host_tier import run_cycles
 CYCLES = int(os.environ.get("KVCM_GPU_HOST_CYCLES", "100000"))
 
 
-@pytest.mark.parametrize("windowed", [False, True])
-def test_random_cycles_on_cuda_never_corrupt_a_block(windowed: bool) -> None:
-    stats = run_cycles(7, CYCLES if not windowed else CYCLES // 5, windowed, "cuda:0")
-    print(f"cuda host tier, windowed={windowed}: {stats}")
+@pytest.mark.parametrize(("windowed", "dma"), [(False, False), (False, True), (True, False)])
+def test_random_cycles_on_cuda_never_corrupt_a_block(windowed: bool, dma: bool) -> None:
+    """The kernel copies the test's small slots; ``dma`` sends every copy to the copy
+    engines instead (what large slots get)."""
+    cycles = CYCLES // 5 if windowed or dma else CYCLES
+    stats = run_cycles(7, cycles, windowed, "cuda:0", dma_min_bytes=1 if dma else None)
+    print(f"cuda host tier, windowed={windowed}, dma={dma}: {stats}")
     assert stats["onboarded_blocks"] > 0

@@ -17,8 +17,9 @@ from kvcm.tier_copies import TierCopier
 DEV = torch.device("cuda:0")
 
 
+@pytest.mark.parametrize("dma", [False, True])
 @pytest.mark.parametrize("slot_bytes", [40, 4096, 100_000, 2 << 20])
-def test_copy_segments_matches_the_reference(slot_bytes: int) -> None:
+def test_copy_segments_matches_the_reference(slot_bytes: int, dma: bool) -> None:
     """Device -> pinned host and back: 40-byte slots (not 16-byte aligned: the byte loop),
     100,000 (three 32 KiB pieces and one of 1,696 bytes), 2 MiB (a Llama-8B block)."""
     rng = np.random.default_rng(slot_bytes)
@@ -30,7 +31,8 @@ def test_copy_segments_matches_the_reference(slot_bytes: int) -> None:
     desc = kvcm_kernels.segments(
         dev.data_ptr() + d * slot_bytes, host.data_ptr() + h * slot_bytes, slot_bytes
     )
-    kvcm_kernels.copy_segments(desc, DEV)
+    dma_min = 1 if dma else 1 << 62  # every segment to the copy engines, or none
+    kvcm_kernels.copy_segments(desc, DEV, dma_min_bytes=dma_min)
     torch.cuda.synchronize()
     want = torch.zeros_like(host)
     want[torch.from_numpy(h)] = dev[torch.from_numpy(d).to(DEV)].cpu()
@@ -41,14 +43,14 @@ def test_copy_segments_matches_the_reference(slot_bytes: int) -> None:
     desc = kvcm_kernels.segments(
         host.data_ptr() + h * slot_bytes, dev.data_ptr() + d2 * slot_bytes, slot_bytes
     )
-    kvcm_kernels.copy_segments(desc, DEV)
+    kvcm_kernels.copy_segments(desc, DEV, dma_min_bytes=dma_min)
     torch.cuda.synchronize()
     before[torch.from_numpy(d2).to(DEV)] = host[torch.from_numpy(h)].to(DEV)
     assert torch.equal(dev, before)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_copy_batches_on_cuda_equal_copies_one_by_one(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "dma"), [(0, False), (1, False), (2, True)])
+def test_random_copy_batches_on_cuda_equal_copies_one_by_one(seed: int, dma: bool) -> None:
     """Batches run their segments in parallel: only the copier's hazard launches keep a copy
     that reads or rewrites a slot of an earlier queued copy after it."""
     rng = np.random.default_rng(seed)
@@ -58,6 +60,7 @@ def test_random_copy_batches_on_cuda_equal_copies_one_by_one(seed: int) -> None:
         torch.randint(0, 256, (3, slot_bytes), dtype=torch.uint8).pin_memory() for _ in range(3)
     ]
     copier = TierCopier([device], {0: chunks}, {0: [0]}, DEV)
+    copier.dma_min_bytes = 1 if dma else 1 << 62
     want_dev = device.cpu()
     want_host = torch.cat(chunks)
     for _ in range(400):
