@@ -264,7 +264,7 @@ def run_cycles(
                         BlockState.HOST,
                         BlockState.BOTH,
                     )
-    stats = {**m.host_stats(), "hazard_launches": host.copier.stats.hazard_launches}
+    stats = {**m.host_stats(), "hazard_launches": host.copier.stats.copy_hazard_launches}
     assert stats["offloaded_blocks"] > 500 and stats["onboarded_blocks"] > 100
     assert stats["dropped_blocks"] > 0
     for rid in list(seqs):
@@ -323,8 +323,12 @@ def test_the_service_offloads_and_onboards_and_says_so() -> None:
         # published blocks (idle since the suspend), whose page went to the host first.
         # Back: 2 onboarded, 3 resumed.
         assert (host.offloaded_blocks, host.onboarded_blocks, host.host_used) == (6, 5, {0: 1})
+        # The CPU copies each batch as it is queued: evict, onboard, suspend, resume (and the
+        # eviction the resume caused) are one batch each.
+        assert host.copy_launches == 5 and host.copy_seconds > 0
         text = httpx.get(f"{url}/metrics").text
         assert "kvcm_host_onboarded_blocks_total 5.0" in text
+        assert "kvcm_host_copy_launches_total 5.0" in text
         assert 'kvcm_ops_total{op="suspend",result="ok"} 1.0' in text
         assert 'kvcm_host_slots{pool_group="0"}' in text
 

@@ -77,26 +77,27 @@ def test_copies_wait_for_the_batch_and_a_hazard_launches_early() -> None:
     old7, old9, host4 = device[7].clone(), device[9].clone(), chunks[1][1].clone()
     copier.queue(0, True, [7, 9], [0, 4])  # evict 7 and 9 to host 0 and 4
     copier.queue(0, True, [2], [6])  # no slot in common: same batch
-    assert copier.stats.launches == 0 and copier.queued == 2
+    assert copier.stats.copy_launches == 0 and copier.queued == 2
     assert copier.busy_device_slots(0) == {2, 7, 9} and copier.writing_host(0, 4)
     assert (chunks[1][1] == host4).all()  # nothing copied yet
     copier.queue(0, False, [7], [5])  # onboard host 5 into device 7, which a copy reads
-    assert (copier.stats.launches, copier.stats.hazard_launches) == (1, 1)
+    assert (copier.stats.copy_launches, copier.stats.copy_hazard_launches) == (1, 1)
     assert (chunks[0][0] == old7).all() and (chunks[1][1] == old9).all()
     assert copier.busy_device_slots(0) == {7} and copier.writing_device(0, 7)
     copier.queue(0, True, [1], [5])  # writes host 5, which the queued copy in reads
-    assert copier.stats.hazard_launches == 2
+    assert copier.stats.copy_hazard_launches == 2
     assert (device[7] == 201).all()  # host 5 is chunk 1, row 2
     copier.queue(0, True, [3], [5])  # writes host 5 again: another hazard
     copier.finish()
-    assert (copier.stats.launches, copier.stats.hazard_launches, copier.queued) == (4, 3, 0)
+    stats = copier.stats
+    assert (stats.copy_launches, stats.copy_hazard_launches, copier.queued) == (4, 3, 0)
     assert (chunks[1][2] == device[3]).all() and not copier.busy_device_slots(0)
 
 
 def test_immediate_copies_run_as_they_are_queued() -> None:
     copier, device, chunks = _copier(immediate=True)
     copier.queue(0, True, [4, 11], [7, 3])
-    assert copier.stats.launches == 1 and copier.queued == 0
+    assert copier.stats.copy_launches == 1 and copier.queued == 0
     assert (chunks[2][1] == device[4]).all() and (chunks[1][0] == device[11]).all()
     copier.queue(0, False, [0], [7])
     assert (device[0] == device[4]).all()
@@ -154,7 +155,7 @@ def test_a_block_goes_device_copying_out_host_copying_in_device() -> None:
     assert _states(m)[0, 0] == _states(m)[0, 1] == H
     m.free("c")
     copier = m._host.copier  # type: ignore[union-attr]
-    hazards = copier.stats.hazard_launches
+    hazards = copier.stats.copy_hazard_launches
     # Prompt 0 again: its blocks onboard into slots 5 and 4; 4 held prompt 1's block 1
     # (b had [3, 4, 5]), whose copy out is launched first (a hazard), then d's third block
     # evicts prompt 1's block 0 from slot 3 into a free host slot (not the two the copies
@@ -164,7 +165,7 @@ def test_a_block_goes_device_copying_out_host_copying_in_device() -> None:
     at_end = seen[-1]
     assert at_end[0, 0] == at_end[0, 1] == IN
     assert at_end[1, 0] == OUT and at_end[1, 1] == H  # the CPU's launched copies are done
-    assert copier.stats.hazard_launches == hazards + 1
+    assert copier.stats.copy_hazard_launches == hazards + 1
     states = _states(m)
     assert states[0, 0] == states[0, 1] == D and states[1, 0] == states[1, 1] == H
     stats = m.host_stats()
@@ -277,4 +278,4 @@ def test_random_copy_batches_equal_copies_one_by_one(seed: int) -> None:
             copier.finish()
     copier.finish()
     assert torch.equal(device, want_dev) and torch.equal(torch.cat(chunks), want_host)
-    assert copier.stats.hazard_launches > 10
+    assert copier.stats.copy_hazard_launches > 10

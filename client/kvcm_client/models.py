@@ -542,6 +542,12 @@ class HostTierStats(_Frozen):
     onboarded_bytes: int
     dropped_blocks: int
     """Host blocks dropped to make room (its own LRU)."""
+    copy_launches: int = 0
+    """Batches of copies launched (one per step unless two copies of a step share a slot)."""
+    copy_hazard_launches: int = 0
+    """Of those, batches launched early because two copies of a step shared a slot."""
+    copy_seconds: float = 0.0
+    """Time ops spent launching the tier's copies and waiting for them."""
     host_slots: dict[int, int]
     host_used: dict[int, int]
 

@@ -32,7 +32,7 @@ import torch
 
 from .events import EventLog
 from .layout import Layout
-from .tier_copies import TierCopier
+from .tier_copies import CopyStats, TierCopier
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
@@ -70,7 +70,7 @@ class BlockState(Enum):
 
 
 @dataclass(slots=True)
-class HostStats:
+class HostStats(CopyStats):
     offloaded_blocks: int = 0
     offloaded_bytes: int = 0
     onboarded_blocks: int = 0
@@ -118,11 +118,13 @@ class HostTier:
             pool.pool_id: _Region(host_slots[pool.pool_group], pool.slot_bytes, self.pinned)
             for pool in layout.pools
         }
+        self.stats = HostStats()
         self.copier = TierCopier(
             device_pools,
             {pool: region.chunks for pool, region in self.regions.items()},
             self.pools_of,
             device,
+            stats=self.stats,
         )
         self.group_pool = [int(g.pool_group) for g in layout.layer_groups]
         #: Per pool group: free host slots, taken from the right; slots a copy in just read
@@ -132,7 +134,6 @@ class HostTier:
         self.lru: dict[int, OrderedDict[HostKey, int]] = {pg: OrderedDict() for pg in host_slots}
         #: Per pool group: host slots held by suspended requests (private, never dropped).
         self.held = dict.fromkeys(host_slots, 0)
-        self.stats = HostStats()
 
     # -- queries ---------------------------------------------------------------------------------
 

@@ -56,12 +56,12 @@ class _Pending:
 
 @dataclass(slots=True)
 class CopyStats:
-    launches: int = 0
-    """Batches launched (CUDA kernels, CPU flushes)."""
-    hazard_launches: int = 0
+    copy_launches: int = 0
+    """Batches launched (CUDA: a kernel and copy-engine calls; the CPU: copies made)."""
+    copy_hazard_launches: int = 0
     """Of those, batches launched early because a new copy involved a queued copy's slot."""
-    seconds: float = 0.0
-    """Time spent launching copies (the CPU: copying) and waiting for them."""
+    copy_seconds: float = 0.0
+    """Time the ops spent launching copies (the CPU: copying) and waiting for them."""
 
 
 class TierCopier:
@@ -74,10 +74,11 @@ class TierCopier:
         pools_of: dict[int, list[int]],
         device: torch.device,
         immediate: bool | None = None,
+        stats: CopyStats | None = None,
     ) -> None:
         """``device_pools[pool]``: ``[slots, slot_bytes]`` uint8; ``regions[pool]``: the host
         chunks of that pool, each ``[rows, slot_bytes]``, all but the last of equal rows;
-        ``pools_of[pool_group]``: its pools."""
+        ``pools_of[pool_group]``: its pools; ``stats``: where to count (the host tier's)."""
         self.device_pools = device_pools
         self.regions = regions
         self.pools_of = pools_of
@@ -102,7 +103,7 @@ class TierCopier:
         #: Launched and not yet waited for (CUDA), with their pinned pieces (None when the
         #: copy engines took every segment): keeps them alive until they are done.
         self._launched: list[torch.Tensor | None] = []
-        self.stats = CopyStats()
+        self.stats = CopyStats() if stats is None else stats
         #: Per pool: the address of each host chunk.
         self._bases = {
             pool: np.array([c.data_ptr() for c in chunks], dtype=np.int64)
@@ -146,7 +147,7 @@ class TierCopier:
             or not write_w.isdisjoint(writes)
             or not write_r.isdisjoint(writes)
         ):
-            self.stats.hazard_launches += 1
+            self.stats.copy_hazard_launches += 1
             self.flush()
             p = self.pending[pool_group]
         p.out.append(out)
@@ -162,10 +163,10 @@ class TierCopier:
         """Launch everything queued (CUDA: one kernel, not waited for; CPU: the copies)."""
         if not self.queued:
             return
-        self.stats.launches += 1
+        self.stats.copy_launches += 1
         t0 = time.perf_counter()
         self._launch()
-        self.stats.seconds += time.perf_counter() - t0
+        self.stats.copy_seconds += time.perf_counter() - t0
         for pg, p in self.pending.items():
             if self.cuda:
                 f = self.flying[pg]
@@ -187,7 +188,7 @@ class TierCopier:
             assert self.event is not None
             t0 = time.perf_counter()
             self.event.synchronize()
-            self.stats.seconds += time.perf_counter() - t0
+            self.stats.copy_seconds += time.perf_counter() - t0
             self._launched.clear()
             self.flying = {pg: _Pending() for pg in self.pools_of}
 

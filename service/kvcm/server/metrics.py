@@ -81,6 +81,13 @@ class _StateCollector(Collector):
             ("kvcm_host_onboarded_blocks", host.onboarded_blocks, "Blocks copied back"),
             ("kvcm_host_onboarded_bytes", host.onboarded_bytes, "Bytes copied back"),
             ("kvcm_host_dropped_blocks", host.dropped_blocks, "Host blocks dropped for room"),
+            ("kvcm_host_copy_launches", host.copy_launches, "Batches of host copies launched"),
+            (
+                "kvcm_host_copy_hazard_launches",
+                host.copy_hazard_launches,
+                "Batches launched early: two copies of a step shared a slot",
+            ),
+            ("kvcm_host_copy_seconds", host.copy_seconds, "Time ops spent on host copies"),
         ):
             yield CounterMetricFamily(name, text, value=value)
         for name, values, text in (
