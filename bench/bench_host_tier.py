@@ -23,10 +23,12 @@ On CUDA (not ``--quick``), two more tables, with a Llama-3-8B-shaped model from 
 (random bf16 weights, SDPA attention):
 
 - decode beside offloading: the model's forward of a batch of 64 single tokens (every weight
-  read once, what dominates a decode step; no KV attention), replayed as a CUDA graph and
-  timed by CUDA events, alone and while the CPU offloads 8 blocks (16 MiB) per step and
-  waits for them: on the copy engines (the default for 2 MiB slots), or by the copy kernel
-  capped at 16, 64 or 256 thread blocks (target: at most 3% slower);
+  read once, what dominates a decode step; no KV attention), replayed as a CUDA graph on an
+  engine stream of its own (the sidecar's current stream stays idle, as in its own process)
+  and timed by CUDA events, alone and while the CPU offloads 8 blocks (16 MiB) per step and
+  waits for them (also timed: the offload's wall time beside the decode): on the copy
+  engines (the default for 2 MiB slots), or by the copy kernel capped at 16, 64 or 256
+  thread blocks (target: at most 3% slower);
 - host hit against recompute: onboarding a prompt's blocks from the host (queue and wait)
   against the model's prefill of the same tokens, for 512 to 8192 tokens.
 """
@@ -97,6 +99,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for n in batches:
         print(_row(host, n, slot_bytes, device, repeats))
+    _fixed_cost(host, device, repeats)
     if device.type == "cuda" and not args.quick:
         _model_tables(device)
 
@@ -122,21 +125,35 @@ def _llama_8b(device: torch.device) -> Any:
     return model.eval()
 
 
-def _event_ms(fn, device: torch.device, repeats: int, beside=None) -> float:  # type: ignore[no-untyped-def]
-    """Median GPU time of ``fn``'s work (CUDA events on the current stream); ``beside`` runs
-    on the CPU right after ``fn`` is launched, while its kernels run."""
+def _event_ms(fn, device: torch.device, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """Median GPU time of ``fn``'s work (CUDA events on the current stream)."""
     samples = []
     for i in range(repeats + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        if beside is not None:
-            beside()
         torch.cuda.synchronize(device)
         if i >= 3:
             samples.append(start.elapsed_time(end))
     return statistics.median(samples)
+
+
+def _beside_ms(fn, stream: torch.cuda.Stream, beside=None) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """GPU time of ``fn``'s work launched on ``stream`` (an engine's stream: the sidecar's
+    own current stream stays idle, as in its own process), with ``beside`` run on the CPU
+    right after the launch, while that work runs; and the wall time ``beside`` took."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        fn()
+        end.record(stream)
+    t0 = time.perf_counter()
+    if beside is not None:
+        beside()
+    wall = time.perf_counter() - t0
+    end.synchronize()
+    return start.elapsed_time(end), wall * 1e3
 
 
 def _model_tables(device: torch.device) -> None:
@@ -181,24 +198,28 @@ def _model_tables(device: torch.device) -> None:
         host.clear()
 
     # Variants interleaved round by round, so that a drift of the GPU's clocks hits all.
+    engine = torch.cuda.Stream(device)
     variants = {"alone": None, "copy engines": (64, 1)}
     for cap in (16, 64, 256):
         variants[f"copy kernel <= {cap} blocks"] = (cap, 1 << 62)
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(40):
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for round_ in range(43):
         for name, how in variants.items():
             if how is not None:
                 host.copier.max_blocks, host.copier.dma_min_bytes = how
-            samples[name] += [_event_ms(graph.replay, device, 1, None if how is None else offload)]
+            sample = _beside_ms(graph.replay, engine, None if how is None else offload)
+            if round_ >= 3:
+                samples[name].append(sample)
     host.copier.max_blocks = kvcm_kernels.block_copy.MAX_BLOCKS
     host.copier.dma_min_bytes = kvcm_kernels.block_copy.DMA_MIN_BYTES
-    alone = statistics.median(samples["alone"])
-    print("\n| decode step (batch 64, CUDA graph) | ms | vs alone |")
-    print("|---|---|---|")
-    for name, times in samples.items():
+    alone = statistics.median(t for t, _ in samples["alone"])
+    print("\n| decode step (batch 64, CUDA graph) | ms | vs alone | offload wall ms |")
+    print("|---|---|---|---|")
+    for name, pairs in samples.items():
         label = name if name == "alone" else f"beside offloading 16 MiB/step, {name}"
-        ms = statistics.median(times)
-        print(f"| {label} | {ms:.3f} | {ms / alone:.3f} |")
+        ms = statistics.median(t for t, _ in pairs)
+        wall = "" if name == "alone" else f"{statistics.median(w for _, w in pairs):.3f}"
+        print(f"| {label} | {ms:.3f} | {ms / alone:.3f} | {wall} |")
 
     print("\n| prompt tokens | host hit: onboard ms | recompute: prefill ms | prefill / onboard |")
     print("|---|---|---|---|")
@@ -224,6 +245,27 @@ def _model_tables(device: torch.device) -> None:
         pre_ms = _event_ms(prefill, device, 5)
         host.clear()
         print(f"| {tokens} | {on_ms:.3f} | {pre_ms:.2f} | {pre_ms / on_ms:.1f}x |")
+
+
+def _fixed_cost(host: Any, device: torch.device, repeats: int) -> None:
+    """Where a one-block offload's time goes: the tier's bookkeeping (queueing the copy)
+    and the launch of its batch with the wait for it."""
+    entries = [(1, (0, b"r", b"fixed"))]
+    queue, wait = [], []
+    for _ in range(repeats + 3):
+        _sync(device)
+        t0 = time.perf_counter()
+        host.offload(0, entries)
+        t1 = time.perf_counter()
+        host.copier.finish()
+        t2 = time.perf_counter()
+        host.clear()
+        queue.append(t1 - t0)
+        wait.append(t2 - t1)
+    print(
+        f"\none-block offload: queueing {statistics.median(queue[3:]) * 1e6:.1f} us, "
+        f"launch and wait {statistics.median(wait[3:]) * 1e6:.1f} us"
+    )
 
 
 def _row(host: Any, n: int, slot_bytes: int, device: torch.device, repeats: int) -> str:

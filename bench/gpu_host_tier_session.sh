@@ -2,8 +2,9 @@
 # The host tier on the GPU machine in one call: the copy benchmark (bandwidth, decode beside
 # offloading, host hit against prefill), the copy kernel's tests against the CPU reference,
 # then the randomized checksum run with the pools on cuda:0 (KVCM_GPU_HOST_CYCLES cycles,
-# default 300000; 10^6 for the long run; KVCM_GPU_HOST_BENCH=0 skips the benchmark). Needs the service wheels in .whl (../shared/gpu/fetch-wheels .whl
-# httptools msgpack). Logs go to $OUT (or ./gpu-out).
+# default 300000; 10^6 for the long run; KVCM_GPU_HOST_BENCH=0 skips the benchmark,
+# KVCM_GPU_HOST_K selects checksum runs by pytest -k, e.g. "False-False" for the plain one).
+# Needs the service wheels in .whl (../shared/gpu/fetch-wheels .whl httptools msgpack). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -19,5 +20,6 @@ python3 -m pytest tests/gpu/test_tier_copies_gpu.py -p no:cacheprovider -q -ra 2
   | tee "$out/pytest-tier-copies.log" | tail -8
 start=$(date +%s)
 python3 -m pytest tests/gpu/test_host_tier_gpu.py -p no:cacheprovider -q -ra -s \
+  ${KVCM_GPU_HOST_K:+-k "$KVCM_GPU_HOST_K"} \
   2>&1 | tee "$out/pytest-host-tier.log" | tail -8
 echo "cycles=$KVCM_GPU_HOST_CYCLES seconds=$(( $(date +%s) - start ))"
