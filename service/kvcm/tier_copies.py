@@ -5,9 +5,11 @@ slots, every pool of the group. Queued copies are launched together (``flush``):
 the tier's own stream after the work already on the current stream (a CUDA event orders
 them), large segments on the copy engines and all small ones in one ``copy_segments`` kernel
 that reads them straight from pinned memory (``kvcm_kernels.block_copy``); on the CPU, a
-``memmove`` per segment. ``finish`` flushes
-and waits for the copies: every public op that can queue copies calls it before it answers
-(``kvcm.manager._settles``), so no caller ever sees a slot whose copy is in flight.
+``memmove`` per segment. Copies whose segments all go to the copy engines (large slots)
+launch as soon as they are queued: the engines start while the op goes on, and a batch would
+save nothing there. ``finish`` flushes and waits for the copies: every public op that can
+queue copies calls it before it answers (``kvcm.manager._settles``), so no caller ever sees
+a slot whose copy is in flight.
 
 Within a step, a queued copy and a later one can involve the same slot: an onboard into a
 device slot the step just evicted (whose copy out is queued), a host slot dropped and reused,
@@ -27,7 +29,8 @@ blocks) to host slots 0 and 1: two queued copies out; it then onboards a host bl
 slot 4 into device slot 7: slot 7 is read by a queued copy, so the two copies out launch
 first (one kernel, 2 segments) and the copy in is queued; ``finish`` launches it (a second
 kernel) and waits for the tier stream's event. Slots of 2 MiB (a Llama-8B block in one pool)
-would go to the copy engines instead: two ``cudaMemcpyAsync``, then one.
+go to the copy engines instead: two ``cudaMemcpyAsync`` as the eviction queues them, one
+more as the onboard does, and ``finish`` only waits.
 """
 
 from __future__ import annotations
@@ -156,8 +159,17 @@ class TierCopier:
         (p.device_read if out else p.device_write).update(device)
         (p.host_write if out else p.host_read).update(host)
         self.queued += 1
-        if self.immediate:
+        if self.immediate or (self.cuda and self._on_copy_engines(pool_group)):
             self.flush()
+
+    def _on_copy_engines(self, pool_group: int) -> bool:
+        """Whether every segment of this pool group's copies goes to the copy engines: those
+        launch as soon as they are queued, so that the engines start while the op goes on
+        (batching them would save nothing: they are a call per segment either way)."""
+        return all(
+            int(self.device_pools[pool].shape[1]) >= self.dma_min_bytes
+            for pool in self.pools_of[pool_group]
+        )
 
     def flush(self) -> None:
         """Launch everything queued (CUDA: one kernel, not waited for; CPU: the copies)."""
