@@ -11,8 +11,8 @@ import functools
 import logging
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypeVar
 
@@ -25,16 +25,10 @@ from kvcm_client.errors import (
     DuplicateRequest,
     InsufficientMemory,
     InvalidArgument,
-    KVCMError,
     KVEventsDisabled,
-    OutOfBlocks,
     PrefixCacheInUse,
     RequestLimitReached,
     RequestsLive,
-    RequestSuspended,
-    RewindIntoSharedBlock,
-    SequenceTooLong,
-    UnknownRequest,
     invalid_from_validation,
 )
 from kvcm_client.models import (
@@ -61,36 +55,23 @@ from kvcm_client.models import (
 )
 from kvcm_client.models import Layout as LayoutInfo
 
-from . import footprint, registration
-from .columnar import (
-    ROW_MASK,
-    OpResults,
-    StepOutcome,
-    parse_columns,
-    run_columns,
-)
+from . import commits, footprint, prefix_reuse, registration, request_rows, suspension, transactions
+from .columnar import OpResults, StepOutcome, parse_columns, run_columns
 from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
-from .counts import _count, _counts
+from .counts import _count
 from .device_tables import DeviceTables
-from .hashing import (
-    KEY_BYTES,
-    MultimodalItem,
-    chain_keys,
-    multimodal_items,
-    root_key,
-    token_bytes,
-)
-from .host_tier import HostTier, onboard_prefix
+from .hashing import MultimodalItem, multimodal_items, root_key
+from .host_tier import HostTier
 from .ids import LayerGroupId, PoolGroupId
 from .layout import BufferPlacement, Layout, build_layout
 from .op_steps import execute_ops
 from .ops import plain_ops
 from .pools import PoolMemory
-from .prefix_cache import find_hit
-from .publish import PrefixState, publish
+from .publish import PrefixState
 from .shared_memory import CudaSegments, SharedSegments
 from .sizing import Sizing, StepShape
+from .suspension import Suspended
 from .views import TablesAndViews
 
 _log = logging.getLogger("kvcm")
@@ -126,34 +107,6 @@ MAX_REQUEST_ID = 256
 #: 10 us each. A scheduler step has an extend per running request and a few of the others.
 MAX_STEP_OPS = 8192
 MAX_STEP_OTHER_OPS = 1024
-
-
-def _token_ids(value: Any) -> tuple[list[int], bytes]:
-    """Validated token ids as plain ints and as the int32 bytes block keys hash.
-
-    Python counts a bool as an int, and so does this check; the wire refuses bools.
-    """
-    data = _token_data(value)
-    return np.frombuffer(data, dtype="<i4").tolist(), data
-
-
-def _token_data(value: Any) -> bytes:
-    """``_token_ids``' bytes only: what a commit keeps (it makes no int per token)."""
-    if not isinstance(value, Sequence | np.ndarray):
-        raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
-    return token_bytes(value)
-
-
-def _check_key_sizes(keys: list[bytes]) -> None:
-    """Refuse caller-given keys that are not 32 bytes (those past the hit: the hit's are
-    cached keys already). A malformed key could never hit, but it is a client's bug worth
-    naming."""
-    try:
-        sizes = set(map(len, keys))
-    except TypeError:
-        sizes = {0}
-    if sizes - {KEY_BYTES}:
-        raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)")
 
 
 def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
@@ -219,29 +172,6 @@ class _FirstAllocation:
 
     args: tuple[Any, ...]
     result: RequestInfo
-
-
-@dataclass(frozen=True, slots=True)
-class _Suspended:
-    """A suspended request: per layer group, the table positions of its blocks and the
-    host slots holding their pages; the handle it gets back at resume."""
-
-    blocks: list[tuple[np.ndarray, list[int]]]
-    handle: int
-
-
-@dataclass(slots=True)
-class _Checkpoint:
-    coordinator: Any
-    rows: dict[str, int]
-    free_rows: list[int]
-    first: dict[str, _FirstAllocation]
-    prefix: dict[str, PrefixState]
-    hits: np.ndarray
-    tokens: dict[str, list[int]]
-    committed: np.ndarray
-    ids: list[str | None]
-    handles: np.ndarray
 
 
 def _plan(
@@ -354,7 +284,7 @@ class KVCacheManager:
         self._host = self._host_tier(cfg)
         self._coord.host = self._host
         #: Suspended requests: their blocks' positions and host slots per layer group.
-        self._suspended: dict[str, _Suspended] = {}
+        self._suspended: dict[str, Suspended] = {}
         #: The handle each suspended request gets back, to its id (a resume by handle).
         self._suspended_handles: dict[int, str] = {}
         self._views = TablesAndViews(
@@ -389,114 +319,9 @@ class KVCacheManager:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _row(self, request_id: str, suspended: bool = False) -> int:
-        """The row of a live request; ``RequestSuspended`` for a suspended one unless
-        ``suspended`` (what reads its bookkeeping, frees or resumes it)."""
-        try:
-            row = self._rows[request_id]
-        except (KeyError, TypeError):
-            shown = str(request_id)[:64]
-            raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
-        if not suspended and request_id in self._suspended:
-            raise RequestSuspended(
-                f"request {request_id!r} is suspended: resume it first", request_id=request_id
-            )
-        return row
-
+    @_doc(request_rows.rows_of)
     def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
-        # A str is a collection too: "ab" would be the requests "a" and "b".
-        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Collection):
-            raise InvalidArgument("request_ids must be a list of request ids", request_ids=None)
-        rows = self._rows
-        try:
-            found = np.fromiter(
-                (rows[r] for r in request_ids), dtype=np.int64, count=len(request_ids)
-            )
-        except (KeyError, TypeError):
-            missing = next(r for r in request_ids if not isinstance(r, str) or r not in rows)
-            shown = str(missing)[:64]
-            raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
-        if self._suspended:
-            for r in request_ids:
-                if r in self._suspended:
-                    raise RequestSuspended(
-                        f"request {r!r} is suspended: resume it first", request_id=r
-                    )
-        return found
-
-    def _handle_rows(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """Rows of int64 handles, and a mask of the live ones (None when all are live).
-
-        Example: handle ``2 << 32 | 7`` is row 7 if row 7's request is its second allocation;
-        after that request's free it names nothing (the row's next request has serial 3).
-        """
-        rows = handles & ROW_MASK
-        if handles.size and int(rows.max()) >= self.config.max_requests:
-            inside = rows < self.config.max_requests
-            rows = np.where(inside, rows, 0)
-            live = inside & (self._handle[rows] == handles)
-            return rows, live
-        # Live handles are > 0 and a free row holds -1, whose row bits are past every row:
-        # so a handle of 0 or below never matches.
-        live = self._handle[rows] == handles
-        return rows, (None if live.all() else live)
-
-    def _extend_handles(
-        self, handles: np.ndarray, new: np.ndarray | int, ahead: np.ndarray | int
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """A decode step's fast path: extend live, distinct handles as one batch, as if one
-        after another; (rows, blocks each added), or None (nothing changed) if any handle is
-        not live, one repeats, or the batch does not fit item after item: the caller then
-        runs the items one by one.
-
-        Distinct rows: each writes its position into ``scratch``; a repeated row keeps only
-        its last write, so an earlier position reads back something else.
-        """
-        n = handles.size
-        if n > self.config.max_requests:  # cannot all be distinct live rows
-            return None
-        rows = handles & ROW_MASK
-        if int(rows.max()) >= self.config.max_requests:
-            return None
-        order = self._order[:n]
-        scratch = self._scratch
-        scratch[rows] = order
-        if not ((scratch[rows] == order) & (self._handle[rows] == handles)).all():
-            return None
-        c = self._coord
-        history = c.num_tokens[rows]
-        length = history + new
-        capacity = length + ahead if type(ahead) is not int or ahead else length
-        if int(capacity.max()) > self.config.max_seq_len:
-            return None
-        try:
-            return rows, c.grow_rows(rows, history, length, capacity, ahead, in_order=True)
-        except KVCMError:
-            return None
-
-    def _check_len(self, request_id: str, total: int) -> None:
-        if total > self.config.max_seq_len:
-            raise SequenceTooLong(
-                f"request {request_id!r} would hold {total} tokens (with lookahead), "
-                f"max_seq_len is {self.config.max_seq_len}",
-                request_id=request_id,
-                num_tokens=total,
-                max_seq_len=self.config.max_seq_len,
-            )
-
-    def _info(self, request_id: str, row: int) -> RequestInfo:
-        c = self._coord
-        n = int(c.num_tokens[row])
-        saved = self._suspended.get(request_id)
-        return RequestInfo(
-            request_id=request_id,
-            row=row,
-            num_tokens=n,
-            capacity=n + int(c.lookahead[row]),
-            num_committed=int(self._committed[row]),
-            num_hit_tokens=int(self._hits[row]),
-            handle=int(self._handle[row]) if saved is None else saved.handle,
-        )
+        return request_rows.rows_of(self, request_ids)
 
     @_settles
     def allocate(
@@ -530,16 +355,7 @@ class KVCacheManager:
             )
         num_tokens = _count("num_tokens", num_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
-        # With block_keys the caller's keys save the hashing but not the check of the ids:
-        # an id outside [0, 2**31) would make the request's later commits unhashable.
-        tokens, data = None, b""
-        if token_ids is not None:
-            self._check_prompt(token_ids, num_tokens)
-            if block_keys is not None:
-                data = token_bytes(token_ids)
-                tokens = token_ids if type(token_ids) is list else list(token_ids)
-            else:
-                tokens, data = _token_ids(token_ids)
+        tokens, data = prefix_reuse.read_prompt(self, token_ids, num_tokens, block_keys)
         items = multimodal_items(multimodal)
         root = root_key(lora_id, cache_salt)
         # The prompt is compared by value on a retry; it is not copied (schedulers resend the
@@ -556,105 +372,42 @@ class KVCacheManager:
                 num_tokens=first.args[0],
                 lookahead=first.args[1],
             )
-        self._check_len(request_id, num_tokens + lookahead)
+        request_rows.check_len(self, request_id, num_tokens + lookahead)
         if not self._free_rows:
             raise RequestLimitReached(
                 f"all {self.config.max_requests} page-table rows are in use",
                 max_requests=self.config.max_requests,
             )
-        keys: list[bytes] = []
-        hit = 0
-        if tokens is not None:
-            keys = self._keys_of(tokens, data, root, items, block_keys)
-            # Not inside an all-or-nothing step: onboarding writes pages into device slots,
-            # and an undo would give those slots back to the cache entries they had.
-            if self._host is not None and self._undo is None:
-                self._onboard(root, keys, num_tokens, data, lora_id, cache_salt is not None)
-            hit, hits, ends = find_hit(
-                self._coord.cache, root, keys, num_tokens, self.tokens_per_block, self._windows
-            )
-            if block_keys is not None:
-                _check_key_sizes(keys[hit:])
-        row = self._free_rows[-1]
-        c = self._coord
-        if hit:
-            need, idle = c.hit_need(hits, num_tokens + lookahead)
-            c.check_fits(need)
-            hit_tokens = hit * self.tokens_per_block
-            c.place_hits(row, hits, idle, ends, hit_tokens)
-            c.grow_one(row, num_tokens - hit_tokens, lookahead)
-        else:
-            hit_tokens = 0
-            c.grow_one(row, num_tokens, lookahead)
-        if tokens is not None:
-            stats = c.cache.stats
-            stats.queries += 1
-            stats.query_tokens += num_tokens
-            stats.hit_tokens += hit_tokens
-        self._free_rows.pop()
-        self._rows[request_id] = row
-        self._ids[row] = request_id
-        self._serial[row] += 1
-        self._handle[row] = (int(self._serial[row]) << 32) | row
+        hit_tokens, state = prefix_reuse.reuse_prefix(
+            self,
+            self._free_rows[-1],
+            num_tokens,
+            lookahead,
+            tokens,
+            data,
+            root,
+            items,
+            lora_id,
+            cache_salt is not None,
+            block_keys,
+        )
+        row = request_rows.claim(self, request_id)
         self._tokens[request_id] = bytearray(data[: 4 * hit_tokens])
         self._committed[row] = hit_tokens
         self._hits[row] = hit_tokens
-        # Only keys kvcm hashed itself are kept for commits: caller-given keys are untrusted
-        # past the hit (a client could pass another scope's keys), so commits hash those.
-        kept = keys if block_keys is None else keys[:hit]
-        self._prefix[request_id] = PrefixState(
-            root, lora_id, cache_salt is not None, items, keys[:hit], data, kept
-        )
-        info = self._info(request_id, row)
+        self._prefix[request_id] = state
+        info = request_rows.info(self, request_id, row)
         self._first[request_id] = _FirstAllocation(args, info)
         return info
 
-    def _onboard(
-        self,
-        root: bytes,
-        keys: list[bytes],
-        num_tokens: int,
-        data: bytes,
-        lora_id: int | str | None,
-        has_salt: bool,
-    ) -> None:
-        assert self._host is not None
-        cap = min(len(keys), (num_tokens - 1) // self.tokens_per_block)
-        onboard_prefix(self._coord, self._host, root, keys, cap, data, lora_id, has_salt)
-
+    @_doc(prefix_reuse.probe_tiers)
     def probe_tiers(
         self,
         token_ids: Sequence[int],
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
     ) -> tuple[int, int]:
-        """(tokens a new request would reuse from the device now, tokens more it would
-        onboard from the host tier): the run of the prompt's blocks every layer group holds
-        on the device, then the run held on the device or the host; claims nothing."""
-        self._check_prompt(token_ids, None)
-        tokens, data = _token_ids(token_ids)
-        root = root_key(lora_id, cache_salt)
-        keys = chain_keys(root, data, self.tokens_per_block, 0, ())
-        cache = self._coord.cache
-        tpb = self.tokens_per_block
-        cap = min(len(keys), (len(tokens) - 1) // tpb) if tokens else 0
-        if cap <= 0 or not all(cache.reusable):
-            return 0, 0
-        index = [cache.scope(g, root) for g in range(len(self.layout.layer_groups))]
-        device = 0
-        while device < cap and all(keys[device] in i for i in index):
-            device += 1
-        if device and any(w is not None for w, _ in self._windows):
-            device = self.probe(token_ids, lora_id, cache_salt) // tpb
-        end = device
-        host = self._host
-        while (
-            host is not None
-            and end < cap
-            and all(keys[end] in i or host.holds(g, root, keys[end]) for g, i in enumerate(index))
-        ):
-            end += 1
-        return device * tpb, (end - device) * tpb
+        return prefix_reuse.probe_tiers(self, token_ids, lora_id, cache_salt)
 
     def host_stats(self) -> dict[str, Any]:
         """The host tier's counters and occupancy ({} without one)."""
@@ -668,137 +421,16 @@ class KVCacheManager:
         }
 
     @_settles
+    @_doc(suspension.suspend)
     def suspend(self, request_id: str) -> RequestInfo:
-        """Move a request's blocks to the host tier and free their device slots; it keeps
-        its id, row, length, committed tokens and keys, and answers ``request_suspended`` to
-        every op but ``request``, ``committed_tokens``, ``free`` and ``resume`` (its handle
-        names nothing until it is resumed). ``OutOfBlocks`` (detail ``tier="host"``) when
-        the host tier cannot hold them even after dropping its cached blocks; nothing
-        changes then (docs/host-tier.md)."""
-        row = self._row(request_id)
-        self._suspend_row(row)
-        return self._info(request_id, row)
-
-    def _suspend_row(self, row: int) -> None:
-        """``suspend`` of a live row (a columnar step's item)."""
-        request_id = self._ids[row]
-        assert request_id is not None
-        host = self._host
-        if host is None:
-            raise InvalidArgument("suspend needs a host tier (host_memory_bytes)")
-        if self._undo is not None:
-            raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
-        c = self._coord
-        blocks = []
-        need: dict[int, int] = {}
-        for g in range(len(self.layout.layer_groups)):
-            seg = c.tables[g][row, : int(c.num_blocks[g][row])]
-            positions = np.flatnonzero(seg > c.empty)
-            blocks.append((positions, seg[positions].tolist()))
-            pg = c.group_pool[g]
-            need[pg] = need.get(pg, 0) + positions.size
-        for pg, n in need.items():
-            if n > host.room(pg):
-                raise OutOfBlocks(
-                    f"the host tier of pool group {pg} has room for {host.room(pg)} of the "
-                    f"{n} blocks to suspend",
-                    pool_group=pg,
-                    needed=n,
-                    free=host.room(pg),
-                    tier="host",
-                )
-        saved = []
-        for g, (positions, slots) in enumerate(blocks):
-            pg = c.group_pool[g]
-            saved.append((positions, host.hold(pg, slots) if slots else []))
-            if slots:
-                c._unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
-                c._set(g, row, positions, None)
-        handle = int(self._handle[row])
-        self._suspended[request_id] = _Suspended(saved, handle)
-        self._suspended_handles[handle] = request_id
-        self._handle[row] = -1
+        return suspension.suspend(self, request_id)
 
     @_settles
+    @_doc(suspension.resume)
     def resume(self, request_id: str) -> RequestInfo:
-        """Bring a suspended request's blocks back into new device slots and rewrite its
-        table row; ``OutOfBlocks`` when the device has too few free slots, and nothing
-        changes. The request has its handle back."""
-        row = self._row(request_id, suspended=True)
-        saved = self._suspended.get(request_id)
-        if saved is None:
-            raise InvalidArgument(f"request {request_id!r} is not suspended", request_id=request_id)
-        if self._undo is not None:
-            raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
-        assert self._host is not None
-        c = self._coord
-        need = [0] * len(c.pools)
-        for g, (positions, _) in enumerate(saved.blocks):
-            need[c.group_pool[g]] += positions.size
-        c.check_fits(need)
-        for g, (positions, host_slots) in enumerate(saved.blocks):
-            if not host_slots:
-                continue
-            pg = c.group_pool[g]
-            slots = c._take(pg, len(host_slots))
-            self._host.give_back(pg, host_slots, slots.tolist())
-            c._set(g, row, positions, slots)
-        c.ops_since_take += 1
-        del self._suspended[request_id]
-        del self._suspended_handles[saved.handle]
-        self._handle[row] = saved.handle
-        return self._info(request_id, row)
+        return suspension.resume(self, request_id)
 
-    def _check_prompt(self, token_ids: Any, num_tokens: int | None) -> None:
-        """Refuse a prompt of the wrong length before any work on it (hashing a prompt is the
-        costliest thing an allocate or probe does): ``num_tokens`` ids, or at most
-        ``max_seq_len`` for a probe (a longer one can never be a request)."""
-        if not isinstance(token_ids, Sequence | np.ndarray) or isinstance(token_ids, str | bytes):
-            raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
-        n = len(token_ids)
-        if num_tokens is not None and n != num_tokens:
-            raise InvalidArgument(
-                f"token_ids has {n} ids for num_tokens={num_tokens}",
-                num_tokens=num_tokens,
-                num_token_ids=n,
-            )
-        if n > self.config.max_seq_len:
-            raise SequenceTooLong(
-                f"a prompt of {n} tokens is past max_seq_len={self.config.max_seq_len}",
-                num_tokens=n,
-                max_seq_len=self.config.max_seq_len,
-            )
-
-    def _keys_of(
-        self,
-        tokens: list[int],
-        data: bytes,
-        root: bytes,
-        items: tuple[MultimodalItem, ...],
-        given: Sequence[bytes | str] | None,
-    ) -> list[bytes]:
-        """The prompt's block keys: ``given`` (checked for shape), or hashed from ``data``."""
-        full = len(tokens) // self.tokens_per_block
-        if given is None:
-            return chain_keys(root, data, self.tokens_per_block, 0, items)
-        if isinstance(given, str | bytes) or not isinstance(given, Sequence):
-            raise InvalidArgument("block_keys must be a list of keys", block_keys=None)
-        # Only the count is checked here: a malformed key is in no index, so it can never hit.
-        # allocate checks the size of the keys past the hit, which commits may publish. Hex
-        # strings (the wire form) are converted.
-        keys = given if type(given) is list else list(given)
-        if keys and type(keys[0]) is not bytes:
-            try:
-                keys = [bytes.fromhex(k) if isinstance(k, str) else bytes(k) for k in keys]
-            except (TypeError, ValueError):
-                raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)") from None
-        if len(keys) != full:
-            raise InvalidArgument(
-                f"block_keys must be the {full} keys of the full blocks of token_ids",
-                num_keys=len(keys),
-            )
-        return keys
-
+    @_doc(prefix_reuse.probe)
     def probe(
         self,
         token_ids: Sequence[int],
@@ -807,25 +439,7 @@ class KVCacheManager:
         multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> int:
-        """Tokens a new request with this prompt would reuse now; claims nothing."""
-        self._check_prompt(token_ids, None)
-        if block_keys is not None:
-            # Only the prompt's length is used (a probe claims nothing), but it must have one.
-            if isinstance(token_ids, str | bytes) or not isinstance(
-                token_ids, Sequence | np.ndarray
-            ):
-                raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
-            tokens, data = token_ids, b""  # type: ignore[assignment]
-        else:
-            tokens, data = _token_ids(token_ids)
-        if len(tokens) == 0:
-            return 0
-        root = root_key(lora_id, cache_salt)
-        keys = self._keys_of(tokens, data, root, multimodal_items(multimodal), block_keys)
-        hit, _, _ = find_hit(
-            self._coord.cache, root, keys, len(tokens), self.tokens_per_block, self._windows, True
-        )
-        return hit * self.tokens_per_block
+        return prefix_reuse.probe(self, token_ids, lora_id, cache_salt, multimodal, block_keys)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (an ``all_blocks_cleared`` event); refused while any
@@ -860,230 +474,44 @@ class KVCacheManager:
     @_settles
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
-        row = self._row(request_id)
-        self._extend_row(row, num_new_tokens, lookahead)
-        return self._info(request_id, row)
-
-    def _extend_row(self, row: int, num_new_tokens: int, lookahead: int) -> int:
-        """Extend one row (a columnar step's item); returns the block positions added."""
-        if not (type(num_new_tokens) is int and 0 < num_new_tokens <= MAX_COUNT):
-            num_new_tokens = _count("num_new_tokens", num_new_tokens, 1)
-        if not (type(lookahead) is int and 0 <= lookahead <= MAX_COUNT):
-            lookahead = _count("lookahead", lookahead, 0)
-        total = int(self._coord.num_tokens[row]) + num_new_tokens + lookahead
-        if total > self.config.max_seq_len:
-            self._check_len(self._ids[row] or "", total)
-        return self._coord.grow_one(row, num_new_tokens, lookahead)
+        row = request_rows.row_of(self, request_id)
+        request_rows.extend_row(self, row, num_new_tokens, lookahead)
+        return request_rows.info(self, request_id, row)
 
     @_settles
+    @_doc(request_rows.extend_many)
     def extend_many(
         self,
         request_ids: Sequence[str],
         num_new_tokens: int | Sequence[int] = 1,
         lookahead: int | Sequence[int] = 0,
     ) -> None:
-        """Extend distinct requests at once (one decode step), all or nothing."""
-        self._extend(request_ids, num_new_tokens, lookahead, in_order=False)
-
-    def _extend(
-        self,
-        request_ids: Sequence[str],
-        num_new_tokens: int | Sequence[int],
-        lookahead: int | Sequence[int],
-        in_order: bool,
-    ) -> np.ndarray:
-        """``extend_many``; returns the rows (in ``request_ids`` order)."""
-        rows = self._rows_of(request_ids)
-        n = rows.size
-        seen = np.zeros(self.config.max_requests, dtype=bool)
-        seen[rows] = True
-        if int(seen.sum()) != n:
-            raise InvalidArgument("extend_many needs distinct request ids", num_ids=n)
-        new = _counts("num_new_tokens", num_new_tokens, n, 1)
-        ahead = _counts("lookahead", lookahead, n, 0)
-        total = self._coord.num_tokens[rows] + new + ahead
-        if n and int(total.max()) > self.config.max_seq_len:
-            i = int(total.argmax())
-            self._check_len(request_ids[i], int(total[i]))
-        self._coord.grow(rows, new, ahead, in_order)
-        return rows
+        request_rows.extend_many(self, request_ids, num_new_tokens, lookahead)
 
     @_settles
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
-        row = self._row(request_id)
-        self._rewind_row(row, num_tokens)
-        return self._info(request_id, row)
+        row = request_rows.row_of(self, request_id)
+        request_rows.rewind_row(self, row, num_tokens)
+        return request_rows.info(self, request_id, row)
 
-    def _rewind_row(self, row: int, num_tokens: int) -> None:
-        request_id = self._ids[row]
-        assert request_id is not None
-        length = int(self._coord.num_tokens[row])
-        num_tokens = _count("num_tokens", num_tokens, 1)
-        if num_tokens >= length:
-            raise InvalidArgument(
-                f"request {request_id!r} has {length} tokens; rewind removes at most "
-                f"{length - 1} (free the request to drop all)",
-                request_id=request_id,
-                num_tokens=num_tokens,
-            )
-        new_len = length - num_tokens
-        writable = self._writable_cached(request_id, row, new_len)
-        self._coord.rewind(row, num_tokens)
-        for pg, slots in writable.items():
-            self._coord.cache.uncache(pg, slots)
-        state = self._prefix[request_id]
-        dropped = state.keys[new_len // self.tokens_per_block :]
-        del state.keys[new_len // self.tokens_per_block :]
-        if self._undo is not None and dropped:
-            self._undo.append(lambda: state.keys.extend(dropped))
-        tokens = self._tokens[request_id]
-        if len(tokens) > 4 * new_len:
-            tail = tokens[4 * new_len :]
-            del tokens[4 * new_len :]
-            self._committed[row] = new_len
-            if self._undo is not None:
-                self._undo.append(lambda: tokens.extend(tail))
-
-    def _writable_cached(self, request_id: str, row: int, new_len: int) -> dict[int, list[int]]:
-        """Cached blocks a rewind to ``new_len`` would make the request write into again.
-
-        Blocks from ``new_len // tokens_per_block`` on will be overwritten; one that another
-        request shares cannot be (``RewindIntoSharedBlock``), one only this request holds is
-        taken out of the cache. Returns those, per pool group.
-        """
-        c = self._coord
-        keep = -(-(new_len + int(c.lookahead[row])) // self.tokens_per_block)
-        out: dict[int, list[int]] = {}
-        for g in range(len(self.layout.layer_groups)):
-            pg = c.group_pool[g]
-            held = c.tables[g][row, new_len // self.tokens_per_block : keep]
-            for slot in held[held > c.empty].tolist():
-                if not c.cache.cached[pg][slot]:
-                    continue
-                if c.refs[pg][slot] > 1:
-                    raise RewindIntoSharedBlock(
-                        f"rewinding {request_id!r} to {new_len} tokens would overwrite a "
-                        "block other requests share",
-                        request_id=request_id,
-                        num_tokens=new_len,
-                    )
-                out.setdefault(pg, []).append(slot)
-        return out
-
+    @_doc(commits.commit)
     def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
-        """Record that the KV of the request's next ``len(token_ids)`` tokens is computed.
+        return commits.commit(self, request_id, token_ids)
 
-        Committed tokens are a prefix of the request: a request of 10 tokens with 4 committed
-        accepts at most 6 more. ``rewind`` drops committed tokens past the new length.
-        Every block the committed prefix fills is keyed and published for reuse in each
-        reusable layer group (a ``block_stored`` event), unless that key is cached already.
-        Blocks holding the prompt's own tokens take the keys allocate computed for them
-        (``commit_keys``); other blocks are hashed.
-        """
-        row = self._row(request_id)
-        self._commit_row(row, token_ids)
-        return self._info(request_id, row)
-
-    def _commit_row(self, row: int, token_ids: Sequence[int]) -> None:
-        request_id = self._ids[row]
-        assert request_id is not None
-        data = _token_data(token_ids)
-        self._check_commit(request_id, row, len(data) // 4)
-        self._commit(request_id, row, data)
-
+    @_doc(commits.commit_many)
     def commit_many(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
-        """Commit ``token_ids[i]`` to ``request_ids[i]`` (distinct requests: the end of one
-        forward pass), all or nothing: every id, token list and length is checked before any
-        request is committed, so a refused call changes nothing. Each commit is ``commit``'s.
-        """
-        rows = self._rows_of(request_ids)
-        n = rows.size
-        if len(set(rows.tolist())) != n:
-            raise InvalidArgument("commit_many needs distinct request ids", num_ids=n)
-        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
-            raise InvalidArgument("token_ids must be a list of token id lists", token_ids=None)
-        if len(token_ids) != n:
-            raise InvalidArgument(
-                f"commit_many got {n} request ids and {len(token_ids)} token id lists",
-                num_ids=n,
-                num_token_id_lists=len(token_ids),
-            )
-        checked = [_token_data(t) for t in token_ids]
-        ids = list(request_ids)
-        for request_id, row, data in zip(ids, rows.tolist(), checked, strict=True):
-            self._check_commit(request_id, row, len(data) // 4)
-        for request_id, row, data in zip(ids, rows.tolist(), checked, strict=True):
-            self._commit(request_id, row, data)
+        commits.commit_many(self, request_ids, token_ids)
 
-    def _check_commit(self, request_id: str, row: int, num_new: int) -> None:
-        """Refuse committing ``num_new`` more tokens than the request has uncommitted."""
-        done = len(self._tokens[request_id]) // 4
-        length = int(self._coord.num_tokens[row])
-        if done + num_new > length:
-            raise InvalidArgument(
-                f"request {request_id!r} has {length} tokens and {done} committed; "
-                f"{num_new} more do not fit",
-                request_id=request_id,
-                num_tokens=length,
-                num_committed=done,
-                num_new=num_new,
-            )
-
-    def _commit(self, request_id: str, row: int, data: bytes) -> None:
-        """Append checked tokens (``data``: their int32 bytes) and publish the blocks they
-        fill; a publish that raises changes nothing."""
-        held = self._tokens[request_id]
-        done = len(held) // 4
-        state = self._prefix[request_id]
-        have = len(state.keys)
-        held += data
-        try:
-            publish(self._coord, state, row, held, done, data)
-        except BaseException:  # a refused commit changes nothing
-            del held[4 * done :]
-            del state.keys[have:]
-            raise
-        self._committed[row] = len(held) // 4
-        if self._undo is not None:
-            self._undo.append(lambda: held.__delitem__(slice(4 * done, None)))
-            self._undo.append(lambda: state.keys.__delitem__(slice(have, None)))
-
+    @_doc(commits.committed_tokens)
     def committed_tokens(self, request_id: str) -> list[int]:
-        """The committed token ids of a request, in order (a copy)."""
-        self._row(request_id, suspended=True)
-        return np.frombuffer(bytes(self._tokens[request_id]), dtype="<i4").tolist()
+        return commits.committed_tokens(self, request_id)
 
     def free(self, request_id: str) -> None:
         """End a request: its blocks go back to the pools (cached ones stay cached)."""
-        row = self._row(request_id, suspended=True)
-        saved = self._suspended.pop(request_id, None)
-        if saved is not None:
-            del self._suspended_handles[saved.handle]
-            assert self._host is not None
-            for g, (_, host_slots) in enumerate(saved.blocks):
-                self._host.discard(self._coord.group_pool[g], host_slots)
-        self._free_row(row)
-
-    def _free_row(self, row: int) -> str:
-        """Free a live row; returns its request id."""
-        request_id = self._ids[row]
-        assert request_id is not None
-        self._coord.release_row(row)
-        self._ids[row] = None
-        self._handle[row] = -1
-        del self._rows[request_id]
-        del self._first[request_id]
-        del self._tokens[request_id]
-        del self._prefix[request_id]
-        self._committed[row] = 0
-        self._hits[row] = 0
-        self._free_rows.append(row)
-        return request_id
-
-    def _blocks_of(self, row: int) -> int:
-        """Block positions a row holds, summed over layer groups."""
-        return sum(int(n[row]) for n in self._coord.num_blocks)
+        row = request_rows.row_of(self, request_id, suspended=True)
+        suspension.discard(self, request_id)
+        request_rows.free_row(self, row)
 
     @_settles
     def step_columns(
@@ -1206,54 +634,12 @@ class KVCacheManager:
                 undo()
             return results
 
-    @contextmanager
-    def transaction(self) -> Iterator[Callable[[], None]]:
-        """Yield an ``undo`` that puts the manager back as it was on entry.
-
-        Undo also happens if the block raises. Nested transactions are not supported.
-        """
-        if self._undo is not None:
-            raise RuntimeError("transactions do not nest")
-        saved = _Checkpoint(
-            coordinator=self._coord.checkpoint(),
-            rows=dict(self._rows),
-            free_rows=list(self._free_rows),
-            first=dict(self._first),
-            tokens=dict(self._tokens),
-            committed=self._committed.copy(),
-            prefix=dict(self._prefix),
-            hits=self._hits.copy(),
-            ids=list(self._ids),
-            handles=self._handle.copy(),
-        )
-        self._undo = []
-
-        def undo() -> None:
-            assert self._undo is not None
-            for action in reversed(self._undo):
-                action()
-            self._undo.clear()
-            self._coord.restore(saved.coordinator)
-            self._rows = dict(saved.rows)
-            self._free_rows = list(saved.free_rows)
-            self._first = dict(saved.first)
-            self._tokens = dict(saved.tokens)
-            self._committed[:] = saved.committed
-            self._prefix = dict(saved.prefix)
-            self._hits[:] = saved.hits
-            self._ids = list(saved.ids)
-            self._handle[:] = saved.handles
-
-        try:
-            yield undo
-        except BaseException:
-            undo()
-            raise
-        finally:
-            self._undo = None
+    @_doc(transactions.transaction)
+    def transaction(self) -> AbstractContextManager[Callable[[], None]]:
+        return transactions.transaction(self)
 
     def request(self, request_id: str) -> RequestInfo:
-        return self._info(request_id, self._row(request_id, suspended=True))
+        return request_rows.info(self, request_id, request_rows.row_of(self, request_id, True))
 
     def request_ids(self) -> list[str]:
         return list(self._rows)
@@ -1263,7 +649,7 @@ class KVCacheManager:
 
         Bookkeeping, not a kernel input: -1 even with the null page (the page tables hold 0).
         """
-        row = self._row(request_id)
+        row = request_rows.row_of(self, request_id)
         return [self._coord.block_list(g.group_id, row) for g in self.layout.layer_groups]
 
     # -- tables (the tables-and-views component's; ``kvcm.views``) ----------------------------
