@@ -1,19 +1,22 @@
 """``KVCacheManager``: the in-process kvcm API (DESIGN.md sections 3 to 5 and 7).
 
-The manager validates arguments, maps request ids to page-table rows and turns state into
-results; block bookkeeping is the coordinator's, memory the pools', index math kvcm_kernels'.
-Every op is atomic: it raises before anything changes, or it completes.
+The manager owns one rank's state (pools, page tables, the requests' bookkeeping), validates
+arguments and turns state into results; each concept is a component module that takes the
+manager, as ``kvcm.columnar`` does: request rows and handles (``kvcm.request_rows``), prefix
+reuse (``kvcm.prefix_reuse``), commits (``kvcm.commits``), suspension (``kvcm.suspension``),
+transactions (``kvcm.transactions``), capacity and stats (``kvcm.capacity``); tables and views
+are ``kvcm.views``' component. Block bookkeeping is the coordinator's, memory the pools', index
+math kvcm_kernels'. Every op is atomic: it raises before anything changes, or it completes.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -21,9 +24,7 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from kvcm_client.errors import (
-    DeviceUnavailable,
     DuplicateRequest,
-    InsufficientMemory,
     InvalidArgument,
     KVEventsDisabled,
     PrefixCacheInUse,
@@ -37,13 +38,11 @@ from kvcm_client.models import (
     Estimate,
     ExtendOp,
     FreeOp,
-    HostTierStats,
     KVEvents,
     ManagerConfig,
     ModelInfo,
     Op,
     OpResult,
-    PrefixCacheStats,
     RequestInfo,
     ResumeOp,
     RewindOp,
@@ -55,7 +54,16 @@ from kvcm_client.models import (
 )
 from kvcm_client.models import Layout as LayoutInfo
 
-from . import commits, footprint, prefix_reuse, registration, request_rows, suspension, transactions
+from . import (
+    capacity,
+    commits,
+    footprint,
+    prefix_reuse,
+    registration,
+    request_rows,
+    suspension,
+    transactions,
+)
 from .columnar import OpResults, StepOutcome, parse_columns, run_columns
 from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
@@ -63,41 +71,17 @@ from .counts import _count
 from .device_tables import DeviceTables
 from .hashing import MultimodalItem, multimodal_items, root_key
 from .host_tier import HostTier
-from .ids import LayerGroupId, PoolGroupId
-from .layout import BufferPlacement, Layout, build_layout
+from .ids import LayerGroupId
+from .layout import BufferPlacement
 from .op_steps import execute_ops
 from .ops import plain_ops
+from .planning import check_config, host_slots, plan
+from .planning import resolve_device as resolve_device  # re-exported: the server uses it
 from .pools import PoolMemory
 from .publish import PrefixState
 from .shared_memory import CudaSegments, SharedSegments
-from .sizing import Sizing, StepShape
 from .suspension import Suspended
 from .views import TablesAndViews
-
-_log = logging.getLogger("kvcm")
-_OPS = TypeAdapter(list[Op])
-#: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
-_FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp, SuspendOp, ResumeOp)
-
-
-def resolve_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise InvalidArgument(f"unknown device {name!r}", device=name) from exc
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise InvalidArgument(f"device must be cpu or cuda[:N], got {name!r}", device=name)
-    if not torch.cuda.is_available():
-        raise DeviceUnavailable(f"device {name!r} asked for but CUDA is not available")
-    index = 0 if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise DeviceUnavailable(
-            f"device {name!r} asked for but only {torch.cuda.device_count()} CUDA devices exist"
-        )
-    return torch.device("cuda", index)
-
 
 #: Longest request id: ids are echoed in results and kept per request.
 MAX_REQUEST_ID = 256
@@ -108,17 +92,9 @@ MAX_REQUEST_ID = 256
 MAX_STEP_OPS = 8192
 MAX_STEP_OTHER_OPS = 1024
 
-
-def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
-    """Refuse pool groups that the null page, which takes slot 0, would leave no slot."""
-    for pg, n in slots.items():
-        if n < 2:
-            raise InsufficientMemory(
-                f"pool group {pg} has {n} slot and the null page takes it: null_page needs "
-                "at least 2 slots per pool group",
-                pool_group=int(pg),
-                num_slots=n,
-            )
+_OPS = TypeAdapter(list[Op])
+#: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
+_FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp, SuspendOp, ResumeOp)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -174,36 +150,6 @@ class _FirstAllocation:
     result: RequestInfo
 
 
-def _plan(
-    cfg: ManagerConfig, check_budget: bool = True
-) -> tuple[torch.device, Layout, Sizing, dict[PoolGroupId, int]]:
-    """What a manager of ``cfg`` is, before any memory: device, layout, sizing and slots per
-    pool group. Raises what construction refuses (a budget of no slot or, with
-    ``check_budget``, of less than one ``max_seq_len`` request; no room for the null page)."""
-    device = resolve_device(cfg.device)
-    layout = build_layout(cfg.layers, cfg.tokens_per_block)
-    sizing = Sizing(layout, cfg.max_seq_len, StepShape(cfg.max_prefill_chunk, cfg.max_lookahead))
-    if cfg.num_blocks is not None:
-        slots = {pg.pool_group_id: cfg.num_blocks for pg in layout.pool_groups}
-    else:
-        assert cfg.memory_bytes is not None
-        slots = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
-        if check_budget:
-            sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
-    if cfg.null_page:
-        _check_null_page_room(slots)
-    return device, layout, sizing, slots
-
-
-def check_config(cfg: ManagerConfig, freed: tuple[int, int] = (0, 0)) -> None:
-    """Everything building ``cfg`` checks, without building it, and that its memory is free
-    (``footprint.check_room``, counting ``freed`` as free): what a registration must pass
-    before the model it replaces is closed."""
-    resolve_device(cfg.device)
-    footprint.check_room(cfg, build_layout(cfg.layers, cfg.tokens_per_block), freed)
-    _plan(cfg)
-
-
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of one rank."""
 
@@ -220,7 +166,7 @@ class KVCacheManager:
         (``serial_base``: the previous model's last handle serial, so that no handle of it
         ever names a request of the new one)."""
         self.config = cfg = config
-        self.device, self.layout, self._sizing, self._slots = _plan(cfg, check_budget)
+        self.device, self.layout, self._sizing, self._slots = plan(cfg, check_budget)
         self.tokens_per_block = cfg.tokens_per_block
         self.max_blocks_per_request = cfg.max_blocks_per_request
         #: Most positions one step can map (every row at ``max_seq_len``): the bound of a slot
@@ -259,7 +205,7 @@ class KVCacheManager:
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
         #: Each row's request id and handle (None and -1 when free: no handle a caller passes
         #: can equal -1 with a row below max_requests), and the row's allocations so far (a
-        #: handle's serial: kvcm.columnar).
+        #: handle's serial: kvcm.request_rows).
         self._ids: list[str | None] = [None] * cfg.max_requests
         self._handle = np.full(cfg.max_requests, -1, dtype=np.int64)
         self._serial = np.full(cfg.max_requests, serial_base, dtype=np.int64)
@@ -281,7 +227,17 @@ class KVCacheManager:
             self._coord, self.device, None if self.device.type == "cpu" else table_memory
         )
         self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
-        self._host = self._host_tier(cfg)
+        self._host = (
+            None
+            if cfg.host_memory_bytes is None
+            else HostTier(
+                self.layout,
+                self.memory.tensors,
+                host_slots(cfg, self.layout, self._slots),
+                self.device,
+                self._coord.cache.log,
+            )
+        )
         self._coord.host = self._host
         #: Suspended requests: their blocks' positions and host slots per layer group.
         self._suspended: dict[str, Suspended] = {}
@@ -297,25 +253,6 @@ class KVCacheManager:
             self._tables,
             _weak(self._rows_of),
         )
-
-    def _host_tier(self, cfg: ManagerConfig) -> HostTier | None:
-        """The host tier of ``host_memory_bytes``, split between pool groups in proportion
-        to their device bytes (each gets ``floor(share / slot_bytes)`` slots)."""
-        if cfg.host_memory_bytes is None:
-            return None
-        device = {
-            int(pg.pool_group_id): self._slots[pg.pool_group_id] * pg.slot_bytes
-            for pg in self.layout.pool_groups
-        }
-        total = sum(device.values())
-        host = {
-            int(pg.pool_group_id): cfg.host_memory_bytes
-            * device[int(pg.pool_group_id)]
-            // total
-            // pg.slot_bytes
-            for pg in self.layout.pool_groups
-        }
-        return HostTier(self.layout, self.memory.tensors, host, self.device, self._coord.cache.log)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -409,16 +346,9 @@ class KVCacheManager:
     ) -> tuple[int, int]:
         return prefix_reuse.probe_tiers(self, token_ids, lora_id, cache_salt)
 
+    @_doc(capacity.host_stats)
     def host_stats(self) -> dict[str, Any]:
-        """The host tier's counters and occupancy ({} without one)."""
-        host = self._host
-        if host is None:
-            return {}
-        return {
-            **asdict(host.stats),
-            "host_slots": {int(pg): n for pg, n in host.num_slots.items()},
-            "host_used": {int(pg): host.num_used(pg) for pg in host.num_slots},
-        }
+        return capacity.host_stats(self)
 
     @_settles
     @_doc(suspension.suspend)
@@ -736,6 +666,7 @@ class KVCacheManager:
     def describe(self) -> LayoutInfo:
         return self._views.describe()
 
+    @_doc(capacity.estimate)
     def estimate(
         self,
         seq_len: int,
@@ -744,105 +675,25 @@ class KVCacheManager:
         prefill_chunk: int | None = None,
         lookahead: int | None = None,
     ) -> Estimate:
-        """Capacity for requests of ``seq_len`` tokens grown by ops of at most
-        ``prefill_chunk`` new tokens, each with ``lookahead`` draft slots (both default to the
-        config's ``max_prefill_chunk`` and ``max_lookahead``; a chunk >= seq_len is a whole
-        prompt in one op). Exact: N fit and N + 1 do not (docs/sizing.md)."""
-        shape = self._sizing.shape
-        if prefill_chunk is not None:
-            shape = StepShape(_count("prefill_chunk", prefill_chunk, 1), shape.lookahead)
-        if lookahead is not None:
-            shape = StepShape(shape.chunk, _count("lookahead", lookahead, 0))
-        seq_len = _count("seq_len", seq_len, 1)
-        est = self._sizing.estimate(
-            seq_len, self._usable_slots(), self.config.max_requests, num_requests, shape
-        )
-        host = self._host
-        if host is None:
-            return est
-        pools = tuple(
-            p.model_copy(
-                update={
-                    "host_slots": host.num_slots[p.pool_group_id],
-                    "host_requests": host.num_slots[p.pool_group_id]
-                    // max(p.blocks_per_request, 1),
-                }
-            )
-            for p in est.pool_groups
-        )
-        return est.model_copy(
-            update={
-                "pool_groups": pools,
-                "host_max_requests": min(p.host_requests for p in pools),
-            }
+        return capacity.estimate(
+            self, seq_len, num_requests, prefill_chunk=prefill_chunk, lookahead=lookahead
         )
 
+    @_doc(capacity.check_budget)
     def check_budget(self) -> None:
-        """Raise ``InsufficientMemory`` if not one ``max_seq_len`` request fits the budget
-        (with the config's prefill chunk and lookahead); the error names the largest
-        ``max_seq_len`` that would. Nothing to check with ``num_blocks``."""
-        if self.config.memory_bytes is not None:
-            self._sizing.check_budget(
-                self.config.memory_bytes, self._slots, int(self.config.null_page)
-            )
+        capacity.check_budget(self)
 
-    def _usable_slots(self) -> dict[PoolGroupId, int]:
-        return self._coord.usable_slots()
-
+    @_doc(capacity.num_free_blocks)
     def num_free_blocks(self, pool_group: int | None = None) -> int:
-        """Free slots of ``pool_group``; without one, the blocks a new request can still get
-        in every layer group: per pool group its free slots // the layer groups sharing it,
-        the least over pool groups (a request takes a block in each layer group at once).
+        return capacity.num_free_blocks(self, pool_group)
 
-        Example: one pool group of 100 free slots shared by a window and a full group: 50.
-        """
-        pools = self._coord.pools
-        if pool_group is None:
-            return min(
-                pool.num_free // len(pg.layer_groups)
-                for pool, pg in zip(pools, self.layout.pool_groups, strict=True)
-            )
-        return pools[self._pool_group(pool_group)].num_free
-
+    @_doc(capacity.num_total_blocks)
     def num_total_blocks(self, pool_group: int | None = None) -> int:
-        """Usable slots of ``pool_group`` (the null page's is not one); without one, what
-        ``num_free_blocks()`` gives on an empty manager (so the two are equal once every
-        request is freed)."""
-        usable = self._usable_slots()
-        if pool_group is None:
-            return min(
-                usable[pg.pool_group_id] // len(pg.layer_groups) for pg in self.layout.pool_groups
-            )
-        return usable[PoolGroupId(self._pool_group(pool_group))]
+        return capacity.num_total_blocks(self, pool_group)
 
-    def _pool_group(self, pool_group: int) -> int:
-        if not 0 <= pool_group < len(self._coord.pools):
-            raise InvalidArgument(f"no pool group {pool_group}", pool_group=pool_group)
-        return pool_group
-
+    @_doc(capacity.stats)
     def stats(self) -> Stats:
-        free = {i: p.num_free for i, p in enumerate(self._coord.pools)}
-        total = {int(k): v for k, v in self._coord.usable_slots().items()}
-        cache = self._coord.cache
-        st = cache.stats
-        return Stats(
-            num_requests=len(self._rows),
-            free_blocks=free,
-            used_blocks={i: total[i] - free[i] for i in free},
-            total_blocks=total,
-            request_free_blocks=self.num_free_blocks(),
-            request_total_blocks=self.num_total_blocks(),
-            prefix_cache=PrefixCacheStats(
-                queries=st.queries,
-                query_tokens=st.query_tokens,
-                hit_tokens=st.hit_tokens,
-                hit_rate=st.hit_tokens / st.query_tokens if st.query_tokens else 0.0,
-                stored_blocks=st.stored_blocks,
-                evictions=st.evictions,
-                cached_blocks={i: cache.num_cached(i) for i in free},
-            ),
-            host_tier=HostTierStats(**self.host_stats()) if self._host is not None else None,
-        )
+        return capacity.stats(self)
 
     def pools(self) -> SharedLayout:
         """Descriptors of the shared pools and page tables (needs ``share=True``).
