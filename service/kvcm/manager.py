@@ -21,7 +21,6 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
-from pydantic import TypeAdapter, ValidationError
 
 from kvcm_client.errors import (
     DuplicateRequest,
@@ -30,27 +29,19 @@ from kvcm_client.errors import (
     PrefixCacheInUse,
     RequestLimitReached,
     RequestsLive,
-    invalid_from_validation,
 )
 from kvcm_client.models import (
     AllocateOp,
-    CommitOp,
     Estimate,
-    ExtendOp,
-    FreeOp,
     KVEvents,
     ManagerConfig,
     ModelInfo,
     Op,
     OpResult,
     RequestInfo,
-    ResumeOp,
-    RewindOp,
     Role,
-    SharedBuffer,
     SharedLayout,
     Stats,
-    SuspendOp,
 )
 from kvcm_client.models import Layout as LayoutInfo
 
@@ -74,7 +65,7 @@ from .host_tier import HostTier
 from .ids import LayerGroupId
 from .layout import BufferPlacement
 from .op_steps import execute_ops
-from .ops import plain_ops
+from .ops import op_dicts
 from .planning import check_config, host_slots, plan
 from .planning import resolve_device as resolve_device  # re-exported: the server uses it
 from .pools import PoolMemory
@@ -91,10 +82,6 @@ MAX_REQUEST_ID = 256
 #: 10 us each. A scheduler step has an extend per running request and a few of the others.
 MAX_STEP_OPS = 8192
 MAX_STEP_OTHER_OPS = 1024
-
-_OPS = TypeAdapter(list[Op])
-#: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
-_FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp, SuspendOp, ResumeOp)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -527,18 +514,7 @@ class KVCacheManager:
         for name, flag in (("atomic", atomic), ("brief", brief)):
             if type(flag) is not bool:
                 raise InvalidArgument(f"{name} must be a bool, got {type(flag).__name__}")
-        items = list(ops)
-        plain = plain_ops(items)
-        if plain is None and all(type(o) in _FLAT_OPS for o in items):
-            # Validated frozen models: their fields are already the plain dict.
-            plain = [dict(o.__dict__) for o in items]
-        if plain is None:
-            try:
-                models = _OPS.validate_python(items)
-            except ValidationError as exc:
-                raise invalid_from_validation(exc.errors()) from None
-            plain = [m.model_dump() for m in models]
-        return OpResults(self.step_plain(plain, atomic, brief))
+        return OpResults(self.step_plain(op_dicts(list(ops)), atomic, brief))
 
     @_settles
     def step_plain(
@@ -704,40 +680,7 @@ class KVCacheManager:
         """
         if self._segments is None:
             raise InvalidArgument("this manager was built without share=True: nothing to map")
-        lay = self.layout
-        buffers = []
-        for (lid, role), place in sorted(
-            lay.placements.items(), key=lambda kv: (kv[0][0], self._views.role_index[kv[0][1]])
-        ):
-            view = self.memory.layer_view(lid, role)
-            buffers.append(
-                SharedBuffer(
-                    layer_id=lid,
-                    role=role,
-                    layer_group=place.layer_group,
-                    pool=place.pool,
-                    dtype=str(view.dtype).removeprefix("torch."),
-                    shape=tuple(view.shape),
-                    strides=tuple(view.stride()),
-                    offset=view.storage_offset(),
-                )
-            )
-        self.sync_tables()  # CUDA: what a consumer maps is up to date
-        tables = self._coord.tables
-        return SharedLayout(
-            generation=self.generation,
-            device=str(self.device),
-            tokens_per_block=self.tokens_per_block,
-            layers=list(self.config.layers),
-            layer_group_of={
-                int(layer.layer_id): int(g.group_id) for g in lay.layer_groups for layer in g.layers
-            },
-            pools=list(self.memory.segments),
-            buffers=buffers,
-            page_tables=self._table_segment,
-            page_table_shape=tables.shape,
-            null_page=self.config.null_page,
-        )
+        return self._views.shared_layout(self.generation, self._table_segment)
 
     def close(self) -> None:
         """Unlink the shared segments (mappings that exist stay valid until unmapped)."""

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class _Checkpoint:
+    """What an undo puts back: the coordinator's checkpoint and copies of the manager's maps
+    and arrays (the maps are shallow copies: their lists are restored by ``_undo`` actions)."""
+
     coordinator: Any
     rows: dict[str, int]
     free_rows: list[int]
