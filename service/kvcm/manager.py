@@ -545,7 +545,8 @@ class KVCacheManager:
         return transactions.transaction(self)
 
     def request(self, request_id: str) -> RequestInfo:
-        return request_rows.info(self, request_id, request_rows.row_of(self, request_id, True))
+        row = request_rows.row_of(self, request_id, suspended=True)
+        return request_rows.info(self, request_id, row)
 
     def request_ids(self) -> list[str]:
         return list(self._rows)
