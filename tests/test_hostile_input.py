@@ -377,14 +377,15 @@ def test_one_call_s_work_is_bounded_before_it_starts(monkeypatch: pytest.MonkeyP
     """Prompts past max_seq_len are refused before hashing; steps past MAX_STEP_OPS before
     any op runs."""
     import kvcm.manager as manager_module
+    import kvcm.prefix_reuse as prefix_reuse_module
     from kvcm import SequenceTooLong
     from kvcm.manager import MAX_STEP_OPS
 
     m = KVCacheManager(CONFIG)
     hashed: list[int] = []
-    real = manager_module.chain_keys
+    real = prefix_reuse_module.chain_keys
     monkeypatch.setattr(
-        manager_module, "chain_keys", lambda *a, **k: hashed.append(1) or real(*a, **k)
+        prefix_reuse_module, "chain_keys", lambda *a, **k: hashed.append(1) or real(*a, **k)
     )
     with pytest.raises(SequenceTooLong):
         m.probe([1] * 1_000_000)

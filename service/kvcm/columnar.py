@@ -46,7 +46,10 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import AllocateOp, OpResult
 
+from . import request_rows
+from .commits import commit_row
 from .counts import MAX_COUNT, _count, _counts
+from .suspension import suspend_row
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -55,8 +58,6 @@ _log = logging.getLogger("kvcm")
 
 #: The sections of a step, in the order they run.
 SECTIONS = ("commit", "free", "rewind", "suspend", "resume", "extend", "allocate")
-#: Low 32 bits of a handle: the row.
-ROW_MASK = 0xFFFFFFFF
 _OK = 0
 _ABORTED = status_of(StepAborted.code)
 _UNKNOWN = status_of(UnknownRequest.code)
@@ -462,7 +463,7 @@ class _Run:
         handles = getattr(self.cols, section)
         if not handles.size:
             return
-        rows, live = self.m._handle_rows(handles)
+        rows, live = request_rows.handle_rows(self.m, handles)
         current = self.m._handle
         for i, row in enumerate(rows.tolist()):
             if (live is not None and not live[i]) or (recheck and current[row] != handles[i]):
@@ -472,19 +473,21 @@ class _Run:
 
     def frees(self) -> None:
         m, freed = self.m, self.out.freed_ids
-        self.each_row("free", lambda _, row: freed.append(m._free_row(row)), recheck=True)
+        self.each_row(
+            "free", lambda _, row: freed.append(request_rows.free_row(m, row)), recheck=True
+        )
 
     def rewinds(self) -> None:
         m, counts = self.m, _ints(self.cols.rewind_tokens, self.cols.rewind.size)
-        self.each_row("rewind", lambda i, row: m._rewind_row(row, counts[i]))
+        self.each_row("rewind", lambda i, row: request_rows.rewind_row(m, row, counts[i]))
 
     def commits(self) -> None:
         m, tokens = self.m, self.cols.commit_tokens
-        self.each_row("commit", lambda i, row: m._commit_row(row, tokens[i]))
+        self.each_row("commit", lambda i, row: commit_row(m, row, tokens[i]))
 
     def suspends(self) -> None:
         m = self.m
-        self.each_row("suspend", lambda _, row: m._suspend_row(row), recheck=True)
+        self.each_row("suspend", lambda _, row: suspend_row(m, row), recheck=True)
 
     def resumes(self) -> None:
         """By the handle the request had: kept for it while it is suspended."""
@@ -492,7 +495,7 @@ class _Run:
         for i, handle in enumerate(self.cols.resume.tolist()):
             rid = m._suspended_handles.get(handle)
             if rid is None:
-                rows, live = m._handle_rows(np.array([handle], dtype=np.int64))
+                rows, live = request_rows.handle_rows(m, np.array([handle], dtype=np.int64))
                 if live is None:  # a live request: not suspended
                     rid = m._ids[int(rows[0])]
                     self.fail(
@@ -513,11 +516,11 @@ class _Run:
             return
         m = self.m
         if n > 1 and type(cols.num_new_tokens) is not list and type(cols.lookahead) is not list:
-            done = m._extend_handles(handles, cols.num_new_tokens, cols.lookahead)
+            done = request_rows.extend_handles(m, handles, cols.num_new_tokens, cols.lookahead)
             if done is not None:
                 self.out.new_blocks[:] = done[1]
                 return
-        rows, live = m._handle_rows(handles)
+        rows, live = request_rows.handle_rows(m, handles)
         new = _ints(cols.num_new_tokens, n)
         ahead = _ints(cols.lookahead, n)
         for i, row in enumerate(rows.tolist()):
@@ -525,7 +528,9 @@ class _Run:
                 self.unknown("extend", i, int(handles[i]))
                 continue
             added = self.item(
-                "extend", i, lambda row=row, k=new[i], a=ahead[i]: m._extend_row(row, k, a)
+                "extend",
+                i,
+                lambda row=row, k=new[i], a=ahead[i]: request_rows.extend_row(m, row, k, a),
             )
             if added is not None:
                 self.out.new_blocks[i] = added
@@ -544,7 +549,7 @@ class _Run:
             out.handles[i] = info.handle
             out.hit_tokens[i] = info.num_hit_tokens
             if not retry:  # a retry allocates nothing
-                out.allocate_new_blocks[i] = m._blocks_of(info.row)
+                out.allocate_new_blocks[i] = request_rows.blocks_of(m, info.row)
                 out.allocated_ids.append(info.request_id)
 
 

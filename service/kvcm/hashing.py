@@ -27,6 +27,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import sha256
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +96,23 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
         if low < 0:
             raise InvalidArgument("token ids must be >= 0")
     return data
+
+
+def token_data(value: Any) -> bytes:
+    """Validated token ids as int32 bytes, for any sequence or array (``token_bytes``): what
+    a commit keeps (it makes no int per token)."""
+    if not isinstance(value, Sequence | np.ndarray):
+        raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
+    return token_bytes(value)
+
+
+def token_ids_of(value: Any) -> tuple[list[int], bytes]:
+    """Validated token ids as plain ints and as the int32 bytes block keys hash.
+
+    Python counts a bool as an int, and so does this check; the wire refuses bools.
+    """
+    data = token_data(value)
+    return np.frombuffer(data, dtype="<i4").tolist(), data
 
 
 def _multimodal_tags(

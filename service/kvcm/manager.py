@@ -1,122 +1,78 @@
 """``KVCacheManager``: the in-process kvcm API (DESIGN.md sections 3 to 5 and 7).
 
-The manager validates arguments, maps request ids to page-table rows and turns state into
-results; block bookkeeping is the coordinator's, memory the pools', index math kvcm_kernels'.
-Every op is atomic: it raises before anything changes, or it completes.
+The manager owns one rank's state (pools, page tables, the requests' bookkeeping), validates
+arguments and turns state into results; each concept is a component module that takes the
+manager, as ``kvcm.columnar`` does: request rows and handles (``kvcm.request_rows``), prefix
+reuse (``kvcm.prefix_reuse``), commits (``kvcm.commits``), suspension (``kvcm.suspension``),
+transactions (``kvcm.transactions``), capacity and stats (``kvcm.capacity``); tables and views
+are ``kvcm.views``' component. Block bookkeeping is the coordinator's, memory the pools', index
+math kvcm_kernels'. Every op is atomic: it raises before anything changes, or it completes.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
-from pydantic import TypeAdapter, ValidationError
 
 from kvcm_client.errors import (
-    DeviceUnavailable,
     DuplicateRequest,
-    InsufficientMemory,
     InvalidArgument,
-    KVCMError,
     KVEventsDisabled,
-    OutOfBlocks,
     PrefixCacheInUse,
     RequestLimitReached,
     RequestsLive,
-    RequestSuspended,
-    RewindIntoSharedBlock,
-    SequenceTooLong,
-    UnknownRequest,
-    invalid_from_validation,
 )
 from kvcm_client.models import (
     AllocateOp,
-    CommitOp,
     Estimate,
-    ExtendOp,
-    FreeOp,
-    HostTierStats,
     KVEvents,
     ManagerConfig,
     ModelInfo,
     Op,
     OpResult,
-    PrefixCacheStats,
     RequestInfo,
-    ResumeOp,
-    RewindOp,
     Role,
-    SharedBuffer,
     SharedLayout,
     Stats,
-    SuspendOp,
 )
 from kvcm_client.models import Layout as LayoutInfo
 
-from . import footprint, registration
-from .columnar import (
-    ROW_MASK,
-    OpResults,
-    StepOutcome,
-    parse_columns,
-    run_columns,
+from . import (
+    capacity,
+    commits,
+    footprint,
+    prefix_reuse,
+    registration,
+    request_rows,
+    suspension,
+    transactions,
 )
+from .columnar import OpResults, StepOutcome, parse_columns, run_columns
 from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
-from .counts import _count, _counts
+from .counts import _count
 from .device_tables import DeviceTables
-from .hashing import (
-    KEY_BYTES,
-    MultimodalItem,
-    chain_keys,
-    multimodal_items,
-    root_key,
-    token_bytes,
-)
-from .host_tier import HostTier, onboard_prefix
-from .ids import LayerGroupId, PoolGroupId
-from .layout import BufferPlacement, Layout, build_layout
+from .hashing import MultimodalItem, multimodal_items, root_key
+from .host_tier import HostTier
+from .ids import LayerGroupId
+from .layout import BufferPlacement
 from .op_steps import execute_ops
-from .ops import plain_ops
+from .ops import op_dicts
+from .planning import check_config, host_slots, plan
+from .planning import resolve_device as resolve_device  # re-exported: the server uses it
 from .pools import PoolMemory
-from .prefix_cache import find_hit
-from .publish import PrefixState, publish
+from .publish import PrefixState
 from .shared_memory import CudaSegments, SharedSegments
-from .sizing import Sizing, StepShape
+from .suspension import Suspended
 from .views import TablesAndViews
-
-_log = logging.getLogger("kvcm")
-_OPS = TypeAdapter(list[Op])
-#: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
-_FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp, SuspendOp, ResumeOp)
-
-
-def resolve_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise InvalidArgument(f"unknown device {name!r}", device=name) from exc
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise InvalidArgument(f"device must be cpu or cuda[:N], got {name!r}", device=name)
-    if not torch.cuda.is_available():
-        raise DeviceUnavailable(f"device {name!r} asked for but CUDA is not available")
-    index = 0 if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise DeviceUnavailable(
-            f"device {name!r} asked for but only {torch.cuda.device_count()} CUDA devices exist"
-        )
-    return torch.device("cuda", index)
-
 
 #: Longest request id: ids are echoed in results and kept per request.
 MAX_REQUEST_ID = 256
@@ -126,46 +82,6 @@ MAX_REQUEST_ID = 256
 #: 10 us each. A scheduler step has an extend per running request and a few of the others.
 MAX_STEP_OPS = 8192
 MAX_STEP_OTHER_OPS = 1024
-
-
-def _token_ids(value: Any) -> tuple[list[int], bytes]:
-    """Validated token ids as plain ints and as the int32 bytes block keys hash.
-
-    Python counts a bool as an int, and so does this check; the wire refuses bools.
-    """
-    data = _token_data(value)
-    return np.frombuffer(data, dtype="<i4").tolist(), data
-
-
-def _token_data(value: Any) -> bytes:
-    """``_token_ids``' bytes only: what a commit keeps (it makes no int per token)."""
-    if not isinstance(value, Sequence | np.ndarray):
-        raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
-    return token_bytes(value)
-
-
-def _check_key_sizes(keys: list[bytes]) -> None:
-    """Refuse caller-given keys that are not 32 bytes (those past the hit: the hit's are
-    cached keys already). A malformed key could never hit, but it is a client's bug worth
-    naming."""
-    try:
-        sizes = set(map(len, keys))
-    except TypeError:
-        sizes = {0}
-    if sizes - {KEY_BYTES}:
-        raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)")
-
-
-def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
-    """Refuse pool groups that the null page, which takes slot 0, would leave no slot."""
-    for pg, n in slots.items():
-        if n < 2:
-            raise InsufficientMemory(
-                f"pool group {pg} has {n} slot and the null page takes it: null_page needs "
-                "at least 2 slots per pool group",
-                pool_group=int(pg),
-                num_slots=n,
-            )
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -221,59 +137,6 @@ class _FirstAllocation:
     result: RequestInfo
 
 
-@dataclass(frozen=True, slots=True)
-class _Suspended:
-    """A suspended request: per layer group, the table positions of its blocks and the
-    host slots holding their pages; the handle it gets back at resume."""
-
-    blocks: list[tuple[np.ndarray, list[int]]]
-    handle: int
-
-
-@dataclass(slots=True)
-class _Checkpoint:
-    coordinator: Any
-    rows: dict[str, int]
-    free_rows: list[int]
-    first: dict[str, _FirstAllocation]
-    prefix: dict[str, PrefixState]
-    hits: np.ndarray
-    tokens: dict[str, list[int]]
-    committed: np.ndarray
-    ids: list[str | None]
-    handles: np.ndarray
-
-
-def _plan(
-    cfg: ManagerConfig, check_budget: bool = True
-) -> tuple[torch.device, Layout, Sizing, dict[PoolGroupId, int]]:
-    """What a manager of ``cfg`` is, before any memory: device, layout, sizing and slots per
-    pool group. Raises what construction refuses (a budget of no slot or, with
-    ``check_budget``, of less than one ``max_seq_len`` request; no room for the null page)."""
-    device = resolve_device(cfg.device)
-    layout = build_layout(cfg.layers, cfg.tokens_per_block)
-    sizing = Sizing(layout, cfg.max_seq_len, StepShape(cfg.max_prefill_chunk, cfg.max_lookahead))
-    if cfg.num_blocks is not None:
-        slots = {pg.pool_group_id: cfg.num_blocks for pg in layout.pool_groups}
-    else:
-        assert cfg.memory_bytes is not None
-        slots = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
-        if check_budget:
-            sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
-    if cfg.null_page:
-        _check_null_page_room(slots)
-    return device, layout, sizing, slots
-
-
-def check_config(cfg: ManagerConfig, freed: tuple[int, int] = (0, 0)) -> None:
-    """Everything building ``cfg`` checks, without building it, and that its memory is free
-    (``footprint.check_room``, counting ``freed`` as free): what a registration must pass
-    before the model it replaces is closed."""
-    resolve_device(cfg.device)
-    footprint.check_room(cfg, build_layout(cfg.layers, cfg.tokens_per_block), freed)
-    _plan(cfg)
-
-
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of one rank."""
 
@@ -290,7 +153,7 @@ class KVCacheManager:
         (``serial_base``: the previous model's last handle serial, so that no handle of it
         ever names a request of the new one)."""
         self.config = cfg = config
-        self.device, self.layout, self._sizing, self._slots = _plan(cfg, check_budget)
+        self.device, self.layout, self._sizing, self._slots = plan(cfg, check_budget)
         self.tokens_per_block = cfg.tokens_per_block
         self.max_blocks_per_request = cfg.max_blocks_per_request
         #: Most positions one step can map (every row at ``max_seq_len``): the bound of a slot
@@ -329,7 +192,7 @@ class KVCacheManager:
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
         #: Each row's request id and handle (None and -1 when free: no handle a caller passes
         #: can equal -1 with a row below max_requests), and the row's allocations so far (a
-        #: handle's serial: kvcm.columnar).
+        #: handle's serial: kvcm.request_rows).
         self._ids: list[str | None] = [None] * cfg.max_requests
         self._handle = np.full(cfg.max_requests, -1, dtype=np.int64)
         self._serial = np.full(cfg.max_requests, serial_base, dtype=np.int64)
@@ -351,10 +214,20 @@ class KVCacheManager:
             self._coord, self.device, None if self.device.type == "cpu" else table_memory
         )
         self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
-        self._host = self._host_tier(cfg)
+        self._host = (
+            None
+            if cfg.host_memory_bytes is None
+            else HostTier(
+                self.layout,
+                self.memory.tensors,
+                host_slots(cfg, self.layout, self._slots),
+                self.device,
+                self._coord.cache.log,
+            )
+        )
         self._coord.host = self._host
         #: Suspended requests: their blocks' positions and host slots per layer group.
-        self._suspended: dict[str, _Suspended] = {}
+        self._suspended: dict[str, Suspended] = {}
         #: The handle each suspended request gets back, to its id (a resume by handle).
         self._suspended_handles: dict[int, str] = {}
         self._views = TablesAndViews(
@@ -368,135 +241,11 @@ class KVCacheManager:
             _weak(self._rows_of),
         )
 
-    def _host_tier(self, cfg: ManagerConfig) -> HostTier | None:
-        """The host tier of ``host_memory_bytes``, split between pool groups in proportion
-        to their device bytes (each gets ``floor(share / slot_bytes)`` slots)."""
-        if cfg.host_memory_bytes is None:
-            return None
-        device = {
-            int(pg.pool_group_id): self._slots[pg.pool_group_id] * pg.slot_bytes
-            for pg in self.layout.pool_groups
-        }
-        total = sum(device.values())
-        host = {
-            int(pg.pool_group_id): cfg.host_memory_bytes
-            * device[int(pg.pool_group_id)]
-            // total
-            // pg.slot_bytes
-            for pg in self.layout.pool_groups
-        }
-        return HostTier(self.layout, self.memory.tensors, host, self.device, self._coord.cache.log)
-
     # -- requests ----------------------------------------------------------------------------
 
-    def _row(self, request_id: str, suspended: bool = False) -> int:
-        """The row of a live request; ``RequestSuspended`` for a suspended one unless
-        ``suspended`` (what reads its bookkeeping, frees or resumes it)."""
-        try:
-            row = self._rows[request_id]
-        except (KeyError, TypeError):
-            shown = str(request_id)[:64]
-            raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
-        if not suspended and request_id in self._suspended:
-            raise RequestSuspended(
-                f"request {request_id!r} is suspended: resume it first", request_id=request_id
-            )
-        return row
-
+    @_doc(request_rows.rows_of)
     def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
-        # A str is a collection too: "ab" would be the requests "a" and "b".
-        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Collection):
-            raise InvalidArgument("request_ids must be a list of request ids", request_ids=None)
-        rows = self._rows
-        try:
-            found = np.fromiter(
-                (rows[r] for r in request_ids), dtype=np.int64, count=len(request_ids)
-            )
-        except (KeyError, TypeError):
-            missing = next(r for r in request_ids if not isinstance(r, str) or r not in rows)
-            shown = str(missing)[:64]
-            raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
-        if self._suspended:
-            for r in request_ids:
-                if r in self._suspended:
-                    raise RequestSuspended(
-                        f"request {r!r} is suspended: resume it first", request_id=r
-                    )
-        return found
-
-    def _handle_rows(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """Rows of int64 handles, and a mask of the live ones (None when all are live).
-
-        Example: handle ``2 << 32 | 7`` is row 7 if row 7's request is its second allocation;
-        after that request's free it names nothing (the row's next request has serial 3).
-        """
-        rows = handles & ROW_MASK
-        if handles.size and int(rows.max()) >= self.config.max_requests:
-            inside = rows < self.config.max_requests
-            rows = np.where(inside, rows, 0)
-            live = inside & (self._handle[rows] == handles)
-            return rows, live
-        # Live handles are > 0 and a free row holds -1, whose row bits are past every row:
-        # so a handle of 0 or below never matches.
-        live = self._handle[rows] == handles
-        return rows, (None if live.all() else live)
-
-    def _extend_handles(
-        self, handles: np.ndarray, new: np.ndarray | int, ahead: np.ndarray | int
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """A decode step's fast path: extend live, distinct handles as one batch, as if one
-        after another; (rows, blocks each added), or None (nothing changed) if any handle is
-        not live, one repeats, or the batch does not fit item after item: the caller then
-        runs the items one by one.
-
-        Distinct rows: each writes its position into ``scratch``; a repeated row keeps only
-        its last write, so an earlier position reads back something else.
-        """
-        n = handles.size
-        if n > self.config.max_requests:  # cannot all be distinct live rows
-            return None
-        rows = handles & ROW_MASK
-        if int(rows.max()) >= self.config.max_requests:
-            return None
-        order = self._order[:n]
-        scratch = self._scratch
-        scratch[rows] = order
-        if not ((scratch[rows] == order) & (self._handle[rows] == handles)).all():
-            return None
-        c = self._coord
-        history = c.num_tokens[rows]
-        length = history + new
-        capacity = length + ahead if type(ahead) is not int or ahead else length
-        if int(capacity.max()) > self.config.max_seq_len:
-            return None
-        try:
-            return rows, c.grow_rows(rows, history, length, capacity, ahead, in_order=True)
-        except KVCMError:
-            return None
-
-    def _check_len(self, request_id: str, total: int) -> None:
-        if total > self.config.max_seq_len:
-            raise SequenceTooLong(
-                f"request {request_id!r} would hold {total} tokens (with lookahead), "
-                f"max_seq_len is {self.config.max_seq_len}",
-                request_id=request_id,
-                num_tokens=total,
-                max_seq_len=self.config.max_seq_len,
-            )
-
-    def _info(self, request_id: str, row: int) -> RequestInfo:
-        c = self._coord
-        n = int(c.num_tokens[row])
-        saved = self._suspended.get(request_id)
-        return RequestInfo(
-            request_id=request_id,
-            row=row,
-            num_tokens=n,
-            capacity=n + int(c.lookahead[row]),
-            num_committed=int(self._committed[row]),
-            num_hit_tokens=int(self._hits[row]),
-            handle=int(self._handle[row]) if saved is None else saved.handle,
-        )
+        return request_rows.rows_of(self, request_ids)
 
     @_settles
     def allocate(
@@ -530,16 +279,7 @@ class KVCacheManager:
             )
         num_tokens = _count("num_tokens", num_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
-        # With block_keys the caller's keys save the hashing but not the check of the ids:
-        # an id outside [0, 2**31) would make the request's later commits unhashable.
-        tokens, data = None, b""
-        if token_ids is not None:
-            self._check_prompt(token_ids, num_tokens)
-            if block_keys is not None:
-                data = token_bytes(token_ids)
-                tokens = token_ids if type(token_ids) is list else list(token_ids)
-            else:
-                tokens, data = _token_ids(token_ids)
+        tokens, data = prefix_reuse.read_prompt(self, token_ids, num_tokens, block_keys)
         items = multimodal_items(multimodal)
         root = root_key(lora_id, cache_salt)
         # The prompt is compared by value on a retry; it is not copied (schedulers resend the
@@ -556,249 +296,58 @@ class KVCacheManager:
                 num_tokens=first.args[0],
                 lookahead=first.args[1],
             )
-        self._check_len(request_id, num_tokens + lookahead)
+        request_rows.check_len(self, request_id, num_tokens + lookahead)
         if not self._free_rows:
             raise RequestLimitReached(
                 f"all {self.config.max_requests} page-table rows are in use",
                 max_requests=self.config.max_requests,
             )
-        keys: list[bytes] = []
-        hit = 0
-        if tokens is not None:
-            keys = self._keys_of(tokens, data, root, items, block_keys)
-            # Not inside an all-or-nothing step: onboarding writes pages into device slots,
-            # and an undo would give those slots back to the cache entries they had.
-            if self._host is not None and self._undo is None:
-                self._onboard(root, keys, num_tokens, data, lora_id, cache_salt is not None)
-            hit, hits, ends = find_hit(
-                self._coord.cache, root, keys, num_tokens, self.tokens_per_block, self._windows
-            )
-            if block_keys is not None:
-                _check_key_sizes(keys[hit:])
-        row = self._free_rows[-1]
-        c = self._coord
-        if hit:
-            need, idle = c.hit_need(hits, num_tokens + lookahead)
-            c.check_fits(need)
-            hit_tokens = hit * self.tokens_per_block
-            c.place_hits(row, hits, idle, ends, hit_tokens)
-            c.grow_one(row, num_tokens - hit_tokens, lookahead)
-        else:
-            hit_tokens = 0
-            c.grow_one(row, num_tokens, lookahead)
-        if tokens is not None:
-            stats = c.cache.stats
-            stats.queries += 1
-            stats.query_tokens += num_tokens
-            stats.hit_tokens += hit_tokens
-        self._free_rows.pop()
-        self._rows[request_id] = row
-        self._ids[row] = request_id
-        self._serial[row] += 1
-        self._handle[row] = (int(self._serial[row]) << 32) | row
+        hit_tokens, state = prefix_reuse.reuse_prefix(
+            self,
+            self._free_rows[-1],
+            num_tokens,
+            lookahead,
+            tokens,
+            data,
+            root,
+            items,
+            lora_id,
+            cache_salt is not None,
+            block_keys,
+        )
+        row = request_rows.claim(self, request_id)
         self._tokens[request_id] = bytearray(data[: 4 * hit_tokens])
         self._committed[row] = hit_tokens
         self._hits[row] = hit_tokens
-        # Only keys kvcm hashed itself are kept for commits: caller-given keys are untrusted
-        # past the hit (a client could pass another scope's keys), so commits hash those.
-        kept = keys if block_keys is None else keys[:hit]
-        self._prefix[request_id] = PrefixState(
-            root, lora_id, cache_salt is not None, items, keys[:hit], data, kept
-        )
-        info = self._info(request_id, row)
+        self._prefix[request_id] = state
+        info = request_rows.info(self, request_id, row)
         self._first[request_id] = _FirstAllocation(args, info)
         return info
 
-    def _onboard(
-        self,
-        root: bytes,
-        keys: list[bytes],
-        num_tokens: int,
-        data: bytes,
-        lora_id: int | str | None,
-        has_salt: bool,
-    ) -> None:
-        assert self._host is not None
-        cap = min(len(keys), (num_tokens - 1) // self.tokens_per_block)
-        onboard_prefix(self._coord, self._host, root, keys, cap, data, lora_id, has_salt)
-
+    @_doc(prefix_reuse.probe_tiers)
     def probe_tiers(
         self,
         token_ids: Sequence[int],
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
     ) -> tuple[int, int]:
-        """(tokens a new request would reuse from the device now, tokens more it would
-        onboard from the host tier): the run of the prompt's blocks every layer group holds
-        on the device, then the run held on the device or the host; claims nothing."""
-        self._check_prompt(token_ids, None)
-        tokens, data = _token_ids(token_ids)
-        root = root_key(lora_id, cache_salt)
-        keys = chain_keys(root, data, self.tokens_per_block, 0, ())
-        cache = self._coord.cache
-        tpb = self.tokens_per_block
-        cap = min(len(keys), (len(tokens) - 1) // tpb) if tokens else 0
-        if cap <= 0 or not all(cache.reusable):
-            return 0, 0
-        index = [cache.scope(g, root) for g in range(len(self.layout.layer_groups))]
-        device = 0
-        while device < cap and all(keys[device] in i for i in index):
-            device += 1
-        if device and any(w is not None for w, _ in self._windows):
-            device = self.probe(token_ids, lora_id, cache_salt) // tpb
-        end = device
-        host = self._host
-        while (
-            host is not None
-            and end < cap
-            and all(keys[end] in i or host.holds(g, root, keys[end]) for g, i in enumerate(index))
-        ):
-            end += 1
-        return device * tpb, (end - device) * tpb
+        return prefix_reuse.probe_tiers(self, token_ids, lora_id, cache_salt)
 
+    @_doc(capacity.host_stats)
     def host_stats(self) -> dict[str, Any]:
-        """The host tier's counters and occupancy ({} without one)."""
-        host = self._host
-        if host is None:
-            return {}
-        return {
-            **asdict(host.stats),
-            "host_slots": {int(pg): n for pg, n in host.num_slots.items()},
-            "host_used": {int(pg): host.num_used(pg) for pg in host.num_slots},
-        }
+        return capacity.host_stats(self)
 
     @_settles
+    @_doc(suspension.suspend)
     def suspend(self, request_id: str) -> RequestInfo:
-        """Move a request's blocks to the host tier and free their device slots; it keeps
-        its id, row, length, committed tokens and keys, and answers ``request_suspended`` to
-        every op but ``request``, ``committed_tokens``, ``free`` and ``resume`` (its handle
-        names nothing until it is resumed). ``OutOfBlocks`` (detail ``tier="host"``) when
-        the host tier cannot hold them even after dropping its cached blocks; nothing
-        changes then (docs/host-tier.md)."""
-        row = self._row(request_id)
-        self._suspend_row(row)
-        return self._info(request_id, row)
-
-    def _suspend_row(self, row: int) -> None:
-        """``suspend`` of a live row (a columnar step's item)."""
-        request_id = self._ids[row]
-        assert request_id is not None
-        host = self._host
-        if host is None:
-            raise InvalidArgument("suspend needs a host tier (host_memory_bytes)")
-        if self._undo is not None:
-            raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
-        c = self._coord
-        blocks = []
-        need: dict[int, int] = {}
-        for g in range(len(self.layout.layer_groups)):
-            seg = c.tables[g][row, : int(c.num_blocks[g][row])]
-            positions = np.flatnonzero(seg > c.empty)
-            blocks.append((positions, seg[positions].tolist()))
-            pg = c.group_pool[g]
-            need[pg] = need.get(pg, 0) + positions.size
-        for pg, n in need.items():
-            if n > host.room(pg):
-                raise OutOfBlocks(
-                    f"the host tier of pool group {pg} has room for {host.room(pg)} of the "
-                    f"{n} blocks to suspend",
-                    pool_group=pg,
-                    needed=n,
-                    free=host.room(pg),
-                    tier="host",
-                )
-        saved = []
-        for g, (positions, slots) in enumerate(blocks):
-            pg = c.group_pool[g]
-            saved.append((positions, host.hold(pg, slots) if slots else []))
-            if slots:
-                c._unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
-                c._set(g, row, positions, None)
-        handle = int(self._handle[row])
-        self._suspended[request_id] = _Suspended(saved, handle)
-        self._suspended_handles[handle] = request_id
-        self._handle[row] = -1
+        return suspension.suspend(self, request_id)
 
     @_settles
+    @_doc(suspension.resume)
     def resume(self, request_id: str) -> RequestInfo:
-        """Bring a suspended request's blocks back into new device slots and rewrite its
-        table row; ``OutOfBlocks`` when the device has too few free slots, and nothing
-        changes. The request has its handle back."""
-        row = self._row(request_id, suspended=True)
-        saved = self._suspended.get(request_id)
-        if saved is None:
-            raise InvalidArgument(f"request {request_id!r} is not suspended", request_id=request_id)
-        if self._undo is not None:
-            raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
-        assert self._host is not None
-        c = self._coord
-        need = [0] * len(c.pools)
-        for g, (positions, _) in enumerate(saved.blocks):
-            need[c.group_pool[g]] += positions.size
-        c.check_fits(need)
-        for g, (positions, host_slots) in enumerate(saved.blocks):
-            if not host_slots:
-                continue
-            pg = c.group_pool[g]
-            slots = c._take(pg, len(host_slots))
-            self._host.give_back(pg, host_slots, slots.tolist())
-            c._set(g, row, positions, slots)
-        c.ops_since_take += 1
-        del self._suspended[request_id]
-        del self._suspended_handles[saved.handle]
-        self._handle[row] = saved.handle
-        return self._info(request_id, row)
+        return suspension.resume(self, request_id)
 
-    def _check_prompt(self, token_ids: Any, num_tokens: int | None) -> None:
-        """Refuse a prompt of the wrong length before any work on it (hashing a prompt is the
-        costliest thing an allocate or probe does): ``num_tokens`` ids, or at most
-        ``max_seq_len`` for a probe (a longer one can never be a request)."""
-        if not isinstance(token_ids, Sequence | np.ndarray) or isinstance(token_ids, str | bytes):
-            raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
-        n = len(token_ids)
-        if num_tokens is not None and n != num_tokens:
-            raise InvalidArgument(
-                f"token_ids has {n} ids for num_tokens={num_tokens}",
-                num_tokens=num_tokens,
-                num_token_ids=n,
-            )
-        if n > self.config.max_seq_len:
-            raise SequenceTooLong(
-                f"a prompt of {n} tokens is past max_seq_len={self.config.max_seq_len}",
-                num_tokens=n,
-                max_seq_len=self.config.max_seq_len,
-            )
-
-    def _keys_of(
-        self,
-        tokens: list[int],
-        data: bytes,
-        root: bytes,
-        items: tuple[MultimodalItem, ...],
-        given: Sequence[bytes | str] | None,
-    ) -> list[bytes]:
-        """The prompt's block keys: ``given`` (checked for shape), or hashed from ``data``."""
-        full = len(tokens) // self.tokens_per_block
-        if given is None:
-            return chain_keys(root, data, self.tokens_per_block, 0, items)
-        if isinstance(given, str | bytes) or not isinstance(given, Sequence):
-            raise InvalidArgument("block_keys must be a list of keys", block_keys=None)
-        # Only the count is checked here: a malformed key is in no index, so it can never hit.
-        # allocate checks the size of the keys past the hit, which commits may publish. Hex
-        # strings (the wire form) are converted.
-        keys = given if type(given) is list else list(given)
-        if keys and type(keys[0]) is not bytes:
-            try:
-                keys = [bytes.fromhex(k) if isinstance(k, str) else bytes(k) for k in keys]
-            except (TypeError, ValueError):
-                raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)") from None
-        if len(keys) != full:
-            raise InvalidArgument(
-                f"block_keys must be the {full} keys of the full blocks of token_ids",
-                num_keys=len(keys),
-            )
-        return keys
-
+    @_doc(prefix_reuse.probe)
     def probe(
         self,
         token_ids: Sequence[int],
@@ -807,25 +356,7 @@ class KVCacheManager:
         multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> int:
-        """Tokens a new request with this prompt would reuse now; claims nothing."""
-        self._check_prompt(token_ids, None)
-        if block_keys is not None:
-            # Only the prompt's length is used (a probe claims nothing), but it must have one.
-            if isinstance(token_ids, str | bytes) or not isinstance(
-                token_ids, Sequence | np.ndarray
-            ):
-                raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
-            tokens, data = token_ids, b""  # type: ignore[assignment]
-        else:
-            tokens, data = _token_ids(token_ids)
-        if len(tokens) == 0:
-            return 0
-        root = root_key(lora_id, cache_salt)
-        keys = self._keys_of(tokens, data, root, multimodal_items(multimodal), block_keys)
-        hit, _, _ = find_hit(
-            self._coord.cache, root, keys, len(tokens), self.tokens_per_block, self._windows, True
-        )
-        return hit * self.tokens_per_block
+        return prefix_reuse.probe(self, token_ids, lora_id, cache_salt, multimodal, block_keys)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (an ``all_blocks_cleared`` event); refused while any
@@ -860,230 +391,44 @@ class KVCacheManager:
     @_settles
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
-        row = self._row(request_id)
-        self._extend_row(row, num_new_tokens, lookahead)
-        return self._info(request_id, row)
-
-    def _extend_row(self, row: int, num_new_tokens: int, lookahead: int) -> int:
-        """Extend one row (a columnar step's item); returns the block positions added."""
-        if not (type(num_new_tokens) is int and 0 < num_new_tokens <= MAX_COUNT):
-            num_new_tokens = _count("num_new_tokens", num_new_tokens, 1)
-        if not (type(lookahead) is int and 0 <= lookahead <= MAX_COUNT):
-            lookahead = _count("lookahead", lookahead, 0)
-        total = int(self._coord.num_tokens[row]) + num_new_tokens + lookahead
-        if total > self.config.max_seq_len:
-            self._check_len(self._ids[row] or "", total)
-        return self._coord.grow_one(row, num_new_tokens, lookahead)
+        row = request_rows.row_of(self, request_id)
+        request_rows.extend_row(self, row, num_new_tokens, lookahead)
+        return request_rows.info(self, request_id, row)
 
     @_settles
+    @_doc(request_rows.extend_many)
     def extend_many(
         self,
         request_ids: Sequence[str],
         num_new_tokens: int | Sequence[int] = 1,
         lookahead: int | Sequence[int] = 0,
     ) -> None:
-        """Extend distinct requests at once (one decode step), all or nothing."""
-        self._extend(request_ids, num_new_tokens, lookahead, in_order=False)
-
-    def _extend(
-        self,
-        request_ids: Sequence[str],
-        num_new_tokens: int | Sequence[int],
-        lookahead: int | Sequence[int],
-        in_order: bool,
-    ) -> np.ndarray:
-        """``extend_many``; returns the rows (in ``request_ids`` order)."""
-        rows = self._rows_of(request_ids)
-        n = rows.size
-        seen = np.zeros(self.config.max_requests, dtype=bool)
-        seen[rows] = True
-        if int(seen.sum()) != n:
-            raise InvalidArgument("extend_many needs distinct request ids", num_ids=n)
-        new = _counts("num_new_tokens", num_new_tokens, n, 1)
-        ahead = _counts("lookahead", lookahead, n, 0)
-        total = self._coord.num_tokens[rows] + new + ahead
-        if n and int(total.max()) > self.config.max_seq_len:
-            i = int(total.argmax())
-            self._check_len(request_ids[i], int(total[i]))
-        self._coord.grow(rows, new, ahead, in_order)
-        return rows
+        request_rows.extend_many(self, request_ids, num_new_tokens, lookahead)
 
     @_settles
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
-        row = self._row(request_id)
-        self._rewind_row(row, num_tokens)
-        return self._info(request_id, row)
+        row = request_rows.row_of(self, request_id)
+        request_rows.rewind_row(self, row, num_tokens)
+        return request_rows.info(self, request_id, row)
 
-    def _rewind_row(self, row: int, num_tokens: int) -> None:
-        request_id = self._ids[row]
-        assert request_id is not None
-        length = int(self._coord.num_tokens[row])
-        num_tokens = _count("num_tokens", num_tokens, 1)
-        if num_tokens >= length:
-            raise InvalidArgument(
-                f"request {request_id!r} has {length} tokens; rewind removes at most "
-                f"{length - 1} (free the request to drop all)",
-                request_id=request_id,
-                num_tokens=num_tokens,
-            )
-        new_len = length - num_tokens
-        writable = self._writable_cached(request_id, row, new_len)
-        self._coord.rewind(row, num_tokens)
-        for pg, slots in writable.items():
-            self._coord.cache.uncache(pg, slots)
-        state = self._prefix[request_id]
-        dropped = state.keys[new_len // self.tokens_per_block :]
-        del state.keys[new_len // self.tokens_per_block :]
-        if self._undo is not None and dropped:
-            self._undo.append(lambda: state.keys.extend(dropped))
-        tokens = self._tokens[request_id]
-        if len(tokens) > 4 * new_len:
-            tail = tokens[4 * new_len :]
-            del tokens[4 * new_len :]
-            self._committed[row] = new_len
-            if self._undo is not None:
-                self._undo.append(lambda: tokens.extend(tail))
-
-    def _writable_cached(self, request_id: str, row: int, new_len: int) -> dict[int, list[int]]:
-        """Cached blocks a rewind to ``new_len`` would make the request write into again.
-
-        Blocks from ``new_len // tokens_per_block`` on will be overwritten; one that another
-        request shares cannot be (``RewindIntoSharedBlock``), one only this request holds is
-        taken out of the cache. Returns those, per pool group.
-        """
-        c = self._coord
-        keep = -(-(new_len + int(c.lookahead[row])) // self.tokens_per_block)
-        out: dict[int, list[int]] = {}
-        for g in range(len(self.layout.layer_groups)):
-            pg = c.group_pool[g]
-            held = c.tables[g][row, new_len // self.tokens_per_block : keep]
-            for slot in held[held > c.empty].tolist():
-                if not c.cache.cached[pg][slot]:
-                    continue
-                if c.refs[pg][slot] > 1:
-                    raise RewindIntoSharedBlock(
-                        f"rewinding {request_id!r} to {new_len} tokens would overwrite a "
-                        "block other requests share",
-                        request_id=request_id,
-                        num_tokens=new_len,
-                    )
-                out.setdefault(pg, []).append(slot)
-        return out
-
+    @_doc(commits.commit)
     def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
-        """Record that the KV of the request's next ``len(token_ids)`` tokens is computed.
+        return commits.commit(self, request_id, token_ids)
 
-        Committed tokens are a prefix of the request: a request of 10 tokens with 4 committed
-        accepts at most 6 more. ``rewind`` drops committed tokens past the new length.
-        Every block the committed prefix fills is keyed and published for reuse in each
-        reusable layer group (a ``block_stored`` event), unless that key is cached already.
-        Blocks holding the prompt's own tokens take the keys allocate computed for them
-        (``commit_keys``); other blocks are hashed.
-        """
-        row = self._row(request_id)
-        self._commit_row(row, token_ids)
-        return self._info(request_id, row)
-
-    def _commit_row(self, row: int, token_ids: Sequence[int]) -> None:
-        request_id = self._ids[row]
-        assert request_id is not None
-        data = _token_data(token_ids)
-        self._check_commit(request_id, row, len(data) // 4)
-        self._commit(request_id, row, data)
-
+    @_doc(commits.commit_many)
     def commit_many(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
-        """Commit ``token_ids[i]`` to ``request_ids[i]`` (distinct requests: the end of one
-        forward pass), all or nothing: every id, token list and length is checked before any
-        request is committed, so a refused call changes nothing. Each commit is ``commit``'s.
-        """
-        rows = self._rows_of(request_ids)
-        n = rows.size
-        if len(set(rows.tolist())) != n:
-            raise InvalidArgument("commit_many needs distinct request ids", num_ids=n)
-        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
-            raise InvalidArgument("token_ids must be a list of token id lists", token_ids=None)
-        if len(token_ids) != n:
-            raise InvalidArgument(
-                f"commit_many got {n} request ids and {len(token_ids)} token id lists",
-                num_ids=n,
-                num_token_id_lists=len(token_ids),
-            )
-        checked = [_token_data(t) for t in token_ids]
-        ids = list(request_ids)
-        for request_id, row, data in zip(ids, rows.tolist(), checked, strict=True):
-            self._check_commit(request_id, row, len(data) // 4)
-        for request_id, row, data in zip(ids, rows.tolist(), checked, strict=True):
-            self._commit(request_id, row, data)
+        commits.commit_many(self, request_ids, token_ids)
 
-    def _check_commit(self, request_id: str, row: int, num_new: int) -> None:
-        """Refuse committing ``num_new`` more tokens than the request has uncommitted."""
-        done = len(self._tokens[request_id]) // 4
-        length = int(self._coord.num_tokens[row])
-        if done + num_new > length:
-            raise InvalidArgument(
-                f"request {request_id!r} has {length} tokens and {done} committed; "
-                f"{num_new} more do not fit",
-                request_id=request_id,
-                num_tokens=length,
-                num_committed=done,
-                num_new=num_new,
-            )
-
-    def _commit(self, request_id: str, row: int, data: bytes) -> None:
-        """Append checked tokens (``data``: their int32 bytes) and publish the blocks they
-        fill; a publish that raises changes nothing."""
-        held = self._tokens[request_id]
-        done = len(held) // 4
-        state = self._prefix[request_id]
-        have = len(state.keys)
-        held += data
-        try:
-            publish(self._coord, state, row, held, done, data)
-        except BaseException:  # a refused commit changes nothing
-            del held[4 * done :]
-            del state.keys[have:]
-            raise
-        self._committed[row] = len(held) // 4
-        if self._undo is not None:
-            self._undo.append(lambda: held.__delitem__(slice(4 * done, None)))
-            self._undo.append(lambda: state.keys.__delitem__(slice(have, None)))
-
+    @_doc(commits.committed_tokens)
     def committed_tokens(self, request_id: str) -> list[int]:
-        """The committed token ids of a request, in order (a copy)."""
-        self._row(request_id, suspended=True)
-        return np.frombuffer(bytes(self._tokens[request_id]), dtype="<i4").tolist()
+        return commits.committed_tokens(self, request_id)
 
     def free(self, request_id: str) -> None:
         """End a request: its blocks go back to the pools (cached ones stay cached)."""
-        row = self._row(request_id, suspended=True)
-        saved = self._suspended.pop(request_id, None)
-        if saved is not None:
-            del self._suspended_handles[saved.handle]
-            assert self._host is not None
-            for g, (_, host_slots) in enumerate(saved.blocks):
-                self._host.discard(self._coord.group_pool[g], host_slots)
-        self._free_row(row)
-
-    def _free_row(self, row: int) -> str:
-        """Free a live row; returns its request id."""
-        request_id = self._ids[row]
-        assert request_id is not None
-        self._coord.release_row(row)
-        self._ids[row] = None
-        self._handle[row] = -1
-        del self._rows[request_id]
-        del self._first[request_id]
-        del self._tokens[request_id]
-        del self._prefix[request_id]
-        self._committed[row] = 0
-        self._hits[row] = 0
-        self._free_rows.append(row)
-        return request_id
-
-    def _blocks_of(self, row: int) -> int:
-        """Block positions a row holds, summed over layer groups."""
-        return sum(int(n[row]) for n in self._coord.num_blocks)
+        row = request_rows.row_of(self, request_id, suspended=True)
+        suspension.discard(self, request_id)
+        request_rows.free_row(self, row)
 
     @_settles
     def step_columns(
@@ -1169,18 +514,7 @@ class KVCacheManager:
         for name, flag in (("atomic", atomic), ("brief", brief)):
             if type(flag) is not bool:
                 raise InvalidArgument(f"{name} must be a bool, got {type(flag).__name__}")
-        items = list(ops)
-        plain = plain_ops(items)
-        if plain is None and all(type(o) in _FLAT_OPS for o in items):
-            # Validated frozen models: their fields are already the plain dict.
-            plain = [dict(o.__dict__) for o in items]
-        if plain is None:
-            try:
-                models = _OPS.validate_python(items)
-            except ValidationError as exc:
-                raise invalid_from_validation(exc.errors()) from None
-            plain = [m.model_dump() for m in models]
-        return OpResults(self.step_plain(plain, atomic, brief))
+        return OpResults(self.step_plain(op_dicts(list(ops)), atomic, brief))
 
     @_settles
     def step_plain(
@@ -1206,54 +540,13 @@ class KVCacheManager:
                 undo()
             return results
 
-    @contextmanager
-    def transaction(self) -> Iterator[Callable[[], None]]:
-        """Yield an ``undo`` that puts the manager back as it was on entry.
-
-        Undo also happens if the block raises. Nested transactions are not supported.
-        """
-        if self._undo is not None:
-            raise RuntimeError("transactions do not nest")
-        saved = _Checkpoint(
-            coordinator=self._coord.checkpoint(),
-            rows=dict(self._rows),
-            free_rows=list(self._free_rows),
-            first=dict(self._first),
-            tokens=dict(self._tokens),
-            committed=self._committed.copy(),
-            prefix=dict(self._prefix),
-            hits=self._hits.copy(),
-            ids=list(self._ids),
-            handles=self._handle.copy(),
-        )
-        self._undo = []
-
-        def undo() -> None:
-            assert self._undo is not None
-            for action in reversed(self._undo):
-                action()
-            self._undo.clear()
-            self._coord.restore(saved.coordinator)
-            self._rows = dict(saved.rows)
-            self._free_rows = list(saved.free_rows)
-            self._first = dict(saved.first)
-            self._tokens = dict(saved.tokens)
-            self._committed[:] = saved.committed
-            self._prefix = dict(saved.prefix)
-            self._hits[:] = saved.hits
-            self._ids = list(saved.ids)
-            self._handle[:] = saved.handles
-
-        try:
-            yield undo
-        except BaseException:
-            undo()
-            raise
-        finally:
-            self._undo = None
+    @_doc(transactions.transaction)
+    def transaction(self) -> AbstractContextManager[Callable[[], None]]:
+        return transactions.transaction(self)
 
     def request(self, request_id: str) -> RequestInfo:
-        return self._info(request_id, self._row(request_id, suspended=True))
+        row = request_rows.row_of(self, request_id, suspended=True)
+        return request_rows.info(self, request_id, row)
 
     def request_ids(self) -> list[str]:
         return list(self._rows)
@@ -1263,7 +556,7 @@ class KVCacheManager:
 
         Bookkeeping, not a kernel input: -1 even with the null page (the page tables hold 0).
         """
-        row = self._row(request_id)
+        row = request_rows.row_of(self, request_id)
         return [self._coord.block_list(g.group_id, row) for g in self.layout.layer_groups]
 
     # -- tables (the tables-and-views component's; ``kvcm.views``) ----------------------------
@@ -1350,6 +643,7 @@ class KVCacheManager:
     def describe(self) -> LayoutInfo:
         return self._views.describe()
 
+    @_doc(capacity.estimate)
     def estimate(
         self,
         seq_len: int,
@@ -1358,105 +652,25 @@ class KVCacheManager:
         prefill_chunk: int | None = None,
         lookahead: int | None = None,
     ) -> Estimate:
-        """Capacity for requests of ``seq_len`` tokens grown by ops of at most
-        ``prefill_chunk`` new tokens, each with ``lookahead`` draft slots (both default to the
-        config's ``max_prefill_chunk`` and ``max_lookahead``; a chunk >= seq_len is a whole
-        prompt in one op). Exact: N fit and N + 1 do not (docs/sizing.md)."""
-        shape = self._sizing.shape
-        if prefill_chunk is not None:
-            shape = StepShape(_count("prefill_chunk", prefill_chunk, 1), shape.lookahead)
-        if lookahead is not None:
-            shape = StepShape(shape.chunk, _count("lookahead", lookahead, 0))
-        seq_len = _count("seq_len", seq_len, 1)
-        est = self._sizing.estimate(
-            seq_len, self._usable_slots(), self.config.max_requests, num_requests, shape
-        )
-        host = self._host
-        if host is None:
-            return est
-        pools = tuple(
-            p.model_copy(
-                update={
-                    "host_slots": host.num_slots[p.pool_group_id],
-                    "host_requests": host.num_slots[p.pool_group_id]
-                    // max(p.blocks_per_request, 1),
-                }
-            )
-            for p in est.pool_groups
-        )
-        return est.model_copy(
-            update={
-                "pool_groups": pools,
-                "host_max_requests": min(p.host_requests for p in pools),
-            }
+        return capacity.estimate(
+            self, seq_len, num_requests, prefill_chunk=prefill_chunk, lookahead=lookahead
         )
 
+    @_doc(capacity.check_budget)
     def check_budget(self) -> None:
-        """Raise ``InsufficientMemory`` if not one ``max_seq_len`` request fits the budget
-        (with the config's prefill chunk and lookahead); the error names the largest
-        ``max_seq_len`` that would. Nothing to check with ``num_blocks``."""
-        if self.config.memory_bytes is not None:
-            self._sizing.check_budget(
-                self.config.memory_bytes, self._slots, int(self.config.null_page)
-            )
+        capacity.check_budget(self)
 
-    def _usable_slots(self) -> dict[PoolGroupId, int]:
-        return self._coord.usable_slots()
-
+    @_doc(capacity.num_free_blocks)
     def num_free_blocks(self, pool_group: int | None = None) -> int:
-        """Free slots of ``pool_group``; without one, the blocks a new request can still get
-        in every layer group: per pool group its free slots // the layer groups sharing it,
-        the least over pool groups (a request takes a block in each layer group at once).
+        return capacity.num_free_blocks(self, pool_group)
 
-        Example: one pool group of 100 free slots shared by a window and a full group: 50.
-        """
-        pools = self._coord.pools
-        if pool_group is None:
-            return min(
-                pool.num_free // len(pg.layer_groups)
-                for pool, pg in zip(pools, self.layout.pool_groups, strict=True)
-            )
-        return pools[self._pool_group(pool_group)].num_free
-
+    @_doc(capacity.num_total_blocks)
     def num_total_blocks(self, pool_group: int | None = None) -> int:
-        """Usable slots of ``pool_group`` (the null page's is not one); without one, what
-        ``num_free_blocks()`` gives on an empty manager (so the two are equal once every
-        request is freed)."""
-        usable = self._usable_slots()
-        if pool_group is None:
-            return min(
-                usable[pg.pool_group_id] // len(pg.layer_groups) for pg in self.layout.pool_groups
-            )
-        return usable[PoolGroupId(self._pool_group(pool_group))]
+        return capacity.num_total_blocks(self, pool_group)
 
-    def _pool_group(self, pool_group: int) -> int:
-        if not 0 <= pool_group < len(self._coord.pools):
-            raise InvalidArgument(f"no pool group {pool_group}", pool_group=pool_group)
-        return pool_group
-
+    @_doc(capacity.stats)
     def stats(self) -> Stats:
-        free = {i: p.num_free for i, p in enumerate(self._coord.pools)}
-        total = {int(k): v for k, v in self._coord.usable_slots().items()}
-        cache = self._coord.cache
-        st = cache.stats
-        return Stats(
-            num_requests=len(self._rows),
-            free_blocks=free,
-            used_blocks={i: total[i] - free[i] for i in free},
-            total_blocks=total,
-            request_free_blocks=self.num_free_blocks(),
-            request_total_blocks=self.num_total_blocks(),
-            prefix_cache=PrefixCacheStats(
-                queries=st.queries,
-                query_tokens=st.query_tokens,
-                hit_tokens=st.hit_tokens,
-                hit_rate=st.hit_tokens / st.query_tokens if st.query_tokens else 0.0,
-                stored_blocks=st.stored_blocks,
-                evictions=st.evictions,
-                cached_blocks={i: cache.num_cached(i) for i in free},
-            ),
-            host_tier=HostTierStats(**self.host_stats()) if self._host is not None else None,
-        )
+        return capacity.stats(self)
 
     def pools(self) -> SharedLayout:
         """Descriptors of the shared pools and page tables (needs ``share=True``).
@@ -1467,40 +681,7 @@ class KVCacheManager:
         """
         if self._segments is None:
             raise InvalidArgument("this manager was built without share=True: nothing to map")
-        lay = self.layout
-        buffers = []
-        for (lid, role), place in sorted(
-            lay.placements.items(), key=lambda kv: (kv[0][0], self._views.role_index[kv[0][1]])
-        ):
-            view = self.memory.layer_view(lid, role)
-            buffers.append(
-                SharedBuffer(
-                    layer_id=lid,
-                    role=role,
-                    layer_group=place.layer_group,
-                    pool=place.pool,
-                    dtype=str(view.dtype).removeprefix("torch."),
-                    shape=tuple(view.shape),
-                    strides=tuple(view.stride()),
-                    offset=view.storage_offset(),
-                )
-            )
-        self.sync_tables()  # CUDA: what a consumer maps is up to date
-        tables = self._coord.tables
-        return SharedLayout(
-            generation=self.generation,
-            device=str(self.device),
-            tokens_per_block=self.tokens_per_block,
-            layers=list(self.config.layers),
-            layer_group_of={
-                int(layer.layer_id): int(g.group_id) for g in lay.layer_groups for layer in g.layers
-            },
-            pools=list(self.memory.segments),
-            buffers=buffers,
-            page_tables=self._table_segment,
-            page_table_shape=tables.shape,
-            null_page=self.config.null_page,
-        )
+        return self._views.shared_layout(self.generation, self._table_segment)
 
     def close(self) -> None:
         """Unlink the shared segments (mappings that exist stay valid until unmapped)."""

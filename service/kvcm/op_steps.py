@@ -16,6 +16,7 @@ import numpy as np
 
 from kvcm_client.errors import RequestSuspended, StepAborted, UnknownRequest
 
+from . import request_rows
 from .columnar import SECTIONS, StepColumns, StepOutcome, execute, op_segments
 from .counts import MAX_COUNT
 
@@ -122,7 +123,7 @@ def piece_results(
                     results[j] = {"ok": True, "request": None, "error": None}
             else:
                 eids = [piece[j]["request_id"] for j in positions]
-                rows = m._rows_of(eids)
+                rows = request_rows.rows_of(m, eids)
                 for j, r in zip(positions, result_dicts(m, eids, rows), strict=True):
                     results[j] = r
             continue
@@ -136,7 +137,7 @@ def piece_results(
                 # An allocate answers what it returned (a retry: the first result).
                 info = out.infos[k] if section == "allocate" else None
                 if info is None:
-                    info = m._info(rid, m._rows[rid])
+                    info = request_rows.info(m, rid, m._rows[rid])
                 results[j] = {"ok": True, "request": info.model_dump(), "error": None}
     for e in out.errors:
         j = where[e.section][e.index]

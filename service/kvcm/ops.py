@@ -4,7 +4,8 @@ A scheduler step is hundreds of small ops; building a model per op costs about a
 each way, more than the bookkeeping itself. ``plain_ops`` accepts exactly the dicts the op
 models accept (same keys, strict ints and bools, string ids) and returns them normalised
 (every field present, defaults filled in), or None for anything else, which then goes through
-the models and gets their errors. Tests check the equivalence on random input.
+the models and gets their errors (``op_dicts``: the whole path, for ``step``). Tests check
+the equivalence on random input.
 
 Example: ``[{"op": "extend", "request_id": "a", "num_new_tokens": 1}]`` gives
 ``[{"op": "extend", "request_id": "a", "num_new_tokens": 1, "lookahead": 0}]``.
@@ -13,6 +14,11 @@ Example: ``[{"op": "extend", "request_id": "a", "num_new_tokens": 1}]`` gives
 from __future__ import annotations
 
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from kvcm_client.errors import invalid_from_validation
+from kvcm_client.models import CommitOp, ExtendOp, FreeOp, Op, ResumeOp, RewindOp, SuspendOp
 
 #: Per op: (required fields, optional fields with defaults); every field but request_id and
 #: token_ids is a strict int.
@@ -35,6 +41,9 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int | None]]] = {
     "suspend": (("request_id",), {}),
     "resume": (("request_id",), {}),
 }
+#: Op models without nested models (AllocateOp may hold multimodal models: it is dumped).
+_FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp, SuspendOp, ResumeOp)
+_OPS = TypeAdapter(list[Op])
 _STEP_KEYS = frozenset({"ops", "atomic", "brief"})
 _KEYS = {
     kind: frozenset(("op", *required, *optional)) for kind, (required, optional) in _FIELDS.items()
@@ -101,6 +110,23 @@ def plain_ops(ops: Any) -> list[dict[str, Any]] | None:
             return None
         out.append(plain)
     return out
+
+
+def op_dicts(items: list[Any]) -> list[dict[str, Any]]:
+    """Ops (models or their dicts) as validated op dicts: ``plain_ops`` when it accepts them,
+    the fields of flat op models (validated already), else the models' validation, whose
+    errors are ``InvalidArgument``."""
+    plain = plain_ops(items)
+    if plain is None and all(type(o) in _FLAT_OPS for o in items):
+        # Validated frozen models: their fields are already the plain dict.
+        plain = [dict(o.__dict__) for o in items]
+    if plain is None:
+        try:
+            models = _OPS.validate_python(items)
+        except ValidationError as exc:
+            raise invalid_from_validation(exc.errors()) from None
+        plain = [m.model_dump() for m in models]
+    return plain
 
 
 def plain_step(body: Any) -> tuple[list[dict[str, Any]], bool, bool] | None:

@@ -1,9 +1,10 @@
 """Tables and views: what a kernel reads of one manager's state.
 
 The page tables on the manager's device, page indices and slot mappings of requests, the
-pointer tables of the pools, token copies between positions, the views aliasing the pools
-and the layout description. ``KVCacheManager`` owns one and delegates to it; it reads the
-coordinator's bookkeeping and never changes it (the device tables apply its edits).
+pointer tables of the pools, token copies between positions, the views aliasing the pools,
+the layout description and the descriptors a consumer of shared pools maps. ``KVCacheManager``
+owns one and delegates to it; it reads the coordinator's bookkeeping and never changes it (the
+device tables apply its edits).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from kvcm_client.models import (
     PoolGroupInfo,
     PoolInfo,
     Role,
+    SharedBuffer,
+    SharedLayout,
+    SharedSegment,
 )
 from kvcm_client.models import Layout as LayoutInfo
 
@@ -476,5 +480,44 @@ class TablesAndViews:
             dropped_layers=tuple(
                 DroppedLayer(layer_id=lid, reason=reason) for lid, reason in lay.dropped.items()
             ),
+            null_page=self.config.null_page,
+        )
+
+    def shared_layout(self, generation: str, page_tables: SharedSegment) -> SharedLayout:
+        """The descriptors a consumer maps (``KVCacheManager.pools``): every (layer, role)
+        view with its strides, the pools' segments and ``page_tables``, the segment of the
+        page tables (up to date: they are synced first)."""
+        lay = self.layout
+        buffers = []
+        for (lid, role), place in sorted(
+            lay.placements.items(), key=lambda kv: (kv[0][0], self.role_index[kv[0][1]])
+        ):
+            view = self.memory.layer_view(lid, role)
+            buffers.append(
+                SharedBuffer(
+                    layer_id=lid,
+                    role=role,
+                    layer_group=place.layer_group,
+                    pool=place.pool,
+                    dtype=str(view.dtype).removeprefix("torch."),
+                    shape=tuple(view.shape),
+                    strides=tuple(view.stride()),
+                    offset=view.storage_offset(),
+                )
+            )
+        self.sync_tables()  # CUDA: what a consumer maps is up to date
+        tables = self._coord.tables
+        return SharedLayout(
+            generation=generation,
+            device=str(self.device),
+            tokens_per_block=self.tokens_per_block,
+            layers=list(self.config.layers),
+            layer_group_of={
+                int(layer.layer_id): int(g.group_id) for g in lay.layer_groups for layer in g.layers
+            },
+            pools=list(self.memory.segments),
+            buffers=buffers,
+            page_tables=page_tables,
+            page_table_shape=tables.shape,
             null_page=self.config.null_page,
         )

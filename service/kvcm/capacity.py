@@ -1,0 +1,138 @@
+"""What the pools can hold and what they hold now: the capacity estimate, the budget check,
+free and total blocks, and the stats (docs/sizing.md). Reads only; no op changes anything here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from kvcm_client.errors import InvalidArgument
+from kvcm_client.models import Estimate, HostTierStats, PrefixCacheStats, Stats
+
+from .counts import _count
+from .ids import PoolGroupId
+from .sizing import StepShape
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+
+def estimate(
+    m: KVCacheManager,
+    seq_len: int,
+    num_requests: int | None = None,
+    *,
+    prefill_chunk: int | None = None,
+    lookahead: int | None = None,
+) -> Estimate:
+    """Capacity for requests of ``seq_len`` tokens grown by ops of at most
+    ``prefill_chunk`` new tokens, each with ``lookahead`` draft slots (both default to the
+    config's ``max_prefill_chunk`` and ``max_lookahead``; a chunk >= seq_len is a whole
+    prompt in one op). Exact: N fit and N + 1 do not (docs/sizing.md)."""
+    shape = m._sizing.shape
+    if prefill_chunk is not None:
+        shape = StepShape(_count("prefill_chunk", prefill_chunk, 1), shape.lookahead)
+    if lookahead is not None:
+        shape = StepShape(shape.chunk, _count("lookahead", lookahead, 0))
+    seq_len = _count("seq_len", seq_len, 1)
+    est = m._sizing.estimate(
+        seq_len, m._coord.usable_slots(), m.config.max_requests, num_requests, shape
+    )
+    host = m._host
+    if host is None:
+        return est
+    pools = tuple(
+        p.model_copy(
+            update={
+                "host_slots": host.num_slots[p.pool_group_id],
+                "host_requests": host.num_slots[p.pool_group_id] // max(p.blocks_per_request, 1),
+            }
+        )
+        for p in est.pool_groups
+    )
+    return est.model_copy(
+        update={
+            "pool_groups": pools,
+            "host_max_requests": min(p.host_requests for p in pools),
+        }
+    )
+
+
+def check_budget(m: KVCacheManager) -> None:
+    """Raise ``InsufficientMemory`` if not one ``max_seq_len`` request fits the budget
+    (with the config's prefill chunk and lookahead); the error names the largest
+    ``max_seq_len`` that would. Nothing to check with ``num_blocks``."""
+    if m.config.memory_bytes is not None:
+        m._sizing.check_budget(m.config.memory_bytes, m._slots, int(m.config.null_page))
+
+
+def num_free_blocks(m: KVCacheManager, pool_group: int | None = None) -> int:
+    """Free slots of ``pool_group``; without one, the blocks a new request can still get
+    in every layer group: per pool group its free slots // the layer groups sharing it,
+    the least over pool groups (a request takes a block in each layer group at once).
+
+    Example: one pool group of 100 free slots shared by a window and a full group: 50.
+    """
+    pools = m._coord.pools
+    if pool_group is None:
+        return min(
+            pool.num_free // len(pg.layer_groups)
+            for pool, pg in zip(pools, m.layout.pool_groups, strict=True)
+        )
+    return pools[_pool_group(m, pool_group)].num_free
+
+
+def num_total_blocks(m: KVCacheManager, pool_group: int | None = None) -> int:
+    """Usable slots of ``pool_group`` (the null page's is not one); without one, what
+    ``num_free_blocks()`` gives on an empty manager (so the two are equal once every
+    request is freed)."""
+    usable = m._coord.usable_slots()
+    if pool_group is None:
+        return min(usable[pg.pool_group_id] // len(pg.layer_groups) for pg in m.layout.pool_groups)
+    return usable[PoolGroupId(_pool_group(m, pool_group))]
+
+
+def _pool_group(m: KVCacheManager, pool_group: int) -> int:
+    """``pool_group`` if the manager has it (``InvalidArgument`` if not)."""
+    if not 0 <= pool_group < len(m._coord.pools):
+        raise InvalidArgument(f"no pool group {pool_group}", pool_group=pool_group)
+    return pool_group
+
+
+def stats(m: KVCacheManager) -> Stats:
+    """Requests, blocks per pool group, the prefix cache's and the host tier's counters."""
+    free = {i: p.num_free for i, p in enumerate(m._coord.pools)}
+    total = {int(k): v for k, v in m._coord.usable_slots().items()}
+    cache = m._coord.cache
+    st = cache.stats
+    return Stats(
+        num_requests=len(m._rows),
+        free_blocks=free,
+        used_blocks={i: total[i] - free[i] for i in free},
+        total_blocks=total,
+        request_free_blocks=num_free_blocks(m),
+        request_total_blocks=num_total_blocks(m),
+        prefix_cache=PrefixCacheStats(
+            queries=st.queries,
+            query_tokens=st.query_tokens,
+            hit_tokens=st.hit_tokens,
+            hit_rate=st.hit_tokens / st.query_tokens if st.query_tokens else 0.0,
+            stored_blocks=st.stored_blocks,
+            evictions=st.evictions,
+            cached_blocks={i: cache.num_cached(i) for i in free},
+        ),
+        host_tier=HostTierStats(**host_stats(m)) if m._host is not None else None,
+    )
+
+
+def host_stats(m: KVCacheManager) -> dict[str, Any]:
+    """The host tier's counters and occupancy ({} without one)."""
+    host = m._host
+    if host is None:
+        return {}
+    return {
+        **asdict(host.stats),
+        "host_slots": {int(pg): n for pg, n in host.num_slots.items()},
+        "host_used": {int(pg): host.num_used(pg) for pg in host.num_slots},
+    }

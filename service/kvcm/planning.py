@@ -1,0 +1,96 @@
+"""What a manager of a config is before any memory is taken: its device, layout, sizing and
+slots per pool group, and the checks construction makes (``kvcm.manager``'s ``_build``, and
+a registration before it closes the model it replaces).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcm_client.errors import DeviceUnavailable, InsufficientMemory, InvalidArgument
+from kvcm_client.models import ManagerConfig
+
+from . import footprint
+from .ids import PoolGroupId
+from .layout import Layout, build_layout
+from .sizing import Sizing, StepShape
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``name`` says, refused before any memory is taken: only cpu and an
+    existing cuda[:N] (``InvalidArgument``, ``DeviceUnavailable``)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise InvalidArgument(f"unknown device {name!r}", device=name) from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise InvalidArgument(f"device must be cpu or cuda[:N], got {name!r}", device=name)
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(f"device {name!r} asked for but CUDA is not available")
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise DeviceUnavailable(
+            f"device {name!r} asked for but only {torch.cuda.device_count()} CUDA devices exist"
+        )
+    return torch.device("cuda", index)
+
+
+def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
+    """Refuse pool groups that the null page, which takes slot 0, would leave no slot."""
+    for pg, n in slots.items():
+        if n < 2:
+            raise InsufficientMemory(
+                f"pool group {pg} has {n} slot and the null page takes it: null_page needs "
+                "at least 2 slots per pool group",
+                pool_group=int(pg),
+                num_slots=n,
+            )
+
+
+def plan(
+    cfg: ManagerConfig, check_budget: bool = True
+) -> tuple[torch.device, Layout, Sizing, dict[PoolGroupId, int]]:
+    """What a manager of ``cfg`` is, before any memory: device, layout, sizing and slots per
+    pool group. Raises what construction refuses (a budget of no slot or, with
+    ``check_budget``, of less than one ``max_seq_len`` request; no room for the null page)."""
+    device = resolve_device(cfg.device)
+    layout = build_layout(cfg.layers, cfg.tokens_per_block)
+    sizing = Sizing(layout, cfg.max_seq_len, StepShape(cfg.max_prefill_chunk, cfg.max_lookahead))
+    if cfg.num_blocks is not None:
+        slots = {pg.pool_group_id: cfg.num_blocks for pg in layout.pool_groups}
+    else:
+        assert cfg.memory_bytes is not None
+        slots = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
+        if check_budget:
+            sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
+    if cfg.null_page:
+        _check_null_page_room(slots)
+    return device, layout, sizing, slots
+
+
+def check_config(cfg: ManagerConfig, freed: tuple[int, int] = (0, 0)) -> None:
+    """Everything building ``cfg`` checks, without building it, and that its memory is free
+    (``footprint.check_room``, counting ``freed`` as free): what a registration must pass
+    before the model it replaces is closed."""
+    resolve_device(cfg.device)
+    footprint.check_room(cfg, build_layout(cfg.layers, cfg.tokens_per_block), freed)
+    plan(cfg)
+
+
+def host_slots(cfg: ManagerConfig, layout: Layout, slots: dict[PoolGroupId, int]) -> dict[int, int]:
+    """Host-tier slots per pool group for ``host_memory_bytes``, split between pool groups in
+    proportion to their device bytes (each gets ``floor(share / slot_bytes)`` slots)."""
+    assert cfg.host_memory_bytes is not None
+    device = {
+        int(pg.pool_group_id): slots[pg.pool_group_id] * pg.slot_bytes for pg in layout.pool_groups
+    }
+    total = sum(device.values())
+    return {
+        int(pg.pool_group_id): cfg.host_memory_bytes
+        * device[int(pg.pool_group_id)]
+        // total
+        // pg.slot_bytes
+        for pg in layout.pool_groups
+    }

@@ -1,0 +1,229 @@
+"""Prefix reuse when a request starts: the prompt's block keys, the longest cached prefix
+every layer group can serve (onboarded from the host tier first), and the probes that ask
+what a prompt would reuse without claiming anything (docs/prefix-reuse.md).
+
+A prompt is checked for length before it is hashed (hashing is the costliest thing an
+allocate or probe does), and caller-given ``block_keys`` save the hashing but not the check
+of the ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvcm_client.errors import InvalidArgument, SequenceTooLong
+
+from .hashing import (
+    KEY_BYTES,
+    MultimodalItem,
+    chain_keys,
+    multimodal_items,
+    root_key,
+    token_bytes,
+    token_ids_of,
+)
+from .host_tier import onboard_prefix
+from .prefix_cache import find_hit
+from .publish import PrefixState
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+
+def read_prompt(
+    m: KVCacheManager,
+    token_ids: Sequence[int] | None,
+    num_tokens: int,
+    block_keys: Sequence[bytes | str] | None,
+) -> tuple[list[int] | None, bytes]:
+    """An allocate's prompt as ints and int32 bytes ((None, b"") without one), checked.
+
+    With ``block_keys`` the caller's keys save the hashing but not the check of the ids:
+    an id outside [0, 2**31) would make the request's later commits unhashable.
+    """
+    if token_ids is None:
+        return None, b""
+    check_prompt(m, token_ids, num_tokens)
+    if block_keys is not None:
+        data = token_bytes(token_ids)
+        return (token_ids if type(token_ids) is list else list(token_ids)), data
+    return token_ids_of(token_ids)
+
+
+def reuse_prefix(
+    m: KVCacheManager,
+    row: int,
+    num_tokens: int,
+    lookahead: int,
+    tokens: list[int] | None,
+    data: bytes,
+    root: bytes,
+    items: tuple[MultimodalItem, ...],
+    lora_id: int | str | None,
+    has_salt: bool,
+    block_keys: Sequence[bytes | str] | None,
+) -> tuple[int, PrefixState]:
+    """Give a new request's free ``row`` its blocks: the longest cached prefix of its prompt
+    (none without ``tokens``), then new blocks for the rest and ``lookahead``. Returns the
+    tokens reused and the request's prefix state; raises before anything changes."""
+    keys: list[bytes] = []
+    hit = 0
+    tpb = m.tokens_per_block
+    c = m._coord
+    if tokens is not None:
+        keys = _keys_of(m, tokens, data, root, items, block_keys)
+        # Not inside an all-or-nothing step: onboarding writes pages into device slots,
+        # and an undo would give those slots back to the cache entries they had.
+        if m._host is not None and m._undo is None:
+            cap = min(len(keys), (num_tokens - 1) // tpb)
+            onboard_prefix(c, m._host, root, keys, cap, data, lora_id, has_salt)
+        hit, hits, ends = find_hit(c.cache, root, keys, num_tokens, tpb, m._windows)
+        if block_keys is not None:
+            _check_key_sizes(keys[hit:])
+    if hit:
+        need, idle = c.hit_need(hits, num_tokens + lookahead)
+        c.check_fits(need)
+        hit_tokens = hit * tpb
+        c.place_hits(row, hits, idle, ends, hit_tokens)
+        c.grow_one(row, num_tokens - hit_tokens, lookahead)
+    else:
+        hit_tokens = 0
+        c.grow_one(row, num_tokens, lookahead)
+    if tokens is not None:
+        stats = c.cache.stats
+        stats.queries += 1
+        stats.query_tokens += num_tokens
+        stats.hit_tokens += hit_tokens
+    # Only keys kvcm hashed itself are kept for commits: caller-given keys are untrusted
+    # past the hit (a client could pass another scope's keys), so commits hash those.
+    kept = keys if block_keys is None else keys[:hit]
+    return hit_tokens, PrefixState(root, lora_id, has_salt, items, keys[:hit], data, kept)
+
+
+def probe(
+    m: KVCacheManager,
+    token_ids: Sequence[int],
+    lora_id: int | str | None = None,
+    cache_salt: str | None = None,
+    multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
+    block_keys: Sequence[bytes | str] | None = None,
+) -> int:
+    """Tokens a new request with this prompt would reuse now; claims nothing."""
+    check_prompt(m, token_ids, None)
+    if block_keys is not None:
+        # Only the prompt's length is used (a probe claims nothing), but it must have one.
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence | np.ndarray):
+            raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
+        tokens, data = token_ids, b""  # type: ignore[assignment]
+    else:
+        tokens, data = token_ids_of(token_ids)
+    if len(tokens) == 0:
+        return 0
+    root = root_key(lora_id, cache_salt)
+    keys = _keys_of(m, tokens, data, root, multimodal_items(multimodal), block_keys)
+    hit, _, _ = find_hit(
+        m._coord.cache, root, keys, len(tokens), m.tokens_per_block, m._windows, True
+    )
+    return hit * m.tokens_per_block
+
+
+def probe_tiers(
+    m: KVCacheManager,
+    token_ids: Sequence[int],
+    lora_id: int | str | None = None,
+    cache_salt: str | None = None,
+) -> tuple[int, int]:
+    """(tokens a new request would reuse from the device now, tokens more it would
+    onboard from the host tier): the run of the prompt's blocks every layer group holds
+    on the device, then the run held on the device or the host; claims nothing."""
+    check_prompt(m, token_ids, None)
+    tokens, data = token_ids_of(token_ids)
+    root = root_key(lora_id, cache_salt)
+    keys = chain_keys(root, data, m.tokens_per_block, 0, ())
+    cache = m._coord.cache
+    tpb = m.tokens_per_block
+    cap = min(len(keys), (len(tokens) - 1) // tpb) if tokens else 0
+    if cap <= 0 or not all(cache.reusable):
+        return 0, 0
+    index = [cache.scope(g, root) for g in range(len(m.layout.layer_groups))]
+    device = 0
+    while device < cap and all(keys[device] in i for i in index):
+        device += 1
+    if device and any(w is not None for w, _ in m._windows):
+        device = probe(m, token_ids, lora_id, cache_salt) // tpb
+    end = device
+    host = m._host
+    while (
+        host is not None
+        and end < cap
+        and all(keys[end] in i or host.holds(g, root, keys[end]) for g, i in enumerate(index))
+    ):
+        end += 1
+    return device * tpb, (end - device) * tpb
+
+
+def check_prompt(m: KVCacheManager, token_ids: Any, num_tokens: int | None) -> None:
+    """Refuse a prompt of the wrong length before any work on it (hashing a prompt is the
+    costliest thing an allocate or probe does): ``num_tokens`` ids, or at most
+    ``max_seq_len`` for a probe (a longer one can never be a request)."""
+    if not isinstance(token_ids, Sequence | np.ndarray) or isinstance(token_ids, str | bytes):
+        raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
+    n = len(token_ids)
+    if num_tokens is not None and n != num_tokens:
+        raise InvalidArgument(
+            f"token_ids has {n} ids for num_tokens={num_tokens}",
+            num_tokens=num_tokens,
+            num_token_ids=n,
+        )
+    if n > m.config.max_seq_len:
+        raise SequenceTooLong(
+            f"a prompt of {n} tokens is past max_seq_len={m.config.max_seq_len}",
+            num_tokens=n,
+            max_seq_len=m.config.max_seq_len,
+        )
+
+
+def _keys_of(
+    m: KVCacheManager,
+    tokens: list[int],
+    data: bytes,
+    root: bytes,
+    items: tuple[MultimodalItem, ...],
+    given: Sequence[bytes | str] | None,
+) -> list[bytes]:
+    """The prompt's block keys: ``given`` (checked for shape), or hashed from ``data``."""
+    full = len(tokens) // m.tokens_per_block
+    if given is None:
+        return chain_keys(root, data, m.tokens_per_block, 0, items)
+    if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+        raise InvalidArgument("block_keys must be a list of keys", block_keys=None)
+    # Only the count is checked here: a malformed key is in no index, so it can never hit.
+    # reuse_prefix checks the size of the keys past the hit, which commits may publish. Hex
+    # strings (the wire form) are converted.
+    keys = given if type(given) is list else list(given)
+    if keys and type(keys[0]) is not bytes:
+        try:
+            keys = [bytes.fromhex(k) if isinstance(k, str) else bytes(k) for k in keys]
+        except (TypeError, ValueError):
+            raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)") from None
+    if len(keys) != full:
+        raise InvalidArgument(
+            f"block_keys must be the {full} keys of the full blocks of token_ids",
+            num_keys=len(keys),
+        )
+    return keys
+
+
+def _check_key_sizes(keys: list[bytes]) -> None:
+    """Refuse caller-given keys that are not 32 bytes (those past the hit: the hit's are
+    cached keys already). A malformed key could never hit, but it is a client's bug worth
+    naming."""
+    try:
+        sizes = set(map(len, keys))
+    except TypeError:
+        sizes = {0}
+    if sizes - {KEY_BYTES}:
+        raise InvalidArgument("block_keys must be 32-byte keys (bytes or hex)")

@@ -1,0 +1,285 @@
+"""Request rows and handles: which page-table row a request id or handle names, and the
+row-level edits every op is built from (claim, extend, rewind, free).
+
+A live request owns one row of the page tables and a handle, ``serial << 32 | row`` (the
+row's allocations so far: a handle of a freed request names nothing). The bookkeeping lives
+on the manager (``_rows``, ``_ids``, ``_handle``, ...) so that a transaction can save and
+restore it in one place (``kvcm.transactions``); these functions read and edit it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvcm_client.errors import (
+    InvalidArgument,
+    KVCMError,
+    RequestSuspended,
+    RewindIntoSharedBlock,
+    SequenceTooLong,
+    UnknownRequest,
+)
+from kvcm_client.models import RequestInfo
+
+from .counts import MAX_COUNT, _count, _counts
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+#: Low 32 bits of a handle: the row.
+ROW_MASK = 0xFFFFFFFF
+
+
+def row_of(m: KVCacheManager, request_id: str, suspended: bool = False) -> int:
+    """The row of a live request; ``RequestSuspended`` for a suspended one unless
+    ``suspended`` (what reads its bookkeeping, frees or resumes it)."""
+    try:
+        found = m._rows[request_id]
+    except (KeyError, TypeError):
+        shown = str(request_id)[:64]
+        raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
+    if not suspended and request_id in m._suspended:
+        raise RequestSuspended(
+            f"request {request_id!r} is suspended: resume it first", request_id=request_id
+        )
+    return found
+
+
+def rows_of(m: KVCacheManager, request_ids: Sequence[str]) -> np.ndarray:
+    """The rows of live, not suspended requests, in ``request_ids`` order."""
+    # A str is a collection too: "ab" would be the requests "a" and "b".
+    if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Collection):
+        raise InvalidArgument("request_ids must be a list of request ids", request_ids=None)
+    rows = m._rows
+    try:
+        found = np.fromiter((rows[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
+    except (KeyError, TypeError):
+        missing = next(r for r in request_ids if not isinstance(r, str) or r not in rows)
+        shown = str(missing)[:64]
+        raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
+    if m._suspended:
+        for r in request_ids:
+            if r in m._suspended:
+                raise RequestSuspended(f"request {r!r} is suspended: resume it first", request_id=r)
+    return found
+
+
+def handle_rows(m: KVCacheManager, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rows of int64 handles, and a mask of the live ones (None when all are live).
+
+    Example: handle ``2 << 32 | 7`` is row 7 if row 7's request is its second allocation;
+    after that request's free it names nothing (the row's next request has serial 3).
+    """
+    max_requests = m.config.max_requests
+    rows = handles & ROW_MASK
+    if handles.size and int(rows.max()) >= max_requests:
+        inside = rows < max_requests
+        rows = np.where(inside, rows, 0)
+        live = inside & (m._handle[rows] == handles)
+        return rows, live
+    # Live handles are > 0 and a free row holds -1, whose row bits are past every row:
+    # so a handle of 0 or below never matches.
+    live = m._handle[rows] == handles
+    return rows, (None if live.all() else live)
+
+
+def claim(m: KVCacheManager, request_id: str) -> int:
+    """Give ``request_id`` the last free row (the one allocate grew) and a new handle for
+    it; returns the row."""
+    taken = m._free_rows.pop()
+    m._rows[request_id] = taken
+    m._ids[taken] = request_id
+    m._serial[taken] += 1
+    m._handle[taken] = (int(m._serial[taken]) << 32) | taken
+    return taken
+
+
+def check_len(m: KVCacheManager, request_id: str, total: int) -> None:
+    """Refuse a request that would hold more than ``max_seq_len`` tokens."""
+    if total > m.config.max_seq_len:
+        raise SequenceTooLong(
+            f"request {request_id!r} would hold {total} tokens (with lookahead), "
+            f"max_seq_len is {m.config.max_seq_len}",
+            request_id=request_id,
+            num_tokens=total,
+            max_seq_len=m.config.max_seq_len,
+        )
+
+
+def info(m: KVCacheManager, request_id: str, row: int) -> RequestInfo:
+    """The request's ``RequestInfo``; a suspended one shows the handle it gets back."""
+    c = m._coord
+    n = int(c.num_tokens[row])
+    saved = m._suspended.get(request_id)
+    return RequestInfo(
+        request_id=request_id,
+        row=row,
+        num_tokens=n,
+        capacity=n + int(c.lookahead[row]),
+        num_committed=int(m._committed[row]),
+        num_hit_tokens=int(m._hits[row]),
+        handle=int(m._handle[row]) if saved is None else saved.handle,
+    )
+
+
+def blocks_of(m: KVCacheManager, row: int) -> int:
+    """Block positions a row holds, summed over layer groups."""
+    return sum(int(n[row]) for n in m._coord.num_blocks)
+
+
+# -- extend --------------------------------------------------------------------------------
+
+
+def extend_row(m: KVCacheManager, row: int, num_new_tokens: int, lookahead: int) -> int:
+    """Extend one row (a columnar step's item); returns the block positions added."""
+    if not (type(num_new_tokens) is int and 0 < num_new_tokens <= MAX_COUNT):
+        num_new_tokens = _count("num_new_tokens", num_new_tokens, 1)
+    if not (type(lookahead) is int and 0 <= lookahead <= MAX_COUNT):
+        lookahead = _count("lookahead", lookahead, 0)
+    total = int(m._coord.num_tokens[row]) + num_new_tokens + lookahead
+    if total > m.config.max_seq_len:
+        check_len(m, m._ids[row] or "", total)
+    return m._coord.grow_one(row, num_new_tokens, lookahead)
+
+
+def extend_many(
+    m: KVCacheManager,
+    request_ids: Sequence[str],
+    num_new_tokens: int | Sequence[int],
+    lookahead: int | Sequence[int],
+) -> None:
+    """Extend distinct requests at once (one decode step), all or nothing."""
+    rows = rows_of(m, request_ids)
+    n = rows.size
+    seen = np.zeros(m.config.max_requests, dtype=bool)
+    seen[rows] = True
+    if int(seen.sum()) != n:
+        raise InvalidArgument("extend_many needs distinct request ids", num_ids=n)
+    new = _counts("num_new_tokens", num_new_tokens, n, 1)
+    ahead = _counts("lookahead", lookahead, n, 0)
+    total = m._coord.num_tokens[rows] + new + ahead
+    if n and int(total.max()) > m.config.max_seq_len:
+        i = int(total.argmax())
+        check_len(m, request_ids[i], int(total[i]))
+    m._coord.grow(rows, new, ahead, False)
+
+
+def extend_handles(
+    m: KVCacheManager, handles: np.ndarray, new: np.ndarray | int, ahead: np.ndarray | int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A decode step's fast path: extend live, distinct handles as one batch, as if one
+    after another; (rows, blocks each added), or None (nothing changed) if any handle is
+    not live, one repeats, or the batch does not fit item after item: the caller then
+    runs the items one by one.
+
+    Distinct rows: each writes its position into ``scratch``; a repeated row keeps only
+    its last write, so an earlier position reads back something else.
+    """
+    n = handles.size
+    if n > m.config.max_requests:  # cannot all be distinct live rows
+        return None
+    rows = handles & ROW_MASK
+    if int(rows.max()) >= m.config.max_requests:
+        return None
+    order = m._order[:n]
+    scratch = m._scratch
+    scratch[rows] = order
+    if not ((scratch[rows] == order) & (m._handle[rows] == handles)).all():
+        return None
+    c = m._coord
+    history = c.num_tokens[rows]
+    length = history + new
+    capacity = length + ahead if type(ahead) is not int or ahead else length
+    if int(capacity.max()) > m.config.max_seq_len:
+        return None
+    try:
+        return rows, c.grow_rows(rows, history, length, capacity, ahead, in_order=True)
+    except KVCMError:
+        return None
+
+
+# -- rewind and free -----------------------------------------------------------------------
+
+
+def rewind_row(m: KVCacheManager, row: int, num_tokens: int) -> None:
+    """Drop a live row's last ``num_tokens`` tokens, its block keys and committed ids past
+    the new length with them (undone by a transaction's undo)."""
+    request_id = m._ids[row]
+    assert request_id is not None
+    length = int(m._coord.num_tokens[row])
+    num_tokens = _count("num_tokens", num_tokens, 1)
+    if num_tokens >= length:
+        raise InvalidArgument(
+            f"request {request_id!r} has {length} tokens; rewind removes at most "
+            f"{length - 1} (free the request to drop all)",
+            request_id=request_id,
+            num_tokens=num_tokens,
+        )
+    new_len = length - num_tokens
+    writable = _writable_cached(m, request_id, row, new_len)
+    m._coord.rewind(row, num_tokens)
+    for pg, slots in writable.items():
+        m._coord.cache.uncache(pg, slots)
+    tpb = m.tokens_per_block
+    state = m._prefix[request_id]
+    dropped = state.keys[new_len // tpb :]
+    del state.keys[new_len // tpb :]
+    if m._undo is not None and dropped:
+        m._undo.append(lambda: state.keys.extend(dropped))
+    tokens = m._tokens[request_id]
+    if len(tokens) > 4 * new_len:
+        tail = tokens[4 * new_len :]
+        del tokens[4 * new_len :]
+        m._committed[row] = new_len
+        if m._undo is not None:
+            m._undo.append(lambda: tokens.extend(tail))
+
+
+def _writable_cached(
+    m: KVCacheManager, request_id: str, row: int, new_len: int
+) -> dict[int, list[int]]:
+    """Cached blocks a rewind to ``new_len`` would make the request write into again.
+
+    Blocks from ``new_len // tokens_per_block`` on will be overwritten; one that another
+    request shares cannot be (``RewindIntoSharedBlock``), one only this request holds is
+    taken out of the cache. Returns those, per pool group.
+    """
+    c = m._coord
+    tpb = m.tokens_per_block
+    keep = -(-(new_len + int(c.lookahead[row])) // tpb)
+    out: dict[int, list[int]] = {}
+    for g in range(len(m.layout.layer_groups)):
+        pg = c.group_pool[g]
+        held = c.tables[g][row, new_len // tpb : keep]
+        for slot in held[held > c.empty].tolist():
+            if not c.cache.cached[pg][slot]:
+                continue
+            if c.refs[pg][slot] > 1:
+                raise RewindIntoSharedBlock(
+                    f"rewinding {request_id!r} to {new_len} tokens would overwrite a "
+                    "block other requests share",
+                    request_id=request_id,
+                    num_tokens=new_len,
+                )
+            out.setdefault(pg, []).append(slot)
+    return out
+
+
+def free_row(m: KVCacheManager, row: int) -> str:
+    """Free a live row; returns its request id."""
+    request_id = m._ids[row]
+    assert request_id is not None
+    m._coord.release_row(row)
+    m._ids[row] = None
+    m._handle[row] = -1
+    del m._rows[request_id]
+    del m._first[request_id]
+    del m._tokens[request_id]
+    del m._prefix[request_id]
+    m._committed[row] = 0
+    m._hits[row] = 0
+    m._free_rows.append(row)
+    return request_id

@@ -1,0 +1,125 @@
+"""Suspending a request to the host tier and resuming it (docs/host-tier.md).
+
+A suspend moves a request's blocks to host slots and frees their device slots; the request
+keeps its id, row, length, committed tokens and keys, but its handle names nothing until a
+resume brings the blocks back into new device slots. Both copy pages, so neither can run
+inside an all-or-nothing step (an undo cannot take a copy back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvcm_client.errors import InvalidArgument, OutOfBlocks
+from kvcm_client.models import RequestInfo
+
+from . import request_rows
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class Suspended:
+    """A suspended request: per layer group, the table positions of its blocks and the
+    host slots holding their pages; the handle it gets back at resume."""
+
+    blocks: list[tuple[np.ndarray, list[int]]]
+    handle: int
+
+
+def suspend(m: KVCacheManager, request_id: str) -> RequestInfo:
+    """Move a request's blocks to the host tier and free their device slots; it keeps
+    its id, row, length, committed tokens and keys, and answers ``request_suspended`` to
+    every op but ``request``, ``committed_tokens``, ``free`` and ``resume`` (its handle
+    names nothing until it is resumed). ``OutOfBlocks`` (detail ``tier="host"``) when
+    the host tier cannot hold them even after dropping its cached blocks; nothing
+    changes then (docs/host-tier.md)."""
+    row = request_rows.row_of(m, request_id)
+    suspend_row(m, row)
+    return request_rows.info(m, request_id, row)
+
+
+def suspend_row(m: KVCacheManager, row: int) -> None:
+    """``suspend`` of a live row (a columnar step's item)."""
+    request_id = m._ids[row]
+    assert request_id is not None
+    host = m._host
+    if host is None:
+        raise InvalidArgument("suspend needs a host tier (host_memory_bytes)")
+    if m._undo is not None:
+        raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
+    c = m._coord
+    blocks = []
+    need: dict[int, int] = {}
+    for g in range(len(m.layout.layer_groups)):
+        seg = c.tables[g][row, : int(c.num_blocks[g][row])]
+        positions = np.flatnonzero(seg > c.empty)
+        blocks.append((positions, seg[positions].tolist()))
+        pg = c.group_pool[g]
+        need[pg] = need.get(pg, 0) + positions.size
+    for pg, n in need.items():
+        if n > host.room(pg):
+            raise OutOfBlocks(
+                f"the host tier of pool group {pg} has room for {host.room(pg)} of the "
+                f"{n} blocks to suspend",
+                pool_group=pg,
+                needed=n,
+                free=host.room(pg),
+                tier="host",
+            )
+    saved = []
+    for g, (positions, slots) in enumerate(blocks):
+        pg = c.group_pool[g]
+        saved.append((positions, host.hold(pg, slots) if slots else []))
+        if slots:
+            c._unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
+            c._set(g, row, positions, None)
+    handle = int(m._handle[row])
+    m._suspended[request_id] = Suspended(saved, handle)
+    m._suspended_handles[handle] = request_id
+    m._handle[row] = -1
+
+
+def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
+    """Bring a suspended request's blocks back into new device slots and rewrite its
+    table row; ``OutOfBlocks`` when the device has too few free slots, and nothing
+    changes. The request has its handle back."""
+    row = request_rows.row_of(m, request_id, suspended=True)
+    saved = m._suspended.get(request_id)
+    if saved is None:
+        raise InvalidArgument(f"request {request_id!r} is not suspended", request_id=request_id)
+    if m._undo is not None:
+        raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
+    assert m._host is not None
+    c = m._coord
+    need = [0] * len(c.pools)
+    for g, (positions, _) in enumerate(saved.blocks):
+        need[c.group_pool[g]] += positions.size
+    c.check_fits(need)
+    for g, (positions, host_slots) in enumerate(saved.blocks):
+        if not host_slots:
+            continue
+        pg = c.group_pool[g]
+        slots = c._take(pg, len(host_slots))
+        m._host.give_back(pg, host_slots, slots.tolist())
+        c._set(g, row, positions, slots)
+    c.ops_since_take += 1
+    del m._suspended[request_id]
+    del m._suspended_handles[saved.handle]
+    m._handle[row] = saved.handle
+    return request_rows.info(m, request_id, row)
+
+
+def discard(m: KVCacheManager, request_id: str) -> None:
+    """Drop a request's host copies if it is suspended (it is being freed)."""
+    saved = m._suspended.pop(request_id, None)
+    if saved is None:
+        return
+    del m._suspended_handles[saved.handle]
+    assert m._host is not None
+    for g, (_, host_slots) in enumerate(saved.blocks):
+        m._host.discard(m._coord.group_pool[g], host_slots)
