@@ -25,9 +25,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class Suspended:
     """A suspended request: per layer group, the table positions of its blocks and the
-    host slots holding their pages; the handle it gets back at resume."""
+    host slots holding their pages, and the (scope, key) of those that were published
+    (index into the positions -> key), whose device copies a resume can take back; the
+    handle it gets back at resume."""
 
     blocks: list[tuple[np.ndarray, list[int]]]
+    published: list[dict[int, tuple[bytes, bytes]]]
     handle: int
 
 
@@ -72,41 +75,71 @@ def suspend_row(m: KVCacheManager, row: int) -> None:
                 tier="host",
             )
     saved = []
+    published = []
     for g, (positions, slots) in enumerate(blocks):
         pg = c.group_pool[g]
+        keys = c.cache.slot_key[pg]
+        published.append(
+            {i: keys[s][1:] for i, s in enumerate(slots) if s in keys and keys[s][0] == g}
+        )
         saved.append((positions, host.hold(pg, slots) if slots else []))
         if slots:
             c._unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
             c._set(g, row, positions, None)
     handle = int(m._handle[row])
-    m._suspended[request_id] = Suspended(saved, handle)
+    m._suspended[request_id] = Suspended(saved, published, handle)
     m._suspended_handles[handle] = request_id
     m._handle[row] = -1
 
 
 def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
-    """Bring a suspended request's blocks back into new device slots and rewrite its
-    table row; ``OutOfBlocks`` when the device has too few free slots, and nothing
-    changes. The request has its handle back."""
+    """Bring a suspended request's blocks back and rewrite its table row; ``OutOfBlocks``
+    when the device has too few free slots, and nothing changes. The request has its
+    handle back.
+
+    A block that was published and is still cached on the device is taken back where it
+    is (no copy; shared if other requests hold it); the others get new slots and their
+    pages from the host. Example (tokens_per_block 4): a 9-token request with 8 committed
+    tokens is suspended; its two full blocks stay cached in slots 5 and 6. If nothing
+    evicted them, the resume takes 5 and 6 again and copies only the partial third block.
+    """
     row = request_rows.row_of(m, request_id, suspended=True)
     saved = m._suspended.get(request_id)
     if saved is None:
         raise InvalidArgument(f"request {request_id!r} is not suspended", request_id=request_id)
     if m._undo is not None:
         raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
-    assert m._host is not None
+    host = m._host
+    assert host is not None
     c = m._coord
+    # Per layer group: the device slot of each block still cached there (-1: copy it).
+    found = []
     need = [0] * len(c.pools)
     for g, (positions, _) in enumerate(saved.blocks):
-        need[c.group_pool[g]] += positions.size
+        pg = c.group_pool[g]
+        at = np.full(positions.size, -1, dtype=np.int64)
+        for i, (root, key) in saved.published[g].items():
+            at[i] = c.cache.scope(g, root).get(key, -1)
+        found.append(at)
+        # An idle cached slot leaves the free queue too; a shared one does not.
+        need[pg] += positions.size - int((c.refs[pg][at[at >= 0]] > 0).sum())
     c.check_fits(need)
-    for g, (positions, host_slots) in enumerate(saved.blocks):
+    for g, at in enumerate(found):  # first, so that the slots taken below cannot evict them
+        pg = c.group_pool[g]
+        back = at[at >= 0]
+        c.pools[pg].claim(back[c.refs[pg][back] == 0])
+        c.refs[pg][back] += 1
+    for g, ((positions, host_slots), at) in enumerate(zip(saved.blocks, found, strict=True)):
         if not host_slots:
             continue
         pg = c.group_pool[g]
-        slots = c._take(pg, len(host_slots))
-        m._host.give_back(pg, host_slots, slots.tolist())
-        c._set(g, row, positions, slots)
+        copy = np.flatnonzero(at < 0)
+        host.discard(pg, [host_slots[i] for i in np.flatnonzero(at >= 0).tolist()])
+        if copy.size:
+            slots = c._take(pg, copy.size)
+            host.give_back(pg, [host_slots[i] for i in copy.tolist()], slots.tolist())
+            at[copy] = slots
+        c._set(g, row, positions, at)
     c.ops_since_take += 1
     del m._suspended[request_id]
     del m._suspended_handles[saved.handle]
