@@ -268,6 +268,52 @@ class HostTier:
             lru.clear()
 
 
+def needed_blocks(b: int, windows: list[tuple[int | None, int]], tpb: int) -> list[list[int]]:
+    """Per layer group, the blocks a hit of ``b`` blocks needs (as ``find_hit`` rules): all
+    of ``[0, b)`` for full attention; a window's sinks and the blocks the first new token
+    attends to, ``[max(S, (b * tpb + 1 - W) // tpb), b)``. Example: W 8, tpb 4, no sinks,
+    b 3: blocks [1, 2]."""
+    out = []
+    for window, sinks in windows:
+        if window is None:
+            out.append(list(range(b)))
+        else:
+            start = max(sinks, (b * tpb + 1 - window) // tpb)
+            out.append([*range(min(sinks, b)), *range(start, b)])
+    return out
+
+
+def tier_hit(
+    cache: PrefixCache,
+    host: HostTier,
+    root: bytes,
+    keys: list[bytes],
+    cap: int,
+    tpb: int,
+    windows: list[tuple[int | None, int]],
+) -> int:
+    """The longest hit, at most ``cap`` blocks, whose needed blocks every layer group holds
+    on the device or the host (what onboarding can serve, free slots permitting)."""
+    if cap <= 0 or not all(cache.reusable):
+        return 0
+    index = [cache.scope(g, root) for g in range(len(windows))]
+
+    def present(g: int, i: int) -> bool:
+        return keys[i] in index[g] or host.holds(g, root, keys[i])
+
+    for g, (window, _) in enumerate(windows):
+        if window is None:
+            run = 0
+            while run < cap and present(g, run):
+                run += 1
+            cap = run
+    for b in range(cap, 0, -1):
+        needed = needed_blocks(b, windows, tpb)
+        if all(present(g, i) for g, blocks in enumerate(needed) for i in blocks):
+            return b
+    return 0
+
+
 def onboard_prefix(
     c: Coordinator,
     host: HostTier,
@@ -277,80 +323,90 @@ def onboard_prefix(
     data: bytes,
     lora_id: int | str | None,
     has_salt: bool,
+    windows: list[tuple[int | None, int]],
 ) -> None:
     """Bring the host-resident blocks of a prompt's reusable prefix back to the device,
     so that the hit that follows finds them there (docs/host-tier.md).
 
-    The prefix is the run of keys every layer group holds on the device or the host, at
-    most ``cap`` blocks (the request computes at least its last token). Its idle device
+    The prefix is the longest hit of at most ``cap`` blocks (the request computes at least
+    its last token) whose needed blocks (``needed_blocks``: all of them, or a window's sinks
+    and last blocks) every layer group holds on the device or the host. Its idle device
     blocks are pinned first (held once, out of the queue) so that the slots taken for the
     host blocks cannot evict them; the host blocks are reserved (out of the host index)
     before those slots are taken, since taking them may offload other blocks to a full
-    host. If the free slots do not cover every host block, the prefix is cut where they do.
+    host. If the free slots do not cover both, the hit is cut to one they do cover.
     Example (tpb 4, 1 group): blocks 0-1 cached on the device, 2-3 on the host, a 17-token
     prompt: 2 slots are taken, the host pages copied into them and published; the allocate
     then hits 16 tokens.
     """
     cache = c.cache
+    tpb = c.tokens_per_block
     groups = range(len(c.policies))
-    if cap <= 0 or not all(cache.reusable):
-        return
+    b = tier_hit(cache, host, root, keys, cap, tpb, windows)
     index = [cache.scope(g, root) for g in groups]
-    end = 0
-    while end < cap and all(
-        keys[end] in index[g] or host.holds(g, root, keys[end]) for g in groups
-    ):
-        end += 1
 
-    def missing(upto: int) -> dict[int, list[int]]:
-        return {g: [b for b in range(upto) if keys[b] not in index[g]] for g in groups}
+    def plan(b: int) -> tuple[dict[int, list[int]], dict[int, list[int]], bool]:
+        """Per group the blocks to onboard and the idle device slots to pin for a hit of
+        b blocks, and whether the free slots cover both."""
+        gaps: dict[int, list[int]] = {}
+        pins: dict[int, list[int]] = {}
+        need: dict[int, int] = {}
+        for g, blocks in enumerate(needed_blocks(b, windows, tpb)):
+            pg = c.group_pool[g]
+            gaps[g] = [i for i in blocks if keys[i] not in index[g]]
+            idle = [index[g][keys[i]] for i in blocks if keys[i] in index[g]]
+            pins[pg] = pins.get(pg, []) + [s for s in idle if c.refs[pg][s] == 0]
+            need[pg] = need.get(pg, 0) + len(gaps[g])
+        fits = all(need[pg] + len(set(pins[pg])) <= c.pools[pg].num_free for pg in need)
+        return gaps, pins, fits
 
-    gaps = missing(end)
-    if not any(gaps.values()):
+    while b:
+        gaps, pins, fits = plan(b)
+        if not any(gaps.values()):
+            return  # the device serves this hit already
+        if fits:
+            break
+        b -= 1
+        while b and not all(
+            keys[i] in index[g] or host.holds(g, root, keys[i])
+            for g, blocks in enumerate(needed_blocks(b, windows, tpb))
+            for i in blocks
+        ):
+            b -= 1
+    if not b:
         return
     pinned: dict[int, list[int]] = {}
-    for g in groups:
-        pg = c.group_pool[g]
-        for b in range(end):
-            slot = index[g].get(keys[b])
-            if slot is not None and c.refs[pg][slot] == 0:
-                c.pools[pg].claim(np.array([slot]))
-                c.refs[pg][slot] = 1
-                pinned.setdefault(pg, []).append(slot)
-    while end:
-        need: dict[int, int] = {}
-        for g, blocks in gaps.items():
-            need[c.group_pool[g]] = need.get(c.group_pool[g], 0) + len(blocks)
-        if all(n <= c.pools[pg].num_free for pg, n in need.items()):
-            break
-        end -= 1
-        gaps = missing(end)
+    for pg, slots in pins.items():
+        slots = sorted(set(slots))
+        if slots:
+            c.pools[pg].claim(np.array(slots, dtype=np.int64))
+            c.refs[pg][slots] = 1
+            pinned[pg] = slots
+    reserved = {
+        g: host.reserve(c.group_pool[g], [(g, root, keys[i]) for i in blocks])
+        for g, blocks in gaps.items()
+    }
+    step = 4 * tpb
     taken: dict[int, list[int]] = {}
-    if any(gaps.values()):
-        reserved = {
-            g: host.reserve(c.group_pool[g], [(g, root, keys[b]) for b in blocks])
-            for g, blocks in gaps.items()
-        }
-        step = 4 * c.tokens_per_block
-        for g, blocks in gaps.items():
-            if not blocks:
-                continue
-            pg = c.group_pool[g]
-            slots = c._take(pg, len(blocks)).tolist()
-            host.onboard(pg, reserved[g], slots)
-            taken.setdefault(pg, []).extend(slots)
-            for b, slot in zip(blocks, slots, strict=True):
-                cache.store(
-                    g,
-                    root,
-                    [keys[b]],
-                    [slot],
-                    keys[b - 1] if b else None,
-                    data[b * step : (b + 1) * step],
-                    lora_id,
-                    has_salt,
-                )
-            host.log.host("block_removed", g, [keys[b] for b in blocks])
+    for g, blocks in gaps.items():
+        if not blocks:
+            continue
+        pg = c.group_pool[g]
+        slots = c._take(pg, len(blocks)).tolist()
+        host.onboard(pg, reserved[g], slots)
+        taken.setdefault(pg, []).extend(slots)
+        for i, slot in zip(blocks, slots, strict=True):
+            cache.store(
+                g,
+                root,
+                [keys[i]],
+                [slot],
+                keys[i - 1] if i else None,
+                data[i * step : (i + 1) * step],
+                lora_id,
+                has_salt,
+            )
+        host.log.host("block_removed", g, [keys[i] for i in blocks])
     # Onboarded blocks become idle cached blocks; pinned ones idle again (queue tail).
     for pg, slots in (*taken.items(), *pinned.items()):
         c._unref(pg, np.array(slots, dtype=np.int64))

@@ -25,7 +25,7 @@ from .hashing import (
     token_bytes,
     token_ids_of,
 )
-from .host_tier import onboard_prefix
+from .host_tier import onboard_prefix, tier_hit
 from .prefix_cache import find_hit
 from .publish import PrefixState
 
@@ -79,7 +79,7 @@ def reuse_prefix(
         # and an undo would give those slots back to the cache entries they had.
         if m._host is not None and m._undo is None:
             cap = min(len(keys), (num_tokens - 1) // tpb)
-            onboard_prefix(c, m._host, root, keys, cap, data, lora_id, has_salt)
+            onboard_prefix(c, m._host, root, keys, cap, data, lora_id, has_salt, m._windows)
         hit, hits, ends = find_hit(c.cache, root, keys, num_tokens, tpb, m._windows)
         if block_keys is not None:
             _check_key_sizes(keys[hit:])
@@ -137,8 +137,9 @@ def probe_tiers(
     cache_salt: str | None = None,
 ) -> tuple[int, int]:
     """(tokens a new request would reuse from the device now, tokens more it would
-    onboard from the host tier): the run of the prompt's blocks every layer group holds
-    on the device, then the run held on the device or the host; claims nothing."""
+    onboard from the host tier): the longest hit the device serves (``probe``), and the
+    longest whose needed blocks the device and the host hold together (a window needs only
+    its sinks and last blocks); claims nothing."""
     check_prompt(m, token_ids, None)
     tokens, data = token_ids_of(token_ids)
     root = root_key(lora_id, cache_salt)
@@ -148,21 +149,10 @@ def probe_tiers(
     cap = min(len(keys), (len(tokens) - 1) // tpb) if tokens else 0
     if cap <= 0 or not all(cache.reusable):
         return 0, 0
-    index = [cache.scope(g, root) for g in range(len(m.layout.layer_groups))]
-    device = 0
-    while device < cap and all(keys[device] in i for i in index):
-        device += 1
-    if device and any(w is not None for w, _ in m._windows):
-        device = probe(m, token_ids, lora_id, cache_salt) // tpb
-    end = device
+    device = probe(m, token_ids, lora_id, cache_salt) // tpb
     host = m._host
-    while (
-        host is not None
-        and end < cap
-        and all(keys[end] in i or host.holds(g, root, keys[end]) for g, i in enumerate(index))
-    ):
-        end += 1
-    return device * tpb, (end - device) * tpb
+    both = 0 if host is None else tier_hit(cache, host, root, keys, cap, tpb, m._windows)
+    return device * tpb, max(both - device, 0) * tpb
 
 
 def check_prompt(m: KVCacheManager, token_ids: Any, num_tokens: int | None) -> None:
