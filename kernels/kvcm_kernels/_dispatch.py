@@ -74,10 +74,14 @@ def launch(
     block: tuple[int, ...],
     args: tuple[Any, ...],
     shared_mem: int = 0,
+    stream_handle: int | None = None,
 ) -> None:
-    """Launch ``function`` of ``module.cu`` on torch's current stream of ``device``."""
+    """Launch ``function`` of ``module.cu`` on torch's current stream of ``device`` (or on
+    the stream whose raw handle is ``stream_handle``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _stream(torch.cuda.current_stream(index).cuda_stream, index)
+    if stream_handle is None:
+        stream_handle = torch.cuda.current_stream(index).cuda_stream
+    stream = _stream(stream_handle, index)
     with _cupy().cuda.Device(index), stream:
         _function(module, function, index)(grid, block, args, shared_mem=shared_mem)
 

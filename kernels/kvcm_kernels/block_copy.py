@@ -20,6 +20,7 @@ of a region at H: ``segments(P + [3, 5] * 81920, H + [0, 1] * 81920, 81920)`` gi
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,26 +86,34 @@ def copy_segments_reference(desc: np.ndarray) -> None:
         ctypes.memmove(dst, src, n)
 
 
+def cuda_runtime() -> Any:
+    """CuPy's CUDA runtime module (raw calls: a few cost less than one torch stream call)."""
+    return _cupy().cuda.runtime
+
+
 def copy_segments(
     desc: np.ndarray,
     device: torch.device,
     max_blocks: int = MAX_BLOCKS,
     dma_min_bytes: int = DMA_MIN_BYTES,
+    stream_handle: int | None = None,
 ) -> torch.Tensor | None:
-    """Copy every segment of ``desc``. On CUDA, on torch's current stream: the large ones on
-    the copy engines, the others in one launch of at most ``max_blocks`` thread blocks that
-    reads its pieces from a pinned array, which is returned (keep it until the launch has
-    completed). On the CPU, now, with the reference."""
+    """Copy every segment of ``desc``. On CUDA, on torch's current stream (or the stream of
+    raw handle ``stream_handle``): the large ones on the copy engines, the others in one
+    launch of at most ``max_blocks`` thread blocks that reads its pieces from a pinned array,
+    which is returned (keep it until the launch has completed). On the CPU, now, with the
+    reference."""
     if device.type != "cuda":
         copy_segments_reference(desc)
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    if stream_handle is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream_handle = torch.cuda.current_stream(index).cuda_stream
     large = desc[:, 2] >= dma_min_bytes
     if large.any():
-        runtime = _cupy().cuda.runtime
-        stream = torch.cuda.current_stream(index).cuda_stream
+        runtime = cuda_runtime()
         for src, dst, n in desc[large].tolist():
-            runtime.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream)
+            runtime.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream_handle)
         desc = desc[~large]
     if not desc.shape[0]:
         return None
@@ -119,5 +128,6 @@ def copy_segments(
         (blocks(count, 1, max_blocks),),
         (THREADS,),
         (ptr(pinned), i64(count)),
+        stream_handle=stream_handle,
     )
     return pinned

@@ -36,7 +36,9 @@ more as the onboard does, and ``finish`` only waits.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,11 +92,20 @@ class TierCopier:
         self.per_chunk = {
             pool: int(chunks[0].shape[0]) if chunks else 1 for pool, chunks in regions.items()
         }
+        self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        #: Recorded after each launch (``finish`` waits for it), and on the current stream
-        #: before each launch (the tier's stream waits for it).
-        self.event = torch.cuda.Event() if self.cuda else None
-        self._ready = torch.cuda.Event() if self.cuda else None
+        if self.stream is not None:
+            # Raw runtime handles: the step path makes four calls per launch, and each torch
+            # stream or event call costs several microseconds there.
+            self._rt = kvcm_kernels.block_copy.cuda_runtime()
+            self._stream = int(self.stream.cuda_stream)
+            flags = self._rt.eventDisableTiming
+            with torch.cuda.device(self.stream.device):
+                #: Recorded on the current stream before each launch (the tier's stream
+                #: waits for it), and on the tier's stream after it (``finish`` waits).
+                self._ready = self._rt.eventCreateWithFlags(flags)
+                self._done = self._rt.eventCreateWithFlags(flags)
+            weakref.finalize(self, _destroy_events, self._rt, (self._ready, self._done))
         self.pending = {pg: _Pending() for pg in pools_of}
         #: CUDA: the slots of launched copies not yet waited for (the CPU's are done).
         self.flying = {pg: _Pending() for pg in pools_of}
@@ -197,9 +208,8 @@ class TierCopier:
         if self.queued:
             self.flush()
         if self._launched:
-            assert self.event is not None
             t0 = time.perf_counter()
-            self.event.synchronize()
+            self._rt.eventSynchronize(self._done)
             self.stats.copy_seconds += time.perf_counter() - t0
             self._launched.clear()
             self.flying = {pg: _Pending() for pg in self.pools_of}
@@ -208,8 +218,7 @@ class TierCopier:
         """Make ``stream``'s later work wait for every copy queued or launched so far."""
         self.flush()
         if self._launched:
-            assert self.event is not None
-            stream.wait_event(self.event)
+            self._rt.streamWaitEvent(stream.cuda_stream, self._done, 0)
 
     # -- the batch ----------------------------------------------------------------------------
 
@@ -239,12 +248,16 @@ class TierCopier:
         if self.stream is None:
             kvcm_kernels.copy_segments(desc, torch.device("cpu"))
             return
-        assert self.event is not None and self._ready is not None
-        self._ready.record(torch.cuda.current_stream(self.stream.device))
-        self.stream.wait_event(self._ready)
-        with torch.cuda.stream(self.stream):
-            pinned = kvcm_kernels.copy_segments(
-                desc, self.stream.device, self.max_blocks, self.dma_min_bytes
-            )
-            self.event.record(self.stream)
+        rt = self._rt
+        rt.eventRecord(self._ready, torch.cuda.current_stream(self.stream.device).cuda_stream)
+        rt.streamWaitEvent(self._stream, self._ready, 0)
+        pinned = kvcm_kernels.copy_segments(
+            desc, self.stream.device, self.max_blocks, self.dma_min_bytes, self._stream
+        )
+        rt.eventRecord(self._done, self._stream)
         self._launched.append(pinned)
+
+
+def _destroy_events(runtime: Any, events: tuple[int, ...]) -> None:
+    for event in events:
+        runtime.eventDestroy(event)
