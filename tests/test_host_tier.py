@@ -397,6 +397,22 @@ def test_suspend_moves_a_request_to_the_host_and_resume_brings_it_back() -> None
     assert m.num_free_blocks() == 6
 
 
+def test_a_window_onboards_only_the_blocks_its_hit_needs() -> None:
+    # W 8, tpb 4: a hit of 4 blocks (16 tokens) needs blocks [(16 + 1 - 8) // 4, 4) = [2, 4).
+    m = manager([layer(0, sliding_window=8)], num_blocks=6, host_memory_bytes=1 << 16)
+    prompt = list(range(100, 117))
+    m.allocate("a", 17, token_ids=prompt)
+    m.commit("a", prompt)  # blocks 0-3 published
+    m.free("a")
+    m.allocate("x", 24)  # every slot: the four go to the host
+    m.free("x")
+    assert m.probe_tiers(prompt) == (0, 16)
+    info = m.allocate("b", 17, token_ids=prompt)
+    assert info.num_hit_tokens == 16 and m.block_table("b") == [[-1, -1, 0, 1, 2]]
+    stats = m.host_stats()
+    assert (stats["onboarded_blocks"], stats["host_used"]) == (2, {0: 2})  # 0, 1 stay there
+
+
 def test_resume_takes_back_the_published_blocks_still_cached_on_the_device() -> None:
     m = manager([layer(0)], num_blocks=8, host_memory_bytes=1 << 16)
     words = _words(m)
