@@ -157,6 +157,15 @@ class RequestSuspended(KVCMError):
     status = 409
 
 
+class StateNotRewindable(KVCMError):
+    """A rewind below a request's committed length where its recurrent state has no
+    checkpoint: state layers cannot undo tokens, only go back to a saved checkpoint (its
+    latest one, at a multiple of ``state_checkpoint_stride`` blocks) or to the start."""
+
+    code = "state_not_rewindable"
+    status = 409
+
+
 class StepAborted(KVCMError):
     """An op of an all-or-nothing step that was not applied because another op failed."""
 
@@ -266,6 +275,7 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         RequestsLive,
         StepAborted,
         RequestSuspended,
+        StateNotRewindable,
         StaleGeneration,
         RewindIntoSharedBlock,
         CopyIntoSharedBlock,
@@ -324,6 +334,7 @@ STATUS_CODES: tuple[str, ...] = (
     "no_model",
     "model_wait_timeout",
     "request_suspended",
+    "state_not_rewindable",
 )
 STATUS_OF: dict[str, int] = {code: i for i, code in enumerate(STATUS_CODES)}
 

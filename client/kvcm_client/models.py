@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
+from .state import StateLayerSpec
+
 DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
 StandardRole = Literal["key", "value", "key_scale", "value_scale"]
 #: The four standard roles. A layer may add extra roles (``LayerSpec.extra_buffers``), so a
@@ -259,11 +261,21 @@ class ManagerConfig(_Frozen):
     evicts are copied there instead of dropped, and prefix hits on them are copied back. It
     is split between pool groups in proportion to their device bytes. ``suspend`` and
     ``resume`` need one."""
+    state_layers: list[StateLayerSpec] = []
+    """Recurrent state layers of a hybrid model (Mamba, linear attention; docs/state-layers.md):
+    one state slot per request per state group, checkpoints for prefix reuse. Layer ids are
+    unique across ``layers`` and ``state_layers``."""
+    state_checkpoint_stride: PosInt = 1
+    """A commit that leaves a request's committed length on a multiple of this many blocks
+    saves a checkpoint of its state (prefix hits then land on those multiples)."""
+    state_checkpoints: NonNegInt | None = None
+    """Checkpoint slots per state group (evicted least recently used); None: max_requests.
+    Their bytes come out of ``memory_bytes`` before the KV pools are sized."""
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:
         seen: set[int] = set()
-        for layer in self.layers:
+        for layer in [*self.layers, *self.state_layers]:
             if layer.layer_id in seen:
                 raise PydanticCustomError(
                     "duplicate_layer_id",
@@ -294,6 +306,11 @@ class ManagerConfig(_Frozen):
     @property
     def max_blocks_per_request(self) -> int:
         return -(-self.max_seq_len // self.tokens_per_block)
+
+    @property
+    def num_state_checkpoints(self) -> int:
+        """Checkpoint slots per state group."""
+        return self.max_requests if self.state_checkpoints is None else self.state_checkpoints
 
 
 # --- requests ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 from kvcm_client.errors import InvalidArgument
 from kvcm_client.models import RequestInfo
 
-from . import request_rows
+from . import request_rows, state_requests
 from .hashing import token_data
 from .publish import publish
 
@@ -111,6 +111,7 @@ def _append(m: KVCacheManager, request_id: str, row: int, data: bytes) -> None:
         del state.keys[have:]
         raise
     m._committed[row] = len(held) // 4
+    state_requests.after_commit(m, row, state, done)
     if m._undo is not None:
         m._undo.append(lambda: held.__delitem__(slice(4 * done, None)))
         m._undo.append(lambda: state.keys.__delitem__(slice(have, None)))

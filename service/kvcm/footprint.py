@@ -36,6 +36,7 @@ from kvcm_client.errors import InsufficientMemory
 from kvcm_client.models import ManagerConfig
 
 from .layout import Layout
+from .state_pools import state_memory
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -59,10 +60,11 @@ def need_bytes(config: ManagerConfig, layout: Layout) -> tuple[int, int]:
     pool_groups = layout.pool_groups
     if config.num_blocks is not None:
         pools = config.num_blocks * sum(pg.slot_bytes for pg in pool_groups)
+        pools += state_memory(config)
         slots = config.num_blocks * len(pool_groups)
     else:
         assert config.memory_bytes is not None
-        pools = config.memory_bytes
+        pools = config.memory_bytes  # the state layers' bytes included
         slots = sum(config.memory_bytes // pg.slot_bytes + 1 for pg in pool_groups)
     tables = 4 * groups * config.max_requests * config.max_blocks_per_request
     pointers = 16 * (layout.num_layer_ids * len(layout.roles) + len(layout.pools))
@@ -83,6 +85,8 @@ def held_bytes(manager: KVCacheManager) -> tuple[int, int]:
     if manager.device.type == "cuda" and manager.config.share:
         return 0, 0
     pools = sum(t.numel() * t.element_size() for t in manager.memory.tensors)
+    if manager._state is not None:
+        pools += sum(t.numel() for t in manager._state.memory)
     tables = int(manager.page_tables().numel()) * 4
     if manager.device.type == "cuda":
         return pools + tables, tables

@@ -6,6 +6,7 @@ LayerId = NewType("LayerId", int)
 LayerGroupId = NewType("LayerGroupId", int)
 PoolGroupId = NewType("PoolGroupId", int)
 PoolId = NewType("PoolId", int)
+StateGroupId = NewType("StateGroupId", int)
 SlotId = NewType("SlotId", int)
 """A block id: an int32 index into every pool of a pool group; -1 means "no page" (kernel-facing
 tables hold the null page 0 instead when ``null_page`` is on)."""

@@ -71,6 +71,7 @@ from .planning import resolve_device as resolve_device  # re-exported: the serve
 from .pools import PoolMemory
 from .publish import PrefixState
 from .shared_memory import CudaSegments, SharedSegments
+from .state_pools import StatePools, build_state_groups
 from .suspension import Suspended
 from .views import TablesAndViews
 
@@ -226,6 +227,18 @@ class KVCacheManager:
             )
         )
         self._coord.host = self._host
+        #: State layers (docs/state-layers.md): live slot per row, checkpoints; None without.
+        self._state = (
+            StatePools(
+                build_state_groups(cfg.state_layers),
+                cfg.max_requests,
+                cfg.num_state_checkpoints,
+                cfg.state_checkpoint_stride,
+                self.device,
+            )
+            if cfg.state_layers
+            else None
+        )
         #: Suspended requests: their blocks' positions and host slots per layer group.
         self._suspended: dict[str, Suspended] = {}
         #: The handle each suspended request gets back, to its id (a resume by handle).
@@ -369,6 +382,8 @@ class KVCacheManager:
         self._coord.cache.clear()
         if self._host is not None:
             self._host.clear()
+        if self._state is not None:
+            self._state.clear()
 
     @property
     def last_event_seq(self) -> int:

@@ -14,6 +14,7 @@ from . import footprint
 from .ids import PoolGroupId
 from .layout import Layout, build_layout
 from .sizing import Sizing, StepShape
+from .state_pools import state_memory
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,9 +63,17 @@ def plan(
         slots = {pg.pool_group_id: cfg.num_blocks for pg in layout.pool_groups}
     else:
         assert cfg.memory_bytes is not None
-        slots = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
+        kv_bytes = cfg.memory_bytes - state_memory(cfg)
+        if kv_bytes <= 0:
+            raise InsufficientMemory(
+                f"memory_bytes={cfg.memory_bytes} does not cover the state layers' "
+                f"{state_memory(cfg)} bytes (live slots and checkpoints)",
+                memory_bytes=cfg.memory_bytes,
+                state_bytes=state_memory(cfg),
+            )
+        slots = sizing.slots_for_budget(kv_bytes, int(cfg.null_page))
         if check_budget:
-            sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
+            sizing.check_budget(kv_bytes, slots, int(cfg.null_page))
     if cfg.null_page:
         _check_null_page_room(slots)
     return device, layout, sizing, slots

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvcm_client.errors import InvalidArgument, SequenceTooLong
 
+from . import state_requests
 from .hashing import (
     KEY_BYTES,
     MultimodalItem,
@@ -81,6 +82,10 @@ def reuse_prefix(
             cap = min(len(keys), (num_tokens - 1) // tpb)
             onboard_prefix(c, m._host, root, keys, cap, data, lora_id, has_salt, m._windows)
         hit, hits, ends = find_hit(c.cache, root, keys, num_tokens, tpb, m._windows)
+        while hit and (b := state_requests.checkpointed_hit(m, root, keys, hit)) < hit:
+            # State layers resume only at a checkpoint: cut the hit to one (a window may
+            # cut it further, to a hit that needs a checkpoint of its own).
+            hit, hits, ends = find_hit(c.cache, root, keys, b * tpb + 1, tpb, m._windows)
         if block_keys is not None:
             _check_key_sizes(keys[hit:])
     if hit:
@@ -92,6 +97,7 @@ def reuse_prefix(
     else:
         hit_tokens = 0
         c.grow_one(row, num_tokens, lookahead)
+    state_requests.start(m, row, root, keys, hit)
     if tokens is not None:
         stats = c.cache.stats
         stats.queries += 1
@@ -124,10 +130,11 @@ def probe(
         return 0
     root = root_key(lora_id, cache_salt)
     keys = _keys_of(m, tokens, data, root, multimodal_items(multimodal), block_keys)
-    hit, _, _ = find_hit(
-        m._coord.cache, root, keys, len(tokens), m.tokens_per_block, m._windows, True
-    )
-    return hit * m.tokens_per_block
+    tpb = m.tokens_per_block
+    hit, _, _ = find_hit(m._coord.cache, root, keys, len(tokens), tpb, m._windows, True)
+    while hit and (b := state_requests.checkpointed_hit(m, root, keys, hit)) < hit:
+        hit, _, _ = find_hit(m._coord.cache, root, keys, b * tpb + 1, tpb, m._windows, True)
+    return hit * tpb
 
 
 def probe_tiers(

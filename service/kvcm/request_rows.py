@@ -24,6 +24,7 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import RequestInfo
 
+from . import state_requests
 from .counts import MAX_COUNT, _count, _counts
 
 if TYPE_CHECKING:
@@ -220,6 +221,7 @@ def rewind_row(m: KVCacheManager, row: int, num_tokens: int) -> None:
         )
     new_len = length - num_tokens
     writable = _writable_cached(m, request_id, row, new_len)
+    state_requests.before_rewind(m, row, m._prefix[request_id], new_len)  # the last check
     m._coord.rewind(row, num_tokens)
     for pg, slots in writable.items():
         m._coord.cache.uncache(pg, slots)

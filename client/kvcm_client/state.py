@@ -1,0 +1,81 @@
+"""Specs of state layers: the recurrent state of Mamba and linear-attention layers
+(docs/state-layers.md).
+
+A state layer keeps, per request, a few fixed-size tensors that its kernels update in place
+as tokens go through it (Mamba-2: a convolution window and the SSM state; a gated delta net:
+its convolution windows and the recurrent matrix), instead of one entry per token. kvcm gives
+each request one state slot per state group and keeps checkpoints of it for prefix reuse.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+#: dtypes of state buffers and their bytes per element.
+StateDType = Literal["fp32", "fp16", "bf16"]
+STATE_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+#: What a state buffer's name looks like: a lowercase identifier.
+STATE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StateBuffer(_Frozen):
+    """One named tensor of a state layer, per request: for Mamba-2, ``conv`` of shape
+    ``[conv_dim, d_conv - 1]`` and ``ssm`` of shape ``[heads, head_dim, d_state]``."""
+
+    name: str
+    shape: Annotated[tuple[Annotated[int, Field(gt=0)], ...], Field(min_length=1)]
+    dtype: StateDType = "bf16"
+
+    @model_validator(mode="after")
+    def _rules(self) -> StateBuffer:
+        if not STATE_NAME.fullmatch(self.name):
+            raise PydanticCustomError(
+                "state_buffer_name",
+                "state buffer name '{name}' must be a lowercase identifier (a-z, 0-9, _; "
+                "first a letter; at most 64 characters)",
+                {"name": self.name},
+            )
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * STATE_DTYPE_BYTES[self.dtype]
+
+
+class StateLayerSpec(_Frozen):
+    """One state layer on this rank (rank-local id, shapes already divided by TP).
+
+    Layers with equal ``owner`` and ``reuse`` form a state group: their state lives and dies
+    together, one slot per request. ``reuse="none"``: no checkpoints, so a prefix hit never
+    restores this group (and then never happens: the group cannot resume mid-prompt).
+    """
+
+    layer_id: Annotated[int, Field(ge=0)]
+    buffers: Annotated[tuple[StateBuffer, ...], Field(min_length=1)]
+    owner: Literal["target", "draft"] = "target"
+    reuse: Literal["reusable", "none"] = "reusable"
+
+    @model_validator(mode="after")
+    def _rules(self) -> StateLayerSpec:
+        names = [b.name for b in self.buffers]
+        if len(set(names)) < len(names):
+            raise PydanticCustomError(
+                "duplicate_state_buffer",
+                "state layer {layer_id}: buffer names must be unique, got {names}",
+                {"layer_id": self.layer_id, "names": names},
+            )
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's state for one request."""
+        return sum(b.nbytes for b in self.buffers)

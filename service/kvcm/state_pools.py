@@ -1,0 +1,210 @@
+"""State layers' memory: one state slot per request per state group, and checkpoints of it
+for prefix reuse (docs/state-layers.md).
+
+A state group is the state layers of equal (owner, reuse). Its slot holds every buffer of
+every layer of the group, back to back in layer order then buffer order, each at an offset
+aligned to 16 bytes, so a slot is as large as the state itself (the alignment adds at most
+15 bytes a buffer): no padding to attention pages. A group has ``max_requests`` live slots,
+slot r belonging to the request in page-table row r (so a state index is a row and costs no
+allocation), then ``checkpoints`` checkpoint slots.
+
+A checkpoint is a copy of a request's live slot taken when its committed length is a
+multiple of ``stride`` blocks, keyed by (scope, key of its last full block): the prefix it
+summarises, exactly like the block it ends. Checkpoints are evicted least recently used. A
+prefix hit of b blocks restores, in every state group, the checkpoint keyed by block b - 1
+into the new request's live slot.
+
+Worked example (tokens_per_block 4, stride 1, one group of 2 live slots and 2 checkpoint
+slots): a request in row 1 commits 8 tokens: its slot 1 is copied to checkpoint slot 2 keyed
+by block 1's key; another request with the same 9-token prompt, in row 0, hits 8 tokens and
+gets slot 2 copied into slot 0.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcm_client.errors import InvalidArgument, UnknownLayer
+from kvcm_client.models import ManagerConfig
+from kvcm_client.state import StateLayerSpec
+
+from .ids import StateGroupId
+
+ALIGN = 16
+_TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+CheckpointKey = tuple[bytes, bytes]
+"""(scope root, key of the last block the checkpoint covers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatePlacement:
+    """Where one buffer of one state layer lives in its group's slot."""
+
+    layer_id: int
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class StateGroup:
+    group_id: StateGroupId
+    owner: str
+    reusable: bool
+    layers: tuple[int, ...]
+    buffers: tuple[StatePlacement, ...]
+    slot_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the state itself (no alignment), per slot."""
+        return sum(b.nbytes for b in self.buffers)
+
+
+def build_state_groups(specs: list[StateLayerSpec]) -> tuple[StateGroup, ...]:
+    """Group state layers by (owner, reuse), in order of first appearance; lay out each
+    group's slot. Example: layers 1 and 3 with ``conv`` [8, 3] bf16 (48 bytes) and ``ssm``
+    [2, 4, 16] fp32 (512 bytes): offsets 0, 48, 560, 608 and a 1120-byte slot."""
+    keys: list[tuple[str, str]] = []
+    members: dict[tuple[str, str], list[StateLayerSpec]] = {}
+    for spec in specs:
+        key = (spec.owner, spec.reuse)
+        if key not in members:
+            keys.append(key)
+            members[key] = []
+        members[key].append(spec)
+    groups = []
+    for gid, key in enumerate(keys):
+        offset = 0
+        placed = []
+        for spec in members[key]:
+            for buf in spec.buffers:
+                placed.append(
+                    StatePlacement(
+                        spec.layer_id, buf.name, offset, buf.nbytes, buf.shape, buf.dtype
+                    )
+                )
+                offset += -(-buf.nbytes // ALIGN) * ALIGN
+        groups.append(
+            StateGroup(
+                StateGroupId(gid),
+                key[0],
+                key[1] == "reusable",
+                tuple(s.layer_id for s in members[key]),
+                tuple(placed),
+                offset,
+            )
+        )
+    return tuple(groups)
+
+
+def state_memory(cfg: ManagerConfig) -> int:
+    """Device bytes of the state layers: every state group's live slots (one per request
+    row) and checkpoint slots; ``memory_bytes`` pays for them before the KV pools."""
+    groups = build_state_groups(cfg.state_layers)
+    return sum(g.slot_bytes for g in groups) * (cfg.max_requests + cfg.num_state_checkpoints)
+
+
+class StatePools:
+    """The state groups' memory, their checkpoints, and the copies between slots."""
+
+    def __init__(
+        self,
+        groups: tuple[StateGroup, ...],
+        max_requests: int,
+        checkpoints: int,
+        stride: int,
+        device: torch.device,
+    ) -> None:
+        self.groups = groups
+        self.max_requests = max_requests
+        self.num_checkpoints = checkpoints
+        self.stride = stride
+        slots = max_requests + checkpoints
+        self.memory = [
+            torch.zeros((slots, g.slot_bytes), dtype=torch.uint8, device=device) for g in groups
+        ]
+        self.placement = {(b.layer_id, b.name): (g.group_id, b) for g in groups for b in g.buffers}
+        #: Per group: checkpoint key -> slot, least recently used first; free slots.
+        self.lru: list[OrderedDict[CheckpointKey, int]] = [OrderedDict() for _ in groups]
+        self.free = [list(range(slots - 1, max_requests - 1, -1)) for _ in groups]
+        #: Per group and row: the committed length of the request's last checkpoint (its
+        #: latest restorable point), -1 for none.
+        self.saved = [np.full(max_requests, -1, dtype=np.int64) for _ in groups]
+        self.saves = 0
+        self.restores = 0
+
+    # -- views and indices --------------------------------------------------------------------
+
+    def view(self, layer_id: int, name: str) -> torch.Tensor:
+        """Buffer ``name`` of state layer ``layer_id`` for every slot, ``[slots, *shape]`` of
+        its dtype: row r is the live state of the request in page-table row r."""
+        try:
+            gid, place = self.placement[(layer_id, name)]
+        except KeyError:
+            raise UnknownLayer(
+                f"no state buffer {name!r} of state layer {layer_id}", layer_id=layer_id
+            ) from None
+        raw = self.memory[gid][:, place.offset : place.offset + place.nbytes]
+        return raw.view(_TORCH_DTYPE[place.dtype]).unflatten(1, place.shape)
+
+    def group_of(self, group: int) -> StateGroup:
+        if not 0 <= group < len(self.groups):
+            raise InvalidArgument(f"no state group {group}", state_group=group)
+        return self.groups[group]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, row: int) -> None:
+        """A new request in ``row``: its live state starts from zeros."""
+        for g, mem in enumerate(self.memory):
+            mem[row].zero_()
+            self.saved[g][row] = -1
+
+    def has(self, root: bytes, key: bytes) -> bool:
+        """Whether every reusable state group has the checkpoint of (root, key)."""
+        return all((root, key) in lru for g, lru in enumerate(self.lru) if self.groups[g].reusable)
+
+    def restorable(self) -> bool:
+        """Whether prefix hits can restore state at all (every group keeps checkpoints)."""
+        return self.num_checkpoints > 0 and all(g.reusable for g in self.groups)
+
+    def save(self, row: int, root: bytes, key: bytes, length: int) -> None:
+        """Checkpoint the live state of ``row`` (committed ``length`` tokens) under (root,
+        key), in every reusable group; the least recently used checkpoint makes room."""
+        for g, lru in enumerate(self.lru):
+            if not self.groups[g].reusable or not self.num_checkpoints:
+                continue
+            ck = (root, key)
+            slot = lru.pop(ck, None)
+            if slot is None:
+                slot = self.free[g].pop() if self.free[g] else lru.popitem(last=False)[1]
+            lru[ck] = slot
+            self.memory[g][slot].copy_(self.memory[g][row])
+            self.saved[g][row] = length
+        self.saves += 1
+
+    def restore(self, row: int, root: bytes, key: bytes, length: int) -> None:
+        """Copy the checkpoint of (root, key) into ``row``'s live state (``has`` said yes)."""
+        for g, lru in enumerate(self.lru):
+            slot = lru[(root, key)]
+            lru.move_to_end((root, key))
+            self.memory[g][row].copy_(self.memory[g][slot])
+            self.saved[g][row] = length
+        self.restores += 1
+
+    def clear(self) -> None:
+        """Drop every checkpoint (``reset_prefix_cache``)."""
+        for g, lru in enumerate(self.lru):
+            self.free[g].extend(lru.values())
+            lru.clear()
+
+    def num_saved(self, group: int) -> int:
+        return len(self.lru[group])

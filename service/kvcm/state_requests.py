@@ -1,0 +1,89 @@
+"""What requests do to their state slots (docs/state-layers.md): a prefix hit lands only
+where every state group has a checkpoint and restores it; a commit that ends on a checkpoint
+boundary saves one; a rewind below the committed length goes back to a checkpoint or is
+refused (``StateNotRewindable``), since a recurrent state cannot undo tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcm_client.errors import InvalidArgument, StateNotRewindable
+
+from .publish import PrefixState
+
+if TYPE_CHECKING:
+    from .manager import KVCacheManager
+
+
+def checkpointed_hit(m: KVCacheManager, root: bytes, keys: list[bytes], hit: int) -> int:
+    """The longest hit of at most ``hit`` blocks at which every state group has a checkpoint
+    (a multiple of the stride); ``hit`` itself without state layers. Example: stride 2,
+    a hit of 5 blocks, checkpoints keyed by blocks 1 and 3: 4."""
+    st = m._state
+    if st is None or not hit:
+        return hit
+    if not st.restorable():
+        return 0
+    b = hit - hit % st.stride
+    while b and not st.has(root, keys[b - 1]):
+        b -= st.stride
+    return b
+
+
+def start(m: KVCacheManager, row: int, root: bytes, keys: list[bytes], hit: int) -> None:
+    """A new request in ``row`` with a hit of ``hit`` blocks: its state starts from zeros,
+    or from the checkpoint at the hit."""
+    st = m._state
+    if st is None:
+        return
+    st.start(row)
+    if hit:
+        st.restore(row, root, keys[hit - 1], hit * m.tokens_per_block)
+
+
+def after_commit(m: KVCacheManager, row: int, prefix: PrefixState, before: int) -> None:
+    """Save a checkpoint if the commit took the committed length from ``before`` to a
+    multiple of the stride (in tokens: stride x tokens_per_block). Example: tpb 4, stride 2:
+    a commit from 6 to 8 tokens saves one keyed by block 1; one from 8 to 10 does not."""
+    st = m._state
+    if st is None:
+        return
+    length = int(m._committed[row])
+    every = st.stride * m.tokens_per_block
+    if length > before and length % every == 0:
+        st.save(row, prefix.root, prefix.keys[length // m.tokens_per_block - 1], length)
+
+
+def before_rewind(m: KVCacheManager, row: int, prefix: PrefixState, new_len: int) -> None:
+    """Refuse a rewind to ``new_len`` below the committed length unless the state can go
+    back there (to the start, or to a checkpoint of exactly that prefix), and go back; call
+    before anything else changes (it raises first)."""
+    st = m._state
+    committed = int(m._committed[row])
+    if st is None or new_len >= committed:
+        return
+    tpb = m.tokens_per_block
+    if new_len == 0:
+        key = None
+    elif new_len % (st.stride * tpb) == 0 and st.has(prefix.root, prefix.keys[new_len // tpb - 1]):
+        key = prefix.keys[new_len // tpb - 1]
+    else:
+        raise StateNotRewindable(
+            f"request {m._ids[row]!r} has {committed} committed tokens and its state has no "
+            f"checkpoint at {new_len}: a rewind below the committed length must end at the "
+            "start or at a checkpoint",
+            request_id=m._ids[row],
+            num_committed=committed,
+            num_tokens=new_len,
+        )
+    if m._undo is not None:
+        raise InvalidArgument(
+            "a rewind that restores state cannot run inside an all-or-nothing step "
+            "(its copy cannot be undone)",
+            request_id=m._ids[row],
+        )
+    if key is None:
+        st.start(row)
+    else:
+        st.restore(row, prefix.root, key, new_len)
