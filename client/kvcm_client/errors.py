@@ -159,8 +159,8 @@ class RequestSuspended(KVCMError):
 
 class StateNotRewindable(KVCMError):
     """A rewind below a request's committed length where its recurrent state has no
-    checkpoint: state layers cannot undo tokens, only go back to a saved checkpoint (its
-    latest one, at a multiple of ``state_checkpoint_stride`` blocks) or to the start."""
+    checkpoint: state layers cannot undo tokens, only go back to a saved checkpoint (at a
+    multiple of ``state_checkpoint_stride`` blocks, still kept)."""
 
     code = "state_not_rewindable"
     status = 409

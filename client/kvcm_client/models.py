@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
-from .state import StateLayerSpec
+from .state import StateGroupEstimate, StateLayerSpec
 
 DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
 StandardRole = Literal["key", "value", "key_scale", "value_scale"]
@@ -532,6 +532,11 @@ class Estimate(_Frozen):
     host_max_requests: int | None = None
     """With a host tier: requests of ``seq_len`` it can hold suspended at once besides the
     ``max_requests`` on the device (the least over pool groups); None without one."""
+    state_groups: tuple[StateGroupEstimate, ...] = ()
+    """State layers' groups (docs/state-layers.md); their bytes are ``state_bytes``."""
+    state_bytes: int = 0
+    """Device bytes of every state group's live and checkpoint slots, out of ``memory_bytes``
+    before the KV pools are sized."""
 
 
 class PrefixCacheStats(_Frozen):
@@ -823,6 +828,10 @@ class ModelRegistration(_Frozen):
     host_memory_bytes: StrictPosInt | None = None
     """A host tier of this many bytes (``ManagerConfig.host_memory_bytes``); None: as the
     service (``kvcm serve --host-memory``; none by default)."""
+    state_layers: list[StateLayerSpec] | None = None
+    """With ``layers``: the model's recurrent state layers (``ManagerConfig.state_layers``)."""
+    state_checkpoint_stride: StrictPosInt | None = None
+    state_checkpoints: Annotated[int, Strict(), Field(ge=0)] | None = None
 
     @model_validator(mode="after")
     def _rules(self) -> ModelRegistration:

@@ -79,3 +79,17 @@ class StateLayerSpec(_Frozen):
     def nbytes(self) -> int:
         """Bytes of this layer's state for one request."""
         return sum(b.nbytes for b in self.buffers)
+
+
+class StateGroupEstimate(_Frozen):
+    """One state group in ``estimate()``: its slot, exactly the state of its layers for one
+    request plus at most 15 bytes of alignment per buffer, and its slots."""
+
+    state_group_id: int
+    layer_ids: tuple[int, ...]
+    slot_bytes: int
+    state_bytes: int
+    """Bytes of the state itself per request (the sum of its buffers, no alignment)."""
+    live_slots: int
+    """One per request row (``max_requests``): state never limits how many requests fit."""
+    checkpoint_slots: int

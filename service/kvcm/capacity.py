@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcm_client.errors import InvalidArgument
 from kvcm_client.models import Estimate, HostTierStats, PrefixCacheStats, Stats
+from kvcm_client.state import StateGroupEstimate
 
 from .counts import _count
 from .ids import PoolGroupId
@@ -39,6 +40,24 @@ def estimate(
     est = m._sizing.estimate(
         seq_len, m._coord.usable_slots(), m.config.max_requests, num_requests, shape
     )
+    st = m._state
+    if st is not None:
+        est = est.model_copy(
+            update={
+                "state_groups": tuple(
+                    StateGroupEstimate(
+                        state_group_id=int(g.group_id),
+                        layer_ids=g.layers,
+                        slot_bytes=g.slot_bytes,
+                        state_bytes=g.state_bytes,
+                        live_slots=st.max_requests,
+                        checkpoint_slots=st.num_checkpoints,
+                    )
+                    for g in st.groups
+                ),
+                "state_bytes": sum(t.numel() for t in st.memory),
+            }
+        )
     host = m._host
     if host is None:
         return est

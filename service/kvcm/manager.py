@@ -29,6 +29,7 @@ from kvcm_client.errors import (
     PrefixCacheInUse,
     RequestLimitReached,
     RequestsLive,
+    UnknownLayer,
 )
 from kvcm_client.models import (
     AllocateOp,
@@ -651,6 +652,27 @@ class KVCacheManager:
     @_doc(TablesAndViews.layer_view)
     def layer_view(self, layer_id: int, role: Role) -> torch.Tensor:
         return self._views.layer_view(layer_id, role)
+
+    # -- state layers (kvcm.state_pools; docs/state-layers.md) --------------------------------
+
+    def state_view(self, layer_id: int, buffer: str) -> torch.Tensor:
+        """Buffer ``buffer`` of state layer ``layer_id``, ``[max_requests + checkpoints,
+        *shape]`` of its dtype on the manager's device: index it by ``state_indices`` (the
+        first ``max_requests`` rows are live states, by page-table row). ``UnknownLayer`` for
+        a layer or buffer the config does not have."""
+        if self._state is None:
+            raise UnknownLayer(f"no state layer {layer_id}: the config has none", layer_id=layer_id)
+        return self._state.view(layer_id, buffer)
+
+    def state_indices(self, request_ids: Sequence[str], group: int = 0) -> torch.Tensor:
+        """The state slot of each request in state group ``group``, int32 on the manager's
+        device, for kernels: a request's live state slot is its page-table row
+        (``RequestInfo.row``), in every state group."""
+        if self._state is None:
+            raise InvalidArgument("the config has no state layers", state_group=group)
+        self._state.group_of(group)
+        rows = self._rows_of(request_ids)
+        return torch.from_numpy(rows.astype(np.int32)).to(self.device)
 
     # -- layout and sizing -------------------------------------------------------------------
 

@@ -56,23 +56,21 @@ def after_commit(m: KVCacheManager, row: int, prefix: PrefixState, before: int) 
 
 
 def before_rewind(m: KVCacheManager, row: int, prefix: PrefixState, new_len: int) -> None:
-    """Refuse a rewind to ``new_len`` below the committed length unless the state can go
-    back there (to the start, or to a checkpoint of exactly that prefix), and go back; call
-    before anything else changes (it raises first)."""
+    """Refuse a rewind to ``new_len`` below the committed length unless the state has a
+    checkpoint of exactly that prefix, and go back to it; the caller's last check (it
+    raises before anything changes, and nothing after it raises)."""
     st = m._state
     committed = int(m._committed[row])
     if st is None or new_len >= committed:
         return
     tpb = m.tokens_per_block
-    if new_len == 0:
-        key = None
-    elif new_len % (st.stride * tpb) == 0 and st.has(prefix.root, prefix.keys[new_len // tpb - 1]):
-        key = prefix.keys[new_len // tpb - 1]
-    else:
+    # new_len >= 1: a rewind keeps at least one token.
+    key = prefix.keys[new_len // tpb - 1] if new_len >= tpb else None
+    if new_len % (st.stride * tpb) or key is None or not st.has(prefix.root, key):
         raise StateNotRewindable(
             f"request {m._ids[row]!r} has {committed} committed tokens and its state has no "
-            f"checkpoint at {new_len}: a rewind below the committed length must end at the "
-            "start or at a checkpoint",
+            f"checkpoint at {new_len}: a rewind below the committed length must end at a "
+            "checkpoint",
             request_id=m._ids[row],
             num_committed=committed,
             num_tokens=new_len,
@@ -83,7 +81,4 @@ def before_rewind(m: KVCacheManager, row: int, prefix: PrefixState, new_len: int
             "(its copy cannot be undone)",
             request_id=m._ids[row],
         )
-    if key is None:
-        st.start(row)
-    else:
-        st.restore(row, prefix.root, key, new_len)
+    st.restore(row, prefix.root, key, new_len)

@@ -1,0 +1,342 @@
+"""State layers (docs/state-layers.md): specs, exactly sized state groups, a live slot per
+request, checkpoints on commit boundaries, prefix hits restored from them, rewinds refused
+past them, and a toy recurrent model run through the state views against the same model
+run without kvcm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from kvcm import KVCacheManager
+from kvcm.state_pools import build_state_groups
+from kvcm_client.errors import (
+    InvalidArgument,
+    OutOfBlocks,
+    RequestLimitReached,
+    StateNotRewindable,
+    UnknownLayer,
+)
+from kvcm_client.state import StateLayerSpec
+
+TPB = 4
+ATTN = [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8, "dtype": "fp32"}]
+
+
+def _state_layer(layer_id: int, d: int = 4, k: int = 3, **kw: object) -> dict[str, object]:
+    """A toy state layer: a convolution window of k - 1 inputs and a d x d recurrent state."""
+    return {
+        "layer_id": layer_id,
+        "buffers": [
+            {"name": "conv", "shape": [d, k - 1], "dtype": "fp32"},
+            {"name": "ssm", "shape": [d, d], "dtype": "fp32"},
+        ],
+        **kw,
+    }
+
+
+def _manager(**kw: object) -> KVCacheManager:
+    cfg: dict[str, object] = {
+        "layers": ATTN,
+        "state_layers": [_state_layer(1)],
+        "tokens_per_block": TPB,
+        "num_blocks": 32,
+        "max_requests": 4,
+        "max_seq_len": 64,
+    }
+    cfg.update(kw)
+    return KVCacheManager(cfg)
+
+
+# -- specs and layout ---------------------------------------------------------------------------
+
+
+def test_specs_refuse_bad_buffers_and_shared_layer_ids() -> None:
+    with pytest.raises(ValidationError, match="duplicate_state_buffer"):
+        StateLayerSpec.model_validate(
+            {"layer_id": 1, "buffers": [{"name": "a", "shape": [2]}, {"name": "a", "shape": [3]}]}
+        )
+    with pytest.raises(ValidationError, match="state_buffer_name"):
+        StateLayerSpec.model_validate({"layer_id": 1, "buffers": [{"name": "A", "shape": [2]}]})
+    with pytest.raises(ValidationError):
+        StateLayerSpec.model_validate({"layer_id": 1, "buffers": [{"name": "a", "shape": [0]}]})
+    with pytest.raises(ValidationError):
+        StateLayerSpec.model_validate({"layer_id": 1, "buffers": []})
+    with pytest.raises(ValidationError, match="duplicate_layer_id"):
+        _manager(state_layers=[_state_layer(0)])
+
+
+def test_a_group_slot_is_its_buffers_back_to_back_16_byte_aligned() -> None:
+    # The worked example of build_state_groups: conv [8, 3] bf16 = 48 bytes, ssm [2, 4, 16]
+    # fp32 = 512 bytes, layers 1 and 3: offsets 0, 48, 560, 608, a 1120-byte slot.
+    spec = {
+        "buffers": [
+            {"name": "conv", "shape": [8, 3]},
+            {"name": "ssm", "shape": [2, 4, 16], "dtype": "fp32"},
+        ]
+    }
+    specs = [StateLayerSpec.model_validate({"layer_id": i, **spec}) for i in (1, 3)]
+    (group,) = build_state_groups(specs)
+    assert [(b.layer_id, b.name, b.offset) for b in group.buffers] == [
+        (1, "conv", 0),
+        (1, "ssm", 48),
+        (3, "conv", 560),
+        (3, "ssm", 608),
+    ]
+    assert (group.slot_bytes, group.state_bytes) == (1120, 1120)
+    # A draft layer, or one without reuse, is another group.
+    draft = StateLayerSpec.model_validate({"layer_id": 5, "owner": "draft", **spec})
+    assert [g.layers for g in build_state_groups([*specs, draft])] == [(1, 3), (5,)]
+
+
+def test_mamba2_sized_state_is_within_5_percent_of_its_bytes() -> None:
+    # Nemotron-H-8B-like Mamba-2 layer: conv_dim 4096 + 2 x 8 x 128 = 6144, d_conv 4 (3 kept),
+    # bf16; ssm 128 heads x 64 x 128, fp32. 52 such layers.
+    layers = [
+        {
+            "layer_id": i,
+            "buffers": [
+                {"name": "conv", "shape": [6144, 3], "dtype": "bf16"},
+                {"name": "ssm", "shape": [128, 64, 128], "dtype": "fp32"},
+            ],
+        }
+        for i in range(1, 53)
+    ]
+    m = _manager(state_layers=layers, max_requests=2, state_checkpoints=1)
+    (group,) = m._state.groups  # type: ignore[union-attr]
+    theoretical = 52 * (6144 * 3 * 2 + 128 * 64 * 128 * 4)
+    assert group.state_bytes == theoretical and group.slot_bytes <= 1.05 * theoretical
+    est = m.estimate(16)
+    assert est.state_bytes == 3 * group.slot_bytes  # 2 live slots and 1 checkpoint
+    assert est.state_groups[0].layer_ids == tuple(range(1, 53))
+
+
+def test_memory_bytes_pays_for_the_state_and_the_estimate_holds() -> None:
+    """The state's bytes come out of the budget first; the KV pools get the rest, and the
+    estimate's N fit and N + 1 do not."""
+    state = [_state_layer(1, d=16)]  # 16 x 2 x 4 + 16 x 16 x 4 = 1152 bytes a slot
+    kv_block = 2 * 8 * 4 * TPB  # one fp32 key/value head of 8 per token
+    m = _manager(
+        state_layers=state,
+        num_blocks=None,
+        memory_bytes=8 * 1152 + 40 * kv_block,
+        max_requests=4,
+        state_checkpoints=4,
+    )
+    assert m.estimate(8).state_bytes == 8 * 1152
+    assert m.num_total_blocks() == 40
+    est = m.estimate(32)  # 8 blocks each: 5 fit the pools, but only 4 rows exist
+    assert (est.max_requests, est.limited_by) == (4, "max_requests")
+    for i in range(4):
+        m.allocate(f"r{i}", 32)
+    with pytest.raises(RequestLimitReached):
+        m.allocate("r4", 32)
+    m2 = _manager(state_layers=state, num_blocks=None, memory_bytes=8 * 1152 + 20 * kv_block)
+    est = m2.estimate(32)
+    assert est.max_requests == 2
+    m2.allocate("a", 32)
+    m2.allocate("b", 32)
+    with pytest.raises(OutOfBlocks):
+        m2.allocate("c", 32)
+    with pytest.raises(Exception, match="state layers"):
+        _manager(state_layers=state, num_blocks=None, memory_bytes=8 * 1152)
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def test_a_new_request_starts_from_zeros_in_the_slot_of_its_row() -> None:
+    m = _manager()
+    ssm = m.state_view(1, "ssm")
+    assert ssm.shape == (8, 4, 4) and ssm.dtype == torch.float32  # 4 live, 4 checkpoints
+    a = m.allocate("a", 5)
+    assert m.state_indices(["a"]).tolist() == [a.row]
+    ssm[a.row] = 3.0
+    m.free("a")
+    b = m.allocate("b", 5)
+    assert b.row == a.row and not ssm[b.row].any()
+    with pytest.raises(UnknownLayer):
+        m.state_view(1, "nope")
+    with pytest.raises(InvalidArgument):
+        m.state_indices(["b"], group=1)
+
+
+def _commit_in_blocks(m: KVCacheManager, rid: str, tokens: list[int], value: float) -> None:
+    """Commit block by block, the state set to value + the committed length each time (what
+    an engine's chunked prefill leaves there)."""
+    ssm = m.state_view(1, "ssm")
+    row = m.request(rid).row
+    done = m.request(rid).num_committed
+    for end in range(done + TPB, len(tokens) + TPB, TPB):
+        end = min(end, len(tokens))
+        ssm[row] = value + end
+        m.commit(rid, tokens[done:end])
+        done = end
+
+
+def test_commits_on_block_boundaries_save_checkpoints_and_a_hit_restores_them() -> None:
+    m = _manager()
+    ssm = m.state_view(1, "ssm")
+    prompt = list(range(10))  # 2 full blocks and 2 tokens
+    m.allocate("a", 10, token_ids=prompt)
+    _commit_in_blocks(m, "a", prompt, 100)  # checkpoints at 4 and 8, not at 10
+    assert m._state.saves == 2 and m._state.num_saved(0) == 2  # type: ignore[union-attr]
+    assert m.probe(prompt) == 8
+    b = m.allocate("b", 10, token_ids=prompt)
+    assert b.num_hit_tokens == 8 and (ssm[b.row] == 108).all()
+    c = m.allocate("c", 7, token_ids=prompt[:7])  # one full block of its own: hits 4
+    assert c.num_hit_tokens == 4 and (ssm[c.row] == 104).all()
+    # A commit of a whole prompt at once lands at 10: no checkpoint at 8 for that prompt.
+    other = list(range(50, 60))
+    m.allocate("d", 10, token_ids=other)
+    m.commit("d", other)
+    assert m.probe(other) == 0 and m._state.saves == 2  # type: ignore[union-attr]
+
+
+def test_hits_land_on_multiples_of_the_stride() -> None:
+    m = _manager(state_checkpoint_stride=2)
+    prompt = list(range(14))  # 3 full blocks
+    m.allocate("a", 14, token_ids=prompt)
+    _commit_in_blocks(m, "a", prompt, 0)
+    assert m._state.saves == 1  # type: ignore[union-attr]  # at 8 only (2 blocks)
+    assert m.allocate("b", 14, token_ids=prompt).num_hit_tokens == 8  # not 12
+
+
+def test_checkpoints_are_evicted_least_recently_used() -> None:
+    m = _manager(state_checkpoints=1)
+    p, q = list(range(9)), list(range(100, 109))
+    m.allocate("a", 9, token_ids=p)
+    _commit_in_blocks(m, "a", p[:8], 0)  # checkpoints at 4 then 8: only 8 stays
+    assert m.probe(p) == 8 and m.probe(p[:5]) == 0
+    m.allocate("b", 9, token_ids=q)
+    _commit_in_blocks(m, "b", q[:8], 0)
+    assert m.probe(p) == 0 and m.probe(q) == 8
+    m.free("a")
+    m.free("b")
+    m.reset_prefix_cache()
+    assert m.probe(q) == 0 and m._state.num_saved(0) == 0  # type: ignore[union-attr]
+
+
+def test_rewinds_go_back_to_a_checkpoint_or_the_start_or_are_refused() -> None:
+    m = _manager()
+    ssm = m.state_view(1, "ssm")
+    prompt = list(range(12))
+    a = m.allocate("a", 12, token_ids=prompt)
+    _commit_in_blocks(m, "a", prompt[:10], 0)  # committed 10, checkpoints at 4 and 8
+    m.extend("a", 2)  # 14 tokens, 10 committed: drafts
+    m.rewind("a", 3)  # to 11 >= 10 committed: the state is untouched
+    assert (ssm[a.row] == 10).all()
+    with pytest.raises(StateNotRewindable) as err:
+        m.rewind("a", 2)  # to 9: no checkpoint there
+    assert err.value.code == "state_not_rewindable" and err.value.status == 409
+    assert m.request("a").num_tokens == 11 and (ssm[a.row] == 10).all()  # nothing changed
+    m.rewind("a", 3)  # to 8: the checkpoint
+    assert m.request("a").num_committed == 8 and (ssm[a.row] == 8).all()
+    with pytest.raises(InvalidArgument, match="all-or-nothing"), m.transaction():
+        m.rewind("a", 4)  # would restore state: its copy cannot be undone
+    assert m.request("a").num_tokens == 8 and (ssm[a.row] == 8).all()
+    m.rewind("a", 4)  # to 4
+    assert (ssm[a.row] == 4).all() and m.request("a").num_committed == 4
+
+
+def test_a_group_without_reuse_never_gets_a_hit() -> None:
+    m = _manager(state_layers=[_state_layer(1, reuse="none")])
+    prompt = list(range(9))
+    m.allocate("a", 9, token_ids=prompt)
+    _commit_in_blocks(m, "a", prompt, 0)
+    assert m.probe(prompt) == 0 and m.allocate("b", 9, token_ids=prompt).num_hit_tokens == 0
+
+
+def test_hybrid_models_hit_as_much_as_pure_attention_below_528_tokens() -> None:
+    """vLLM pads a hybrid model's attention pages to the state's size (528+ tokens), so
+    shorter prompts never hit. Here: the same random workload of shared-prefix prompts of
+    16 to 520 tokens, committed in 16-token chunks, on a pure-attention manager and on the
+    same manager with a Mamba-like state layer: every allocate hits exactly as much."""
+    rng = np.random.default_rng(0)
+    cfg: dict[str, object] = {
+        "layers": ATTN,
+        "tokens_per_block": 16,
+        "num_blocks": 2048,
+        "max_requests": 8,
+        "max_seq_len": 1024,
+    }
+    pure = KVCacheManager(cfg)
+    # As many checkpoint slots as blocks: one per published block (stride 1).
+    hybrid = KVCacheManager(
+        {**cfg, "state_layers": [_state_layer(1, d=16)], "state_checkpoints": 2048}
+    )
+    bases = [rng.integers(0, 1000, 520).tolist() for _ in range(6)]
+    hits = []
+    for i in range(60):
+        base = bases[int(rng.integers(0, 6))]
+        n = int(rng.integers(16, 521))
+        prompt = base[: int(rng.integers(0, n + 1))] + rng.integers(0, 1000, 520).tolist()
+        prompt = prompt[:n]
+        got = []
+        for m in (pure, hybrid):
+            info = m.allocate(f"r{i}", n, token_ids=prompt)
+            for start in range(info.num_hit_tokens, n, 16):
+                m.commit(f"r{i}", prompt[start : start + 16])
+            got.append(info.num_hit_tokens)
+            m.free(f"r{i}")
+        assert got[0] == got[1], (i, n, got)
+        hits.append(got[0])
+    assert sum(h > 0 for h in hits) > 20 and max(hits) > 256
+
+
+# -- a toy recurrent model through the state views ----------------------------------------------
+
+
+class ToyRecurrence:
+    """A Mamba-like layer: a causal convolution over the last k inputs, then a decaying outer
+    product state. ``run`` advances a (conv, ssm) state over tokens, in place."""
+
+    def __init__(self, d: int = 4, k: int = 3, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.randn(1000, d, generator=g)
+        self.w = torch.randn(d, k, generator=g)
+
+    def run(self, conv: torch.Tensor, ssm: torch.Tensor, tokens: list[int]) -> None:
+        for t in tokens:
+            window = torch.cat([conv, self.emb[t][:, None]], dim=1)
+            u = (window * self.w).sum(1)
+            ssm.mul_(0.9).add_(torch.outer(u, u))
+            conv.copy_(window[:, 1:])
+
+    def reference(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        conv, ssm = torch.zeros(4, 2), torch.zeros(4, 4)
+        self.run(conv, ssm, tokens)
+        return conv, ssm
+
+
+def test_a_toy_recurrent_model_through_kvcm_equals_it_without() -> None:
+    """Chunked prefill, decode, a prefix hit restored from a checkpoint, and a preemption
+    (free, then recompute with a hit): the state kvcm keeps is bit for bit the state of the
+    whole sequence run from zeros."""
+    model = ToyRecurrence()
+    m = _manager(num_blocks=64, max_seq_len=64)
+    conv, ssm = m.state_view(1, "conv"), m.state_view(1, "ssm")
+
+    def serve(rid: str, prompt: list[int], decode: list[int]) -> int:
+        info = m.allocate(rid, len(prompt), token_ids=prompt)
+        row = info.row
+        for start in range(info.num_hit_tokens, len(prompt), TPB):  # chunked prefill
+            chunk = prompt[start : start + TPB]
+            model.run(conv[row], ssm[row], chunk)
+            m.commit(rid, chunk)
+        for t in decode:
+            m.extend(rid, 1)
+            model.run(conv[row], ssm[row], [t])
+            m.commit(rid, [t])
+        want = model.reference(prompt + decode)
+        assert torch.equal(conv[row], want[0]) and torch.equal(ssm[row], want[1]), rid
+        return info.num_hit_tokens
+
+    prompt = list(range(100, 121))
+    assert serve("a", prompt, [5, 6, 7]) == 0
+    assert serve("b", [*prompt, 9], [1]) == 20  # restored from the checkpoint at 20
+    m.free("a")  # preempted: recomputed from the longest checkpointed prefix
+    # a committed 24 tokens (a checkpoint there); a hit keeps the last token to compute.
+    assert serve("a2", [*prompt, 5, 6, 7, 8], [9]) == 24
