@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
+from state_consumer import ToyRecurrence
 
 from kvcm import KVCacheManager
 from kvcm.state_pools import build_state_groups
@@ -289,28 +290,6 @@ def test_hybrid_models_hit_as_much_as_pure_attention_below_528_tokens() -> None:
 # -- a toy recurrent model through the state views ----------------------------------------------
 
 
-class ToyRecurrence:
-    """A Mamba-like layer: a causal convolution over the last k inputs, then a decaying outer
-    product state. ``run`` advances a (conv, ssm) state over tokens, in place."""
-
-    def __init__(self, d: int = 4, k: int = 3, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.emb = torch.randn(1000, d, generator=g)
-        self.w = torch.randn(d, k, generator=g)
-
-    def run(self, conv: torch.Tensor, ssm: torch.Tensor, tokens: list[int]) -> None:
-        for t in tokens:
-            window = torch.cat([conv, self.emb[t][:, None]], dim=1)
-            u = (window * self.w).sum(1)
-            ssm.mul_(0.9).add_(torch.outer(u, u))
-            conv.copy_(window[:, 1:])
-
-    def reference(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        conv, ssm = torch.zeros(4, 2), torch.zeros(4, 4)
-        self.run(conv, ssm, tokens)
-        return conv, ssm
-
-
 def test_a_toy_recurrent_model_through_kvcm_equals_it_without() -> None:
     """Chunked prefill, decode, a prefix hit restored from a checkpoint, and a preemption
     (free, then recompute with a hit): the state kvcm keeps is bit for bit the state of the
@@ -340,3 +319,47 @@ def test_a_toy_recurrent_model_through_kvcm_equals_it_without() -> None:
     m.free("a")  # preempted: recomputed from the longest checkpointed prefix
     # a committed 24 tokens (a checkpoint there); a hit keeps the last token to compute.
     assert serve("a2", [*prompt, 5, 6, 7, 8], [9]) == 24
+
+
+def test_a_consumer_process_runs_the_model_on_the_shared_state() -> None:
+    """The same, with the model in a process of its own that maps the state through
+    ``kvcm_client.attach`` (POSIX shared memory): the scheduler here allocates and commits,
+    the consumer writes the state, and a prefix hit's restored checkpoint is what it reads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = ToyRecurrence()
+    m = _manager(num_blocks=64, share=True)
+    here = Path(__file__).parent
+    child = subprocess.Popen(
+        [sys.executable, str(here / "state_consumer.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        child.stdin.write(m.pools().model_dump_json() + "\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "attached"
+
+        def run(row: int, tokens: list[int]) -> None:
+            child.stdin.write(" ".join(map(str, [row, *tokens])) + "\n")  # type: ignore[union-attr]
+            child.stdin.flush()  # type: ignore[union-attr]
+            assert child.stdout.readline().strip() == "ok"  # type: ignore[union-attr]
+
+        conv, ssm = m.state_view(1, "conv"), m.state_view(1, "ssm")
+        prompt = list(range(200, 213))
+        for rid in ("a", "b"):
+            info = m.allocate(rid, len(prompt), token_ids=prompt)
+            for start in range(info.num_hit_tokens, len(prompt), TPB):
+                run(info.row, prompt[start : start + TPB])
+                m.commit(rid, prompt[start : start + TPB])
+            want = model.reference(prompt)
+            assert torch.equal(conv[info.row], want[0]) and torch.equal(ssm[info.row], want[1])
+        assert m.request("b").num_hit_tokens == 12
+    finally:
+        child.stdin.close()
+        child.wait(10)
+        m.close()

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
-from .state import StateGroupEstimate, StateLayerSpec
+from .state import SharedStateBuffer, StateGroupEstimate, StateLayerSpec
 
 DType = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
 StandardRole = Literal["key", "value", "key_scale", "value_scale"]
@@ -910,6 +910,10 @@ class SharedLayout(_Frozen):
     page_table_shape: tuple[int, int, int]
     null_page: bool = False
     """Where a page table has no page it holds 0 (the zeroed null page), not -1."""
+    state_layers: list[StateLayerSpec] = []
+    state_pools: list[SharedSegment] = []
+    """One segment per state group (docs/state-layers.md)."""
+    state_buffers: list[SharedStateBuffer] = []
 
 
 class ConsumerRequest(_Frozen):

@@ -86,6 +86,13 @@ class Attachment:
             typed = pools[b.pool].view(getattr(torch, b.dtype))
             self.views[(b.layer_id, b.role)] = typed.as_strided(b.shape, b.strides, b.offset)
         self.page_tables = raw(layout.page_tables).view(torch.int32).view(layout.page_table_shape)
+        states = [raw(seg) for seg in layout.state_pools]
+        self.state_views: dict[tuple[int, str], Any] = {}
+        for sb in layout.state_buffers:
+            typed = states[sb.state_group].view(getattr(torch, sb.dtype))
+            self.state_views[(sb.layer_id, sb.name)] = typed.as_strided(
+                sb.shape, sb.strides, sb.offset
+            )
         self.closed = False
 
     def _open_ipc(self, segment: SharedSegment) -> Any:
@@ -121,7 +128,7 @@ class Attachment:
         if self._check is not None:
             self._check()
             return
-        for segment in (*self.layout.pools, self.layout.page_tables):
+        for segment in (*self.layout.pools, self.layout.page_tables, *self.layout.state_pools):
             if segment.kind != "shm":
                 raise InvalidArgument("checking a CUDA attachment needs a client's attach()")
             if not os.path.exists(f"/dev/shm/{segment.name}"):
@@ -138,6 +145,14 @@ class Attachment:
 
     def page_table(self, layer_group: int) -> Any:
         return self.page_tables[layer_group]
+
+    def state_view(self, layer_id: int, name: str) -> Any:
+        """Buffer ``name`` of state layer ``layer_id``: ``[slots, *shape]``, the live state of
+        the request in page-table row r at ``[r]`` (``KVCacheManager.state_view``)."""
+        try:
+            return self.state_views[(layer_id, name)]
+        except KeyError:
+            raise InvalidArgument(f"no state buffer {name!r} of layer {layer_id}") from None
 
     def close(self) -> None:
         """Unregister from the service and drop this object's views and mappings.

@@ -93,3 +93,17 @@ class StateGroupEstimate(_Frozen):
     live_slots: int
     """One per request row (``max_requests``): state never limits how many requests fit."""
     checkpoint_slots: int
+
+
+class SharedStateBuffer(_Frozen):
+    """Where buffer ``name`` of state layer ``layer_id`` lives in its state group's segment
+    (``SharedLayout.state_pools[state_group]``): a strided view in ``dtype`` elements,
+    ``[slots, *shape]``, the live state of page-table row r at ``view[r]``."""
+
+    layer_id: int
+    name: str
+    state_group: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int

@@ -236,6 +236,7 @@ class KVCacheManager:
                 cfg.num_state_checkpoints,
                 cfg.state_checkpoint_stride,
                 self.device,
+                self._segments,
             )
             if cfg.state_layers
             else None
@@ -718,7 +719,16 @@ class KVCacheManager:
         """
         if self._segments is None:
             raise InvalidArgument("this manager was built without share=True: nothing to map")
-        return self._views.shared_layout(self.generation, self._table_segment)
+        layout = self._views.shared_layout(self.generation, self._table_segment)
+        if self._state is None:
+            return layout
+        return layout.model_copy(
+            update={
+                "state_layers": list(self.config.state_layers),
+                "state_pools": list(self._state.segments),
+                "state_buffers": self._state.shared_buffers(),
+            }
+        )
 
     def close(self) -> None:
         """Unlink the shared segments (mappings that exist stay valid until unmapped)."""

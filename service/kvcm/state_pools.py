@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from kvcm_client.errors import InvalidArgument, UnknownLayer
-from kvcm_client.models import ManagerConfig
-from kvcm_client.state import StateLayerSpec
+from kvcm_client.models import ManagerConfig, SharedSegment
+from kvcm_client.state import SharedStateBuffer, StateLayerSpec
 
 from .ids import StateGroupId
+from .shared_memory import CudaSegments, SharedSegments
 
 ALIGN = 16
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -122,15 +123,24 @@ class StatePools:
         checkpoints: int,
         stride: int,
         device: torch.device,
+        segments: SharedSegments | CudaSegments | None = None,
     ) -> None:
         self.groups = groups
         self.max_requests = max_requests
         self.num_checkpoints = checkpoints
         self.stride = stride
         slots = max_requests + checkpoints
-        self.memory = [
-            torch.zeros((slots, g.slot_bytes), dtype=torch.uint8, device=device) for g in groups
-        ]
+        #: Shared segments, one per group, when the manager shares its memory.
+        self.segments: list[SharedSegment] = []
+        self.memory = []
+        for g in groups:
+            if segments is None:
+                tensor = torch.empty((slots, g.slot_bytes), dtype=torch.uint8, device=device)
+            else:
+                segment, raw = segments.allocate(slots * g.slot_bytes)
+                self.segments.append(segment)
+                tensor = raw.view(slots, g.slot_bytes)
+            self.memory.append(tensor.zero_())
         self.placement = {(b.layer_id, b.name): (g.group_id, b) for g in groups for b in g.buffers}
         #: Per group: checkpoint key -> slot, least recently used first; free slots.
         self.lru: list[OrderedDict[CheckpointKey, int]] = [OrderedDict() for _ in groups]
@@ -154,6 +164,24 @@ class StatePools:
             ) from None
         raw = self.memory[gid][:, place.offset : place.offset + place.nbytes]
         return raw.view(_TORCH_DTYPE[place.dtype]).unflatten(1, place.shape)
+
+    def shared_buffers(self) -> list[SharedStateBuffer]:
+        """The descriptors of every buffer's view, for ``SharedLayout.state_buffers``."""
+        out = []
+        for (layer_id, name), (gid, _) in self.placement.items():
+            view = self.view(layer_id, name)
+            out.append(
+                SharedStateBuffer(
+                    layer_id=layer_id,
+                    name=name,
+                    state_group=int(gid),
+                    dtype=str(view.dtype).removeprefix("torch."),
+                    shape=tuple(view.shape),
+                    strides=tuple(view.stride()),
+                    offset=view.storage_offset(),
+                )
+            )
+        return out
 
     def group_of(self, group: int) -> StateGroup:
         if not 0 <= group < len(self.groups):
