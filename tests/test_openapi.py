@@ -343,6 +343,13 @@ def _host_tier(call: Recorder) -> None:
     call("POST", "/v1/resume", 200, json=s)
 
 
+def _state_layers(call: Recorder) -> None:
+    """A hybrid model: a rewind below the committed tokens where the state has no checkpoint."""
+    call("POST", "/v1/allocate", 200, json={"request_id": "h", "num_tokens": 6})
+    call("POST", "/v1/commit", 200, json={"request_id": "h", "token_ids": [1, 2, 3, 4, 5, 6]})
+    call("POST", "/v1/rewind", "state_not_rewindable", json={"request_id": "h", "num_tokens": 1})
+
+
 def _without_a_model(call: Recorder) -> None:
     """Every route that needs the model, on a service that has none; and a registration on a
     device the service cannot use."""
@@ -401,6 +408,16 @@ def test_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) ->
     with serve_in_thread(create_app(KVCacheManager(host))) as url, httpx.Client(base_url=url) as h:
         call = Recorder(h)
         _host_tier(call)
+        samples += call.samples
+    # State layers: a recurrent state cannot be rewound past its checkpoints.
+    state = {"layer_id": 99, "buffers": [{"name": "s", "shape": [4]}]}
+    hybrid = CONFIG | {"state_layers": [state]}
+    with (
+        serve_in_thread(create_app(KVCacheManager(hybrid))) as url,
+        httpx.Client(base_url=url) as h,
+    ):
+        call = Recorder(h)
+        _state_layers(call)
         samples += call.samples
     # A manager that records no KV events refuses to list them.
     with serve_in_thread(create_app(KVCacheManager(CONFIG | {"kv_events": False}))) as url:

@@ -19,6 +19,7 @@ from kvcm_client.errors import (
     RequestLimitReached,
     StateNotRewindable,
     UnknownLayer,
+    status_of,
 )
 from kvcm_client.state import StateLayerSpec
 
@@ -240,6 +241,62 @@ def test_rewinds_go_back_to_a_checkpoint_or_the_start_or_are_refused() -> None:
     assert m.request("a").num_tokens == 8 and (ssm[a.row] == 8).all()
     m.rewind("a", 4)  # to 4
     assert (ssm[a.row] == 4).all() and m.request("a").num_committed == 4
+
+
+def test_the_columnar_step_reports_a_refused_rewind_as_its_status() -> None:
+    m = _manager()
+    prompt = list(range(10))
+    a = m.allocate("a", 10, token_ids=prompt)
+    m.commit("a", prompt)  # 10 at once: no checkpoint at 8 or 4
+    out = m.step_columns(rewind=[a.handle], rewind_tokens=[3])
+    assert out.status["rewind"].tolist() == [status_of("state_not_rewindable")]
+    (item,) = out.errors
+    assert (item.section, item.index, type(item.error)) == ("rewind", 0, StateNotRewindable)
+    assert m.request("a").num_tokens == 10
+
+
+def test_a_service_registers_a_hybrid_model_and_answers_its_errors() -> None:
+    from servers import serve_in_thread
+
+    from kvcm.server.app import create_app
+    from kvcm_client import KVCacheClient
+
+    with serve_in_thread(create_app(None)) as url, KVCacheClient(url) as kv:
+        kv.register_model(
+            layers=ATTN,
+            state_layers=[_state_layer(1)],
+            tokens_per_block=TPB,
+            num_blocks=16,
+            max_requests=2,
+            max_seq_len=32,
+            state_checkpoints=2,
+        )
+        assert kv.estimate(8).state_bytes == 4 * 96  # (2 + 2) slots of 32 + 64 bytes
+        kv.allocate("a", 6)
+        kv.commit("a", [1, 2, 3, 4, 5, 6])
+        with pytest.raises(StateNotRewindable):
+            kv.rewind("a", 1)
+
+
+def test_a_hybrid_hf_config_registers_with_its_state_layers() -> None:
+    """A registration by Hugging Face config (``POST /v1/model``, ``kvcm serve
+    --model-config``) of a hybrid family gets its state layers (kvcm.hf_state)."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent / "fixtures" / "models" / "nemotron-h-8b-base-8k.json"
+    m = _manager()
+    m.register_model(
+        hf_config=json.loads(path.read_text()),
+        num_blocks=8,
+        max_requests=2,
+        max_seq_len=256,
+        state_checkpoints=0,
+    )
+    assert (len(m.config.layers), len(m.config.state_layers)) == (4, 24)
+    # 24 Mamba-2 layers: conv (128 x 64 + 2 x 8 x 128) x 3 bf16, ssm 128 x 64 x 128 fp32.
+    per_layer = (128 * 64 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4
+    assert m.estimate(64).state_bytes == 2 * 24 * per_layer
 
 
 def test_a_group_without_reuse_never_gets_a_hit() -> None:

@@ -60,6 +60,7 @@ from .models import (
     SharedLayout,
     Stats,
 )
+from .state import StateLayerSpec
 
 if TYPE_CHECKING:
     from .shared import Attachment
@@ -457,6 +458,9 @@ class KVCacheClient:
         share: bool | None = None,
         kv_events: bool | None = None,
         host_memory_bytes: int | None = None,
+        state_layers: Sequence[StateLayerSpec | dict[str, Any]] | None = None,
+        state_checkpoint_stride: int | None = None,
+        state_checkpoints: int | None = None,
     ) -> ModelInfo:
         """Register the model (``ModelRegistration``: ``layers`` or ``hf_config``, at most
         one budget; what is left out takes the service's flags). Refused while requests are
@@ -823,6 +827,9 @@ class AsyncKVCacheClient:
         share: bool | None = None,
         kv_events: bool | None = None,
         host_memory_bytes: int | None = None,
+        state_layers: Sequence[StateLayerSpec | dict[str, Any]] | None = None,
+        state_checkpoint_stride: int | None = None,
+        state_checkpoints: int | None = None,
     ) -> ModelInfo:
         """As ``KVCacheClient.register_model``."""
         return await self._run(calls.register_model(_fields(locals())))

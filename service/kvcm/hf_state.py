@@ -366,6 +366,11 @@ def _attention_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return attn
 
 
+def is_hybrid(config: Any) -> bool:
+    """Whether ``config`` is of a hybrid family this module reads (its ``model_type``)."""
+    return isinstance(config, dict) and config.get("model_type") in _KINDS
+
+
 def hybrid_layers_from_hf_config(
     config: dict[str, Any],
     tensor_parallel: int = 1,

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from kvcm_client.errors import InvalidArgument, invalid_from_validation
 from kvcm_client.models import ManagerConfig, ModelInfo, ModelRegistration
 
+from .hf_state import hybrid_layers_from_hf_config, is_hybrid
 from .model_config import layers_from_hf_config, max_seq_len_from_hf_config
 
 if TYPE_CHECKING:
@@ -70,7 +71,11 @@ def to_config(registration: ModelRegistration, defaults: Mapping[str, Any]) -> M
     model: dict[str, Any] = {}
     if registration.hf_config is not None:
         hf = registration.hf_config
-        layers = layers_from_hf_config(hf, kv_dtype, tensor_parallel)
+        if is_hybrid(hf):  # attention and recurrent state layers (docs/state-layers.md)
+            layers, state = hybrid_layers_from_hf_config(hf, tensor_parallel, kv_dtype)
+            model["state_layers"] = state
+        else:
+            layers = layers_from_hf_config(hf, kv_dtype, tensor_parallel)
         if (positions := max_seq_len_from_hf_config(hf)) is not None:
             model["max_seq_len"] = positions
     else:

@@ -51,6 +51,7 @@ from kvcm_client.errors import (
     RewindIntoSharedBlock,
     SequenceTooLong,
     StaleGeneration,
+    StateNotRewindable,
     Unauthorized,
     UnknownConsumer,
     UnknownLayer,
@@ -115,7 +116,9 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ),
     ("POST", "/v1/extend"): RouteDoc((*_GROW, RequestSuspended), **_OP),
     ("POST", "/v1/extend_many"): RouteDoc((*_GROW, RequestSuspended), **_OP),
-    ("POST", "/v1/rewind"): RouteDoc((*_LIVE, InvalidRewind, RewindIntoSharedBlock), **_OP),
+    ("POST", "/v1/rewind"): RouteDoc(
+        (*_LIVE, InvalidRewind, RewindIntoSharedBlock, StateNotRewindable), **_OP
+    ),
     ("POST", "/v1/commit"): RouteDoc(_LIVE, **_OP),
     ("POST", "/v1/commit_many"): RouteDoc(_LIVE, **_OP),
     ("POST", "/v1/free"): RouteDoc(_REQUEST, **_OP),
