@@ -67,6 +67,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--copies-only", action="store_true", help="skip the model tables (decode, prefill)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     layers = 4 if args.quick else 32
@@ -100,7 +103,7 @@ def main() -> None:
     for n in batches:
         print(_row(host, n, slot_bytes, device, repeats))
     _fixed_cost(host, device, repeats)
-    if device.type == "cuda" and not args.quick:
+    if device.type == "cuda" and not (args.quick or args.copies_only):
         _model_tables(device)
 
 
