@@ -39,7 +39,7 @@ MAX_BLOCKS = 64
 #: Segments of at least this many bytes go to the copy engines on CUDA.
 DMA_MIN_BYTES = 256 << 10
 #: ``cudaMemcpyDefault``: the direction follows from the addresses (unified addressing).
-_MEMCPY_DEFAULT = 4
+MEMCPY_DEFAULT = 4
 
 
 def segments(src: np.ndarray, dst: np.ndarray, nbytes: int) -> np.ndarray:
@@ -113,7 +113,7 @@ def copy_segments(
     if large.any():
         runtime = cuda_runtime()
         for src, dst, n in desc[large].tolist():
-            runtime.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream_handle)
+            runtime.memcpyAsync(dst, src, n, MEMCPY_DEFAULT, stream_handle)
         desc = desc[~large]
     if not desc.shape[0]:
         return None

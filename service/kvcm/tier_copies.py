@@ -6,10 +6,10 @@ the tier's own stream after the work already on the current stream (a CUDA event
 them), large segments on the copy engines and all small ones in one ``copy_segments`` kernel
 that reads them straight from pinned memory (``kvcm_kernels.block_copy``); on the CPU, a
 ``memmove`` per segment. Copies whose segments all go to the copy engines (large slots)
-launch as soon as they are queued: the engines start while the op goes on, and a batch would
-save nothing there. ``finish`` flushes and waits for the copies: every public op that can
-queue copies calls it before it answers (``kvcm.manager._settles``), so no caller ever sees
-a slot whose copy is in flight.
+launch as soon as they are queued (``_copy_now``): the engines start while the op goes on,
+and a batch would save nothing there. ``finish`` flushes and waits for the copies: every
+public op that can queue copies calls it before it answers (``kvcm.manager._settles``), so
+no caller ever sees a slot whose copy is in flight.
 
 Within a step, a queued copy and a later one can involve the same slot: an onboard into a
 device slot the step just evicted (whose copy out is queued), a host slot dropped and reused,
@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 import kvcm_kernels
+from kvcm_kernels.block_copy import MEMCPY_DEFAULT
 
 
 @dataclass(slots=True)
@@ -123,6 +124,12 @@ class TierCopier:
             pool: np.array([c.data_ptr() for c in chunks], dtype=np.int64)
             for pool, chunks in regions.items()
         }
+        #: The same as ints, and each device pool's (address, slot bytes), for ``_copy_now``.
+        self._chunks_at = {pool: [int(a) for a in at] for pool, at in self._bases.items()}
+        self._device_at = {
+            pool: (device_pools[pool].data_ptr(), int(device_pools[pool].shape[1]))
+            for pool in regions
+        }
 
     # -- state queries (the block states of kvcm.host_tier) ---------------------------------
 
@@ -164,13 +171,16 @@ class TierCopier:
             self.stats.copy_hazard_launches += 1
             self.flush()
             p = self.pending[pool_group]
+        if self.stream is not None and self._on_copy_engines(pool_group):
+            self._copy_now(pool_group, out, device, host)
+            return
         p.out.append(out)
         p.device.append(list(device))
         p.host.append(list(host))
         (p.device_read if out else p.device_write).update(device)
         (p.host_write if out else p.host_read).update(host)
         self.queued += 1
-        if self.immediate or (self.cuda and self._on_copy_engines(pool_group)):
+        if self.immediate:
             self.flush()
 
     def _on_copy_engines(self, pool_group: int) -> bool:
@@ -219,6 +229,33 @@ class TierCopier:
         self.flush()
         if self._launched:
             self._rt.streamWaitEvent(stream.cuda_stream, self._done, 0)
+
+    def _copy_now(self, pool_group: int, out: bool, device: list[int], host: list[int]) -> None:
+        """Copy on the copy engines now (CUDA, slots of at least ``dma_min_bytes``): one
+        ``cudaMemcpyAsync`` per block and pool on the tier's stream, after the current
+        stream's work, addresses in plain ints. The short path of a decode step's offload:
+        numpy and the batch's bookkeeping would cost more than the calls themselves."""
+        t0 = time.perf_counter()
+        rt, stream = self._rt, self._stream
+        rt.eventRecord(self._ready, torch.cuda.current_stream(self.device).cuda_stream)
+        rt.streamWaitEvent(stream, self._ready, 0)
+        for pool in self.pools_of[pool_group]:
+            base, size = self._device_at[pool]
+            per, chunks = self.per_chunk[pool], self._chunks_at[pool]
+            for d, h in zip(device, host, strict=True):
+                dev_at = base + d * size
+                host_at = chunks[h // per] + (h % per) * size
+                if out:
+                    rt.memcpyAsync(host_at, dev_at, size, MEMCPY_DEFAULT, stream)
+                else:
+                    rt.memcpyAsync(dev_at, host_at, size, MEMCPY_DEFAULT, stream)
+        rt.eventRecord(self._done, stream)
+        self._launched.append(None)
+        f = self.flying[pool_group]
+        (f.device_read if out else f.device_write).update(device)
+        (f.host_write if out else f.host_read).update(host)
+        self.stats.copy_launches += 1
+        self.stats.copy_seconds += time.perf_counter() - t0
 
     # -- the batch ----------------------------------------------------------------------------
 
