@@ -279,3 +279,51 @@ def test_random_copy_batches_equal_copies_one_by_one(seed: int) -> None:
     copier.finish()
     assert torch.equal(device, want_dev) and torch.equal(torch.cat(chunks), want_host)
     assert copier.stats.copy_hazard_launches > 10
+
+
+class _FakeRuntime:
+    """CUDA's runtime calls ``TierCopier._copy_now`` makes, on host memory: memcpyAsync is a
+    memmove now, events do nothing (there is no stream to order)."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+
+    def memcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:
+        import ctypes
+
+        assert kind == 4 and stream == 7
+        self.copies.append((dst, src, n))
+        ctypes.memmove(dst, src, n)
+
+    def eventRecord(self, event: int, stream: int) -> None:
+        pass
+
+    def streamWaitEvent(self, stream: int, event: int, flags: int) -> None:
+        pass
+
+    def eventSynchronize(self, event: int) -> None:
+        pass
+
+
+def test_copies_on_the_copy_engines_go_out_as_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA short path (slots of at least ``dma_min_bytes``: one memcpyAsync per block and
+    pool, as queued), run on host memory through a fake runtime: its addresses, its slots in
+    flight until ``finish``, and no batch."""
+    copier, device, chunks = _copier(immediate=False)
+    rt = _FakeRuntime()
+    copier.stream = object()  # type: ignore[assignment]  # stands for the tier's stream
+    copier._rt, copier._stream, copier._ready, copier._done = rt, 7, 1, 2
+    copier.dma_min_bytes = 48  # the 48-byte slots go to the "copy engines"
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 3})()
+    )
+    old5, old7 = device[5].clone(), device[7].clone()
+    copier.queue(0, True, [5, 7], [4, 0])  # host 4 is chunk 1, row 1
+    assert len(rt.copies) == 2 and copier.queued == 0 and copier.stats.copy_launches == 1
+    assert rt.copies[0] == (chunks[1][1].data_ptr(), device[5].data_ptr(), 48)
+    assert (chunks[1][1] == old5).all() and (chunks[0][0] == old7).all()
+    assert copier.busy_device_slots(0) == {5, 7} and copier.writing_host(0, 4)
+    copier.queue(0, False, [5], [0])  # back into device 5: stream order, no hazard launch
+    assert (device[5] == old7).all() and copier.stats.copy_hazard_launches == 0
+    copier.finish()
+    assert not copier.busy_device_slots(0) and not copier._launched
