@@ -280,3 +280,26 @@ def test_random_ops_match_the_brute_force_model_hybrid(
     )
     assert len(m.layout.pool_groups) == 2
     _random_ops(m, rng, 500)
+
+
+def test_request_infos_the_manager_builds_behave_as_validated_ones() -> None:
+    """The manager builds a RequestInfo without validating its own ints again
+    (``request_rows._trusted_info``): it must be the same model in every way a caller uses."""
+    import copy
+    import pickle
+
+    from pydantic import ValidationError
+
+    from kvcm_client.models import RequestInfo
+
+    m = manager([layer(0)])
+    got = m.allocate("a", 5)
+    got = m.extend("a", 2)
+    want = RequestInfo.model_validate(got.model_dump())
+    assert got == want and type(got) is RequestInfo
+    assert got.model_dump(exclude_unset=True) == want.model_dump(exclude_unset=True)
+    assert got.model_dump_json() == want.model_dump_json()
+    assert got.model_copy(update={"num_tokens": 9}).num_tokens == 9 and got.num_tokens == 7
+    assert copy.deepcopy(got) == got and pickle.loads(pickle.dumps(got)) == got
+    with pytest.raises(ValidationError):
+        got.num_tokens = 1  # frozen

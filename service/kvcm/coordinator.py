@@ -281,13 +281,16 @@ class Coordinator:
         history = int(self.num_tokens[row])
         length = history + new_tokens
         want = -(-(length + lookahead) // tpb)
-        if not self.any_windowed and all(int(n[row]) >= want for n in self.num_blocks):
-            # Most decode tokens: no block to take, none to release.
-            self.num_tokens[row] = length
-            self.history[row] = history
-            self.lookahead[row] = lookahead
-            self.ops_since_take += 1
-            return 0
+        if not self.any_windowed:
+            for held in self.num_blocks:
+                if held[row] < want:
+                    break
+            else:  # most decode tokens: no block to take, none to release
+                self.num_tokens[row] = length
+                self.history[row] = history
+                self.lookahead[row] = lookahead
+                self.ops_since_take += 1
+                return 0
         need = [0] * len(self.pools)
         back = [0] * len(self.pools)
         steps = []

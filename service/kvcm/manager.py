@@ -104,7 +104,9 @@ def _settles(method: _F) -> _F:
 
     A step queues its copies and launches them in batches; its caller may write a slot the
     step evicted, or read a block it onboarded, as soon as it answers, so every public op
-    that can take or give back slots waits for its copies here, also when it raises.
+    that can take or give back slots waits for its copies here, also when it raises
+    (``extend``, the decode token's op, does the same inline: the wrapper's call is a tenth
+    of its cost).
     """
 
     @functools.wraps(method)
@@ -405,12 +407,16 @@ class KVCacheManager:
         events, lost = log.after(after, limit)
         return KVEvents.model_validate({"events": events, "last_seq": log.last_seq, "lost": lost})
 
-    @_settles
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
-        row = request_rows.row_of(self, request_id)
-        request_rows.extend_row(self, row, num_new_tokens, lookahead)
-        return request_rows.info(self, request_id, row)
+        # What ``_settles`` does, inline: a decode token's op is 3 us, the wrapper's call 0.3.
+        try:
+            row = request_rows.row_of(self, request_id)
+            request_rows.extend_row(self, row, num_new_tokens, lookahead)
+            return request_rows.info(self, request_id, row)
+        finally:
+            if self._host is not None:
+                self._host.copier.finish()
 
     @_settles
     @_doc(request_rows.extend_many)
