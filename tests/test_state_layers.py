@@ -197,6 +197,29 @@ def test_commits_on_block_boundaries_save_checkpoints_and_a_hit_restores_them() 
     assert m.probe(other) == 0 and m._state.saves == 2  # type: ignore[union-attr]
 
 
+def test_a_step_makes_its_state_copies_in_one_batch() -> None:
+    """Three commits that each end on a block boundary save three checkpoints: one batch (a
+    gather-scatter per group), made before the step answers."""
+    m = _manager()
+    ssm = m.state_view(1, "ssm")
+    prompts = [list(range(100 * i, 100 * i + 9)) for i in range(3)]
+    handles = []
+    for i in range(3):
+        info = m.allocate(f"r{i}", 9)
+        ssm[info.row] = float(i + 1)
+        handles.append(info.handle)
+    st = m._state
+    assert st is not None
+    before = st.batches
+    out = m.step_columns(commit=handles, commit_tokens=[p[:4] for p in prompts])
+    assert out.status["commit"].tolist() == [0, 0, 0]
+    assert (st.batches - before, st.saves) == (1, 3)
+    for i, p in enumerate(prompts):  # each checkpoint holds its own request's state
+        hit = m.allocate(f"h{i}", 5, token_ids=p[:5])
+        assert hit.num_hit_tokens == 4 and (ssm[hit.row] == i + 1).all()
+        m.free(f"h{i}")
+
+
 def test_hits_land_on_multiples_of_the_stride() -> None:
     m = _manager(state_checkpoint_stride=2)
     prompt = list(range(14))  # 3 full blocks

@@ -100,7 +100,8 @@ def _doc(source: Callable[..., Any]) -> Callable[[_F], _F]:
 
 
 def _settles(method: _F) -> _F:
-    """Return only once the host-tier copies the op queued have completed (kvcm.tier_copies).
+    """Return only once the copies the op queued have completed: the host tier's
+    (kvcm.tier_copies) and the state layers' (kvcm.state_pools).
 
     A step queues its copies and launches them in batches; its caller may write a slot the
     step evicted, or read a block it onboarded, as soon as it answers, so every public op
@@ -116,6 +117,8 @@ def _settles(method: _F) -> _F:
         finally:
             if self._host is not None:
                 self._host.copier.finish()
+            if self._state is not None:
+                self._state.flush()
 
     return call  # type: ignore[return-value]
 
@@ -417,6 +420,8 @@ class KVCacheManager:
         finally:
             if self._host is not None:
                 self._host.copier.finish()
+            if self._state is not None:
+                self._state.flush()
 
     @_settles
     @_doc(request_rows.extend_many)
@@ -436,10 +441,12 @@ class KVCacheManager:
         return request_rows.info(self, request_id, row)
 
     @_doc(commits.commit)
+    @_settles
     def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
         return commits.commit(self, request_id, token_ids)
 
     @_doc(commits.commit_many)
+    @_settles
     def commit_many(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
         commits.commit_many(self, request_ids, token_ids)
 

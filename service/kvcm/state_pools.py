@@ -12,7 +12,8 @@ A checkpoint is a copy of a request's live slot taken when its committed length 
 multiple of ``stride`` blocks, keyed by (scope, key of its last full block): the prefix it
 summarises, exactly like the block it ends. Checkpoints are evicted least recently used. A
 prefix hit of b blocks restores, in every state group, the checkpoint keyed by block b - 1
-into the new request's live slot.
+into the new request's live slot. An op's copies (zeroing, saves, restores) are queued and
+made together when it ends (``flush``): one fill and one gather-scatter per group.
 
 Worked example (tokens_per_block 4, stride 1, one group of 2 live slots and 2 checkpoint
 slots): a request in row 1 commits 8 tokens: its slot 1 is copied to checkpoint slot 2 keyed
@@ -23,7 +24,7 @@ gets slot 2 copied into slot 0.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -52,6 +53,17 @@ class StatePlacement:
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
+
+
+@dataclass(slots=True)
+class _StateCopies:
+    """One group's queued copies: ``dst[i] = src[i]``, and slots to zero."""
+
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    zeros: list[int] = field(default_factory=list)
+    reads: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +162,11 @@ class StatePools:
         self.saved = [np.full(max_requests, -1, dtype=np.int64) for _ in groups]
         self.saves = 0
         self.restores = 0
+        #: Batches of copies made (one per op that queued any, more after a hazard).
+        self.batches = 0
+        #: Per group: the copies the op queued (made at its end, ``flush``).
+        self._pending = [_StateCopies() for _ in groups]
+        self._queued = False
 
     # -- views and indices --------------------------------------------------------------------
 
@@ -190,10 +207,47 @@ class StatePools:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
+    # -- copies, batched per op -----------------------------------------------------------------
+
+    def _queue(self, g: int, src: int | None, dst: int) -> None:
+        """Queue ``dst = src`` (None: zeros) in group g; launches what is queued first if it
+        reads or writes a slot this copy writes, or writes the slot this copy reads, so that
+        a batch's copies are independent (any order gives the same bytes)."""
+        p = self._pending[g]
+        if (dst in p.writes or dst in p.reads) or (src is not None and src in p.writes):
+            self.flush()
+            p = self._pending[g]
+        if src is None:
+            p.zeros.append(dst)
+        else:
+            p.src.append(src)
+            p.dst.append(dst)
+            p.reads.add(src)
+        p.writes.add(dst)
+        self._queued = True
+
+    def flush(self) -> None:
+        """Make every queued copy: per group one fill for the zeros and one gather-scatter
+        for the copies (on CUDA, a launch or two per group, not one per copy)."""
+        if not self._queued:
+            return
+        self.batches += 1
+        for g, p in enumerate(self._pending):
+            mem = self.memory[g]
+            if p.zeros:
+                mem[torch.tensor(p.zeros, device=mem.device)] = 0
+            if p.dst:
+                dst = torch.tensor(p.dst, device=mem.device)
+                mem[dst] = mem[torch.tensor(p.src, device=mem.device)]
+            self._pending[g] = _StateCopies()
+        self._queued = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
     def start(self, row: int) -> None:
         """A new request in ``row``: its live state starts from zeros."""
-        for g, mem in enumerate(self.memory):
-            mem[row].zero_()
+        for g in range(len(self.memory)):
+            self._queue(g, None, row)
             self.saved[g][row] = -1
 
     def has(self, root: bytes, key: bytes) -> bool:
@@ -215,7 +269,7 @@ class StatePools:
             if slot is None:
                 slot = self.free[g].pop() if self.free[g] else lru.popitem(last=False)[1]
             lru[ck] = slot
-            self.memory[g][slot].copy_(self.memory[g][row])
+            self._queue(g, row, slot)
             self.saved[g][row] = length
         self.saves += 1
 
@@ -224,7 +278,7 @@ class StatePools:
         for g, lru in enumerate(self.lru):
             slot = lru[(root, key)]
             lru.move_to_end((root, key))
-            self.memory[g][row].copy_(self.memory[g][slot])
+            self._queue(g, slot, row)
             self.saved[g][row] = length
         self.restores += 1
 

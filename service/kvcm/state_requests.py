@@ -37,9 +37,10 @@ def start(m: KVCacheManager, row: int, root: bytes, keys: list[bytes], hit: int)
     st = m._state
     if st is None:
         return
-    st.start(row)
     if hit:
         st.restore(row, root, keys[hit - 1], hit * m.tokens_per_block)
+    else:
+        st.start(row)
 
 
 def after_commit(m: KVCacheManager, row: int, prefix: PrefixState, before: int) -> None:
