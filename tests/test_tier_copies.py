@@ -151,7 +151,7 @@ def test_a_block_goes_device_copying_out_host_copying_in_device() -> None:
     assert [_states(m)[p, b] for p in (0, 1) for b in (0, 1)] == [D] * 4
     info = _run(m, "c", 2)  # takes a's slots (freed tail first): [2, 1, 0]
     assert info.num_hit_tokens == 0 and m.block_table("c") == [[2, 1, 0]]
-    assert seen[-1][0, 0] == seen[-1][0, 1] == OUT  # at the allocate's end
+    assert seen[-2][0, 0] == seen[-2][0, 1] == OUT  # at the allocate's end (then commit's)
     assert _states(m)[0, 0] == _states(m)[0, 1] == H
     m.free("c")
     copier = m._host.copier  # type: ignore[union-attr]
@@ -162,7 +162,7 @@ def test_a_block_goes_device_copying_out_host_copying_in_device() -> None:
     # in read: those go back to the far end of the free list).
     info = _run(m, "d", 0)
     assert info.num_hit_tokens == 8 and m.block_table("d") == [[5, 4, 3]]
-    at_end = seen[-1]
+    at_end = seen[-2]  # the allocate's end; the commit's is seen[-1]
     assert at_end[0, 0] == at_end[0, 1] == IN
     assert at_end[1, 0] == OUT and at_end[1, 1] == H  # the CPU's launched copies are done
     assert copier.stats.copy_hazard_launches == hazards + 1
@@ -192,8 +192,8 @@ def test_a_recomputed_host_block_is_on_both_and_eviction_needs_no_copy() -> None
     seen = _deferred(m)
     _run(m, "f", 2)  # onboards prompt 2 into [3, 4]: evicts prompt 0's blocks, no copy
     assert m.block_table("f") == [[3, 4, 5]]
-    assert seen[-1][0, 0] == seen[-1][0, 1] == BlockState.HOST
-    assert seen[-1][2, 0] == seen[-1][2, 1] == BlockState.COPYING_IN
+    assert seen[-2][0, 0] == seen[-2][0, 1] == BlockState.HOST  # the allocate's end
+    assert seen[-2][2, 0] == seen[-2][2, 1] == BlockState.COPYING_IN
     assert m.host_stats()["offloaded_blocks"] == 6
 
 

@@ -25,6 +25,7 @@ from .models import (
     Health,
     IndexRow,
     IndexRows,
+    IndexSnapshot,
     KVEvents,
     Layout,
     ModelInfo,
@@ -206,6 +207,10 @@ def events(after: int, limit: int, timeout_s: float) -> Call[KVEvents]:
     )
     # The service waits at most 60 s.
     return dataclasses.replace(call, wait_s=min(max(float(timeout_s), 0.0), 60.0))
+
+
+def index_snapshot() -> Call[IndexSnapshot]:
+    return _get("/v1/index/snapshot", _model(IndexSnapshot))
 
 
 def extend(request_id: str, num_new_tokens: int, lookahead: int) -> Call[RequestInfo]:

@@ -49,6 +49,7 @@ from .models import (
     ConsumerInfo,
     DType,
     Estimate,
+    IndexSnapshot,
     KVEvents,
     LayerSpec,
     Layout,
@@ -296,6 +297,11 @@ class KVCacheClient:
     def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> KVEvents:
         """Events after ``after``; with ``timeout_s`` the service waits that long for one."""
         return self._run(calls.events(after, limit, timeout_s))
+
+    def index_snapshot(self) -> IndexSnapshot:
+        """Every block key cached now, per layer group and tier, and the sequence number of
+        the last event it includes (``KVCacheManager.index_snapshot``)."""
+        return self._run(calls.index_snapshot())
 
     def follow_events(self, after: int = 0, timeout_s: float = 10.0) -> Iterator[KVEvents]:
         """Long-poll forever: each batch of new events as it comes (empty ones skipped)."""
@@ -667,6 +673,9 @@ class AsyncKVCacheClient:
 
     async def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> KVEvents:
         return await self._run(calls.events(after, limit, timeout_s))
+
+    async def index_snapshot(self) -> IndexSnapshot:
+        return await self._run(calls.index_snapshot())
 
     async def follow_events(
         self, after: int = 0, timeout_s: float = 10.0

@@ -256,6 +256,9 @@ class ManagerConfig(_Frozen):
     """Record KV events (``events()``, ``GET /v1/events``). Off, publishing and evicting
     record nothing and ``events()`` raises ``kv_events_disabled`` (409): for a replica no
     router follows."""
+    kv_event_buffer: PosInt = 10_000
+    """Events kept for replay: a follower may ask for any sequence number of the last this
+    many; one that falls further behind gets ``lost`` and resynchronises from a snapshot."""
     host_memory_bytes: PosInt | None = None
     """A host tier of about this many bytes (docs/host-tier.md): cached blocks the device
     evicts are copied there instead of dropped, and prefix hits on them are copied back. It
@@ -612,11 +615,35 @@ class KVEvent(_Frozen):
 
 class KVEvents(_Frozen):
     """Events after the asked sequence number; ``lost``: some were already dropped from the
-    bounded log (the reader fell behind and should resynchronise)."""
+    bounded log (the reader fell behind and should resynchronise from ``index_snapshot``).
+
+    ``generation`` is the manager's epoch: it changes at every start and registration, and
+    sequence numbers start again at 1 in a new one, so a follower that sees another
+    generation than its index was built from drops that index and resynchronises.
+    """
 
     events: list[KVEvent]
     last_seq: int
     lost: bool
+    generation: str = ""
+
+
+class SnapshotGroup(_Frozen):
+    """The block keys (hex) of one layer group cached in one tier."""
+
+    layer_group: int
+    tier: Literal["device", "host"]
+    block_keys: list[str]
+
+
+class IndexSnapshot(_Frozen):
+    """What a manager caches now, consistent with its events up to ``last_seq``: a follower
+    that loads it and then applies the events after ``last_seq`` has the manager's index
+    (docs/prefix-reuse.md#following-the-index)."""
+
+    generation: str
+    last_seq: int
+    groups: list[SnapshotGroup]
 
 
 class ProbeRequest(_Frozen):

@@ -92,6 +92,7 @@ class Coordinator:
         tables_buffer: memoryview | None = None,
         null_page: bool = False,
         kv_events: bool = True,
+        kv_event_buffer: int = 10_000,
     ) -> None:
         tpb = layout.tokens_per_block
         self.tokens_per_block = tpb
@@ -102,7 +103,7 @@ class Coordinator:
         self.pools = [BlockPool(slots[pg.pool_group_id], reserved) for pg in layout.pool_groups]
         #: Requests holding each slot (prefix hits share slots); a slot is free at 0.
         self.refs = [np.zeros(slots[pg.pool_group_id], dtype=np.int32) for pg in layout.pool_groups]
-        self.cache = PrefixCache(layout, slots, kv_events=kv_events)
+        self.cache = PrefixCache(layout, slots, kv_event_buffer, kv_events)
         self.group_pool = [int(g.pool_group) for g in layout.layer_groups]
         self.policies: list[AttentionPolicy] = [
             policy_for(g.sliding_window, g.sink_blocks, tpb) for g in layout.layer_groups

@@ -34,6 +34,7 @@ from kvcm_client.errors import (
 from kvcm_client.models import (
     AllocateOp,
     Estimate,
+    IndexSnapshot,
     KVEvents,
     ManagerConfig,
     ModelInfo,
@@ -42,6 +43,7 @@ from kvcm_client.models import (
     RequestInfo,
     Role,
     SharedLayout,
+    SnapshotGroup,
     Stats,
 )
 from kvcm_client.models import Layout as LayoutInfo
@@ -194,6 +196,7 @@ class KVCacheManager:
             tables_buffer,
             cfg.null_page,
             cfg.kv_events,
+            cfg.kv_event_buffer,
         )
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
@@ -408,7 +411,37 @@ class KVCacheManager:
                 "this manager records no KV events (kv_events=False, kvcm serve --no-kv-events)"
             )
         events, lost = log.after(after, limit)
-        return KVEvents.model_validate({"events": events, "last_seq": log.last_seq, "lost": lost})
+        return KVEvents.model_validate(
+            {
+                "events": events,
+                "last_seq": log.last_seq,
+                "lost": lost,
+                "generation": self.generation,
+            }
+        )
+
+    def index_snapshot(self) -> IndexSnapshot:
+        """Every block key cached now, per layer group and tier, with the sequence number of
+        the last event it includes: load it, then follow ``events(after=last_seq)``."""
+        cache = self._coord.cache
+        groups = [
+            SnapshotGroup(
+                layer_group=g,
+                tier="device",
+                block_keys=[k.hex() for scope in index.values() for k in scope],
+            )
+            for g, index in enumerate(cache.index)
+        ]
+        if self._host is not None:
+            host: dict[int, list[str]] = {}
+            for lru in self._host.lru.values():
+                for g, _, key in lru:
+                    host.setdefault(g, []).append(key.hex())
+            groups += [
+                SnapshotGroup(layer_group=g, tier="host", block_keys=keys)
+                for g, keys in sorted(host.items())
+            ]
+        return IndexSnapshot(generation=self.generation, last_seq=cache.log.last_seq, groups=groups)
 
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""

@@ -63,6 +63,7 @@ from kvcm_client.models import (
     Health,
     IndexRow,
     IndexRows,
+    IndexSnapshot,
     KVEvents,
     Layout,
     ModelInfo,
@@ -436,6 +437,14 @@ def create_app(
                 break
             batch = mgr().events(after, limit)
         return _json(batch)
+
+    @app.get("/v1/index/snapshot", response_model=IndexSnapshot, tags=["prefix cache"])
+    async def index_snapshot(request: Request) -> Response:
+        """Every block key cached now, per layer group and tier, with the sequence number of
+        the last event it includes (a follower loads it, then follows ``/v1/events``). Needs
+        the token when one is set, as the events do."""
+        authorize(request)
+        return _json(mgr().index_snapshot())
 
     @app.get("/v1/layout", response_model=Layout, tags=["layout"])
     async def layout() -> Response:

@@ -134,6 +134,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/probe_tiers"): RouteDoc((*_MODEL, SequenceTooLong), **_READ),
     ("POST", "/v1/reset_prefix_cache"): RouteDoc((*_MODEL, PrefixCacheInUse), body=True, auth=True),
     ("GET", "/v1/events"): RouteDoc((InvalidArgument, *_MODEL, KVEventsDisabled), auth=True),
+    ("GET", "/v1/index/snapshot"): RouteDoc(_MODEL, auth=True),
     ("GET", "/v1/layout"): RouteDoc(_MODEL),
     ("GET", "/v1/estimate"): RouteDoc((InvalidArgument, *_MODEL)),
     ("GET", "/v1/stats"): RouteDoc(_MODEL),
