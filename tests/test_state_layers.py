@@ -15,6 +15,7 @@ from kvcm import KVCacheManager
 from kvcm.state_pools import build_state_groups
 from kvcm_client.errors import (
     InvalidArgument,
+    InvalidRewind,
     OutOfBlocks,
     RequestLimitReached,
     StateNotRewindable,
@@ -320,6 +321,88 @@ def test_a_hybrid_hf_config_registers_with_its_state_layers() -> None:
     # 24 Mamba-2 layers: conv (128 x 64 + 2 x 8 x 128) x 3 bf16, ssm 128 x 64 x 128 fp32.
     per_layer = (128 * 64 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4
     assert m.estimate(64).state_bytes == 2 * 24 * per_layer
+
+
+def test_an_undone_step_puts_back_the_state_of_the_rows_it_wrote() -> None:
+    """An all-or-nothing step that frees a request, starts another in its row (zeroing it, or
+    restoring a checkpoint into it), then fails: the undo gives the first request its row
+    back, and its state as it was."""
+    m = _manager(state_layers=[_state_layer(1)], max_requests=2)
+    ssm = m.state_view(1, "ssm")
+    p = list(range(6))
+    a = m.allocate("a", 6, token_ids=p)
+    ssm[a.row] = 7.0
+    m.commit("a", p[:4])  # a checkpoint at 4 (7.0)
+    ssm[a.row] = 9.0  # the engine ran two more tokens
+    bad = {"op": "extend", "request_id": "nope", "num_new_tokens": 1}
+    for allocate in (
+        {"op": "allocate", "request_id": "b", "num_tokens": 5},  # zeroes the row
+        {"op": "allocate", "request_id": "b", "num_tokens": 6, "token_ids": p},  # restores
+    ):
+        results = m.step([{"op": "free", "request_id": "a"}, allocate, bad], atomic=True)
+        assert not any(r.ok for r in results) and m.request_ids() == ["a"]
+        assert m.request("a").row == a.row and (ssm[a.row] == 9.0).all()
+    out = m.step_columns(
+        free=[a.handle],
+        allocate=[{"request_id": "c", "num_tokens": 5}, {"request_id": "d", "num_tokens": 500}],
+        atomic=True,
+    )
+    assert out.failed is not None and (ssm[a.row] == 9.0).all()
+
+
+def test_a_rewind_the_window_refuses_leaves_the_state() -> None:
+    """The state's checkpoint exists, but the sliding window released blocks the rewind
+    needs: InvalidRewind, and the state is not restored either."""
+    m = _manager(
+        layers=[{**ATTN[0], "sliding_window": 8}], state_layers=[_state_layer(1)], max_requests=2
+    )
+    ssm = m.state_view(1, "ssm")
+    p = list(range(21))
+    a = m.allocate("a", 21, token_ids=p)
+    _commit_in_blocks(m, "a", p, 0)  # checkpoints at 4 ... 20
+    m.extend("a", 1)
+    with pytest.raises(InvalidRewind):
+        m.rewind("a", 6)  # to 16: a checkpoint, but blocks the window released
+    assert m.request("a").num_tokens == 22 and (ssm[a.row] == 21).all()
+
+
+def test_a_group_without_checkpoints_refuses_rewinds_below_the_committed_length() -> None:
+    for states in (
+        [_state_layer(1, reuse="none")],
+        [_state_layer(1), _state_layer(2, reuse="none")],
+    ):
+        m = _manager(state_layers=states)
+        ssm = m.state_view(1, "ssm")
+        p = list(range(12))
+        a = m.allocate("a", 12, token_ids=p)
+        _commit_in_blocks(m, "a", p, 0)
+        with pytest.raises(StateNotRewindable):
+            m.rewind("a", 4)
+        assert m.request("a").num_tokens == 12 and (ssm[a.row] == 12).all()
+    # A group without reuse holds no checkpoint slots: live slots only.
+    assert m.state_view(2, "ssm").shape[0] == 4 and m.state_view(1, "ssm").shape[0] == 8
+
+
+def test_a_budget_too_small_names_the_whole_budget_and_what_it_needs() -> None:
+    state = [_state_layer(1, d=16)]  # 1152-byte slots: 8 of them, 9216 bytes
+    kv_block = 2 * 8 * 4 * TPB
+    with pytest.raises(Exception, match="memory_bytes=9728 cannot hold") as err:
+        _manager(state_layers=state, num_blocks=None, memory_bytes=8 * 1152 + 2 * kv_block)
+    # One 64-token request needs 16 blocks: 16 x 256 + the state's 9216 bytes.
+    assert err.value.detail["needed_bytes"] == 16 * kv_block + 8 * 1152  # type: ignore[attr-defined]
+
+
+def test_the_host_tier_onboards_nothing_past_the_last_checkpoint() -> None:
+    m = _manager(num_blocks=6, host_memory_bytes=1 << 14)
+    prompt = list(range(17))
+    m.allocate("a", 17, token_ids=prompt)
+    m.commit("a", prompt)  # 17 at once: blocks published, no checkpoint
+    m.free("a")
+    m.allocate("x", 24)  # the blocks go to the host
+    m.free("x")
+    assert m.probe_tiers(prompt) == (0, 0) and m.probe(prompt) == 0
+    m.allocate("b", 17, token_ids=prompt)
+    assert m.host_stats()["onboarded_blocks"] == 0
 
 
 def test_a_group_without_reuse_never_gets_a_hit() -> None:

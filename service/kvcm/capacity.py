@@ -14,6 +14,7 @@ from kvcm_client.state import StateGroupEstimate
 from .counts import _count
 from .ids import PoolGroupId
 from .sizing import StepShape
+from .state_pools import group_checkpoints
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -51,7 +52,7 @@ def estimate(
                         slot_bytes=g.slot_bytes,
                         state_bytes=g.state_bytes,
                         live_slots=st.max_requests,
-                        checkpoint_slots=st.num_checkpoints,
+                        checkpoint_slots=group_checkpoints(g, st.num_checkpoints),
                     )
                     for g in st.groups
                 ),

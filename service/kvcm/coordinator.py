@@ -279,12 +279,12 @@ class Coordinator:
     def grow_one(self, row: int, new_tokens: int, lookahead: int) -> int:
         """``grow`` of one row, same plan, same order of effects (release, then allocate)."""
         tpb = self.tokens_per_block
-        history = int(self.num_tokens[row])
+        history = self.num_tokens.item(row)
         length = history + new_tokens
         want = -(-(length + lookahead) // tpb)
         if not self.any_windowed:
             for held in self.num_blocks:
-                if held[row] < want:
+                if held.item(row) < want:
                     break
             else:  # most decode tokens: no block to take, none to release
                 self.num_tokens[row] = length

@@ -58,22 +58,23 @@ def plan(
     ``check_budget``, of less than one ``max_seq_len`` request; no room for the null page)."""
     device = resolve_device(cfg.device)
     layout = build_layout(cfg.layers, cfg.tokens_per_block)
-    sizing = Sizing(layout, cfg.max_seq_len, StepShape(cfg.max_prefill_chunk, cfg.max_lookahead))
+    state = state_memory(cfg)
+    shape = StepShape(cfg.max_prefill_chunk, cfg.max_lookahead)
+    sizing = Sizing(layout, cfg.max_seq_len, shape, state)
     if cfg.num_blocks is not None:
         slots = {pg.pool_group_id: cfg.num_blocks for pg in layout.pool_groups}
     else:
         assert cfg.memory_bytes is not None
-        kv_bytes = cfg.memory_bytes - state_memory(cfg)
-        if kv_bytes <= 0:
+        if cfg.memory_bytes <= state:
             raise InsufficientMemory(
                 f"memory_bytes={cfg.memory_bytes} does not cover the state layers' "
-                f"{state_memory(cfg)} bytes (live slots and checkpoints)",
+                f"{state} bytes (live slots and checkpoints)",
                 memory_bytes=cfg.memory_bytes,
-                state_bytes=state_memory(cfg),
+                state_bytes=state,
             )
-        slots = sizing.slots_for_budget(kv_bytes, int(cfg.null_page))
+        slots = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
         if check_budget:
-            sizing.check_budget(kv_bytes, slots, int(cfg.null_page))
+            sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
     if cfg.null_page:
         _check_null_page_room(slots)
     return device, layout, sizing, slots

@@ -80,6 +80,8 @@ def reuse_prefix(
         # and an undo would give those slots back to the cache entries they had.
         if m._host is not None and m._undo is None:
             cap = min(len(keys), (num_tokens - 1) // tpb)
+            # Nothing past the last state checkpoint can be a hit: not worth a copy in.
+            cap = state_requests.checkpointed_hit(m, root, keys, cap)
             onboard_prefix(c, m._host, root, keys, cap, data, lora_id, has_salt, m._windows)
         hit, hits, ends = find_hit(c.cache, root, keys, num_tokens, tpb, m._windows)
         while hit and (b := state_requests.checkpointed_hit(m, root, keys, hit)) < hit:
@@ -158,6 +160,7 @@ def probe_tiers(
         return 0, 0
     device = probe(m, token_ids, lora_id, cache_salt) // tpb
     host = m._host
+    cap = state_requests.checkpointed_hit(m, root, keys, cap)  # state resumes only there
     both = 0 if host is None else tier_hit(cache, host, root, keys, cap, tpb, m._windows)
     return device * tpb, max(both - device, 0) * tpb
 

@@ -72,10 +72,14 @@ class Sizing:
     #: Shapes whose curves are kept (estimates are asked for a handful of shapes).
     CACHED = 8
 
-    def __init__(self, layout: Layout, max_seq_len: int, shape: StepShape) -> None:
+    def __init__(
+        self, layout: Layout, max_seq_len: int, shape: StepShape, fixed_bytes: int = 0
+    ) -> None:
+        """``fixed_bytes``: what a budget pays before the KV pools (the state layers')."""
         self.layout = layout
         self.max_seq_len = max_seq_len
         self.shape = shape
+        self.fixed_bytes = fixed_bytes
         self._cache: dict[StepShape, Curves] = {}
 
     def curves(self, shape: StepShape) -> Curves:
@@ -134,8 +138,10 @@ class Sizing:
         return sum(peak * pg.slot_bytes for peak, pg in zip(curves.pool, pools, strict=True))
 
     def _budget(self, memory_bytes: int, reserved: int) -> int:
-        """What the split shares out: the budget less ``reserved`` slots of every pool group."""
-        return memory_bytes - reserved * sum(pg.slot_bytes for pg in self.layout.pool_groups)
+        """What the split shares out: the budget less ``reserved`` slots of every pool group
+        and the fixed bytes."""
+        reserved_bytes = reserved * sum(pg.slot_bytes for pg in self.layout.pool_groups)
+        return memory_bytes - reserved_bytes - self.fixed_bytes
 
     def slots_for_budget(self, memory_bytes: int, reserved: int = 0) -> dict[PoolGroupId, int]:
         """Slots per pool group for a budget, ``reserved`` of them outside the split."""

@@ -118,11 +118,18 @@ def build_state_groups(specs: list[StateLayerSpec]) -> tuple[StateGroup, ...]:
     return tuple(groups)
 
 
+def group_checkpoints(group: StateGroup, checkpoints: int) -> int:
+    """Checkpoint slots of a group: none for one without reuse (it never restores)."""
+    return checkpoints if group.reusable else 0
+
+
 def state_memory(cfg: ManagerConfig) -> int:
     """Device bytes of the state layers: every state group's live slots (one per request
     row) and checkpoint slots; ``memory_bytes`` pays for them before the KV pools."""
-    groups = build_state_groups(cfg.state_layers)
-    return sum(g.slot_bytes for g in groups) * (cfg.max_requests + cfg.num_state_checkpoints)
+    return sum(
+        g.slot_bytes * (cfg.max_requests + group_checkpoints(g, cfg.num_state_checkpoints))
+        for g in build_state_groups(cfg.state_layers)
+    )
 
 
 class StatePools:
@@ -141,11 +148,11 @@ class StatePools:
         self.max_requests = max_requests
         self.num_checkpoints = checkpoints
         self.stride = stride
-        slots = max_requests + checkpoints
         #: Shared segments, one per group, when the manager shares its memory.
         self.segments: list[SharedSegment] = []
         self.memory = []
         for g in groups:
+            slots = max_requests + group_checkpoints(g, checkpoints)
             if segments is None:
                 tensor = torch.empty((slots, g.slot_bytes), dtype=torch.uint8, device=device)
             else:
@@ -156,7 +163,10 @@ class StatePools:
         self.placement = {(b.layer_id, b.name): (g.group_id, b) for g in groups for b in g.buffers}
         #: Per group: checkpoint key -> slot, least recently used first; free slots.
         self.lru: list[OrderedDict[CheckpointKey, int]] = [OrderedDict() for _ in groups]
-        self.free = [list(range(slots - 1, max_requests - 1, -1)) for _ in groups]
+        self.free = [
+            list(range(max_requests + group_checkpoints(g, checkpoints) - 1, max_requests - 1, -1))
+            for g in groups
+        ]
         #: Per group and row: the committed length of the request's last checkpoint (its
         #: latest restorable point), -1 for none.
         self.saved = [np.full(max_requests, -1, dtype=np.int64) for _ in groups]
@@ -167,6 +177,9 @@ class StatePools:
         #: Per group: the copies the op queued (made at its end, ``flush``).
         self._pending = [_StateCopies() for _ in groups]
         self._queued = False
+        #: In a transaction: (group, live row) -> (its state, saved length) before the first
+        #: write; None outside one.
+        self._undo: dict[tuple[int, int], tuple[torch.Tensor, int]] | None = None
 
     # -- views and indices --------------------------------------------------------------------
 
@@ -205,7 +218,27 @@ class StatePools:
             raise InvalidArgument(f"no state group {group}", state_group=group)
         return self.groups[group]
 
-    # -- lifecycle -----------------------------------------------------------------------------
+    # -- transactions (all-or-nothing steps) ---------------------------------------------------
+
+    def begin(self) -> None:
+        """Start recording what an undo must put back: the live rows the steps' copies write
+        (checkpoints need nothing: one saved by an undone commit still holds its prefix's
+        state, it only took an older one's slot)."""
+        self.flush()
+        self._undo = {}
+
+    def undo(self) -> None:
+        """Drop the queued copies and put back every live row the transaction wrote."""
+        assert self._undo is not None
+        self._pending = [_StateCopies() for _ in self.groups]
+        self._queued = False
+        for (g, row), (state, length) in self._undo.items():
+            self.memory[g][row].copy_(state)
+            self.saved[g][row] = length
+        self._undo.clear()
+
+    def end(self) -> None:
+        self._undo = None
 
     # -- copies, batched per op -----------------------------------------------------------------
 
@@ -213,6 +246,10 @@ class StatePools:
         """Queue ``dst = src`` (None: zeros) in group g; launches what is queued first if it
         reads or writes a slot this copy writes, or writes the slot this copy reads, so that
         a batch's copies are independent (any order gives the same bytes)."""
+        if self._undo is not None and dst < self.max_requests and (g, dst) not in self._undo:
+            # The first write to a live row in a transaction: keep what an undo puts back
+            # (nothing queued writes it yet: the transaction started with nothing queued).
+            self._undo[(g, dst)] = (self.memory[g][dst].clone(), int(self.saved[g][dst]))
         p = self._pending[g]
         if (dst in p.writes or dst in p.reads) or (src is not None and src in p.writes):
             self.flush()
@@ -251,8 +288,9 @@ class StatePools:
             self.saved[g][row] = -1
 
     def has(self, root: bytes, key: bytes) -> bool:
-        """Whether every reusable state group has the checkpoint of (root, key)."""
-        return all((root, key) in lru for g, lru in enumerate(self.lru) if self.groups[g].reusable)
+        """Whether every state group has the checkpoint of (root, key) (never when one keeps
+        no checkpoints: its state could not go back)."""
+        return self.restorable() and all((root, key) in lru for lru in self.lru)
 
     def restorable(self) -> bool:
         """Whether prefix hits can restore state at all (every group keeps checkpoints)."""

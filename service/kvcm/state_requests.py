@@ -56,14 +56,15 @@ def after_commit(m: KVCacheManager, row: int, prefix: PrefixState, before: int) 
         st.save(row, prefix.root, prefix.keys[length // m.tokens_per_block - 1], length)
 
 
-def before_rewind(m: KVCacheManager, row: int, prefix: PrefixState, new_len: int) -> None:
-    """Refuse a rewind to ``new_len`` below the committed length unless the state has a
-    checkpoint of exactly that prefix, and go back to it; the caller's last check (it
-    raises before anything changes, and nothing after it raises)."""
+def check_rewind(m: KVCacheManager, row: int, prefix: PrefixState, new_len: int) -> bytes | None:
+    """The checkpoint key a rewind to ``new_len`` must restore (None: the state stays),
+    or ``StateNotRewindable`` below the committed length without a checkpoint of exactly
+    that prefix; changes nothing (``apply_rewind`` does, once the rewind can no longer
+    fail)."""
     st = m._state
     committed = int(m._committed[row])
     if st is None or new_len >= committed:
-        return
+        return None
     tpb = m.tokens_per_block
     # new_len >= 1: a rewind keeps at least one token.
     key = prefix.keys[new_len // tpb - 1] if new_len >= tpb else None
@@ -82,4 +83,10 @@ def before_rewind(m: KVCacheManager, row: int, prefix: PrefixState, new_len: int
             "(its copy cannot be undone)",
             request_id=m._ids[row],
         )
-    st.restore(row, prefix.root, key, new_len)
+    return key
+
+
+def apply_rewind(m: KVCacheManager, row: int, root: bytes, key: bytes, new_len: int) -> None:
+    """Restore the checkpoint ``check_rewind`` found into the row's live state."""
+    assert m._state is not None
+    m._state.restore(row, root, key, new_len)

@@ -57,12 +57,16 @@ def transaction(m: KVCacheManager) -> Iterator[Callable[[], None]]:
         handles=m._handle.copy(),
     )
     m._undo = []
+    if m._state is not None:
+        m._state.begin()
 
     def undo() -> None:
         assert m._undo is not None
         for action in reversed(m._undo):
             action()
         m._undo.clear()
+        if m._state is not None:
+            m._state.undo()
         m._coord.restore(saved.coordinator)
         m._rows = dict(saved.rows)
         m._free_rows = list(saved.free_rows)
@@ -81,3 +85,5 @@ def transaction(m: KVCacheManager) -> Iterator[Callable[[], None]]:
         raise
     finally:
         m._undo = None
+        if m._state is not None:
+            m._state.end()
