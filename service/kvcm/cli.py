@@ -127,6 +127,13 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         {"type": Path, "help": "also serve the step channel on this Unix socket (0660)"},
     ),
     (
+        "--kv-events-zmq",
+        {
+            "help": "also publish KV events in vLLM's format on a ZeroMQ PUB socket bound "
+            "here, e.g. tcp://127.0.0.1:5557 (needs pyzmq)"
+        },
+    ),
+    (
         "--metrics-port",
         {"type": int, "help": "also serve /livez, /readyz, /metrics (only) on this TCP port"},
     ),

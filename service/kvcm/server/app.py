@@ -136,16 +136,23 @@ def create_app(
     defaults: Mapping[str, Any] | None = None,
     step_socket: Path | None = None,
     request_timeout: float = 10.0,
+    kv_events_zmq: str | None = None,
 ) -> FastAPI:
     """An app serving ``manager`` (None: no model until one is registered); ``api_token``
     (if set) guards every mutating route. ``max_body_bytes`` defaults to
     ``default_body_limit`` of the model's ``max_seq_len``, and follows a registered model.
     ``defaults``: what a registered model takes where it says nothing (``ServiceState``).
     ``step_socket``: also serve the step channel there (``step_channel``), with the same
-    token and body limit, each frame due whole within ``request_timeout`` seconds."""
+    token and body limit, each frame due whole within ``request_timeout`` seconds.
+    ``kv_events_zmq``: also publish the KV events in vLLM's format on a ZeroMQ PUB socket
+    bound there (``vllm_events``)."""
     state = ServiceState(
         manager, lease_ttl_s, *(() if clock is None else (clock,)), defaults=defaults
     )
+    if kv_events_zmq is not None:
+        from .vllm_events import VllmEventPublisher
+
+        state.event_publisher = VllmEventPublisher(kv_events_zmq)
 
     def body_limit() -> int:
         """The body (and frame) limit now: it follows a registered model's max_seq_len."""
@@ -700,4 +707,5 @@ def app_from_settings(settings: Any) -> FastAPI:
         defaults=settings.registration_defaults(manager.config if manager else None),
         step_socket=settings.step_socket,
         request_timeout=settings.request_timeout,
+        kv_events_zmq=settings.kv_events_zmq,
     )

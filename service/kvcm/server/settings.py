@@ -121,6 +121,9 @@ class Settings(BaseSettings):
     uds: Path | None = None
     step_socket: Path | None = None
     """Also serve the step channel (docs/step-channel.md) on this Unix socket."""
+    kv_events_zmq: str | None = None
+    """Also publish the KV events in vLLM's format on a ZeroMQ PUB socket bound here, e.g.
+    ``tcp://127.0.0.1:5557`` (docs/prefix-reuse.md#vllms-event-format; needs pyzmq)."""
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     lease_ttl: float = Field(default=30.0, gt=0, le=86_400)

@@ -104,6 +104,8 @@ class ServiceState:
         #: Set (and replaced) whenever new KV events exist: long-polling readers wait on it.
         self.event_wave: asyncio.Event | None = None
         self._seen_seq = 0
+        #: Also publishes the events in vLLM's format (``vllm_events``), when asked for.
+        self.event_publisher: Any = None
         #: Set at shutdown: long-polls answer at once instead of being cut off.
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -170,6 +172,8 @@ class ServiceState:
         last = self.manager.last_event_seq
         if last != self._seen_seq:
             self._seen_seq = last
+            if self.event_publisher is not None:
+                self.event_publisher.publish(self.manager)
             if self.event_wave is not None:
                 self.event_wave.set()
             self.event_wave = asyncio.Event()
