@@ -90,13 +90,17 @@ def bench(repeats: int) -> dict[str, float]:
     # prefix, then 256 tokens of their own. Never committed, so they never hit each other.
     prompts = [prefix + rng.integers(0, 50_000, 256).tolist() for _ in range(64)]
 
-    def mixed() -> None:
+    def next_allocs() -> list[dict[str, object]]:
+        """This step's two 512-token allocates (fresh ids, the next two prompts)."""
         k = state["count"]
         state["count"] = k + 1
-        allocs = [
+        return [
             {"request_id": f"p{k}-{j}", "num_tokens": 512, "token_ids": prompts[(2 * k + j) % 64]}
             for j in range(2)
         ]
+
+    def mixed() -> None:
+        allocs = next_allocs()
         out = m.step_columns(
             free=state["new"],
             commit=committers,
@@ -112,12 +116,7 @@ def bench(repeats: int) -> dict[str, float]:
 
     # The parts of the mixed step, each alone.
     def turnover() -> None:
-        k = state["count"]
-        state["count"] = k + 1
-        allocs = [
-            {"request_id": f"p{k}-{j}", "num_tokens": 512, "token_ids": prompts[(2 * k + j) % 64]}
-            for j in range(2)
-        ]
+        allocs = next_allocs()
         state["new"] = m.step_columns(free=state["new"], allocate=allocs).handles.tolist()
 
     rows["  part: 2 frees + 2 allocates (512, hashed)"] = _median_us(turnover, repeats, 5)

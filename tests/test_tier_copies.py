@@ -256,19 +256,25 @@ def test_a_consumer_reading_the_tables_never_sees_a_slot_in_flight(
     assert reads > 10 and bad > 0
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_copy_batches_equal_copies_one_by_one(seed: int) -> None:
-    """Queues of random copies with every kind of hazard, batched, against running each copy
-    on its own in order."""
-    rng = np.random.default_rng(seed)
-    copier, device, chunks = _copier(immediate=False)
-    want_dev = device.clone()
+def run_random_copies(
+    copier: TierCopier,
+    device: torch.Tensor,
+    chunks: list[torch.Tensor],
+    rng: np.random.Generator,
+    steps: int,
+    max_copies: int,
+    host_slots: int,
+) -> None:
+    """Queue random copies of pool group 0 (up to ``max_copies`` blocks each, either way,
+    finishing now and then) and check every byte against making each copy alone, in order
+    (also on CUDA: tests/gpu/test_tier_copies_gpu.py)."""
+    want_dev = device.cpu().clone()
     want_host = torch.cat([c.clone() for c in chunks])
-    for _ in range(300):
-        n = int(rng.integers(1, 4))
+    for _ in range(steps):
+        n = int(rng.integers(1, max_copies + 1))
         out = bool(rng.integers(0, 2))
-        d = rng.choice(12, n, replace=False).tolist()
-        h = rng.choice(8, n, replace=False).tolist()
+        d = rng.choice(device.shape[0], n, replace=False).tolist()
+        h = rng.choice(host_slots, n, replace=False).tolist()
         copier.queue(0, out, d, h)
         if out:
             want_host[h] = want_dev[d]
@@ -276,8 +282,17 @@ def test_random_copy_batches_equal_copies_one_by_one(seed: int) -> None:
             want_dev[d] = want_host[h]
         if rng.random() < 0.1:
             copier.finish()
+            assert not copier.busy_device_slots(0)
     copier.finish()
-    assert torch.equal(device, want_dev) and torch.equal(torch.cat(chunks), want_host)
+    assert torch.equal(device.cpu(), want_dev) and torch.equal(torch.cat(chunks), want_host)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_copy_batches_equal_copies_one_by_one(seed: int) -> None:
+    """Queues of random copies with every kind of hazard, batched, against running each copy
+    on its own in order."""
+    copier, device, chunks = _copier(immediate=False)
+    run_random_copies(copier, device, chunks, np.random.default_rng(seed), 300, 3, 8)
     assert copier.stats.copy_hazard_launches > 10
 
 

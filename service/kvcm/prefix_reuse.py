@@ -83,11 +83,13 @@ def reuse_prefix(
             # Nothing past the last state checkpoint can be a hit: not worth a copy in.
             cap = state_requests.checkpointed_hit(m, root, keys, cap)
             onboard_prefix(c, m._host, root, keys, cap, data, lora_id, has_salt, m._windows)
-        hit, hits, ends = find_hit(c.cache, root, keys, num_tokens, tpb, m._windows)
-        while hit and (b := state_requests.checkpointed_hit(m, root, keys, hit)) < hit:
-            # State layers resume only at a checkpoint: cut the hit to one (a window may
-            # cut it further, to a hit that needs a checkpoint of its own).
-            hit, hits, ends = find_hit(c.cache, root, keys, b * tpb + 1, tpb, m._windows)
+        hit, hits, ends = state_requests.cut_to_checkpoint(
+            m,
+            root,
+            keys,
+            find_hit(c.cache, root, keys, num_tokens, tpb, m._windows),
+            lambda n: find_hit(c.cache, root, keys, n, tpb, m._windows),
+        )
         if block_keys is not None:
             _check_key_sizes(keys[hit:])
     if hit:
@@ -133,9 +135,11 @@ def probe(
     root = root_key(lora_id, cache_salt)
     keys = _keys_of(m, tokens, data, root, multimodal_items(multimodal), block_keys)
     tpb = m.tokens_per_block
-    hit, _, _ = find_hit(m._coord.cache, root, keys, len(tokens), tpb, m._windows, True)
-    while hit and (b := state_requests.checkpointed_hit(m, root, keys, hit)) < hit:
-        hit, _, _ = find_hit(m._coord.cache, root, keys, b * tpb + 1, tpb, m._windows, True)
+
+    def find(n: int) -> tuple[int, Any, Any]:
+        return find_hit(m._coord.cache, root, keys, n, tpb, m._windows, True)
+
+    hit, _, _ = state_requests.cut_to_checkpoint(m, root, keys, find(len(tokens)), find)
     return hit * tpb
 
 
@@ -146,7 +150,7 @@ def probe_tiers(
     cache_salt: str | None = None,
 ) -> tuple[int, int]:
     """(tokens a new request would reuse from the device now, tokens more it would
-    onboard from the host tier): the longest hit the device serves (``probe``), and the
+    onboard from the host tier): the longest hit the device serves (as ``probe``), and the
     longest whose needed blocks the device and the host hold together (a window needs only
     its sinks and last blocks); claims nothing."""
     check_prompt(m, token_ids, None)
@@ -158,7 +162,11 @@ def probe_tiers(
     cap = min(len(keys), (len(tokens) - 1) // tpb) if tokens else 0
     if cap <= 0 or not all(cache.reusable):
         return 0, 0
-    device = probe(m, token_ids, lora_id, cache_salt) // tpb
+
+    def find(n: int) -> tuple[int, Any, Any]:
+        return find_hit(cache, root, keys, n, tpb, m._windows, True)
+
+    device, _, _ = state_requests.cut_to_checkpoint(m, root, keys, find(len(tokens)), find)
     host = m._host
     cap = state_requests.checkpointed_hit(m, root, keys, cap)  # state resumes only there
     both = 0 if host is None else tier_hit(cache, host, root, keys, cap, tpb, m._windows)

@@ -39,6 +39,17 @@ SHM_DIR = Path("/dev/shm")
 _log = logging.getLogger("kvcm")
 
 
+def strided(view: torch.Tensor) -> dict[str, Any]:
+    """How a consumer rebuilds ``view`` from its segment (``torch.as_strided`` of the
+    segment in ``dtype`` elements): the fields shared descriptors carry."""
+    return {
+        "dtype": str(view.dtype).removeprefix("torch."),
+        "shape": tuple(view.shape),
+        "strides": tuple(view.stride()),
+        "offset": view.storage_offset(),
+    }
+
+
 def reclaim_dead_generations(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink the segments of every generation whose process is gone; returns their names.
 

@@ -34,7 +34,7 @@ from kvcm_client.models import ManagerConfig, SharedSegment
 from kvcm_client.state import SharedStateBuffer, StateLayerSpec
 
 from .ids import StateGroupId
-from .shared_memory import CudaSegments, SharedSegments
+from .shared_memory import CudaSegments, SharedSegments, strided
 
 ALIGN = 16
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -197,21 +197,15 @@ class StatePools:
 
     def shared_buffers(self) -> list[SharedStateBuffer]:
         """The descriptors of every buffer's view, for ``SharedLayout.state_buffers``."""
-        out = []
-        for (layer_id, name), (gid, _) in self.placement.items():
-            view = self.view(layer_id, name)
-            out.append(
-                SharedStateBuffer(
-                    layer_id=layer_id,
-                    name=name,
-                    state_group=int(gid),
-                    dtype=str(view.dtype).removeprefix("torch."),
-                    shape=tuple(view.shape),
-                    strides=tuple(view.stride()),
-                    offset=view.storage_offset(),
-                )
+        return [
+            SharedStateBuffer(
+                layer_id=layer_id,
+                name=name,
+                state_group=int(gid),
+                **strided(self.view(layer_id, name)),
             )
-        return out
+            for (layer_id, name), (gid, _) in self.placement.items()
+        ]
 
     def group_of(self, group: int) -> StateGroup:
         if not 0 <= group < len(self.groups):

@@ -6,7 +6,8 @@ refused (``StateNotRewindable``), since a recurrent state cannot undo tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvcm_client.errors import InvalidArgument, StateNotRewindable
 
@@ -29,6 +30,21 @@ def checkpointed_hit(m: KVCacheManager, root: bytes, keys: list[bytes], hit: int
     while b and not st.has(root, keys[b - 1]):
         b -= st.stride
     return b
+
+
+def cut_to_checkpoint(
+    m: KVCacheManager,
+    root: bytes,
+    keys: list[bytes],
+    found: tuple[int, Any, Any],
+    find: Callable[[int], tuple[int, Any, Any]],
+) -> tuple[int, Any, Any]:
+    """``find_hit``'s result ``found`` cut to a hit state layers can resume at: ``find(n)``
+    runs ``find_hit`` again for a prompt of ``n`` tokens (a window may cut that hit further,
+    to one that needs a checkpoint of its own). Without state layers, ``found`` itself."""
+    while found[0] and (b := checkpointed_hit(m, root, keys, found[0])) < found[0]:
+        found = find(b * m.tokens_per_block + 1)
+    return found
 
 
 def start(m: KVCacheManager, row: int, root: bytes, keys: list[bytes], hit: int) -> None:

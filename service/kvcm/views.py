@@ -37,6 +37,7 @@ from .device_tables import DeviceTables, Uploader
 from .ids import LayerId, PoolGroupId
 from .layout import BufferPlacement, Layout
 from .pools import PoolMemory, role_dtype
+from .shared_memory import strided
 
 
 class TablesAndViews:
@@ -492,17 +493,13 @@ class TablesAndViews:
         for (lid, role), place in sorted(
             lay.placements.items(), key=lambda kv: (kv[0][0], self.role_index[kv[0][1]])
         ):
-            view = self.memory.layer_view(lid, role)
             buffers.append(
                 SharedBuffer(
                     layer_id=lid,
                     role=role,
                     layer_group=place.layer_group,
                     pool=place.pool,
-                    dtype=str(view.dtype).removeprefix("torch."),
-                    shape=tuple(view.shape),
-                    strides=tuple(view.stride()),
-                    offset=view.storage_offset(),
+                    **strided(self.memory.layer_view(lid, role)),
                 )
             )
         self.sync_tables()  # CUDA: what a consumer maps is up to date

@@ -11,6 +11,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: GPU tests run on the GPU machine only", allow_module_level=True)
 
+from test_tier_copies import run_random_copies
+
 import kvcm_kernels
 from kvcm.tier_copies import TierCopier
 
@@ -61,23 +63,7 @@ def test_random_copy_batches_on_cuda_equal_copies_one_by_one(seed: int, dma: boo
     ]
     copier = TierCopier([device], {0: chunks}, {0: [0]}, DEV)
     copier.dma_min_bytes = 1 if dma else 1 << 62
-    want_dev = device.cpu()
-    want_host = torch.cat(chunks)
-    for _ in range(400):
-        n = int(rng.integers(1, 5))
-        out = bool(rng.integers(0, 2))
-        d = rng.choice(12, n, replace=False).tolist()
-        h = rng.choice(9, n, replace=False).tolist()
-        copier.queue(0, out, d, h)
-        if out:
-            want_host[h] = want_dev[d]
-        else:
-            want_dev[d] = want_host[h]
-        if rng.random() < 0.1:
-            copier.finish()
-            assert not copier.busy_device_slots(0)
-    copier.finish()
-    assert torch.equal(device.cpu(), want_dev) and torch.equal(torch.cat(chunks), want_host)
+    run_random_copies(copier, device, chunks, rng, 400, 4, 9)
     if dma:  # each copy launched as it was queued: stream order alone keeps them right
         assert (copier.stats.copy_launches, copier.stats.copy_hazard_launches) == (400, 0)
     else:
