@@ -8,8 +8,9 @@ Layout: Llama-3-8B-like, 32 layers of 8 KV heads x 128, bf16, 16-token blocks, o
 1 to 64 blocks:
 
 - ``offload``: ``HostTier.offload`` of that many cached blocks (device -> pinned host) and the
-  wait for its copies, as a step that evicts them does (one ``copy_segments`` launch on the
-  tier's stream, ``kvcm.tier_copies``);
+  wait for its copies, as a step that evicts them does (``kvcm.tier_copies``: 2 MiB slots
+  go to the copy engines as they are queued); the ``clear`` that makes room for the next
+  round is not timed;
 - ``onboard``: as many host blocks copied into device slots (host -> device) and the wait;
 - ``baseline``: one ``copy_`` of the same number of bytes between a contiguous device buffer
   and a pinned host buffer, each way, synchronised: what a single cudaMemcpy of that size
@@ -51,15 +52,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn, device: torch.device, repeats: int) -> float:  # type: ignore[no-untyped-def]
+def _median_s(fn, device: torch.device, repeats: int, reset=None) -> float:  # type: ignore[no-untyped-def]
+    """Median wall time of ``fn`` and the device work it waits for; ``reset`` (untimed)
+    runs after each call."""
     fn()
     _sync(device)
+    if reset is not None:
+        reset()
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         _sync(device)
         samples.append(time.perf_counter() - t0)
+        if reset is not None:
+            reset()
     return statistics.median(samples)
 
 
@@ -284,9 +291,8 @@ def _row(host: Any, n: int, slot_bytes: int, device: torch.device, repeats: int)
     def offload() -> None:
         host.offload(0, entries)
         host.copier.finish()
-        host.clear()  # the next round offloads again
 
-    out_s = _median_s(offload, device, repeats)
+    out_s = _median_s(offload, device, repeats, reset=host.clear)  # offloads again
     host.offload(0, entries)
     host.copier.finish()
     held = [host.lru[0][k] for k in keys]

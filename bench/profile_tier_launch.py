@@ -91,6 +91,11 @@ def main() -> None:
     rows["torch.cuda.current_stream().cuda_stream"] = _us(
         lambda: torch.cuda.current_stream(device).cuda_stream
     )
+    rows["raw current stream (torch._C._cuda_getCurrentRawStream)"] = _us(
+        lambda: torch._C._cuda_getCurrentRawStream(0)
+    )
+    current = torch.cuda.current_stream(device).cuda_stream
+    rows["rt.streamQuery (current stream idle)"] = _us(lambda: rt.streamQuery(current))
     rows["rt.eventRecord"] = _us(lambda: rt.eventRecord(c._ready, stream))
     rows["rt.streamWaitEvent"] = _us(lambda: rt.streamWaitEvent(stream, c._ready, 0))
     small = 4096
@@ -109,6 +114,13 @@ def main() -> None:
         rt.eventSynchronize(c._done)
 
     rows["memcpyAsync 2 MiB + record + sync"] = _us(one_copy_wait, 500)
+
+    def waited_copy_wait() -> None:
+        rt.eventRecord(c._ready, current)
+        rt.streamWaitEvent(stream, c._ready, 0)
+        one_copy_wait()
+
+    rows["the same after a wait for the current stream's event"] = _us(waited_copy_wait, 500)
     host_buf = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dev_buf = torch.empty(n, dtype=torch.uint8, device=device)
 

@@ -14,7 +14,7 @@ import torch
 from helpers import layer, manager
 
 import kvcm_kernels
-from kvcm import KVCacheManager, block_keys
+from kvcm import KVCacheManager, block_keys, tier_copies
 from kvcm.hashing import root_key
 from kvcm.host_tier import BlockState
 from kvcm.tier_copies import TierCopier
@@ -298,10 +298,17 @@ def test_random_copy_batches_equal_copies_one_by_one(seed: int) -> None:
 
 class _FakeRuntime:
     """CUDA's runtime calls ``TierCopier._copy_now`` makes, on host memory: memcpyAsync is a
-    memmove now, events do nothing (there is no stream to order)."""
+    memmove now, events are only recorded in ``waits`` (there is no stream to order);
+    ``busy``: whether the current stream (handle 3) has work in flight."""
 
     def __init__(self) -> None:
         self.copies: list[tuple[int, int, int]] = []
+        self.waits: list[tuple[str, int, int]] = []
+        self.busy = False
+
+    def streamQuery(self, stream: int) -> int:
+        assert stream == 3
+        return 600 if self.busy else 0  # cudaErrorNotReady / cudaSuccess
 
     def memcpyAsync(self, dst: int, src: int, n: int, kind: int, stream: int) -> None:
         import ctypes
@@ -311,10 +318,10 @@ class _FakeRuntime:
         ctypes.memmove(dst, src, n)
 
     def eventRecord(self, event: int, stream: int) -> None:
-        pass
+        self.waits.append(("record", event, stream))
 
     def streamWaitEvent(self, stream: int, event: int, flags: int) -> None:
-        pass
+        self.waits.append(("wait", stream, event))
 
     def eventSynchronize(self, event: int) -> None:
         pass
@@ -328,17 +335,19 @@ def test_copies_on_the_copy_engines_go_out_as_queued(monkeypatch: pytest.MonkeyP
     rt = _FakeRuntime()
     copier.stream = object()  # type: ignore[assignment]  # stands for the tier's stream
     copier._rt, copier._stream, copier._ready, copier._done = rt, 7, 1, 2
-    copier.dma_min_bytes = 48  # the 48-byte slots go to the "copy engines"
-    monkeypatch.setattr(
-        torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 3})()
-    )
+    copier._engines = {0: True}  # the 48-byte slots go to the "copy engines"
+    monkeypatch.setattr(tier_copies, "_current_stream", lambda index: 3)
     old5, old7 = device[5].clone(), device[7].clone()
+    rt.busy = True  # the copies out wait for the current stream's work
     copier.queue(0, True, [5, 7], [4, 0])  # host 4 is chunk 1, row 1
+    assert rt.waits == [("record", 1, 3), ("wait", 7, 1), ("record", 2, 7)]
     assert len(rt.copies) == 2 and copier.queued == 0 and copier.stats.copy_launches == 1
     assert rt.copies[0] == (chunks[1][1].data_ptr(), device[5].data_ptr(), 48)
     assert (chunks[1][1] == old5).all() and (chunks[0][0] == old7).all()
     assert copier.busy_device_slots(0) == {5, 7} and copier.writing_host(0, 4)
+    rt.busy, rt.waits = False, []  # an idle current stream: nothing to wait for
     copier.queue(0, False, [5], [0])  # back into device 5: stream order, no hazard launch
+    assert rt.waits == [("record", 2, 7)]
     assert (device[5] == old7).all() and copier.stats.copy_hazard_launches == 0
     copier.finish()
     assert not copier.busy_device_slots(0) and not copier._launched
