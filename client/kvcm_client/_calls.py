@@ -409,8 +409,8 @@ def livez() -> Call[Health]:
     return _get("/livez", _model(Health))
 
 
-def pools() -> Call[SharedLayout]:
-    return _get("/v1/pools", _model(SharedLayout))
+def pools(rank: int = 0) -> Call[SharedLayout]:
+    return _get("/v1/pools", _model(SharedLayout), rank=rank or None)
 
 
 def register_consumer(pid: int, generation: str) -> Call[ConsumerInfo]:

@@ -500,17 +500,18 @@ class KVCacheClient:
 
     # -- shared memory (the inference server's side) -------------------------------------------
 
-    def pools(self) -> SharedLayout:
-        """Descriptors of the service's shared pools and page tables."""
-        return self._run(calls.pools())
+    def pools(self, rank: int = 0) -> SharedLayout:
+        """Descriptors of the service's shared pools and page tables (of rank ``rank`` of a
+        tensor- or pipeline-parallel engine: docs/ranks.md)."""
+        return self._run(calls.pools(rank))
 
-    def attach(self) -> Attachment:
-        """Map the pools and page tables here and register this process as a consumer;
-        ``close()`` on the result unregisters it."""
+    def attach(self, rank: int = 0) -> Attachment:
+        """Map the pools and page tables (of rank ``rank``) here and register this process
+        as a consumer; ``close()`` on the result unregisters it."""
         from .shared import Attachment, require_torch
 
         require_torch()  # before the service hears of this consumer
-        layout = self.pools()
+        layout = self.pools(rank)
         info = self._run(calls.register_consumer(os.getpid(), layout.generation))
         return Attachment(
             layout,
@@ -860,15 +861,15 @@ class AsyncKVCacheClient:
                 raise _wait_timeout(timeout_s, last)
             await asyncio.sleep(min(next(delays), remaining))
 
-    async def pools(self) -> SharedLayout:
-        return await self._run(calls.pools())
+    async def pools(self, rank: int = 0) -> SharedLayout:
+        return await self._run(calls.pools(rank))
 
-    async def attach(self) -> Attachment:
+    async def attach(self, rank: int = 0) -> Attachment:
         """As ``KVCacheClient.attach``; call ``detach(attachment)`` to unregister."""
         from .shared import Attachment, require_torch
 
         require_torch()
-        layout = await self.pools()
+        layout = await self.pools(rank)
         info = await self._run(calls.register_consumer(os.getpid(), layout.generation))
         attachment = Attachment(layout)
         attachment.consumer_id = info.consumer_id  # type: ignore[attr-defined]

@@ -221,6 +221,19 @@ class LayerSpec(_Frozen):
         return self.buffer(role).bytes_per_token
 
 
+#: Most ranks one manager serves (an 8-GPU node, or 8 logical ranks per GPU in tests).
+MAX_RANKS = 64
+
+
+class RankSpec(_Frozen):
+    """One GPU of a tensor- or pipeline-parallel engine (docs/ranks.md): its device and its
+    layers, with rank-local ids and heads already divided by tensor parallelism; a pipeline
+    stage lists only its own layers."""
+
+    device: str
+    layers: Annotated[list[LayerSpec], Field(min_length=1)]
+
+
 class ManagerConfig(_Frozen):
     """Everything the manager needs; exactly one of ``num_blocks`` and ``memory_bytes``.
 
@@ -274,30 +287,53 @@ class ManagerConfig(_Frozen):
     state_checkpoints: NonNegInt | None = None
     """Checkpoint slots per state group (evicted least recently used); None: max_requests.
     Their bytes come out of ``memory_bytes`` before the KV pools are sized."""
+    ranks: Annotated[list[RankSpec], Field(max_length=MAX_RANKS)] = []
+    """The ranks of a tensor- or pipeline-parallel engine (docs/ranks.md): one allocator and
+    one set of block ids for all, pools and device page tables per rank. Rank 0 is
+    ``layers`` and ``device``, which default to its own when left out; empty: one rank."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rank_zero(cls, data: Any) -> Any:
+        """``layers`` and ``device`` default to rank 0's."""
+        if isinstance(data, dict) and data.get("ranks"):
+            first = data["ranks"][0]
+            get = first.get if isinstance(first, dict) else lambda k: getattr(first, k, None)
+            data = {"layers": get("layers"), "device": get("device"), **data}
+        return data
 
     @model_validator(mode="after")
     def _rules(self) -> ManagerConfig:
-        seen: set[int] = set()
-        for layer in [*self.layers, *self.state_layers]:
-            if layer.layer_id in seen:
-                raise PydanticCustomError(
-                    "duplicate_layer_id",
-                    "layer {layer_id}: layer ids must be unique",
-                    {"layer_id": layer.layer_id},
-                )
-            seen.add(layer.layer_id)
+        _unique_ids([*self.layers, *self.state_layers])
+        for spec in self.ranks[1:]:
+            _unique_ids(spec.layers)
+        if self.ranks and (
+            self.ranks[0].layers != self.layers or self.ranks[0].device != self.device
+        ):
+            raise PydanticCustomError(
+                "rank_zero_mismatch",
+                "ranks[0] must have the config's layers and device (leave those out)",
+                {},
+            )
+        if len(self.ranks) > 1 and (self.host_memory_bytes is not None or self.state_layers):
+            raise PydanticCustomError(
+                "ranks_unsupported",
+                "several ranks do not combine with a host tier or state layers yet",
+                {},
+            )
         if self.max_lookahead >= self.max_seq_len:
             raise PydanticCustomError(
                 "lookahead_too_long",
                 "max_lookahead ({max_lookahead}) must be below max_seq_len ({max_seq_len})",
                 {"max_lookahead": self.max_lookahead, "max_seq_len": self.max_seq_len},
             )
-        if not any(layer.num_kv_heads for layer in self.layers):
-            raise PydanticCustomError(
-                "no_kv_layers",
-                "every layer has num_kv_heads=0: there is no KV cache to manage",
-                {},
-            )
+        for rank, layers in enumerate([self.layers, *(spec.layers for spec in self.ranks[1:])]):
+            if not any(layer.num_kv_heads for layer in layers):
+                raise PydanticCustomError(
+                    "no_kv_layers",
+                    "every layer of rank {rank} has num_kv_heads=0: no KV cache to manage",
+                    {"rank": rank},
+                )
         if (self.num_blocks is None) == (self.memory_bytes is None):
             raise PydanticCustomError(
                 "blocks_or_memory",
@@ -311,9 +347,25 @@ class ManagerConfig(_Frozen):
         return -(-self.max_seq_len // self.tokens_per_block)
 
     @property
+    def num_ranks(self) -> int:
+        return max(len(self.ranks), 1)
+
+    @property
     def num_state_checkpoints(self) -> int:
         """Checkpoint slots per state group."""
         return self.max_requests if self.state_checkpoints is None else self.state_checkpoints
+
+
+def _unique_ids(layers: list[Any]) -> None:
+    seen: set[int] = set()
+    for layer in layers:
+        if layer.layer_id in seen:
+            raise PydanticCustomError(
+                "duplicate_layer_id",
+                "layer {layer_id}: layer ids must be unique",
+                {"layer_id": layer.layer_id},
+            )
+        seen.add(layer.layer_id)
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -941,6 +993,8 @@ class SharedLayout(_Frozen):
     state_pools: list[SharedSegment] = []
     """One segment per state group (docs/state-layers.md)."""
     state_buffers: list[SharedStateBuffer] = []
+    rank: int = 0
+    """The rank of a tensor- or pipeline-parallel engine these are (docs/ranks.md)."""
 
 
 class ConsumerRequest(_Frozen):

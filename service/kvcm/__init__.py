@@ -22,7 +22,7 @@ from kvcm_client.errors import (
     UnknownLayer,
     UnknownRequest,
 )
-from kvcm_client.models import ExtraBuffer, LayerSpec, ManagerConfig, ModelInfo
+from kvcm_client.models import ExtraBuffer, LayerSpec, ManagerConfig, ModelInfo, RankSpec
 
 if TYPE_CHECKING:
     from .hashing import MultimodalItem, block_keys
@@ -61,6 +61,7 @@ __all__ = [
     "ModelInfo",
     "MultimodalItem",
     "OutOfBlocks",
+    "RankSpec",
     "RequestLimitReached",
     "RequestsLive",
     "SequenceTooLong",

@@ -490,14 +490,19 @@ class Coordinator:
                 [np.full(len(r[1]), self.empty) if r[3] is None else r[3] for r in records]
             )
         if self.ops_since_take > 1 and n > 1:
-            _, rows, cols = self.tables.shape
-            key = (out[:, 0] * rows + out[:, 1]) * cols + out[:, 2]
-            _, last = np.unique(key[::-1], return_index=True)
-            out = out[::-1][last]
+            out = self.last_edits(out)
         if self.edits is not None:
             self.edits.clear()
         self.ops_since_take = 0
         return out
+
+    def last_edits(self, edits: np.ndarray) -> np.ndarray:
+        """Of ``edits`` in the order they were made, the last one of each cell: the table
+        kernels apply a batch in parallel, so a cell must appear once."""
+        _, rows, cols = self.tables.shape
+        key = (edits[:, 0] * rows + edits[:, 1]) * cols + edits[:, 2]
+        _, last = np.unique(key[::-1], return_index=True)
+        return edits[::-1][last]
 
     # -- all-or-nothing batches ----------------------------------------------------------------
 

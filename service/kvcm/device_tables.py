@@ -1,7 +1,9 @@
 """Page tables on the manager's device, kept in step with the host tables.
 
-On the CPU the device tables are the host tables (one shared array, nothing to do). On CUDA
-the host keeps the bookkeeping and the coordinator logs every table edit. The edits of a step
+On the CPU the device tables are the host tables (one shared array, nothing to do; every rank
+of a manager reads the same one). On CUDA the host keeps the bookkeeping and the coordinator
+logs every table edit; with several ranks each rank's tables take the edits from their own
+queue (``kvcm.ranks.EditQueues``). The edits of a step
 reach the device in one upload and one launch for all layer groups: fused with the step's slot
 mapping when the scheduler asks for it (``take_pending``), or alone (``sync``) before anything
 else reads the device tables.
@@ -15,6 +17,34 @@ import torch
 import kvcm_kernels
 
 from .coordinator import Coordinator
+
+_NO_EDITS = np.empty((0, 4), dtype=np.int64)
+
+
+class EditQueues:
+    """The coordinator's page-table edits, kept for each rank until that rank's device
+    tables take them: one bookkeeping, a device table per rank. A rank that takes collects
+    the coordinator's new edits for every rank first, so no rank misses any."""
+
+    def __init__(self, coord: Coordinator, num_ranks: int) -> None:
+        self._coord = coord
+        self._queues: list[list[np.ndarray]] = [[] for _ in range(num_ranks)]
+
+    def take(self, rank: int) -> np.ndarray:
+        """Rank ``rank``'s edits not yet applied, int64 ``[E, 4]``, one per cell (the last
+        one when several steps edited it)."""
+        c = self._coord
+        if c.ops_since_take:
+            edits = c.take_edits()
+            if edits.shape[0]:
+                for queue in self._queues:
+                    queue.append(edits)
+        queue = self._queues[rank]
+        if not queue:
+            return _NO_EDITS
+        out = queue[0] if len(queue) == 1 else c.last_edits(np.concatenate(queue))
+        queue.clear()
+        return out
 
 
 class Uploader:
@@ -77,10 +107,18 @@ class Uploader:
 
 class DeviceTables:
     def __init__(
-        self, coordinator: Coordinator, device: torch.device, memory: torch.Tensor | None = None
+        self,
+        coordinator: Coordinator,
+        device: torch.device,
+        memory: torch.Tensor | None = None,
+        queues: EditQueues | None = None,
+        rank: int = 0,
     ) -> None:
-        """``memory`` (uint8, on ``device``): where the CUDA tables live when shared."""
+        """``memory`` (uint8, on ``device``): where the CUDA tables live when shared;
+        ``queues``: with several ranks, where this rank (``rank``) takes its edits."""
         self._coord = coordinator
+        self._queues = queues
+        self._rank = rank
         self.device = device
         host = coordinator.tables
         if device.type == "cpu":
@@ -103,7 +141,11 @@ class DeviceTables:
         """The edits not yet on the device, int64 ``[E, 4]``; the caller must apply them on
         the current stream, which then waits for the host tier's copies so far: a table
         cell never reaches the device before the copy that fills or empties its slot."""
-        if self._upload is None or not self._coord.ops_since_take:
+        if self._upload is None:
+            return np.empty((0, 4), dtype=np.int64)
+        if self._queues is not None:  # several ranks (no host tier with them)
+            return self._queues.take(self._rank)
+        if not self._coord.ops_since_take:
             return np.empty((0, 4), dtype=np.int64)
         if self._coord.host is not None:
             self._coord.host.copier.order_before(torch.cuda.current_stream(self.device))

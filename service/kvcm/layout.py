@@ -169,7 +169,11 @@ class Layout:
         return max([*self.layers, *self.dropped]) + 1
 
 
-def _group_key(layer: LayerSpec, tokens_per_block: int) -> tuple[int | None, int, str, str]:
+#: A layer group's lifecycle: (sliding window, sink blocks, owner, reuse).
+GroupKey = tuple[int | None, int, str, str]
+
+
+def _group_key(layer: LayerSpec, tokens_per_block: int) -> GroupKey:
     sink_blocks = -(-layer.sink_tokens // tokens_per_block)
     return (layer.sliding_window, sink_blocks, layer.owner, layer.reuse)
 
@@ -200,17 +204,31 @@ def role_order(layers: list[LayerSpec]) -> tuple[Role, ...]:
     return (*ROLES, *sorted(extra))
 
 
-def build_layout(layers: list[LayerSpec], tokens_per_block: int) -> Layout:
+def group_keys(layout: Layout) -> list[GroupKey]:
+    """Each layer group's lifecycle (sliding window, sink blocks, owner, reuse), in order."""
+    return [(g.sliding_window, g.sink_blocks, g.owner, g.reuse) for g in layout.layer_groups]
+
+
+def build_layout(
+    layers: list[LayerSpec], tokens_per_block: int, group_order: list[GroupKey] | None = None
+) -> Layout:
+    """The layout of ``layers``; layer groups are numbered in the order their first layers
+    come, or by ``group_order`` (another rank's ``group_keys``, which must list the same
+    lifecycles: ``ValueError`` otherwise), so that the ranks of one engine agree on ids."""
     dropped = {LayerId(s.layer_id): "no_kv_heads" for s in layers if not s.num_kv_heads}
     ordered = sorted((spec for spec in layers if spec.num_kv_heads), key=lambda spec: spec.layer_id)
-    by_key: dict[tuple[int | None, int, str, str], list[LayerSpec]] = {}
+    by_key: dict[GroupKey, list[LayerSpec]] = {}
     for layer in ordered:
         by_key.setdefault(_group_key(layer, tokens_per_block), []).append(layer)
+    if group_order is not None:
+        if sorted(by_key, key=repr) != sorted(group_order, key=repr):
+            raise ValueError(f"layer groups {list(by_key)} are not {group_order}")
+        by_key = {key: by_key[key] for key in group_order}
 
     # Pool groups: layer groups with the same pool signature (canonical order) share memory.
     signatures: dict[tuple[tuple[str, int, int, int], ...], PoolGroupId] = {}
     members: dict[PoolGroupId, list[LayerGroupId]] = {}
-    grouped: list[tuple[tuple[int | None, int, str, str], list[LayerSpec], tuple[PoolLayout, ...]]]
+    grouped: list[tuple[GroupKey, list[LayerSpec], tuple[PoolLayout, ...]]]
     grouped = [(key, group, _pools_of(group, tokens_per_block)) for key, group in by_key.items()]
     for gid, (_, _, pools) in enumerate(grouped):
         sig = tuple(pool.shape_key for pool in pools)

@@ -1,7 +1,8 @@
 """``KVCacheManager``: the in-process kvcm API (DESIGN.md sections 3 to 5 and 7).
 
-The manager owns one rank's state (pools, page tables, the requests' bookkeeping), validates
-arguments and turns state into results; each concept is a component module that takes the
+The manager owns an engine's state (pools and page tables per rank, the requests'
+bookkeeping, shared by every rank: ``kvcm.ranks``), validates arguments and turns state into
+results; each concept is a component module that takes the
 manager, as ``kvcm.columnar`` does: request rows and handles (``kvcm.request_rows``), prefix
 reuse (``kvcm.prefix_reuse``), commits (``kvcm.commits``), suspension (``kvcm.suspension``),
 transactions (``kvcm.transactions``), capacity and stats (``kvcm.capacity``); tables and views
@@ -62,7 +63,7 @@ from .columnar import OpResults, StepOutcome, parse_columns, run_columns
 from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
 from .counts import _count
-from .device_tables import DeviceTables
+from .device_tables import DeviceTables, EditQueues
 from .hashing import MultimodalItem, multimodal_items, root_key
 from .host_tier import HostTier
 from .ids import LayerGroupId
@@ -73,6 +74,7 @@ from .planning import check_config, host_slots, plan
 from .planning import resolve_device as resolve_device  # re-exported: the server uses it
 from .pools import PoolMemory
 from .publish import PrefixState
+from .ranks import Rank, build_rank
 from .shared_memory import CudaSegments, SharedSegments
 from .state_pools import StatePools, build_state_groups
 from .suspension import Suspended
@@ -151,7 +153,7 @@ class _FirstAllocation:
 
 
 class KVCacheManager:
-    """Owns the pools, the page tables and the requests of one rank."""
+    """Owns the pools, the page tables and the requests of an engine's ranks."""
 
     def __init__(self, config: ManagerConfig | dict[str, Any], check_budget: bool = True) -> None:
         """Build the pools; a ``memory_bytes`` budget that cannot hold one ``max_seq_len``
@@ -166,7 +168,7 @@ class KVCacheManager:
         (``serial_base``: the previous model's last handle serial, so that no handle of it
         ever names a request of the new one)."""
         self.config = cfg = config
-        self.device, self.layout, self._sizing, self._slots = plan(cfg, check_budget)
+        self.device, self.layout, self._sizing, self._slots, rank_plans = plan(cfg, check_budget)
         self.tokens_per_block = cfg.tokens_per_block
         self.max_blocks_per_request = cfg.max_blocks_per_request
         #: Most positions one step can map (every row at ``max_seq_len``): the bound of a slot
@@ -224,8 +226,14 @@ class KVCacheManager:
         self._committed = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Undo actions for token-list edits while an all-or-nothing step runs.
         self._undo: list[Callable[[], None]] | None = None
+        #: Several ranks on CUDA: each rank's device tables take the edits from a queue.
+        queues = (
+            EditQueues(self._coord, len(rank_plans))
+            if len(rank_plans) > 1 and self.device.type == "cuda"
+            else None
+        )
         self._tables = DeviceTables(
-            self._coord, self.device, None if self.device.type == "cpu" else table_memory
+            self._coord, self.device, None if self.device.type == "cpu" else table_memory, queues
         )
         self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
         self._host = (
@@ -267,6 +275,22 @@ class KVCacheManager:
             self._tables,
             _weak(self._rows_of),
         )
+        table_segment = self._table_segment if self._segments is not None else None
+        self._ranks = [
+            Rank(rank_plans[0], self.memory, self._tables, self._views, table_segment),
+            *(
+                build_rank(
+                    p,
+                    self._slots,
+                    self._coord,
+                    queues,
+                    _weak(self._rows_of),
+                    self._rank_segments(p.device),
+                    table_segment,
+                )
+                for p in rank_plans[1:]
+            ),
+        ]
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -634,7 +658,33 @@ class KVCacheManager:
 
     @_doc(TablesAndViews.sync_tables)
     def sync_tables(self) -> None:
-        self._views.sync_tables()
+        for rank in self._ranks:
+            rank.views.sync_tables()
+
+    # -- ranks (kvcm.ranks; docs/ranks.md) -----------------------------------------------------
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._ranks)
+
+    def rank(self, rank: int) -> TablesAndViews:
+        """Rank ``rank``'s tables and views: ``page_table``, ``page_indices``,
+        ``slot_mapping(s)``, ``pointer_table``, ``kv_view``, ``layer_view``, ``describe``,
+        with the same arguments as the manager's own methods, which are rank 0's. Layer ids
+        are that rank's; requests and block ids are the same on every rank."""
+        if type(rank) is not int or not 0 <= rank < len(self._ranks):
+            raise InvalidArgument(
+                f"rank {rank!r}: this manager has {len(self._ranks)} ranks",
+                rank=str(rank),
+                num_ranks=len(self._ranks),
+            )
+        return self._ranks[rank].views
+
+    def _rank_segments(self, device: torch.device) -> SharedSegments | CudaSegments | None:
+        """Where a rank's shared pools go: the manager's CPU segments, a CUDA set per rank."""
+        if self._segments is None or device.type == "cpu":
+            return self._segments
+        return CudaSegments(self.generation, device)
 
     def _placement(self, layer_id: int, role: str) -> BufferPlacement:
         return self._views.placement(layer_id, role)
@@ -676,7 +726,8 @@ class KVCacheManager:
         src_positions: Sequence[int],
         dst_positions: Sequence[int],
     ) -> None:
-        self._views.copy_tokens(request_ids, src_positions, dst_positions)
+        for rank in self._ranks:  # each checks the same bookkeeping: all refuse, or none
+            rank.views.copy_tokens(request_ids, src_positions, dst_positions)
 
     @_doc(TablesAndViews.pointer_table)
     def pointer_table(self) -> torch.Tensor:
@@ -756,16 +807,22 @@ class KVCacheManager:
     def stats(self) -> Stats:
         return capacity.stats(self)
 
-    def pools(self) -> SharedLayout:
-        """Descriptors of the shared pools and page tables (needs ``share=True``).
+    def pools(self, rank: int = 0) -> SharedLayout:
+        """Descriptors of the shared pools and page tables of rank ``rank`` (needs
+        ``share=True``).
 
         A consumer maps them with ``kvcm_client.attach``: views per (layer, role) with the
         strides of ``layer_view`` and the page tables ``[groups, max_requests, max_blocks]``,
         which the manager edits in place (on the CPU they are the manager's own tables).
         """
+        views = self.rank(rank)
         if self._segments is None:
             raise InvalidArgument("this manager was built without share=True: nothing to map")
-        layout = self._views.shared_layout(self.generation, self._table_segment)
+        table_segment = self._ranks[rank].table_segment
+        assert table_segment is not None
+        layout = views.shared_layout(self.generation, table_segment)
+        if rank:
+            return layout.model_copy(update={"rank": rank})
         if self._state is None:
             return layout
         return layout.model_copy(

@@ -13,6 +13,7 @@ from kvcm_client.models import ManagerConfig
 from . import footprint
 from .ids import PoolGroupId
 from .layout import Layout, build_layout
+from .ranks import RankPlan, plan_ranks
 from .sizing import Sizing, StepShape
 from .state_pools import state_memory
 
@@ -52,10 +53,11 @@ def _check_null_page_room(slots: dict[PoolGroupId, int]) -> None:
 
 def plan(
     cfg: ManagerConfig, check_budget: bool = True
-) -> tuple[torch.device, Layout, Sizing, dict[PoolGroupId, int]]:
-    """What a manager of ``cfg`` is, before any memory: device, layout, sizing and slots per
-    pool group. Raises what construction refuses (a budget of no slot or, with
-    ``check_budget``, of less than one ``max_seq_len`` request; no room for the null page)."""
+) -> tuple[torch.device, Layout, Sizing, dict[PoolGroupId, int], list[RankPlan]]:
+    """What a manager of ``cfg`` is, before any memory: device, layout, sizing, slots per
+    pool group and its ranks (``kvcm.ranks``; rank 0 is the device and layout). Raises what
+    construction refuses (a budget of no slot or, with ``check_budget``, of less than one
+    ``max_seq_len`` request; no room for the null page; ranks that do not match)."""
     device = resolve_device(cfg.device)
     layout = build_layout(cfg.layers, cfg.tokens_per_block)
     state = state_memory(cfg)
@@ -73,11 +75,12 @@ def plan(
                 state_bytes=state,
             )
         slots = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
-        if check_budget:
-            sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
+    ranks, slots = plan_ranks(cfg, layout, slots, resolve_device)
+    if cfg.memory_bytes is not None and check_budget:
+        sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
     if cfg.null_page:
         _check_null_page_room(slots)
-    return device, layout, sizing, slots
+    return device, layout, sizing, slots, ranks
 
 
 def check_config(cfg: ManagerConfig, freed: tuple[int, int] = (0, 0)) -> None:

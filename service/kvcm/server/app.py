@@ -493,8 +493,9 @@ def create_app(
     # -- shared memory -------------------------------------------------------------------------
 
     @app.get("/v1/pools", response_model=SharedLayout, tags=["shared memory"])
-    async def pools() -> Response:
-        return _json(mgr().pools())
+    async def pools(rank: int = 0) -> Response:
+        """The shared pools and page tables of rank ``rank`` (docs/ranks.md)."""
+        return _json(mgr().pools(rank))
 
     async def parse_body(request: Request, model: type[M], optional: bool = False) -> M | None:
         """The body as ``model``, read after the token check (an unauthenticated caller gets
