@@ -116,3 +116,18 @@ def test_bench_host_tier_quick_compares_with_a_plain_copy() -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and rows[0].count("%") == 2
+
+
+def test_bench_ranks_quick_prints_a_row_per_rank_count() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_ranks.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    rows = [
+        line.split("|")[1].strip() for line in lines if line[:3] in ("| 1", "| 2", "| 4", "| 8")
+    ]
+    assert rows == ["1", "2", "4", "8"]

@@ -236,11 +236,17 @@ def test_edit_queues_give_every_rank_every_edit_once() -> None:
 # -- consumers of every rank, through the service -----------------------------------------------
 
 
+def ranked_config(tmp_path: Path, device: str = "cpu") -> Path:
+    """The TP 2 x PP 2 engine as a ``kvcm serve --config`` file, every rank on ``device``."""
+    path = tmp_path / "cfg.json"
+    ranks = [r | {"device": device} for r in RANKS]
+    path.write_text(json.dumps(config(ranks=ranks, num_blocks=40, share=True)))
+    return path
+
+
 @pytest.fixture
 def ranked_service(tmp_path: Path) -> Any:
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(config(num_blocks=40, share=True)))
-    with serve_process("--config", str(path)) as (url, _proc, _):
+    with serve_process("--config", str(ranked_config(tmp_path))) as (url, _proc, _):
         yield url
 
 
@@ -250,13 +256,18 @@ def _full_model_kv(gen: torch.Generator, n: int) -> dict[int, torch.Tensor]:
 
 
 def test_every_rank_attends_like_dense_attention_over_its_heads(ranked_service: str) -> None:
-    """The scheduler steps the engine once (one sidecar); each rank writes its heads of its
-    layers through its own attachment and its attention equals dense attention over those
-    heads of the full model's keys and values, over prefill and 12 decode steps."""
+    every_rank_against_dense(ranked_service)
+
+
+def every_rank_against_dense(url: str) -> None:
+    """The scheduler steps the engine once (one sidecar; its slot mappings bring every
+    rank's tables up to date); each rank writes its heads of its layers through its own
+    attachment and its attention equals dense attention over those heads of the full
+    model's keys and values, over prefill and 12 decode steps."""
     gen = torch.Generator().manual_seed(0)
     prompts = {"a": 9, "b": 6}
     history: dict[tuple[str, int], list[torch.Tensor]] = {}
-    with KVCacheClient(ranked_service) as kv:
+    with KVCacheClient(url) as kv:
         atts = [kv.attach(rank=r) for r in range(4)]
         try:
             assert [a.layout.rank for a in atts] == [0, 1, 2, 3]
@@ -288,7 +299,7 @@ def test_every_rank_attends_like_dense_attention_over_its_heads(ranked_service: 
                         seen = torch.cat(history[(rid, layer)], dim=1)[:, :, heads]
                         spec_ = {"sliding_window": 10, "sink_tokens": 4} if layer % 2 else {}
                         want = dense(q[layer][:, q_heads], seen[0], seen[1], spec_)
-                        assert torch.allclose(got, want, atol=1e-5), (step, rid, r, local)
+                        assert torch.allclose(got.cpu(), want, atol=1e-5), (step, rid, r, local)
                     start += n
         finally:
             for att in atts:
@@ -298,14 +309,20 @@ def test_every_rank_attends_like_dense_attention_over_its_heads(ranked_service: 
 
 
 def test_a_process_per_rank_maps_its_own_ranks_pools(ranked_service: str) -> None:
+    a_process_per_rank(ranked_service)
+
+
+def a_process_per_rank(url: str) -> None:
     """One consumer process per rank attaches its rank and reads back what this process
     wrote into that rank's pool at a request's first block: each sees its own rank's value."""
-    with KVCacheClient(ranked_service) as kv:
+    with KVCacheClient(url) as kv:
         kv.allocate("a", 4)
         slot = kv.block_table("a")[0][0]
         atts = [kv.attach(rank=r) for r in range(4)]
         for r, att in enumerate(atts):
             att.layer_view(0, "key")[slot] = float(10 + r)
+        if atts[0].layer_view(0, "key").is_cuda:
+            torch.cuda.synchronize()  # the writes are done before another process reads
         code = (
             "import sys; from kvcm_client import KVCacheClient\n"
             "r, slot = int(sys.argv[2]), int(sys.argv[3])\n"
@@ -314,7 +331,7 @@ def test_a_process_per_rank_maps_its_own_ranks_pools(ranked_service: str) -> Non
         )
         procs = [
             subprocess.run(
-                [sys.executable, "-c", code, ranked_service, str(r), str(slot)],
+                [sys.executable, "-c", code, url, str(r), str(slot)],
                 capture_output=True,
                 text=True,
                 timeout=120,

@@ -708,7 +708,9 @@ class KVCacheManager:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> torch.Tensor:
-        return self._views.slot_mapping(request_ids, layer_id, num_tokens, pad_to)
+        out = self._views.slot_mapping(request_ids, layer_id, num_tokens, pad_to)
+        self._sync_other_ranks()
+        return out
 
     @_doc(TablesAndViews.slot_mappings)
     def slot_mappings(
@@ -717,7 +719,16 @@ class KVCacheManager:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> torch.Tensor:
-        return self._views.slot_mappings(request_ids, num_tokens, pad_to)
+        out = self._views.slot_mappings(request_ids, num_tokens, pad_to)
+        self._sync_other_ranks()
+        return out
+
+    def _sync_other_ranks(self) -> None:
+        """The step's table edits on every rank's device too (a launch per rank on CUDA): the
+        scheduler asks for the slot mappings once per step, and every rank's kernels then
+        read current tables (rank 0's got the edits fused with the mapping)."""
+        for rank in self._ranks[1:]:
+            rank.views.sync_tables()
 
     @_doc(TablesAndViews.copy_tokens)
     def copy_tokens(
