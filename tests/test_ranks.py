@@ -301,6 +301,8 @@ def every_rank_against_dense(url: str) -> None:
                         want = dense(q[layer][:, q_heads], seen[0], seen[1], spec_)
                         assert torch.allclose(got.cpu(), want, atol=1e-5), (step, rid, r, local)
                     start += n
+            for rid in prompts:
+                kv.free(rid)
         finally:
             for att in atts:
                 att.close()
@@ -316,8 +318,8 @@ def a_process_per_rank(url: str) -> None:
     """One consumer process per rank attaches its rank and reads back what this process
     wrote into that rank's pool at a request's first block: each sees its own rank's value."""
     with KVCacheClient(url) as kv:
-        kv.allocate("a", 4)
-        slot = kv.block_table("a")[0][0]
+        kv.allocate("p", 4)
+        slot = kv.block_table("p")[0][0]
         atts = [kv.attach(rank=r) for r in range(4)]
         for r, att in enumerate(atts):
             att.layer_view(0, "key")[slot] = float(10 + r)

@@ -80,7 +80,9 @@ def launch(
     the stream whose raw handle is ``stream_handle``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if stream_handle is None:
-        stream_handle = torch.cuda.current_stream(index).cuda_stream
+        # torch's raw accessor: ``current_stream(index).cuda_stream`` costs about 3 us more,
+        # and a step launches once per rank.
+        stream_handle = int(torch._C._cuda_getCurrentRawStream(index))
     stream = _stream(stream_handle, index)
     with _cupy().cuda.Device(index), stream:
         _function(module, function, index)(grid, block, args, shared_mem=shared_mem)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import blocks, gpu_path, i32, launch, ptr
+from ._dispatch import blocks, gpu_path_pinned_inputs, i32, launch, ptr
 
 THREADS = 256
 
@@ -41,8 +41,9 @@ def apply_page_table_edits_cuda(tables: torch.Tensor, edits: torch.Tensor) -> No
 
 
 def apply_page_table_edits(tables: torch.Tensor, edits: torch.Tensor) -> None:
-    """int32 ``tables [G, R, B]`` (contiguous) updated in place from int64 ``edits [E, 4]``."""
-    if gpu_path(tables, edits):
+    """int32 ``tables [G, R, B]`` (contiguous) updated in place from int64 ``edits [E, 4]``
+    (on CUDA, on the device or in pinned host memory, which the kernel reads in place)."""
+    if gpu_path_pinned_inputs(tables, edits):
         apply_page_table_edits_cuda(tables, edits.contiguous())
     else:
         apply_page_table_edits_reference(tables, edits)

@@ -156,5 +156,7 @@ class DeviceTables:
         edits = self.take_pending()
         if edits.shape[0]:
             assert self._upload is not None
-            kvcm_kernels.apply_page_table_edits(self.tensor, self._upload(edits))
+            # The kernel reads the edits from pinned memory: no copy of their own.
+            kvcm_kernels.apply_page_table_edits(self.tensor, self._upload.stage(edits))
+            self._upload.commit()
         return self.tensor
