@@ -87,8 +87,16 @@ def copy_segments_reference(desc: np.ndarray) -> None:
 
 
 def cuda_runtime() -> Any:
-    """CuPy's CUDA runtime module (raw calls: a few cost less than one torch stream call)."""
-    return _cupy().cuda.runtime
+    """CuPy's CUDA runtime module (raw calls: a few cost less than one torch stream call);
+    None without CuPy."""
+    cupy = _cupy()
+    return None if cupy is None else cupy.cuda.runtime
+
+
+def destroy_events(runtime: Any, events: tuple[int, ...]) -> None:
+    """Destroy raw events (a ``weakref.finalize`` callback of their owner)."""
+    for event in events:
+        runtime.eventDestroy(event)
 
 
 def copy_segments(

@@ -38,7 +38,6 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -107,7 +106,9 @@ class TierCopier:
                 #: waits for it), and on the tier's stream after it (``finish`` waits).
                 self._ready = self._rt.eventCreateWithFlags(flags)
                 self._done = self._rt.eventCreateWithFlags(flags)
-            weakref.finalize(self, _destroy_events, self._rt, (self._ready, self._done))
+            weakref.finalize(
+                self, kvcm_kernels.block_copy.destroy_events, self._rt, (self._ready, self._done)
+            )
         self.pending = {pg: _Pending() for pg in pools_of}
         #: CUDA: the slots of launched copies not yet waited for (the CPU's are done).
         self.flying = {pg: _Pending() for pg in pools_of}
@@ -308,8 +309,3 @@ def _current_stream(index: int) -> int:
     """The raw handle of torch's current stream on device ``index``: torch's own accessor
     for it costs about 0.2 us, ``torch.cuda.current_stream(...).cuda_stream`` about 3."""
     return int(torch._C._cuda_getCurrentRawStream(index))
-
-
-def _destroy_events(runtime: Any, events: tuple[int, ...]) -> None:
-    for event in events:
-        runtime.eventDestroy(event)
