@@ -467,6 +467,7 @@ class KVCacheClient:
         state_layers: Sequence[StateLayerSpec | dict[str, Any]] | None = None,
         state_checkpoint_stride: int | None = None,
         state_checkpoints: int | None = None,
+        state_live_slots: int | None = None,
     ) -> ModelInfo:
         """Register the model (``ModelRegistration``: ``layers`` or ``hf_config``, at most
         one budget; what is left out takes the service's flags). Refused while requests are
@@ -840,6 +841,7 @@ class AsyncKVCacheClient:
         state_layers: Sequence[StateLayerSpec | dict[str, Any]] | None = None,
         state_checkpoint_stride: int | None = None,
         state_checkpoints: int | None = None,
+        state_live_slots: int | None = None,
     ) -> ModelInfo:
         """As ``KVCacheClient.register_model``."""
         return await self._run(calls.register_model(_fields(locals())))

@@ -287,6 +287,11 @@ class ManagerConfig(_Frozen):
     state_checkpoints: NonNegInt | None = None
     """Checkpoint slots per state group (evicted least recently used); None: max_requests.
     Their bytes come out of ``memory_bytes`` before the KV pools are sized."""
+    state_live_slots: PosInt | None = None
+    """Live state slots per state group, at most ``max_requests``; None: ``max_requests``
+    (one per row, so state never limits how many requests run). Fewer: a suspended request,
+    which keeps its row, holds none (its state waits on the host tier), and an allocate or
+    resume that finds none free is ``OutOfBlocks`` (docs/state-layers.md)."""
     ranks: Annotated[list[RankSpec], Field(max_length=MAX_RANKS)] = []
     """The ranks of a tensor- or pipeline-parallel engine (docs/ranks.md): one allocator and
     one set of block ids for all, pools and device page tables per rank. Rank 0 is
@@ -340,6 +345,13 @@ class ManagerConfig(_Frozen):
                 "give exactly one of num_blocks and memory_bytes",
                 {},
             )
+        if self.state_live_slots is not None and self.state_live_slots > self.max_requests:
+            raise PydanticCustomError(
+                "state_live_slots",
+                "state_live_slots ({state_live_slots}) must be at most max_requests "
+                "({max_requests}): a request holds at most one",
+                {"state_live_slots": self.state_live_slots, "max_requests": self.max_requests},
+            )
         return self
 
     @property
@@ -354,6 +366,11 @@ class ManagerConfig(_Frozen):
     def num_state_checkpoints(self) -> int:
         """Checkpoint slots per state group."""
         return self.max_requests if self.state_checkpoints is None else self.state_checkpoints
+
+    @property
+    def num_state_live_slots(self) -> int:
+        """Live state slots per state group."""
+        return self.max_requests if self.state_live_slots is None else self.state_live_slots
 
 
 def _unique_ids(layers: list[Any]) -> None:
@@ -384,6 +401,10 @@ class RequestInfo(_Frozen):
     """The request's integer handle for ``step_columns`` (its row in the low 32 bits, an
     allocation count above them, so a handle kept past a free never names the row's next
     request); 0 where no handle applies."""
+    state_slot: int = -1
+    """Its live state slot, the same in every state group (docs/state-layers.md): the index
+    of ``state_view`` that ``state_indices`` gives; -1 without state layers, and while it is
+    suspended."""
 
 
 class MultimodalInput(_Frozen):
@@ -579,7 +600,7 @@ class Estimate(_Frozen):
     fixed_bytes_per_request: int
     max_tokens: int
     max_requests: int
-    limited_by: Literal["memory", "max_requests"]
+    limited_by: Literal["memory", "max_requests", "state_slots"]
     layer_groups: tuple[LayerGroupEstimate, ...]
     pool_groups: tuple[PoolGroupEstimate, ...]
     num_requests: int | None = None
@@ -627,6 +648,14 @@ class HostTierStats(_Frozen):
     """Time ops spent launching the tier's copies and waiting for them."""
     host_slots: dict[int, int]
     host_used: dict[int, int]
+    offloaded_states: int = 0
+    """Suspended requests' live states copied to the host (docs/state-layers.md)."""
+    onboarded_states: int = 0
+    """Live states copied back by resumes."""
+    state_host_slots: dict[int, int] = {}
+    """Host slots for suspended requests' states, per state group."""
+    state_host_used: dict[int, int] = {}
+    """Of those, the ones holding a suspended request's state."""
 
 
 class Stats(_Frozen):
@@ -911,6 +940,7 @@ class ModelRegistration(_Frozen):
     """With ``layers``: the model's recurrent state layers (``ManagerConfig.state_layers``)."""
     state_checkpoint_stride: StrictPosInt | None = None
     state_checkpoints: Annotated[int, Strict(), Field(ge=0)] | None = None
+    state_live_slots: StrictPosInt | None = None
 
     @model_validator(mode="after")
     def _rules(self) -> ModelRegistration:

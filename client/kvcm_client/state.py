@@ -91,8 +91,12 @@ class StateGroupEstimate(_Frozen):
     state_bytes: int
     """Bytes of the state itself per request (the sum of its buffers, no alignment)."""
     live_slots: int
-    """One per request row (``max_requests``): state never limits how many requests fit."""
+    """``state_live_slots``: one per request row by default (then state never limits how
+    many requests run); a request holds one while it is not suspended."""
     checkpoint_slots: int
+    host_slots: int = 0
+    """Host tier slots for suspended requests' states, the same number in every group; 0
+    without a host tier."""
 
 
 class SharedStateBuffer(_Frozen):

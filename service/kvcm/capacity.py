@@ -31,35 +31,40 @@ def estimate(
     """Capacity for requests of ``seq_len`` tokens grown by ops of at most
     ``prefill_chunk`` new tokens, each with ``lookahead`` draft slots (both default to the
     config's ``max_prefill_chunk`` and ``max_lookahead``; a chunk >= seq_len is a whole
-    prompt in one op). Exact: N fit and N + 1 do not (docs/sizing.md)."""
+    prompt in one op). Exact: N fit and N + 1 do not (docs/sizing.md); with fewer live
+    state slots than rows, N is at most those (``limited_by="state_slots"``). With a host
+    tier, ``host_max_requests`` suspends of such requests succeed (the least over pool
+    groups' ``host_requests`` and the host state slots)."""
     shape = m._sizing.shape
     if prefill_chunk is not None:
         shape = StepShape(_count("prefill_chunk", prefill_chunk, 1), shape.lookahead)
     if lookahead is not None:
         shape = StepShape(shape.chunk, _count("lookahead", lookahead, 0))
     seq_len = _count("seq_len", seq_len, 1)
-    est = m._sizing.estimate(
-        seq_len, m._coord.usable_slots(), m.config.max_requests, num_requests, shape
-    )
     st = m._state
-    if st is not None:
-        est = est.model_copy(
-            update={
-                "state_groups": tuple(
-                    StateGroupEstimate(
-                        state_group_id=int(g.group_id),
-                        layer_ids=g.layers,
-                        slot_bytes=g.slot_bytes,
-                        state_bytes=g.state_bytes,
-                        live_slots=st.max_requests,
-                        checkpoint_slots=group_checkpoints(g, st.num_checkpoints),
-                    )
-                    for g in st.groups
-                ),
-                "state_bytes": sum(t.numel() for t in st.memory),
-            }
-        )
+    rows = m.config.max_requests
+    live = rows if st is None else st.live
+    est = m._sizing.estimate(seq_len, m._coord.usable_slots(), min(rows, live), num_requests, shape)
     host = m._host
+    if st is not None:
+        update: dict[str, Any] = {
+            "state_groups": tuple(
+                StateGroupEstimate(
+                    state_group_id=int(g.group_id),
+                    layer_ids=g.layers,
+                    slot_bytes=g.slot_bytes,
+                    state_bytes=g.state_bytes,
+                    live_slots=st.live,
+                    checkpoint_slots=group_checkpoints(g, st.num_checkpoints),
+                    host_slots=0 if host is None else host.state_slots,
+                )
+                for g in st.groups
+            ),
+            "state_bytes": sum(t.numel() for t in st.memory),
+        }
+        if live < rows and est.limited_by == "max_requests":
+            update["limited_by"] = "state_slots"
+        est = est.model_copy(update=update)
     if host is None:
         return est
     pools = tuple(
@@ -71,12 +76,10 @@ def estimate(
         )
         for p in est.pool_groups
     )
-    return est.model_copy(
-        update={
-            "pool_groups": pools,
-            "host_max_requests": min(p.host_requests for p in pools),
-        }
-    )
+    host_requests = min(p.host_requests for p in pools)
+    if st is not None:
+        host_requests = min(host_requests, host.state_slots)
+    return est.model_copy(update={"pool_groups": pools, "host_max_requests": host_requests})
 
 
 def check_budget(m: KVCacheManager) -> None:
@@ -151,8 +154,11 @@ def host_stats(m: KVCacheManager) -> dict[str, Any]:
     host = m._host
     if host is None:
         return {}
+    state_used = host.state_slots - len(host.state_free)
     return {
         **asdict(host.stats),
         "host_slots": {int(pg): n for pg, n in host.num_slots.items()},
         "host_used": {int(pg): host.num_used(pg) for pg in host.num_slots},
+        "state_host_slots": {g: host.state_slots for g in range(len(host.state_target))},
+        "state_host_used": {g: state_used for g in range(len(host.state_target))},
     }

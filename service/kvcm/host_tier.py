@@ -18,6 +18,13 @@ Worked example (one pool group, 2 host slots): device slot 7 holds cached key k1
 handed out to a new request: k1's page is copied to host slot 0 and indexed there; later an
 allocate whose prompt continues past the device hit with k1 takes a free device slot (say 3),
 copies host slot 0 into it, publishes k1 on the device again and frees host slot 0.
+
+State layers (docs/state-layers.md): each state group has a host region of ``state_slots``
+slots of its slot size, holding suspended requests' live states (nothing is cached there, so
+there is no index and no LRU). A request holds one host state slot id, the same in every
+group, as it holds one live slot id on the device. The copier knows state group g as one more
+pool group of a single pool (``state_target[g]``, numbered after the pool groups), so state
+copies are batched and ordered with the blocks' copies.
 """
 
 from __future__ import annotations
@@ -77,6 +84,11 @@ class HostStats(CopyStats):
     onboarded_bytes: int = 0
     dropped_blocks: int = 0
     """Host blocks dropped to make room (the host tier's own LRU eviction)."""
+    offloaded_states: int = 0
+    """Suspended requests' live states copied to the host (one per suspend, every state
+    group)."""
+    onboarded_states: int = 0
+    """Live states copied back at a resume."""
 
 
 class _Region:
@@ -105,7 +117,11 @@ class HostTier:
         host_slots: dict[int, int],
         device: torch.device,
         log: EventLog,
+        state_memory: list[torch.Tensor] | None = None,
+        state_slots: int = 0,
     ) -> None:
+        """``state_memory``: each state group's device slots, ``[slots, slot_bytes]`` uint8
+        (``StatePools.memory``); ``state_slots``: host state slots per state group."""
         self.layout = layout
         self.log = log
         self.device_pools = device_pools
@@ -118,11 +134,23 @@ class HostTier:
             pool.pool_id: _Region(host_slots[pool.pool_group], pool.slot_bytes, self.pinned)
             for pool in layout.pools
         }
+        state_memory = state_memory or []
+        self.state_slots = state_slots if state_memory else 0
+        self.state_regions = [
+            _Region(self.state_slots, int(memory.shape[1]), self.pinned) for memory in state_memory
+        ]
+        num_pools, num_groups = len(device_pools), len(self.pools_of)
+        self.state_target = [num_groups + g for g in range(len(state_memory))]
+        #: Free host state slots, taken from the right.
+        self.state_free = deque(range(self.state_slots - 1, -1, -1))
         self.stats = HostStats()
         self.copier = TierCopier(
-            device_pools,
-            {pool: region.chunks for pool, region in self.regions.items()},
-            self.pools_of,
+            [*device_pools, *state_memory],
+            {
+                **{pool: region.chunks for pool, region in self.regions.items()},
+                **{num_pools + g: region.chunks for g, region in enumerate(self.state_regions)},
+            },
+            {**self.pools_of, **{t: [num_pools + g] for g, t in enumerate(self.state_target)}},
             device,
             stats=self.stats,
         )
@@ -261,6 +289,39 @@ class HostTier:
         """Free held host slots (a resumed or freed suspended request)."""
         self.free[pool_group].extendleft(host_slots)
         self.held[pool_group] -= len(host_slots)
+
+    # -- suspended requests' state -------------------------------------------------------------
+
+    def hold_state(self, live_slot: int) -> int:
+        """Copy a suspended request's live state (``live_slot`` of every state group) into a
+        free host state slot and return that slot; the caller checked ``state_free``."""
+        host_slot = self.state_free.pop()
+        for target in self.state_target:
+            self.copier.queue(target, True, [live_slot], [host_slot])
+        self.stats.offloaded_states += 1
+        return host_slot
+
+    def give_back_state(self, host_slot: int, live_slot: int) -> None:
+        """Copy a resumed request's state from ``host_slot`` into its new ``live_slot``
+        (every state group), then free the host slot."""
+        for target in self.state_target:
+            self.copier.queue(target, False, [live_slot], [host_slot])
+        self.stats.onboarded_states += 1
+        self.state_free.appendleft(host_slot)
+
+    def discard_state(self, host_slot: int) -> None:
+        """Free a host state slot (a suspended request freed)."""
+        self.state_free.appendleft(host_slot)
+
+    def order_state_copies(self) -> None:
+        """Order the state pools' next batch of copies (made on the current stream) after
+        every copy this tier queued or launched: a live slot a suspend copies out before a
+        new request's zeroing reuses it, one a resume copies into before a commit saves a
+        checkpoint of it (the CPU: the queued copies are made now)."""
+        if self.copier.stream is None:
+            self.copier.flush()
+        else:
+            self.copier.order_before(torch.cuda.current_stream(self.copier.device))
 
     def clear(self) -> None:
         for pg, lru in self.lru.items():

@@ -56,6 +56,7 @@ from . import (
     prefix_reuse,
     registration,
     request_rows,
+    state_requests,
     suspension,
     transactions,
 )
@@ -236,23 +237,12 @@ class KVCacheManager:
             self._coord, self.device, None if self.device.type == "cpu" else table_memory, queues
         )
         self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
-        self._host = (
-            None
-            if cfg.host_memory_bytes is None
-            else HostTier(
-                self.layout,
-                self.memory.tensors,
-                host_slots(cfg, self.layout, self._slots),
-                self.device,
-                self._coord.cache.log,
-            )
-        )
-        self._coord.host = self._host
-        #: State layers (docs/state-layers.md): live slot per row, checkpoints; None without.
+        #: State layers (docs/state-layers.md): live slots, checkpoints; None without.
         self._state = (
             StatePools(
                 build_state_groups(cfg.state_layers),
                 cfg.max_requests,
+                cfg.num_state_live_slots,
                 cfg.num_state_checkpoints,
                 cfg.state_checkpoint_stride,
                 self.device,
@@ -261,6 +251,28 @@ class KVCacheManager:
             if cfg.state_layers
             else None
         )
+        #: Each row's live state slot (-1: none); the state pools' own array when there are
+        #: state layers.
+        self._state_slot = (
+            np.full(cfg.max_requests, -1, dtype=np.int64)
+            if self._state is None
+            else self._state.slot_of
+        )
+        self._host = None
+        if cfg.host_memory_bytes is not None:
+            pool_slots, state_slots = host_slots(cfg, self.layout, self._slots)
+            self._host = HostTier(
+                self.layout,
+                self.memory.tensors,
+                pool_slots,
+                self.device,
+                self._coord.cache.log,
+                [] if self._state is None else self._state.memory,
+                state_slots,
+            )
+            if self._state is not None:
+                self._state.before_copies = self._host.order_state_copies
+        self._coord.host = self._host
         #: Suspended requests: their blocks' positions and host slots per layer group.
         self._suspended: dict[str, Suspended] = {}
         #: The handle each suspended request gets back, to its id (a resume by handle).
@@ -353,6 +365,7 @@ class KVCacheManager:
                 f"all {self.config.max_requests} page-table rows are in use",
                 max_requests=self.config.max_requests,
             )
+        state_requests.check_room(self, request_id)
         hit_tokens, state = prefix_reuse.reuse_prefix(
             self,
             self._free_rows[-1],
@@ -765,23 +778,24 @@ class KVCacheManager:
     # -- state layers (kvcm.state_pools; docs/state-layers.md) --------------------------------
 
     def state_view(self, layer_id: int, buffer: str) -> torch.Tensor:
-        """Buffer ``buffer`` of state layer ``layer_id``, ``[max_requests + checkpoints,
+        """Buffer ``buffer`` of state layer ``layer_id``, ``[live slots + checkpoints,
         *shape]`` of its dtype on the manager's device: index it by ``state_indices`` (the
-        first ``max_requests`` rows are live states, by page-table row). ``UnknownLayer`` for
-        a layer or buffer the config does not have."""
+        first ``state_live_slots`` are live states). ``UnknownLayer`` for a layer or buffer
+        the config does not have."""
         if self._state is None:
             raise UnknownLayer(f"no state layer {layer_id}: the config has none", layer_id=layer_id)
         return self._state.view(layer_id, buffer)
 
     def state_indices(self, request_ids: Sequence[str], group: int = 0) -> torch.Tensor:
-        """The state slot of each request in state group ``group``, int32 on the manager's
-        device, for kernels: a request's live state slot is its page-table row
-        (``RequestInfo.row``), in every state group."""
+        """The live state slot of each request in state group ``group``, int32 on the
+        manager's device, for kernels (``RequestInfo.state_slot``: the same in every group;
+        its page-table row unless ``state_live_slots`` is below ``max_requests``).
+        ``RequestSuspended`` for a suspended request: it holds no slot."""
         if self._state is None:
             raise InvalidArgument("the config has no state layers", state_group=group)
         self._state.group_of(group)
         rows = self._rows_of(request_ids)
-        return torch.from_numpy(rows.astype(np.int32)).to(self.device)
+        return torch.from_numpy(self._state.slot_of[rows].astype(np.int32)).to(self.device)
 
     # -- layout and sizing -------------------------------------------------------------------
 

@@ -188,6 +188,7 @@ def result_dicts(
     committed = m._committed[rows].tolist()
     hits = m._hits[rows].tolist()
     handles = m._handle[rows].tolist()
+    state_slots = m._state_slot[rows].tolist()
     return [
         {
             "ok": True,
@@ -199,10 +200,11 @@ def result_dicts(
                 "num_committed": k,
                 "num_hit_tokens": h,
                 "handle": hd,
+                "state_slot": ss,
             },
             "error": None,
         }
-        for i, r, n, cap, k, h, hd in zip(
+        for i, r, n, cap, k, h, hd, ss in zip(
             request_ids,
             rows.tolist(),
             lengths.tolist(),
@@ -210,6 +212,7 @@ def result_dicts(
             committed,
             hits,
             handles,
+            state_slots,
             strict=True,
         )
     ]

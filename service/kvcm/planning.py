@@ -15,7 +15,7 @@ from .ids import PoolGroupId
 from .layout import Layout, build_layout
 from .ranks import RankPlan, plan_ranks
 from .sizing import Sizing, StepShape
-from .state_pools import state_memory
+from .state_pools import build_state_groups, state_memory
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,18 +92,28 @@ def check_config(cfg: ManagerConfig, freed: tuple[int, int] = (0, 0)) -> None:
     plan(cfg)
 
 
-def host_slots(cfg: ManagerConfig, layout: Layout, slots: dict[PoolGroupId, int]) -> dict[int, int]:
-    """Host-tier slots per pool group for ``host_memory_bytes``, split between pool groups in
-    proportion to their device bytes (each gets ``floor(share / slot_bytes)`` slots)."""
+def host_slots(
+    cfg: ManagerConfig, layout: Layout, slots: dict[PoolGroupId, int]
+) -> tuple[dict[int, int], int]:
+    """Host-tier slots per pool group, and per state group, for ``host_memory_bytes``, split
+    in proportion to their device bytes: a pool group's slots, a state group's live slots
+    (what a suspend moves; checkpoints stay on the device). Each gets ``floor(share /
+    slot_bytes)`` slots, a state group at most ``max_requests`` (no more requests can be
+    suspended at once); every state group gets the same number (its share is in proportion
+    to its slot bytes). Example: one pool group of 100 slots of 1000 bytes and one state
+    group of 4 live slots of 25,000 bytes (100,000 bytes each), 400,000 host bytes: 200 host
+    slots for the pool group, 8 for the state group (if max_requests is at least 8)."""
     assert cfg.host_memory_bytes is not None
+    budget = cfg.host_memory_bytes
     device = {
         int(pg.pool_group_id): slots[pg.pool_group_id] * pg.slot_bytes for pg in layout.pool_groups
     }
-    total = sum(device.values())
-    return {
-        int(pg.pool_group_id): cfg.host_memory_bytes
-        * device[int(pg.pool_group_id)]
-        // total
-        // pg.slot_bytes
+    groups = build_state_groups(cfg.state_layers)
+    live = cfg.num_state_live_slots
+    total = sum(device.values()) + sum(g.slot_bytes * live for g in groups)
+    pools = {
+        int(pg.pool_group_id): budget * device[int(pg.pool_group_id)] // total // pg.slot_bytes
         for pg in layout.pool_groups
     }
+    states = min(cfg.max_requests, budget * live // total) if groups else 0
+    return pools, states

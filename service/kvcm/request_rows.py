@@ -146,6 +146,7 @@ def info(m: KVCacheManager, request_id: str, row: int) -> RequestInfo:
             "num_committed": m._committed.item(row),
             "num_hit_tokens": m._hits.item(row),
             "handle": m._handle.item(row) if saved is None else saved.handle,
+            "state_slot": m._state_slot.item(row),
         }
     )
 
@@ -249,7 +250,7 @@ def rewind_row(m: KVCacheManager, row: int, num_tokens: int) -> None:
     key = state_requests.check_rewind(m, row, prefix, new_len)
     m._coord.rewind(row, num_tokens)  # may still refuse (a window's released blocks)
     if key is not None:
-        state_requests.apply_rewind(m, row, prefix.root, key, new_len)
+        state_requests.apply_rewind(m, row, prefix.root, key)
     for pg, slots in writable.items():
         m._coord.cache.uncache(pg, slots)
     tpb = m.tokens_per_block
@@ -302,6 +303,7 @@ def free_row(m: KVCacheManager, row: int) -> str:
     request_id = m._ids[row]
     assert request_id is not None
     m._coord.release_row(row)
+    state_requests.release(m, row)
     m._ids[row] = None
     m._handle[row] = -1
     del m._rows[request_id]

@@ -4,9 +4,11 @@ for prefix reuse (docs/state-layers.md).
 A state group is the state layers of equal (owner, reuse). Its slot holds every buffer of
 every layer of the group, back to back in layer order then buffer order, each at an offset
 aligned to 16 bytes, so a slot is as large as the state itself (the alignment adds at most
-15 bytes a buffer): no padding to attention pages. A group has ``max_requests`` live slots,
-slot r belonging to the request in page-table row r (so a state index is a row and costs no
-allocation), then ``checkpoints`` checkpoint slots.
+15 bytes a buffer): no padding to attention pages. A group has ``live`` live slots, then
+``checkpoints`` checkpoint slots. A request takes a live slot at allocation (and at resume)
+and gives it back when it is freed (or suspended); it holds the same slot id in every group.
+It takes the slot of its own page-table row when that one is free, so with one live slot per
+row (the default) a request's slot is always its row.
 
 A checkpoint is a copy of a request's live slot taken when its committed length is a
 multiple of ``stride`` blocks, keyed by (scope, key of its last full block): the prefix it
@@ -16,14 +18,15 @@ into the new request's live slot. An op's copies (zeroing, saves, restores) are 
 made together when it ends (``flush``): one fill and one gather-scatter per group.
 
 Worked example (tokens_per_block 4, stride 1, one group of 2 live slots and 2 checkpoint
-slots): a request in row 1 commits 8 tokens: its slot 1 is copied to checkpoint slot 2 keyed
-by block 1's key; another request with the same 9-token prompt, in row 0, hits 8 tokens and
-gets slot 2 copied into slot 0.
+slots): a request in row 1 takes live slot 1 and commits 8 tokens: slot 1 is copied to
+checkpoint slot 2 keyed by block 1's key; another request with the same 9-token prompt, in
+row 0, takes slot 0, hits 8 tokens and gets slot 2 copied into slot 0.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -124,10 +127,11 @@ def group_checkpoints(group: StateGroup, checkpoints: int) -> int:
 
 
 def state_memory(cfg: ManagerConfig) -> int:
-    """Device bytes of the state layers: every state group's live slots (one per request
-    row) and checkpoint slots; ``memory_bytes`` pays for them before the KV pools."""
+    """Device bytes of the state layers: every state group's live slots and checkpoint
+    slots; ``memory_bytes`` pays for them before the KV pools."""
+    live = cfg.num_state_live_slots
     return sum(
-        g.slot_bytes * (cfg.max_requests + group_checkpoints(g, cfg.num_state_checkpoints))
+        g.slot_bytes * (live + group_checkpoints(g, cfg.num_state_checkpoints))
         for g in build_state_groups(cfg.state_layers)
     )
 
@@ -139,20 +143,21 @@ class StatePools:
         self,
         groups: tuple[StateGroup, ...],
         max_requests: int,
+        live: int,
         checkpoints: int,
         stride: int,
         device: torch.device,
         segments: SharedSegments | CudaSegments | None = None,
     ) -> None:
         self.groups = groups
-        self.max_requests = max_requests
+        self.live = live
         self.num_checkpoints = checkpoints
         self.stride = stride
         #: Shared segments, one per group, when the manager shares its memory.
         self.segments: list[SharedSegment] = []
         self.memory = []
         for g in groups:
-            slots = max_requests + group_checkpoints(g, checkpoints)
+            slots = live + group_checkpoints(g, checkpoints)
             if segments is None:
                 tensor = torch.empty((slots, g.slot_bytes), dtype=torch.uint8, device=device)
             else:
@@ -164,12 +169,17 @@ class StatePools:
         #: Per group: checkpoint key -> slot, least recently used first; free slots.
         self.lru: list[OrderedDict[CheckpointKey, int]] = [OrderedDict() for _ in groups]
         self.free = [
-            list(range(max_requests + group_checkpoints(g, checkpoints) - 1, max_requests - 1, -1))
-            for g in groups
+            list(range(live + group_checkpoints(g, checkpoints) - 1, live - 1, -1)) for g in groups
         ]
-        #: Per group and row: the committed length of the request's last checkpoint (its
-        #: latest restorable point), -1 for none.
-        self.saved = [np.full(max_requests, -1, dtype=np.int64) for _ in groups]
+        #: Per page-table row: its request's live slot, -1 for none (a free row, or a
+        #: suspended request's); which live slots are free, and how many.
+        self.slot_of = np.full(max_requests, -1, dtype=np.int64)
+        self.free_live = np.ones(live, dtype=bool)
+        self.num_free_live = live
+        #: Called before a batch of copies is made (``flush``): the host tier orders them
+        #: after its own copies of live slots (a suspended request's state copied out of a
+        #: slot that a new request's zeroing then reuses).
+        self.before_copies: Callable[[], None] | None = None
         self.saves = 0
         self.restores = 0
         #: Batches of copies made (one per op that queued any, more after a hazard).
@@ -177,15 +187,16 @@ class StatePools:
         #: Per group: the copies the op queued (made at its end, ``flush``).
         self._pending = [_StateCopies() for _ in groups]
         self._queued = False
-        #: In a transaction: (group, live row) -> (its state, saved length) before the first
-        #: write; None outside one.
-        self._undo: dict[tuple[int, int], tuple[torch.Tensor, int]] | None = None
+        #: In a transaction: (group, live slot) -> its state before the first write, and
+        #: the live slots' bookkeeping at its start; None outside one.
+        self._undo: dict[tuple[int, int], torch.Tensor] | None = None
+        self._undo_slots: tuple[np.ndarray, np.ndarray, int] | None = None
 
     # -- views and indices --------------------------------------------------------------------
 
     def view(self, layer_id: int, name: str) -> torch.Tensor:
         """Buffer ``name`` of state layer ``layer_id`` for every slot, ``[slots, *shape]`` of
-        its dtype: row r is the live state of the request in page-table row r."""
+        its dtype: index ``slot_of[row]`` is the live state of the request in that row."""
         try:
             gid, place = self.placement[(layer_id, name)]
         except KeyError:
@@ -215,24 +226,56 @@ class StatePools:
     # -- transactions (all-or-nothing steps) ---------------------------------------------------
 
     def begin(self) -> None:
-        """Start recording what an undo must put back: the live rows the steps' copies write
-        (checkpoints need nothing: one saved by an undone commit still holds its prefix's
-        state, it only took an older one's slot)."""
+        """Start recording what an undo must put back: which request holds which live slot,
+        and the live slots the step's copies write (checkpoints need nothing: one saved by
+        an undone commit still holds its prefix's state, it only took an older one's
+        slot)."""
         self.flush()
         self._undo = {}
+        self._undo_slots = (self.slot_of.copy(), self.free_live.copy(), self.num_free_live)
 
     def undo(self) -> None:
-        """Drop the queued copies and put back every live row the transaction wrote."""
-        assert self._undo is not None
+        """Drop the queued copies, put back every live slot the transaction wrote and give
+        every request the live slot it had."""
+        assert self._undo is not None and self._undo_slots is not None
         self._pending = [_StateCopies() for _ in self.groups]
         self._queued = False
-        for (g, row), (state, length) in self._undo.items():
-            self.memory[g][row].copy_(state)
-            self.saved[g][row] = length
+        for (g, slot), state in self._undo.items():
+            self.memory[g][slot].copy_(state)
         self._undo.clear()
+        slot_of, free_live, self.num_free_live = self._undo_slots
+        self.slot_of[:] = slot_of  # in place: the manager reads the same array
+        self.free_live[:] = free_live
 
     def end(self) -> None:
         self._undo = None
+        self._undo_slots = None
+
+    # -- live slots ----------------------------------------------------------------------------
+
+    def take(self, row: int) -> int:
+        """Give the request in ``row`` a live slot and return it (the caller checked
+        ``num_free_live``): slot ``row`` when it is free, else the lowest free one. Nothing
+        but the request in row r takes slot r while another is free, so with one live slot
+        per row slot r is always row r's. Example: 2 live slots, 4 rows; the requests of
+        rows 0 and 1 hold slots 0 and 1; row 0's is suspended (slot 0 is free again); a new
+        request in row 2 takes slot 0, and row 0's request cannot resume until one is free."""
+        free = self.free_live
+        slot = row if row < self.live and free[row] else int(free.argmax())
+        free[slot] = False
+        self.num_free_live -= 1
+        self.slot_of[row] = slot
+        return slot
+
+    def release(self, row: int) -> int:
+        """Give back the live slot of ``row``'s request (freed or suspended); returns it
+        (-1: it held none)."""
+        slot = int(self.slot_of[row])
+        if slot >= 0:
+            self.free_live[slot] = True
+            self.num_free_live += 1
+            self.slot_of[row] = -1
+        return slot
 
     # -- copies, batched per op -----------------------------------------------------------------
 
@@ -240,10 +283,10 @@ class StatePools:
         """Queue ``dst = src`` (None: zeros) in group g; launches what is queued first if it
         reads or writes a slot this copy writes, or writes the slot this copy reads, so that
         a batch's copies are independent (any order gives the same bytes)."""
-        if self._undo is not None and dst < self.max_requests and (g, dst) not in self._undo:
-            # The first write to a live row in a transaction: keep what an undo puts back
+        if self._undo is not None and dst < self.live and (g, dst) not in self._undo:
+            # The first write to a live slot in a transaction: keep what an undo puts back
             # (nothing queued writes it yet: the transaction started with nothing queued).
-            self._undo[(g, dst)] = (self.memory[g][dst].clone(), int(self.saved[g][dst]))
+            self._undo[(g, dst)] = self.memory[g][dst].clone()
         p = self._pending[g]
         if (dst in p.writes or dst in p.reads) or (src is not None and src in p.writes):
             self.flush()
@@ -262,6 +305,8 @@ class StatePools:
         for the copies (on CUDA, a launch or two per group, not one per copy)."""
         if not self._queued:
             return
+        if self.before_copies is not None:
+            self.before_copies()
         self.batches += 1
         for g, p in enumerate(self._pending):
             mem = self.memory[g]
@@ -275,11 +320,10 @@ class StatePools:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def start(self, row: int) -> None:
-        """A new request in ``row``: its live state starts from zeros."""
+    def start(self, slot: int) -> None:
+        """A new request's live ``slot``: its state starts from zeros."""
         for g in range(len(self.memory)):
-            self._queue(g, None, row)
-            self.saved[g][row] = -1
+            self._queue(g, None, slot)
 
     def has(self, root: bytes, key: bytes) -> bool:
         """Whether every state group has the checkpoint of (root, key) (never when one keeps
@@ -290,28 +334,26 @@ class StatePools:
         """Whether prefix hits can restore state at all (every group keeps checkpoints)."""
         return self.num_checkpoints > 0 and all(g.reusable for g in self.groups)
 
-    def save(self, row: int, root: bytes, key: bytes, length: int) -> None:
-        """Checkpoint the live state of ``row`` (committed ``length`` tokens) under (root,
-        key), in every reusable group; the least recently used checkpoint makes room."""
+    def save(self, slot: int, root: bytes, key: bytes) -> None:
+        """Checkpoint the live state in ``slot`` under (root, key), in every reusable group;
+        the least recently used checkpoint makes room."""
         for g, lru in enumerate(self.lru):
             if not self.groups[g].reusable or not self.num_checkpoints:
                 continue
             ck = (root, key)
-            slot = lru.pop(ck, None)
-            if slot is None:
-                slot = self.free[g].pop() if self.free[g] else lru.popitem(last=False)[1]
-            lru[ck] = slot
-            self._queue(g, row, slot)
-            self.saved[g][row] = length
+            checkpoint = lru.pop(ck, None)
+            if checkpoint is None:
+                checkpoint = self.free[g].pop() if self.free[g] else lru.popitem(last=False)[1]
+            lru[ck] = checkpoint
+            self._queue(g, slot, checkpoint)
         self.saves += 1
 
-    def restore(self, row: int, root: bytes, key: bytes, length: int) -> None:
-        """Copy the checkpoint of (root, key) into ``row``'s live state (``has`` said yes)."""
+    def restore(self, slot: int, root: bytes, key: bytes) -> None:
+        """Copy the checkpoint of (root, key) into the live ``slot`` (``has`` said yes)."""
         for g, lru in enumerate(self.lru):
-            slot = lru[(root, key)]
+            checkpoint = lru[(root, key)]
             lru.move_to_end((root, key))
-            self._queue(g, slot, row)
-            self.saved[g][row] = length
+            self._queue(g, checkpoint, slot)
         self.restores += 1
 
     def clear(self) -> None:

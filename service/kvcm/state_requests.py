@@ -1,7 +1,8 @@
-"""What requests do to their state slots (docs/state-layers.md): a prefix hit lands only
-where every state group has a checkpoint and restores it; a commit that ends on a checkpoint
-boundary saves one; a rewind below the committed length goes back to a checkpoint or is
-refused (``StateNotRewindable``), since a recurrent state cannot undo tokens.
+"""What requests do to their state slots (docs/state-layers.md): a new request takes a live
+slot (``OutOfBlocks`` when none is free) and gives it back when it is freed; a prefix hit
+lands only where every state group has a checkpoint and restores it; a commit that ends on a
+checkpoint boundary saves one; a rewind below the committed length goes back to a checkpoint
+or is refused (``StateNotRewindable``), since a recurrent state cannot undo tokens.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvcm_client.errors import InvalidArgument, StateNotRewindable
+from kvcm_client.errors import InvalidArgument, OutOfBlocks, StateNotRewindable
 
 from .publish import PrefixState
 
@@ -47,16 +48,37 @@ def cut_to_checkpoint(
     return found
 
 
+def check_room(m: KVCacheManager, request_id: str) -> None:
+    """``OutOfBlocks`` when no live state slot is free (what an allocate or a resume of
+    ``request_id`` needs first); nothing to check without state layers."""
+    st = m._state
+    if st is not None and not st.num_free_live:
+        raise OutOfBlocks(
+            f"request {request_id!r} needs a live state slot and all {st.live} are taken "
+            "(state_live_slots)",
+            request_id=request_id,
+            state_live_slots=st.live,
+            free=0,
+        )
+
+
 def start(m: KVCacheManager, row: int, root: bytes, keys: list[bytes], hit: int) -> None:
-    """A new request in ``row`` with a hit of ``hit`` blocks: its state starts from zeros,
-    or from the checkpoint at the hit."""
+    """A new request in ``row`` with a hit of ``hit`` blocks takes a live slot (``check_room``
+    said one is free): its state starts from zeros, or from the checkpoint at the hit."""
     st = m._state
     if st is None:
         return
+    slot = st.take(row)
     if hit:
-        st.restore(row, root, keys[hit - 1], hit * m.tokens_per_block)
+        st.restore(slot, root, keys[hit - 1])
     else:
-        st.start(row)
+        st.start(slot)
+
+
+def release(m: KVCacheManager, row: int) -> None:
+    """The request in ``row`` is freed: its live slot is free again."""
+    if m._state is not None:
+        m._state.release(row)
 
 
 def after_commit(m: KVCacheManager, row: int, prefix: PrefixState, before: int) -> None:
@@ -69,7 +91,7 @@ def after_commit(m: KVCacheManager, row: int, prefix: PrefixState, before: int) 
     length = int(m._committed[row])
     every = st.stride * m.tokens_per_block
     if length > before and length % every == 0:
-        st.save(row, prefix.root, prefix.keys[length // m.tokens_per_block - 1], length)
+        st.save(int(st.slot_of[row]), prefix.root, prefix.keys[length // m.tokens_per_block - 1])
 
 
 def check_rewind(m: KVCacheManager, row: int, prefix: PrefixState, new_len: int) -> bytes | None:
@@ -102,7 +124,8 @@ def check_rewind(m: KVCacheManager, row: int, prefix: PrefixState, new_len: int)
     return key
 
 
-def apply_rewind(m: KVCacheManager, row: int, root: bytes, key: bytes, new_len: int) -> None:
+def apply_rewind(m: KVCacheManager, row: int, root: bytes, key: bytes) -> None:
     """Restore the checkpoint ``check_rewind`` found into the row's live state."""
-    assert m._state is not None
-    m._state.restore(row, root, key, new_len)
+    st = m._state
+    assert st is not None
+    st.restore(int(st.slot_of[row]), root, key)

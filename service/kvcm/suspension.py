@@ -1,9 +1,11 @@
 """Suspending a request to the host tier and resuming it (docs/host-tier.md).
 
-A suspend moves a request's blocks to host slots and frees their device slots; the request
-keeps its id, row, length, committed tokens and keys, but its handle names nothing until a
-resume brings the blocks back into new device slots. Both copy pages, so neither can run
-inside an all-or-nothing step (an undo cannot take a copy back).
+A suspend moves a request's blocks to host slots and frees their device slots, and with state
+layers its live state to a host state slot, freeing its live slot (docs/state-layers.md); the
+request keeps its id, row, length, committed tokens and keys, but its handle names nothing
+until a resume brings the blocks back into new device slots and the state into a new live
+slot. Both copy pages, so neither can run inside an all-or-nothing step (an undo cannot take a
+copy back).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 from kvcm_client.errors import InvalidArgument, OutOfBlocks
 from kvcm_client.models import RequestInfo
 
-from . import request_rows
+from . import request_rows, state_requests
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -27,11 +29,13 @@ class Suspended:
     """A suspended request: per layer group, the table positions of its blocks and the
     host slots holding their pages, and the (scope, key) of those that were published
     (index into the positions -> key), whose device copies a resume can take back; the
-    handle it gets back at resume."""
+    handle it gets back at resume; the host state slot holding its live state (-1: no
+    state layers)."""
 
     blocks: list[tuple[np.ndarray, list[int]]]
     published: list[dict[int, tuple[bytes, bytes]]]
     handle: int
+    state: int
 
 
 def suspend(m: KVCacheManager, request_id: str) -> RequestInfo:
@@ -40,7 +44,8 @@ def suspend(m: KVCacheManager, request_id: str) -> RequestInfo:
     every op but ``request``, ``committed_tokens``, ``free`` and ``resume`` (its handle
     names nothing until it is resumed). ``OutOfBlocks`` (detail ``tier="host"``) when
     the host tier cannot hold them even after dropping its cached blocks; nothing
-    changes then (docs/host-tier.md)."""
+    changes then (docs/host-tier.md). With state layers its live state goes to a host state
+    slot and its live slot is freed (``OutOfBlocks`` too when no host state slot is free)."""
     row = request_rows.row_of(m, request_id)
     suspend_row(m, row)
     return request_rows.info(m, request_id, row)
@@ -74,6 +79,15 @@ def suspend_row(m: KVCacheManager, row: int) -> None:
                 free=host.room(pg),
                 tier="host",
             )
+    st = m._state
+    if st is not None and not host.state_free:
+        raise OutOfBlocks(
+            f"the host tier's {host.state_slots} state slots hold suspended requests' states "
+            "already",
+            state_slots=host.state_slots,
+            free=0,
+            tier="host",
+        )
     saved = []
     published = []
     for g, (positions, slots) in enumerate(blocks):
@@ -86,15 +100,20 @@ def suspend_row(m: KVCacheManager, row: int) -> None:
         if slots:
             c._unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
             c._set(g, row, positions, None)
+    state = -1
+    if st is not None:
+        st.flush()  # the op's queued state copies first: they may write this slot
+        state = host.hold_state(st.release(row))
     handle = int(m._handle[row])
-    m._suspended[request_id] = Suspended(saved, published, handle)
+    m._suspended[request_id] = Suspended(saved, published, handle, state)
     m._suspended_handles[handle] = request_id
     m._handle[row] = -1
 
 
 def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
-    """Bring a suspended request's blocks back and rewrite its table row; ``OutOfBlocks``
-    when the device has too few free slots, and nothing changes. The request has its
+    """Bring a suspended request's blocks back and rewrite its table row, and its state
+    into a new live slot (docs/state-layers.md); ``OutOfBlocks`` when the device has too
+    few free slots or no free live state slot, and nothing changes. The request has its
     handle back.
 
     A block that was published and is still cached on the device is taken back where it
@@ -124,6 +143,7 @@ def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
         # An idle cached slot leaves the free queue too; a shared one does not.
         need[pg] += positions.size - int((c.refs[pg][at[at >= 0]] > 0).sum())
     c.check_fits(need)
+    state_requests.check_room(m, request_id)
     for g, at in enumerate(found):  # first, so that the slots taken below cannot evict them
         pg = c.group_pool[g]
         back = at[at >= 0]
@@ -141,6 +161,10 @@ def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
             at[copy] = slots
         c._set(g, row, positions, at)
     c.ops_since_take += 1
+    st = m._state
+    if st is not None:
+        st.flush()  # the op's queued state copies first: they may involve the new slot
+        host.give_back_state(saved.state, st.take(row))
     del m._suspended[request_id]
     del m._suspended_handles[saved.handle]
     m._handle[row] = saved.handle
@@ -156,3 +180,5 @@ def discard(m: KVCacheManager, request_id: str) -> None:
     assert m._host is not None
     for g, (_, host_slots) in enumerate(saved.blocks):
         m._host.discard(m._coord.group_pool[g], host_slots)
+    if saved.state >= 0:
+        m._host.discard_state(saved.state)

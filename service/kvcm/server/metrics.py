@@ -88,15 +88,29 @@ class _StateCollector(Collector):
                 "Batches launched early: two copies of a step shared a slot",
             ),
             ("kvcm_host_copy_seconds", host.copy_seconds, "Time ops spent on host copies"),
+            ("kvcm_host_offloaded_states", host.offloaded_states, "Live states suspended"),
+            ("kvcm_host_onboarded_states", host.onboarded_states, "Live states resumed"),
         ):
             yield CounterMetricFamily(name, text, value=value)
-        for name, values, text in (
-            ("kvcm_host_slots", host.host_slots, "Host tier slots per pool group"),
-            ("kvcm_host_used", host.host_used, "Host tier slots holding a block"),
+        for name, values, text, label in (
+            ("kvcm_host_slots", host.host_slots, "Host tier slots per pool group", "pool_group"),
+            ("kvcm_host_used", host.host_used, "Host tier slots holding a block", "pool_group"),
+            (
+                "kvcm_host_state_slots",
+                host.state_host_slots,
+                "Host tier slots for suspended states per state group",
+                "state_group",
+            ),
+            (
+                "kvcm_host_state_used",
+                host.state_host_used,
+                "Host tier state slots holding a suspended state",
+                "state_group",
+            ),
         ):
-            family = GaugeMetricFamily(name, text, labels=["pool_group"])
-            for pg, value in sorted(values.items()):
-                family.add_metric([str(pg)], value)
+            family = GaugeMetricFamily(name, text, labels=[label])
+            for key, value in sorted(values.items()):
+                family.add_metric([str(key)], value)
             yield family
 
 
