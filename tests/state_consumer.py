@@ -1,7 +1,7 @@
 """A reference consumer of state layers: a toy Mamba-like recurrence run on kvcm's state
 views, in process or in a process of its own (``python tests/state_consumer.py``: it reads
-a ``SharedLayout`` as JSON on its first line, attaches, then runs one ``row token...`` line
-at a time on that row's live state and answers ``ok``)."""
+a ``SharedLayout`` as JSON on its first line, attaches, then runs one ``slot token...`` line
+at a time on that live state slot and answers ``ok``)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def main() -> None:
         conv, ssm = att.state_view(1, "conv"), att.state_view(1, "ssm")
         print("attached", flush=True)
         for line in sys.stdin:
-            row, *tokens = (int(v) for v in line.split())
-            model.run(conv[row], ssm[row], tokens)
+            slot, *tokens = (int(v) for v in line.split())
+            model.run(conv[slot], ssm[slot], tokens)
             print("ok", flush=True)
 
 

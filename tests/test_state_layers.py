@@ -5,6 +5,12 @@ run without kvcm."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -450,6 +456,143 @@ def test_hybrid_models_hit_as_much_as_pure_attention_below_528_tokens() -> None:
     assert sum(h > 0 for h in hits) > 20 and max(hits) > 256
 
 
+# -- live slots, suspend and resume (the host tier) ------------------------------------------------
+
+
+def _suspending(**kw: object) -> KVCacheManager:
+    """4 rows, 2 live state slots, a host tier: 8384 host bytes over the device's 32 KV slots
+    of 256 bytes and 2 live state slots of 96 bytes (8384 bytes) give 32 host KV slots and
+    2 host state slots (checkpoints stay on the device)."""
+    cfg: dict[str, object] = {"state_live_slots": 2, "host_memory_bytes": 8384}
+    cfg.update(kw)
+    return _manager(**cfg)
+
+
+def test_suspend_moves_the_state_to_the_host_and_resume_into_a_free_live_slot() -> None:
+    m = _suspending()
+    conv, ssm = m.state_view(1, "conv"), m.state_view(1, "ssm")
+    assert ssm.shape[0] == 2 + 4  # 2 live slots, then 4 checkpoints
+    a, b = m.allocate("a", 5), m.allocate("b", 5)  # 2 blocks each
+    assert (a.row, a.state_slot, b.row, b.state_slot) == (0, 0, 1, 1)
+    with pytest.raises(OutOfBlocks) as err:
+        m.allocate("c", 5)  # a row is free, a live state slot is not: nothing changes
+    assert err.value.detail == {"request_id": "c", "state_live_slots": 2, "free": 0}  # type: ignore[attr-defined]
+    assert m.request_ids() == ["a", "b"] and m.num_free_blocks() == 28
+    conv[0], ssm[0] = 3.0, 7.0
+    assert m.suspend("a").state_slot == -1 and m.num_free_blocks() == 30
+    assert m.host_stats()["state_host_used"] == {0: 1}
+    c = m.allocate("c", 5)  # row 2 has no slot of its own: the lowest free, a's, zeroed
+    assert (c.row, c.state_slot) == (2, 0) and not conv[0].any() and not ssm[0].any()
+    ssm[0] = 9.0
+    with pytest.raises(OutOfBlocks):
+        m.resume("a")  # its blocks would fit, a live state slot does not: nothing changes
+    assert m.request("a").state_slot == -1 and m.num_free_blocks() == 28
+    assert m._host is not None and m._host.held[0] == 2
+    assert m.host_stats()["state_host_used"] == {0: 1}
+    m.free("b")
+    back = m.resume("a")  # row 0's own slot is c's: the lowest free one, b's
+    assert back.state_slot == 1 and m.state_indices(["a", "c"]).tolist() == [1, 0]
+    assert (conv[1] == 3.0).all() and (ssm[1] == 7.0).all() and (ssm[0] == 9.0).all()
+    stats = m.host_stats()
+    assert (stats["offloaded_states"], stats["onboarded_states"]) == (1, 1)
+    assert stats["state_host_slots"] == {0: 2} and stats["state_host_used"] == {0: 0}
+    m.free("a")
+    m.free("c")
+    assert m._state is not None and m._state.num_free_live == 2
+
+
+def test_a_suspend_without_a_free_host_state_slot_changes_nothing() -> None:
+    m = _suspending(host_memory_bytes=4192)  # half: 16 host KV slots, 1 host state slot
+    m.allocate("a", 5)
+    b = m.allocate("b", 5)
+    m.suspend("a")
+    with pytest.raises(OutOfBlocks) as err:
+        m.suspend("b")
+    assert err.value.detail["tier"] == "host"  # type: ignore[attr-defined]
+    assert m.request("b").state_slot == b.state_slot == 1
+    assert m.block_table("b") == [[2, 3]] and m.num_free_blocks() == 30
+    m.free("a")  # a suspended request freed: its host state slot too
+    assert m.host_stats()["state_host_used"] == {0: 0}
+    m.suspend("b")
+    assert m.host_stats()["state_host_used"] == {0: 1}
+
+
+def test_the_estimate_counts_live_state_slots_and_host_state_slots() -> None:
+    """Fewer live slots than rows limit how many requests run: the estimate's N fit and
+    N + 1 do not; the host holds ``host_max_requests`` suspended, one more is refused."""
+    m = _suspending(host_memory_bytes=4192)
+    est = m.estimate(8)
+    assert (est.max_requests, est.limited_by, est.host_max_requests) == (2, "state_slots", 1)
+    group = est.state_groups[0]
+    assert (group.live_slots, group.checkpoint_slots, group.host_slots) == (2, 4, 1)
+    assert est.state_bytes == (2 + 4) * 96
+    for i in range(2):
+        m.allocate(f"r{i}", 8)
+    with pytest.raises(OutOfBlocks):
+        m.allocate("r2", 8)
+    m.suspend("r0")
+    with pytest.raises(OutOfBlocks):
+        m.suspend("r1")
+    with pytest.raises(ValidationError, match="state_live_slots"):
+        _manager(state_live_slots=5)  # more than the 4 rows
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_slot_suspended_and_reused_in_one_step_keeps_each_state(deferred: bool) -> None:
+    """A step's state copies and the tier's copies of the same live slot happen in the
+    step's order, also with the tier's copies deferred to the op's end (as on CUDA): the
+    host gets a request's state after the step's restore, not before it; a new request's
+    zeroing of the slot comes after the copy out; a checkpoint of a slot comes before a
+    resume's copy into it."""
+    m = _suspending(state_live_slots=1)
+    assert m._host is not None
+    m._host.copier.immediate = not deferred
+    ssm = m.state_view(1, "ssm")
+    p = list(range(6))
+    a = m.allocate("a", 6, token_ids=p)
+    _commit_in_blocks(m, "a", p, 100)  # a checkpoint at 4 (104); the live state is 106
+    # Rewind to 4 (its checkpoint is restored), suspend, and "b" takes the live slot.
+    out = m.step_columns(
+        rewind=[a.handle],
+        rewind_tokens=2,
+        suspend=[a.handle],
+        allocate=[{"request_id": "b", "num_tokens": 5}],
+    )
+    assert out.ok and m.request("b").state_slot == 0 and not ssm[0].any()
+    m.free("b")
+    assert m.resume("a").state_slot == 0 and (ssm[0] == 104).all()
+    # Suspended, and a new request zeroes the slot.
+    ssm[0] = 5.0
+    results = m.step(
+        [
+            {"op": "suspend", "request_id": "a"},
+            {"op": "allocate", "request_id": "c", "num_tokens": 5},
+        ]
+    )
+    assert all(r.ok for r in results) and not ssm[0].any()
+    # c ran a block: committed (a checkpoint), c freed and a resumed into its slot.
+    ssm[0] = 6.0
+    out = m.step_columns(
+        commit=[m.request("c").handle],
+        commit_tokens=[[9, 9, 9, 9]],
+        free=[m.request("c").handle],
+        resume=[a.handle],
+    )
+    assert out.ok and (ssm[0] == 5.0).all()
+    m.suspend("a")
+    assert m.allocate("d", 5, token_ids=[9, 9, 9, 9, 1]).num_hit_tokens == 4
+    assert (ssm[0] == 6.0).all()  # the checkpoint c's commit saved
+
+
+def test_an_undone_step_gives_back_the_live_slots_it_took() -> None:
+    m = _suspending(state_live_slots=1)
+    bad = {"op": "extend", "request_id": "nope", "num_new_tokens": 1}
+    results = m.step([{"op": "allocate", "request_id": "a", "num_tokens": 5}, bad], atomic=True)
+    assert not any(r.ok for r in results)
+    assert m._state is not None and m._state.num_free_live == 1
+    assert m.allocate("b", 5).state_slot == 0
+
+
 # -- a toy recurrent model through the state views ----------------------------------------------
 
 
@@ -484,45 +627,106 @@ def test_a_toy_recurrent_model_through_kvcm_equals_it_without() -> None:
     assert serve("a2", [*prompt, 5, 6, 7, 8], [9]) == 24
 
 
-def test_a_consumer_process_runs_the_model_on_the_shared_state() -> None:
-    """The same, with the model in a process of its own that maps the state through
-    ``kvcm_client.attach`` (POSIX shared memory): the scheduler here allocates and commits,
-    the consumer writes the state, and a prefix hit's restored checkpoint is what it reads."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    model = ToyRecurrence()
-    m = _manager(num_blocks=64, share=True)
-    here = Path(__file__).parent
+@contextmanager
+def _consumer(m: KVCacheManager) -> Iterator[Callable[[int, list[int]], None]]:
+    """The toy recurrence in a process of its own (``state_consumer.py``), which maps the
+    manager's shared state through ``kvcm_client.attach``; yields ``run(slot, tokens)``."""
     child = subprocess.Popen(
-        [sys.executable, str(here / "state_consumer.py")],
+        [sys.executable, str(Path(__file__).parent / "state_consumer.py")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     assert child.stdin is not None and child.stdout is not None
+    stdin, stdout = child.stdin, child.stdout
+
+    def run(slot: int, tokens: list[int]) -> None:
+        stdin.write(" ".join(map(str, [slot, *tokens])) + "\n")
+        stdin.flush()
+        assert stdout.readline().strip() == "ok"
+
     try:
-        child.stdin.write(m.pools().model_dump_json() + "\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "attached"
+        stdin.write(m.pools().model_dump_json() + "\n")
+        stdin.flush()
+        assert stdout.readline().strip() == "attached"
+        yield run
+    finally:
+        stdin.close()
+        child.wait(10)
 
-        def run(row: int, tokens: list[int]) -> None:
-            child.stdin.write(" ".join(map(str, [row, *tokens])) + "\n")  # type: ignore[union-attr]
-            child.stdin.flush()  # type: ignore[union-attr]
-            assert child.stdout.readline().strip() == "ok"  # type: ignore[union-attr]
 
-        conv, ssm = m.state_view(1, "conv"), m.state_view(1, "ssm")
-        prompt = list(range(200, 213))
-        for rid in ("a", "b"):
+def test_a_consumer_process_runs_the_model_on_the_shared_state() -> None:
+    """The same, with the model in a process of its own that maps the state through
+    ``kvcm_client.attach`` (POSIX shared memory): the scheduler here allocates and commits,
+    the consumer writes the state, and a prefix hit's restored checkpoint is what it reads."""
+    model = ToyRecurrence()
+    m = _manager(num_blocks=64, share=True)
+    try:
+        with _consumer(m) as run:
+            conv, ssm = m.state_view(1, "conv"), m.state_view(1, "ssm")
+            prompt = list(range(200, 213))
+            for rid in ("a", "b"):
+                info = m.allocate(rid, len(prompt), token_ids=prompt)
+                for start in range(info.num_hit_tokens, len(prompt), TPB):
+                    run(info.state_slot, prompt[start : start + TPB])
+                    m.commit(rid, prompt[start : start + TPB])
+                want = model.reference(prompt)
+                slot = info.state_slot
+                assert torch.equal(conv[slot], want[0]) and torch.equal(ssm[slot], want[1])
+            assert m.request("b").num_hit_tokens == 12
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("where", ["in_process", "consumer_process"])
+def test_the_toy_recurrence_survives_a_suspend_while_others_fill_the_device(where: str) -> None:
+    """Prefill "a", suspend it to the host, fill the device with two other requests (every
+    KV block and both live state slots, one of them a's old slot, their states run by the
+    model), resume "a" once one is freed (into the other slot), decode: every state is bit
+    for bit the recurrence run without kvcm; in process, and from a consumer process."""
+    model = ToyRecurrence()
+    m = _manager(
+        num_blocks=12, state_live_slots=2, host_memory_bytes=1 << 14, share=where != "in_process"
+    )
+    conv, ssm = m.state_view(1, "conv"), m.state_view(1, "ssm")
+
+    def check(rid: str, tokens: list[int]) -> None:
+        slot = m.request(rid).state_slot
+        want = model.reference(tokens)
+        assert torch.equal(conv[slot], want[0]) and torch.equal(ssm[slot], want[1]), rid
+
+    def serve(run: Callable[[int, list[int]], None]) -> None:
+        def prefill(rid: str, prompt: list[int]) -> None:
             info = m.allocate(rid, len(prompt), token_ids=prompt)
             for start in range(info.num_hit_tokens, len(prompt), TPB):
-                run(info.row, prompt[start : start + TPB])
+                run(info.state_slot, prompt[start : start + TPB])
                 m.commit(rid, prompt[start : start + TPB])
-            want = model.reference(prompt)
-            assert torch.equal(conv[info.row], want[0]) and torch.equal(ssm[info.row], want[1])
-        assert m.request("b").num_hit_tokens == 12
+
+        prompt = list(range(100, 113))  # 4 blocks
+        prefill("a", prompt)
+        m.suspend("a")
+        others = {"x": list(range(200, 224)), "y": list(range(300, 324))}  # 6 blocks each
+        for rid, tokens in others.items():
+            prefill(rid, tokens)
+        assert m.num_free_blocks() == 0 and m.state_indices(["x", "y"]).tolist() == [1, 0]
+        with pytest.raises(OutOfBlocks):
+            m.resume("a")
+        m.free("x")
+        assert m.resume("a").state_slot == 1  # y holds a's old slot 0
+        decode = [5, 6, 7]
+        for t in decode:
+            m.extend("a", 1)
+            run(m.request("a").state_slot, [t])
+            m.commit("a", [t])
+        check("a", prompt + decode)
+        check("y", others["y"])
+        assert m.host_stats()["offloaded_blocks"] > 0  # a's cached blocks were evicted too
+
+    if where == "in_process":
+        serve(lambda slot, tokens: model.run(conv[slot], ssm[slot], tokens))
+        return
+    try:
+        with _consumer(m) as run:
+            serve(run)
     finally:
-        child.stdin.close()
-        child.wait(10)
         m.close()

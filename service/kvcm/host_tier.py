@@ -313,16 +313,6 @@ class HostTier:
         """Free a host state slot (a suspended request freed)."""
         self.state_free.appendleft(host_slot)
 
-    def order_state_copies(self) -> None:
-        """Order the state pools' next batch of copies (made on the current stream) after
-        every copy this tier queued or launched: a live slot a suspend copies out before a
-        new request's zeroing reuses it, one a resume copies into before a commit saves a
-        checkpoint of it (the CPU: the queued copies are made now)."""
-        if self.copier.stream is None:
-            self.copier.flush()
-        else:
-            self.copier.order_before(torch.cuda.current_stream(self.copier.device))
-
     def clear(self) -> None:
         for pg, lru in self.lru.items():
             self.free[pg].extend(lru.values())

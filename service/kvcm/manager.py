@@ -270,8 +270,6 @@ class KVCacheManager:
                 [] if self._state is None else self._state.memory,
                 state_slots,
             )
-            if self._state is not None:
-                self._state.before_copies = self._host.order_state_copies
         self._coord.host = self._host
         #: Suspended requests: their blocks' positions and host slots per layer group.
         self._suspended: dict[str, Suspended] = {}

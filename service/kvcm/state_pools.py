@@ -26,7 +26,6 @@ row 0, takes slot 0, hits 8 tokens and gets slot 2 copied into slot 0.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -176,10 +175,6 @@ class StatePools:
         self.slot_of = np.full(max_requests, -1, dtype=np.int64)
         self.free_live = np.ones(live, dtype=bool)
         self.num_free_live = live
-        #: Called before a batch of copies is made (``flush``): the host tier orders them
-        #: after its own copies of live slots (a suspended request's state copied out of a
-        #: slot that a new request's zeroing then reuses).
-        self.before_copies: Callable[[], None] | None = None
         self.saves = 0
         self.restores = 0
         #: Batches of copies made (one per op that queued any, more after a hazard).
@@ -305,8 +300,6 @@ class StatePools:
         for the copies (on CUDA, a launch or two per group, not one per copy)."""
         if not self._queued:
             return
-        if self.before_copies is not None:
-            self.before_copies()
         self.batches += 1
         for g, p in enumerate(self._pending):
             mem = self.memory[g]

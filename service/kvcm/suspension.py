@@ -6,6 +6,13 @@ request keeps its id, row, length, committed tokens and keys, but its handle nam
 until a resume brings the blocks back into new device slots and the state into a new live
 slot. Both copy pages, so neither can run inside an all-or-nothing step (an undo cannot take a
 copy back).
+
+The state's copies go through the host tier's copier, batched and ordered with the blocks'.
+State copies the op queued before them are made first (a rewind's restore into the slot a
+suspend copies out, a commit's checkpoint of a slot a free gave up and a resume copies into):
+``StatePools.flush``. Those queued after them (a new request's zeroing of the slot a suspend
+gave up) are made when the op settles, after the tier's copies have completed
+(``kvcm.manager._settle``; an allocate settles itself).
 """
 
 from __future__ import annotations
