@@ -28,14 +28,21 @@ def _words(m: KVCacheManager, group: int = 0) -> np.ndarray:
 
 
 class Words:
-    """Word 0 of each slot of a layer group's first pool, on any device: where the random
-    test writes checksums (a numpy view on the CPU, int64 tensor ops on CUDA)."""
+    """Word 0 of each slot of ``memory`` (``[slots, slot_bytes]`` uint8: a pool, or a state
+    group's slots), on any device: where the random test writes checksums (a numpy view on
+    the CPU, int64 tensor ops on CUDA)."""
 
-    def __init__(self, m: KVCacheManager, group: int) -> None:
+    def __init__(self, memory: torch.Tensor) -> None:
+        self.cpu = memory.device.type == "cpu"
+        words = memory.view(torch.int64)
+        self.words = words.numpy() if self.cpu else words
+
+    @staticmethod
+    def of_group(m: KVCacheManager, group: int) -> Words:
+        """Those of a layer group's first pool (a slot belongs to one block of one layer
+        group at a time, even where layer groups share a pool group)."""
         pg = m.layout.layer_groups[group].pool_group
-        pool = m.memory.tensors[m.layout.pool_groups[pg].pools[0]]
-        self.cpu = pool.device.type == "cpu"
-        self.words = _words(m, group) if self.cpu else pool.view(torch.int64)
+        return Words(m.memory.tensors[m.layout.pool_groups[pg].pools[0]])
 
     def write(self, slot: int, value: int) -> None:
         self.words[slot, 0] = value
@@ -120,14 +127,16 @@ def test_onboarding_stops_where_free_slots_end() -> None:
 
 
 @pytest.mark.parametrize(
-    ("seed", "cycles", "windowed", "deferred"),
-    [(0, 100_000, False, False), (1, 6000, False, False), (2, 20_000, True, False),
-     (3, 20_000, False, True), (4, 10_000, True, True)],
+    ("seed", "cycles", "windowed", "deferred", "state"),
+    [(0, 100_000, False, False, False), (1, 6000, False, False, False),
+     (2, 20_000, True, False, False), (3, 20_000, False, True, False),
+     (4, 10_000, True, True, False), (5, 20_000, False, False, True),
+     (6, 10_000, True, True, True)],
 )  # fmt: skip
 def test_random_cycles_never_corrupt_a_block_and_leak_no_slot(
-    seed: int, cycles: int, windowed: bool, deferred: bool
+    seed: int, cycles: int, windowed: bool, deferred: bool, state: bool
 ) -> None:
-    stats = run_cycles(seed, cycles, windowed, "cpu", deferred)
+    stats = run_cycles(seed, cycles, windowed, "cpu", deferred, state=state)
     if deferred:  # batches launched early because two copies of an op shared a slot
         assert stats["hazard_launches"] > 100
 
@@ -139,6 +148,7 @@ def run_cycles(
     device: str,
     deferred: bool = False,
     dma_min_bytes: int | None = None,
+    state: bool = False,
 ) -> dict[str, Any]:
     """Many allocate / extend / commit / free / suspend / resume cycles with shared prefixes
     on a pool much smaller than the working set, so that blocks are evicted to the host,
@@ -148,11 +158,22 @@ def run_cycles(
     host must hold exactly the KV its key was computed for. ``deferred``: the CPU's copies
     wait for the op's end as on CUDA, so an op's copies that share a slot exercise the
     copier's early launches; between ops no block is in a copying state. ``dma_min_bytes``
-    (CUDA): the copier's threshold for the copy engines (1: every copy on them)."""
+    (CUDA): the copier's threshold for the copy engines (1: every copy on them). ``state``:
+    with a state layer (docs/state-layers.md) of 4 live slots for the 6 rows, whose live
+    state the test sets to the checksum of the request's whole sequence as it commits it:
+    a new request's state must be the checksum of its hit (restored from a checkpoint) or
+    zeros, a resumed one's that of its sequence."""
     rng = np.random.default_rng(seed)
     # Windowed: a sliding window of 8 tokens (group 0) beside full attention (group 1), in
     # one pool group of 40 slots shared by both.
     layers = [layer(0, sliding_window=8), layer(1)] if windowed else [layer(0)]
+    states: dict[str, object] = {
+        "state_layers": [
+            {"layer_id": 9, "buffers": [{"name": "sum", "shape": [2], "dtype": "fp32"}]}
+        ],
+        "state_live_slots": 4,
+        "state_checkpoints": 16,
+    }
     m = manager(
         layers,
         num_blocks=40 if windowed else 20,
@@ -160,9 +181,11 @@ def run_cycles(
         max_seq_len=48,
         host_memory_bytes=1 << 12 if windowed else 1 << 11,
         device=device,
-    )  # 16 host slots per pool group
+        **(states if state else {}),
+    )  # 16 host slots per pool group (fewer with the state's share)
     groups = range(len(m.layout.layer_groups))
-    words = [Words(m, g) for g in groups]
+    words = [Words.of_group(m, g) for g in groups]
+    state_words = Words(m._state.memory[0]) if m._state is not None else None
     host = m._host
     assert host is not None
     host.copier.immediate = not deferred and device == "cpu"
@@ -178,6 +201,14 @@ def run_cycles(
             for b in range(start // TPB, -(-len(seq) // TPB)):
                 if table[b] >= 0:  # -1: released by the window
                     words[g].write(table[b], _sum(seq[: min(len(seq), (b + 1) * TPB)]) + g)
+        if state_words is not None:  # the state after the whole sequence
+            state_words.write(m.request(rid).state_slot, _sum(seq))
+
+    def check_state(rid: str, prefix: list[int]) -> None:
+        """The request's live state is that after ``prefix`` (zeros after none)."""
+        if state_words is not None:
+            got = state_words.read([m.request(rid).state_slot])
+            assert got == [_sum(prefix) if prefix else 0], (rid, "state", prefix)
 
     def check(rid: str) -> None:
         seq = seqs[rid]
@@ -186,6 +217,7 @@ def run_cycles(
             got = words[g].read([s for _, s in held]) if held else []
             want = [_sum(seq[: min(len(seq), (b + 1) * TPB)]) + g for b, _ in held]
             assert got == want, (rid, g, seq)
+        check_state(rid, seq)
 
     suspended: set[str] = set()
     for cycle in range(cycles):
@@ -231,6 +263,7 @@ def run_cycles(
             except OutOfBlocks:
                 continue
             seqs[rid] = seq
+            check_state(rid, seq[: info.num_hit_tokens])  # the hit's checkpoint, or zeros
             write(rid, info.num_hit_tokens)
             m.commit(rid, seq[info.num_hit_tokens :])
             check(rid)
@@ -267,6 +300,9 @@ def run_cycles(
     stats = {**m.host_stats(), "hazard_launches": host.copier.stats.copy_hazard_launches}
     assert stats["offloaded_blocks"] > 500 and stats["onboarded_blocks"] > 100
     assert stats["dropped_blocks"] > 0
+    if m._state is not None:  # hits restored from checkpoints, states suspended and back
+        assert m._state.restores > 200
+        assert stats["offloaded_states"] > 500 and stats["onboarded_states"] > 500
     for rid in list(seqs):
         if rid in suspended:
             m.resume(rid)
@@ -275,6 +311,9 @@ def run_cycles(
     # No leaked slot in either tier: every device slot free again, every host slot free or
     # indexed exactly once.
     assert m.num_free_blocks() == m.num_total_blocks()
+    if m._state is not None:
+        assert m._state.num_free_live == 4 and (m._state.slot_of == -1).all()
+        assert sorted(host.state_free) == list(range(host.state_slots))
     for pg in host.num_slots:
         assert host.held[pg] == 0
         used = sorted(host.lru[pg].values())

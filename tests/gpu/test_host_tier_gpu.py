@@ -17,11 +17,17 @@ from test_host_tier import run_cycles
 CYCLES = int(os.environ.get("KVCM_GPU_HOST_CYCLES", "100000"))
 
 
-@pytest.mark.parametrize(("windowed", "dma"), [(False, False), (False, True), (True, False)])
-def test_random_cycles_on_cuda_never_corrupt_a_block(windowed: bool, dma: bool) -> None:
+@pytest.mark.parametrize(
+    ("windowed", "dma", "state"),
+    [(False, False, False), (False, True, False), (True, False, False), (False, False, True)],
+)
+def test_random_cycles_on_cuda_never_corrupt_a_block(
+    windowed: bool, dma: bool, state: bool
+) -> None:
     """The kernel copies the test's small slots; ``dma`` sends every copy to the copy
-    engines instead (what large slots get)."""
-    cycles = CYCLES // 5 if windowed or dma else CYCLES
-    stats = run_cycles(7, cycles, windowed, "cuda:0", dma_min_bytes=1 if dma else None)
-    print(f"cuda host tier, windowed={windowed}, dma={dma}: {stats}")
+    engines instead (what large slots get); ``state``: with a state layer, whose live
+    states suspends and resumes copy too (docs/state-layers.md)."""
+    cycles = CYCLES // 5 if windowed or dma or state else CYCLES
+    stats = run_cycles(7, cycles, windowed, "cuda:0", dma_min_bytes=1 if dma else None, state=state)
+    print(f"cuda host tier, windowed={windowed}, dma={dma}, state={state}: {stats}")
     assert stats["onboarded_blocks"] > 0
