@@ -286,6 +286,7 @@ def test_the_columnar_step_reports_a_refused_rewind_as_its_status() -> None:
 
 
 def test_a_service_registers_a_hybrid_model_and_answers_its_errors() -> None:
+    import httpx
     from servers import serve_in_thread
 
     from kvcm.server.app import create_app
@@ -306,6 +307,33 @@ def test_a_service_registers_a_hybrid_model_and_answers_its_errors() -> None:
         kv.commit("a", [1, 2, 3, 4, 5, 6])
         with pytest.raises(StateNotRewindable):
             kv.rewind("a", 1)
+        # One live state slot for the two rows, and a host tier for suspended states.
+        kv.free("a")
+        kv.register_model(
+            layers=ATTN,
+            state_layers=[_state_layer(1)],
+            tokens_per_block=TPB,
+            num_blocks=16,
+            max_requests=2,
+            max_seq_len=32,
+            state_live_slots=1,
+            host_memory_bytes=1 << 14,
+        )
+        assert kv.allocate("a", 6).state_slot == 0
+        with pytest.raises(OutOfBlocks):
+            kv.allocate("b", 6)
+        assert kv.suspend("a").state_slot == -1
+        assert kv.allocate("b", 6).state_slot == 0
+        with pytest.raises(OutOfBlocks):
+            kv.resume("a")
+        kv.free("b")
+        assert kv.resume("a").state_slot == 0
+        host = kv.stats().host_tier
+        assert host is not None and (host.offloaded_states, host.onboarded_states) == (1, 1)
+        assert host.state_host_slots == {0: 2} and host.state_host_used == {0: 0}
+        text = httpx.get(f"{url}/metrics").text
+        assert "kvcm_host_onboarded_states_total 1.0" in text
+        assert 'kvcm_host_state_slots{state_group="0"} 2.0' in text
 
 
 def test_a_hybrid_hf_config_registers_with_its_state_layers() -> None:
