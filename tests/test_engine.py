@@ -1,5 +1,7 @@
 """A real model generates through kvcm (in process): every token equals transformers' own
-``generate``, under continuous batching with prefix hits, chunked prefill and preemption.
+``generate``, under continuous batching with prefix hits, chunked prefill and preemption; a
+hybrid (Qwen3-Next) too, its recurrent state in kvcm's state slots, restored from state
+checkpoints at prefix hits and, preempted by suspend, from the host tier.
 
 The oracle is transformers itself: ``reference_outputs`` runs ``model.generate`` (greedy, its
 own dense cache) on each prompt alone; the engine runs all 16 requests interleaved on kvcm.
@@ -7,11 +9,12 @@ own dense cache) on each prompt alone; the engine runs all 16 requests interleav
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from kvcm import KVCacheManager
-from kvcm.model_config import layers_from_hf_config
 from kvcm_engine import (
     FAMILIES,
     Backend,
@@ -20,6 +23,7 @@ from kvcm_engine import (
     Request,
     StepTables,
     build_model,
+    kvcm_layers,
     make_requests,
     reference_outputs,
 )
@@ -32,7 +36,7 @@ def manager_for(
 ) -> KVCacheManager:
     return KVCacheManager(
         {
-            "layers": layers_from_hf_config(built.hf_config),
+            **kvcm_layers(built.hf_config),
             "tokens_per_block": tokens_per_block,
             "num_blocks": num_blocks,
             "max_requests": 16,
@@ -96,26 +100,103 @@ def test_without_the_null_page_masked_columns_are_zeroed() -> None:
     assert engine.scheduler.stats.preemptions > 0
 
 
+def _hit_outputs(built, corrupt: Callable[[KVCacheManager], None]) -> dict[bool, list[int]]:
+    """A request's prompt run twice: the second request hits the first one's prefix; its
+    tokens with kvcm's memory as it is (False) and after ``corrupt`` (True)."""
+    prompt = make_requests(1)[0].prompt
+    outputs = {}
+    for corrupted in (False, True):
+        m = manager_for(built, num_blocks=200)
+        engine = Engine(built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48)
+        engine.run([Request("a", prompt, 8)])
+        if corrupted:
+            corrupt(m)
+        second = engine.run([Request("b", prompt, 8)])
+        b = next(r for r in second if r.request_id == "b")
+        assert b.hit_tokens == (len(prompt) - 1) // 4 * 4
+        outputs[corrupted] = b.output
+    assert outputs[False] == reference_outputs(built, [Request("x", prompt, 8)])["x"]
+    return outputs
+
+
 def test_prefix_hit_reads_the_cached_kv(built) -> None:
     """The negative control: a second request with the same prompt reuses the first one's
     blocks (a prefix hit); with those blocks' KV zeroed in the pool its tokens change, so the
     hit tokens are read from kvcm's memory, not recomputed."""
-    prompt = make_requests(1)[0].prompt
-    want = reference_outputs(built, [Request("x", prompt, 8)])["x"]
-    outputs = {}
-    for corrupt in (False, True):
-        m = manager_for(built, num_blocks=200)
-        engine = Engine(built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48)
-        engine.run([Request("a", prompt, 8)])
-        if corrupt:
-            for spec in m.config.layers:
-                m.layer_view(spec.layer_id, "key").zero_()
-        second = engine.run([Request("b", prompt, 8)])
-        b = next(r for r in second if r.request_id == "b")
-        assert b.hit_tokens == (len(prompt) - 1) // 4 * 4
-        outputs[corrupt] = b.output
-    assert outputs[False] == want
-    assert outputs[True] != want
+
+    def zero_keys(m: KVCacheManager) -> None:
+        for spec in m.config.layers:
+            m.layer_view(spec.layer_id, "key").zero_()
+
+    outputs = _hit_outputs(built, zero_keys)
+    assert outputs[True] != outputs[False]
+
+
+def test_a_hybrid_prefix_hit_restores_the_state_checkpoint() -> None:
+    """The same for a hybrid's state: the second request's gated delta nets start from the
+    state checkpoint kvcm saved at the hit; with the checkpoint slots overwritten its tokens
+    change, so the hit's state is kvcm's checkpoint, not recomputed."""
+    built = build_model("qwen3_next")
+
+    def overwrite_checkpoints(m: KVCacheManager) -> None:
+        live = m.config.num_state_live_slots
+        for spec in m.config.state_layers:
+            m.state_view(spec.layer_id, "recurrent")[live:] = 0.5
+
+    outputs = _hit_outputs(built, overwrite_checkpoints)
+    assert outputs[True] != outputs[False]
+
+
+def test_a_hybrid_preempted_to_the_host_tier_generates_the_same_tokens() -> None:
+    """Preemption by suspend (``preempt="suspend"``): the victim's blocks and its gated delta
+    nets' live state go to kvcm's host tier and come back at its resume, with 4 live state
+    slots for the 16 rows (new requests wait for one); every token equals transformers'."""
+    built = build_model("qwen3_next")
+    m = KVCacheManager(
+        {
+            **kvcm_layers(built.hf_config),
+            "tokens_per_block": 4,
+            "num_blocks": 48,
+            "max_requests": 16,
+            "max_seq_len": 256,
+            "max_prefill_chunk": CHUNK,
+            "state_live_slots": 4,
+            "host_memory_bytes": 1 << 20,
+        }
+    )
+    est = m.estimate(16)  # 4 blocks a request: 12 fit the pool, 4 the live state slots
+    assert (est.max_requests, est.limited_by) == (4, "state_slots")
+    engine = Engine(
+        built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48, preempt="suspend"
+    )
+    done = engine.run(make_requests(16))
+    assert {r.request_id: r.output for r in done} == reference_outputs(built, make_requests(16))
+    stats = engine.scheduler.stats
+    assert stats.suspends > 0 and stats.resumes == stats.suspends
+    host = m.host_stats()
+    assert host["offloaded_states"] == host["onboarded_states"] == stats.suspends
+    assert m.request_ids() == [] and m.num_free_blocks() == m.num_total_blocks()
+
+
+def test_the_sidecar_backend_refuses_fewer_live_state_slots_than_rows() -> None:
+    """Over the sidecar the engine reads a request's state slot as its row, which kvcm
+    guarantees only with one live state slot per row."""
+    from servers import serve_in_thread
+
+    from kvcm.server.app import create_app
+    from kvcm_client import KVCacheClient
+
+    built = build_model("qwen3_next")
+    with serve_in_thread(create_app(None)) as url, KVCacheClient(url) as client:
+        client.register_model(
+            hf_config=built.hf_config,
+            share=True,
+            num_blocks=48,
+            max_requests=16,
+            state_live_slots=8,
+        )
+        with pytest.raises(ValueError, match="state_live_slots"):
+            Backend.sidecar(client)
 
 
 def test_step_tables_worked_example() -> None:

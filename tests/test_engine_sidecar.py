@@ -2,7 +2,8 @@
 the engine registers its model's ``config.json``, attaches to the shared pools and page
 tables and drives the service through the typed client; tokens equal transformers'. Then the
 engine restarts with another model: it registers that one (a new generation, new pools), and
-sends its step-path calls over the step channel this time."""
+sends its step-path calls over the step channel this time; then with a hybrid model, whose
+recurrent state it runs on the attached state slots."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def test_engine_through_the_sidecar_then_another_model(tmp_path: Path) -> None:
     step_socket = tmp_path / "step.sock"
     with serve_process("--step-socket", str(step_socket), model=False) as (url, _, _):
         generations = []
-        for family, channel in (("gemma3", None), ("deepseek_v3", step_socket)):
+        for family, channel in (
+            ("gemma3", None),
+            ("deepseek_v3", step_socket),
+            ("qwen3_next", step_socket),  # a hybrid: its state slots attached too
+        ):
             built = build_model(family)
             with KVCacheClient(url, step_socket=channel) as client:
                 answer = client.register_model(hf_config=built.hf_config, share=True, **SIZING)
@@ -45,7 +50,7 @@ def test_engine_through_the_sidecar_then_another_model(tmp_path: Path) -> None:
             assert {r.request_id: r.output for r in done} == expected
             assert engine.scheduler.stats.hit_tokens > 0
             assert engine.scheduler.stats.preemptions > 0
-        assert generations[0] != generations[1]
+        assert len(set(generations)) == 3
         # The second engine's step-path calls went over the channel.
         frames = re.findall(
             r'kvcm_step_channel_frames_total\{op="(\w+)",result="ok"\} (\d+)',

@@ -8,9 +8,16 @@ import pytest
 from servers import serve_process
 
 from kvcm import KVCacheManager
-from kvcm.model_config import layers_from_hf_config
 from kvcm_client import KVCacheClient
-from kvcm_engine import FAMILIES, Backend, Engine, build_model, make_requests, reference_outputs
+from kvcm_engine import (
+    FAMILIES,
+    Backend,
+    Engine,
+    build_model,
+    kvcm_layers,
+    make_requests,
+    reference_outputs,
+)
 
 DEVICE = "cuda:0"
 SIZING = {
@@ -37,9 +44,7 @@ def check(engine: Engine, built) -> None:
 
 
 def test_cuda_manager_in_process(built) -> None:
-    m = KVCacheManager(
-        {"layers": layers_from_hf_config(built.hf_config), "device": DEVICE, **SIZING}
-    )
+    m = KVCacheManager({**kvcm_layers(built.hf_config), "device": DEVICE, **SIZING})
     assert m.page_tables().is_cuda
     check(Engine(built, Backend.in_process(m), chunk=16, max_batch_tokens=48), built)
 
@@ -53,3 +58,23 @@ def test_cuda_sidecar_over_ipc(built) -> None:
         backend = Backend.sidecar(client)
         assert backend.page_tables().is_cuda
         check(Engine(built, backend, chunk=16, max_batch_tokens=48), built)
+
+
+def test_cuda_hybrid_preempted_to_the_host_tier() -> None:
+    """Qwen3-Next on the GPU, preempted by suspend: its blocks and gated delta nets' state go
+    to the pinned host tier on the tier's stream and come back (4 live state slots)."""
+    built = build_model("qwen3_next", device=DEVICE)
+    m = KVCacheManager(
+        {
+            **kvcm_layers(built.hf_config),
+            "device": DEVICE,
+            **SIZING,
+            "state_live_slots": 4,
+            "host_memory_bytes": 1 << 20,
+        }
+    )
+    engine = Engine(built, Backend.in_process(m), chunk=16, max_batch_tokens=48, preempt="suspend")
+    done = engine.run(make_requests(16))
+    assert {r.request_id: r.output for r in done} == reference_outputs(built, make_requests(16))
+    assert engine.scheduler.stats.suspends > 0
+    assert m.host_stats()["onboarded_states"] == engine.scheduler.stats.resumes > 0

@@ -1,8 +1,8 @@
 """An example inference engine on Hugging Face transformers whose KV cache is kvcm's."""
 
-from .cache import CacheMiss, KVCMCache, StepTables
+from .cache import CacheMiss, KVCMCache, StepStates, StepTables
 from .engine import Backend, Engine, EngineStats, reference_outputs
-from .models import FAMILIES, BuiltModel, build_model
+from .models import FAMILIES, BuiltModel, build_model, kvcm_layers
 from .scheduler import Request, Scheduler
 from .workload import make_requests
 
@@ -16,8 +16,10 @@ __all__ = [
     "KVCMCache",
     "Request",
     "Scheduler",
+    "StepStates",
     "StepTables",
     "build_model",
+    "kvcm_layers",
     "make_requests",
     "reference_outputs",
 ]

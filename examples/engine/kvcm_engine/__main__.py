@@ -2,6 +2,7 @@
 against transformers' own ``generate``.
 
     python -m kvcm_engine --model gemma3                       # kvcm in this process
+    python -m kvcm_engine --model qwen3_next --preempt suspend # a hybrid, preempted to the host
     kvcm serve --port 8470 &                                   # a sidecar with no model yet
     python -m kvcm_engine --model llama --sidecar http://127.0.0.1:8470
     # with kvcm serve --step-socket /tmp/step.sock: the step-path calls over that socket
@@ -24,13 +25,16 @@ from typing import Any
 import torch
 
 from .engine import Backend, Engine, reference_outputs
-from .models import FAMILIES, BuiltModel, build_model
+from .models import FAMILIES, BuiltModel, build_model, kvcm_layers
 from .workload import make_requests
+
+#: The host tier of ``--preempt suspend``.
+HOST_MEMORY_BYTES = 64 << 20
 
 
 def kv_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The sizing the engine registers with kvcm (same keys in process and over HTTP)."""
-    return {
+    settings = {
         "tokens_per_block": args.tokens_per_block,
         "num_blocks": args.num_blocks,
         "max_requests": args.max_running,
@@ -38,6 +42,9 @@ def kv_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_prefill_chunk": args.chunk,
         "null_page": True,
     }
+    if args.preempt == "suspend":  # suspended requests wait in a host tier
+        settings["host_memory_bytes"] = HOST_MEMORY_BYTES
+    return settings
 
 
 def connect(built: BuiltModel, args: argparse.Namespace) -> tuple[Backend, Any]:
@@ -50,10 +57,9 @@ def connect(built: BuiltModel, args: argparse.Namespace) -> tuple[Backend, Any]:
         client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
         return Backend.sidecar(client), client
     from kvcm import KVCacheManager
-    from kvcm.model_config import layers_from_hf_config
 
-    layers = layers_from_hf_config(built.hf_config)
-    manager = KVCacheManager({"layers": layers, "device": args.device, **kv_settings(args)})
+    layers = kvcm_layers(built.hf_config)
+    manager = KVCacheManager({**layers, "device": args.device, **kv_settings(args)})
     return Backend.in_process(manager), manager
 
 
@@ -69,6 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             chunk=args.chunk,
             max_batch_tokens=args.max_batch_tokens,
             max_running=args.max_running,
+            preempt=args.preempt,
         )
         requests = make_requests(args.requests, seed=args.seed)
         begin = time.perf_counter()
@@ -87,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "match": f"{same}/{len(done)}",
         "prefix_hit_tokens": s.hit_tokens,
         "preemptions": s.preemptions,
+        "suspends": s.suspends,
         "steps": e.steps,
         "kvcm_calls": s.kvcm_calls,
         "kvcm_share": round(e.kvcm_s / wall, 3) if wall else 0.0,
@@ -110,6 +118,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=16, help="prefill chunk")
     p.add_argument("--max-batch-tokens", type=int, default=48)
     p.add_argument("--max-running", type=int, default=16)
+    p.add_argument(
+        "--preempt",
+        choices=("free", "suspend"),
+        default="free",
+        help="free and recompute, or suspend to a host tier of 64 MiB",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
 

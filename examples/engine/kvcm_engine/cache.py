@@ -20,6 +20,18 @@ A sliding-window group with window W reads positions from ``first_query - W + 1`
 ``StepTables.build`` refuses (``CacheMiss``) a step in which the model needs a position whose
 page kvcm does not hold: a window released too early or a missing page would otherwise only
 show as wrong tokens.
+
+Recurrent layers (a hybrid model's gated delta nets) ask the cache for their conv window and
+recurrent state (``get_conv_state``, ``get_recurrent_state``) and hand back the new ones
+(``update_conv_state``, ``update_recurrent_state``, or in place in a one-token step).
+``StepStates`` gathers the forward's requests' live states from kvcm's state views (their
+state slots) before the forward and writes them back after it. kvcm keeps ``kernel - 1`` past
+inputs per conv window (transformers' own cache keeps ``kernel``; the oldest one never enters
+an output): a forward's causal conv runs over ``[window, new inputs]``, so its outputs for the
+new inputs are the ones a dense cache gives, and the window kept is the last ``kernel - 1``
+columns of that. Worked example (kernel 4, a request in state slot 2 computing 5 tokens): the
+conv input is slot 2's 3 columns then the 5 new ones (8 columns), the conv's last 5 outputs
+are the tokens', and slot 2 gets columns 5..7 back.
 """
 
 from __future__ import annotations
@@ -149,12 +161,44 @@ class StepTables:
         return StepTables(out)
 
 
+class StepStates:
+    """The live states of one forward's requests: per state layer its conv window
+    ``[R, conv_dim, kernel - 1]`` and recurrent state, gathered from kvcm's state views at
+    the requests' state slots, updated by the forward, written back by ``write_back``.
+
+    ``view(layer_id, buffer)`` is kvcm's state view ``[slots, *shape]`` (the manager's or an
+    attachment's ``state_view``); ``buffers[layer_id]`` names the layer's conv buffer, then
+    its recurrent one (``kvcm.hf_state``'s order).
+    """
+
+    def __init__(
+        self,
+        view: Callable[[int, str], torch.Tensor],
+        buffers: dict[int, tuple[str, str]],
+        slots: torch.Tensor,
+    ) -> None:
+        self._views = {layer: (view(layer, c), view(layer, r)) for layer, (c, r) in buffers.items()}
+        self._slots = slots = slots.to(next(iter(self._views.values()))[0].device)
+        #: Per layer: [conv window, recurrent state] of the batch (gathered copies).
+        self.states = {
+            layer: [conv[slots], recurrent[slots]]
+            for layer, (conv, recurrent) in self._views.items()
+        }
+
+    def write_back(self) -> None:
+        """Store every layer's updated states in the requests' state slots."""
+        for layer, (conv, recurrent) in self._views.items():
+            new_conv, new_recurrent = self.states[layer]
+            conv[self._slots] = new_conv.to(conv.dtype)
+            recurrent[self._slots] = new_recurrent.to(recurrent.dtype)
+
+
 class KVCMCache:
     """The ``cache`` argument of a transformers model forward, backed by kvcm.
 
     ``view(layer_id, role)`` is kvcm's pool view of that layer and role
     ``[num_slots, tokens_per_block, heads, head_dim]`` (the in-process manager's or an
-    attachment's ``layer_view``).
+    attachment's ``layer_view``); ``states``: the recurrent layers' states, for a hybrid.
     """
 
     def __init__(
@@ -162,10 +206,12 @@ class KVCMCache:
         view: Callable[[int, str], torch.Tensor],
         layers: dict[int, LayerInfo],
         tables: StepTables,
+        states: StepStates | None = None,
     ) -> None:
         self._view = view
         self._layers = layers
         self._tables = tables
+        self._states = states
 
     def update(
         self,
@@ -195,3 +241,38 @@ class KVCMCache:
         if latent:
             return tuple(torch.split(history[0], parts, dim=-1))  # type: ignore[return-value]
         return history[0], history[1]
+
+    # -- recurrent layers (the interface transformers' linear-attention layers call) ------
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """Never: a recurrent state cannot be cropped back; kvcm's checkpoints go back."""
+        return False
+
+    def _state(self, layer_idx: int) -> list[torch.Tensor]:
+        assert self._states is not None, "a recurrent layer in a model without state layers"
+        return self._states.states[layer_idx]
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        """The batch's conv windows ``[R, conv_dim, kernel - 1]`` (zeros for a new request:
+        the zero padding transformers gives a first forward); a one-token step updates them
+        in place."""
+        return self._state(layer_idx)[0]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self._state(layer_idx)[1]
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **_: Any
+    ) -> torch.Tensor:
+        """A multi-token forward's conv input: the window, then the new inputs
+        ``[R, conv_dim, Q]``; keeps the last ``kernel - 1`` columns as the new window."""
+        state = self._state(layer_idx)
+        full = torch.cat([state[0], conv_states.to(state[0].dtype)], dim=-1)
+        state[0] = full[..., -state[0].shape[-1] :]
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **_: Any
+    ) -> torch.Tensor:
+        self._state(layer_idx)[1] = recurrent_states
+        return recurrent_states

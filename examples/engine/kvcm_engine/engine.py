@@ -10,6 +10,14 @@ tables. The logits of each request's last column pick its next token (greedy).
 
 Two backends give the same engine: ``Backend.in_process(manager)`` and
 ``Backend.sidecar(client)`` (HTTP for the calls, the attached pools for the memory).
+
+A hybrid model (state layers: Qwen3-Next's gated delta nets) also runs its recurrent layers
+on kvcm's state slots (``StepStates``: gathered before the forward, written back after it).
+Its requests run in forwards of equal token counts, never left-padded: a padding column would
+go through the recurrence and change the state (attention masks it; a recurrent layer has no
+mask that undoes an input). Decodes batch together (one token each), prefill chunks go with
+the chunks of their own length. Its scheduler ends prefill chunks on block boundaries
+(``align``), where kvcm checkpoints the state for prefix hits.
 """
 
 from __future__ import annotations
@@ -18,11 +26,11 @@ import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from .cache import KVCMCache, LayerInfo, StepTables
+from .cache import KVCMCache, LayerInfo, StepStates, StepTables
 from .models import BuiltModel
 from .scheduler import Request, Scheduler, Work
 
@@ -39,9 +47,22 @@ class Backend:
     windows: list[int | None]
     tokens_per_block: int
     null_page: bool
+    state_view: Callable[[int, str], torch.Tensor] | None = None
+    """kvcm's ``state_view`` (a hybrid model's state layers; None without)."""
+    state_buffers: dict[int, tuple[str, str]] = field(default_factory=dict)
+    """Per state layer: its conv buffer's name, then its recurrent one's."""
+    state_slots: Callable[[list[str], list[int]], torch.Tensor] | None = None
+    """The state slots of requests (by kvcm id and page-table row)."""
 
     @staticmethod
-    def _make(kvcm: Any, view: Any, tables: Any, shared: Any) -> Backend:
+    def _make(
+        kvcm: Any,
+        view: Any,
+        tables: Any,
+        shared: Any,
+        state_view: Any = None,
+        state_slots: Any = None,
+    ) -> Backend:
         layers = {
             spec.layer_id: LayerInfo(
                 shared.layer_group_of[spec.layer_id], spec.kv_factor, spec.sliding_window
@@ -56,7 +77,16 @@ class Backend:
                     raise ValueError("the example engine has no attention sinks")
                 windows[layers[spec.layer_id].group] = spec.sliding_window
         return Backend(
-            kvcm, view, tables, layers, windows, shared.tokens_per_block, shared.null_page
+            kvcm,
+            view,
+            tables,
+            layers,
+            windows,
+            shared.tokens_per_block,
+            shared.null_page,
+            state_view if shared.state_layers else None,
+            {s.layer_id: (s.buffers[0].name, s.buffers[1].name) for s in shared.state_layers},
+            state_slots if shared.state_layers else None,
         )
 
     @staticmethod
@@ -73,16 +103,39 @@ class Backend:
             },
             cfg.tokens_per_block,
             cfg.null_page,
+            cfg.state_layers,
         )
-        return Backend._make(manager, manager.layer_view, manager.page_tables, shared)
+        return Backend._make(
+            manager,
+            manager.layer_view,
+            manager.page_tables,
+            shared,
+            manager.state_view,
+            lambda ids, rows: manager.state_indices(ids),
+        )
 
     @staticmethod
     def sidecar(client: Any) -> Backend:
         """A ``KVCacheClient``: calls over HTTP, pools and page tables attached (shared memory
-        on the CPU, CUDA IPC on a GPU)."""
+        on the CPU, CUDA IPC on a GPU). A hybrid model's state slots are the requests' rows:
+        kvcm gives the request in row r live slot r when every row has one
+        (``state_live_slots`` left at ``max_requests``), and this engine never suspends."""
         attachment = client.attach()
+        layout = attachment.layout
+        if layout.state_layers:
+            config = client.model().config
+            if config.num_state_live_slots != config.max_requests:
+                raise ValueError(
+                    "the sidecar backend reads a request's state slot as its row: register "
+                    "the model with state_live_slots left at max_requests"
+                )
         return Backend._make(
-            client, attachment.layer_view, lambda: attachment.page_tables, attachment.layout
+            client,
+            attachment.layer_view,
+            lambda: attachment.page_tables,
+            layout,
+            attachment.state_view,
+            lambda ids, rows: torch.tensor(rows),
         )
 
 
@@ -92,6 +145,7 @@ class _LayoutView:
     layer_group_of: dict[int, int]
     tokens_per_block: int
     null_page: bool
+    state_layers: Sequence[Any]
 
 
 @dataclass(slots=True)
@@ -117,11 +171,18 @@ class Engine:
         chunk: int = 32,
         max_batch_tokens: int = 64,
         max_running: int = 16,
+        preempt: Literal["free", "suspend"] = "free",
     ) -> None:
         self.model = built.model
         self.backend = backend
+        self._hybrid = backend.state_view is not None
         self.scheduler = Scheduler(
-            backend.kvcm, chunk=chunk, max_batch_tokens=max_batch_tokens, max_running=max_running
+            backend.kvcm,
+            chunk=chunk,
+            max_batch_tokens=max_batch_tokens,
+            max_running=max_running,
+            align=backend.tokens_per_block if self._hybrid else 1,
+            preempt=preempt,
         )
         self.stats = EngineStats()
         config = self.model.config
@@ -129,11 +190,15 @@ class Engine:
         self._dtype = next(self.model.parameters()).dtype
         types = getattr(config, "layer_types", None)
         # Models with several layer types take a mask per type (a dict); the others one mask.
-        self._mask_groups: dict[str, int] | None = None
+        # A recurrent layer type (a state layer in kvcm) takes none: its batches are unpadded.
+        self._mask_groups: dict[str, int | None] | None = None
         if types and len(set(types)) > 1:
-            groups: dict[str, int] = {}
+            groups: dict[str, int | None] = {}
             for layer, kind in enumerate(types):
-                g = backend.layers[layer].group
+                info = backend.layers.get(layer)
+                if info is None and layer not in backend.state_buffers:
+                    raise ValueError(f"layer {layer} ({kind}) is not one of kvcm's layers")
+                g = None if info is None else info.group
                 if groups.setdefault(kind, g) != g:
                     raise ValueError(f"layers of type {kind} are in several kvcm layer groups")
             self._mask_groups = groups
@@ -166,22 +231,34 @@ class Engine:
         plan = self.scheduler.schedule()
         kvcm_s = time.perf_counter() - begin
         self.stats.steps += 1
-        if plan:
+        next_tokens: dict[str, int] = {}
+        for batch in self._batches(plan):
             t = time.perf_counter()
-            ids = [w.request.kv_id for w in plan]
-            counts = [w.count for w in plan]
+            ids = [w.request.kv_id for w in batch]
+            counts = [w.count for w in batch]
             slots = torch.as_tensor(self.backend.kvcm.slot_mappings(ids, counts))
             self.scheduler.stats.kvcm_calls += 1
             tables = self.backend.page_tables()
             kvcm_s += time.perf_counter() - t
             t = time.perf_counter()
-            next_tokens = self._forward(plan, slots, tables)
+            next_tokens.update(self._forward(batch, slots, tables))
             self.stats.model_s += time.perf_counter() - t
-        else:
-            next_tokens = {}
         self.scheduler.finish_step(plan, next_tokens)
         self.stats.kvcm_s += kvcm_s
         self.stats.step_s.append(time.perf_counter() - begin)
+
+    def _batches(self, plan: list[Work]) -> list[list[Work]]:
+        """The forwards of a step: the whole plan in one, left-padded; a hybrid model's in
+        one per token count, in the plan's order of counts (none padded: see the module
+        docstring). Example: counts [1, 1, 16, 7, 16] give [1, 1], [16, 16], [7]."""
+        if not plan:
+            return []
+        if not self._hybrid:
+            return [plan]
+        by_count: dict[int, list[Work]] = {}
+        for w in plan:
+            by_count.setdefault(w.count, []).append(w)
+        return list(by_count.values())
 
     @torch.no_grad()
     def _forward(
@@ -210,9 +287,16 @@ class Engine:
         mask: Any = (
             masks[0]
             if self._mask_groups is None
-            else {kind: masks[g] for kind, g in self._mask_groups.items()}
+            else {kind: None if g is None else masks[g] for kind, g in self._mask_groups.items()}
         )
-        cache = KVCMCache(b.view, b.layers, step_tables)
+        states = None
+        if b.state_view is not None:
+            assert b.state_slots is not None
+            state_slots = b.state_slots(
+                [w.request.kv_id for w in plan], [w.request.row for w in plan]
+            )
+            states = StepStates(b.state_view, b.state_buffers, state_slots)
+        cache = KVCMCache(b.view, b.layers, step_tables, states)
         out = self.model(
             input_ids=ids.to(self._device),
             position_ids=pos.to(self._device),
@@ -221,6 +305,8 @@ class Engine:
             logits_to_keep=1,
             **{self._cache_arg: cache},
         )
+        if states is not None:
+            states.write_back()
         best = out.logits[:, -1].float().argmax(dim=-1).tolist()
         self.stats.forwards += 1
         self.stats.tokens_computed += sum(w.count for w in plan)

@@ -4,9 +4,17 @@ seeded random weights (nothing is downloaded).
 The configs are tiny versions of real families so that CI runs them on two CPU cores in
 seconds, yet each keeps what matters to the KV cache: grouped-query attention (Llama, Qwen2),
 interleaved sliding-window layers with a window smaller than the prompts (Gemma 3: two sliding
-layers of 16 tokens, then a full one; Mistral: every layer slides), and multi-head latent
-attention (DeepSeek-V3: one 40-value latent per token, key only). ``scale`` multiplies them
-for the benchmark.
+layers of 16 tokens, then a full one; Mistral: every layer slides), multi-head latent
+attention (DeepSeek-V3: one 40-value latent per token, key only), and a hybrid of recurrent
+state and attention (Qwen3-Next: three gated delta net layers, whose conv windows and
+recurrent matrices live in kvcm's state slots, then one full-attention layer). ``scale``
+multiplies them for the benchmark.
+
+Qwen3-Next is the hybrid because transformers' pure-torch gated delta net continues from a
+cached state in a multi-token forward (``torch_chunk_gated_delta_rule`` takes an initial
+state), so a chunked prefill after a prefix hit gives transformers' own tokens. Jamba's
+pure-torch Mamba scan (``mamba_selective_scan``) starts every multi-token forward from a zero
+state, so it is exact only for a prefill in one piece.
 
 Weights: transformers' initialisation under ``torch.manual_seed(seed)``, then every matrix
 of two or more dimensions multiplied by a gain (``GAINS``, 5 unless a family says otherwise).
@@ -64,6 +72,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "n_group": 1,
         "topk_group": 1,
     },
+    "qwen3_next": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 0,
+    },
 }
 
 #: Weight gain by family (default 5.0; see the module docstring).
@@ -80,6 +100,20 @@ class BuiltModel:
     family: str
     model: torch.nn.Module
     hf_config: dict[str, Any]
+
+
+def kvcm_layers(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``layers`` (and, for a hybrid, ``state_layers``) of a ``ManagerConfig`` for a
+    model's ``config.json``, as kvcm's registration of it gives them (an in-process manager
+    is built from these; a sidecar registers the config itself). Imports kvcm itself: the
+    in-process path only."""
+    from kvcm.hf_state import hybrid_layers_from_hf_config, is_hybrid
+    from kvcm.model_config import layers_from_hf_config
+
+    if is_hybrid(hf_config):
+        layers, state = hybrid_layers_from_hf_config(hf_config)
+        return {"layers": layers, "state_layers": state}
+    return {"layers": layers_from_hf_config(hf_config)}
 
 
 def family_config(family: str, scale: int = 1, **overrides: Any) -> dict[str, Any]:

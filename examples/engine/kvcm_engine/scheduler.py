@@ -14,6 +14,13 @@ prompt and the tokens it generated so far (which then mostly hit the prefix cach
 takes one more call per preemption; a step without preemption is one ``step_columns`` call, plus
 one ``probe`` per newly admitted request (to size its first chunk after its cached prefix).
 
+With ``preempt="suspend"`` (kvcm with a host tier) the victim is suspended instead: the
+tokens its extend of this step added and it has not computed are rewound, then its blocks
+(and a hybrid's live state) go to the host tier, and it keeps its row and handle. Suspended
+requests are resumed, oldest first, in the next steps' calls (the ``resume`` section, before
+``extend`` and ``allocate``) and compute again from the step after; new requests wait while
+any is suspended. A victim with nothing computed yet, or one the host cannot hold, is freed.
+
 Sequence arithmetic: a request's sequence is prompt + output; the KV of ``seq[:computed]`` is
 in the cache. Worked example (tokens_per_block 2, chunk 4, a 10-token prompt whose first 2
 tokens are cached): the allocate asks for 2 + 4 = 6 tokens and computes positions 2..5; the
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 #: Statuses that mean "no room now": the scheduler preempts or waits instead of failing.
 _ROOM = frozenset({"out_of_blocks", "max_requests_reached"})
@@ -55,6 +62,8 @@ class Request:
     handle: int = 0
     admissions: int = 0
     hit_tokens: int = 0
+    held: int = 0
+    """Tokens kvcm holds for it: ``computed`` plus what this step's ops added."""
 
     @property
     def seq(self) -> list[int]:
@@ -85,22 +94,41 @@ class SchedulerStats:
     preemptions: int = 0
     hit_tokens: int = 0
     admitted: int = 0
+    suspends: int = 0
+    resumes: int = 0
 
 
 class Scheduler:
     """Queues, the token budget and the kvcm calls; the engine runs the model."""
 
-    def __init__(self, kvcm: KVCM, *, chunk: int, max_batch_tokens: int, max_running: int) -> None:
-        if chunk < 1 or max_batch_tokens < 1 or max_running < 1:
-            raise ValueError("chunk, max_batch_tokens and max_running must be positive")
+    def __init__(
+        self,
+        kvcm: KVCM,
+        *,
+        chunk: int,
+        max_batch_tokens: int,
+        max_running: int,
+        align: int = 1,
+        preempt: Literal["free", "suspend"] = "free",
+    ) -> None:
+        """``align``: a prefill chunk that stops short of the sequence's end ends on a
+        multiple of this many tokens where it can (``_chunk``); ``preempt``: how a victim
+        gives its blocks back (the module docstring)."""
+        if chunk < 1 or max_batch_tokens < 1 or max_running < 1 or align < 1:
+            raise ValueError("chunk, max_batch_tokens, max_running and align must be positive")
+        if preempt not in ("free", "suspend"):
+            raise ValueError(f"preempt must be 'free' or 'suspend', got {preempt!r}")
         self.kvcm = kvcm
         self.chunk = chunk
+        self.align = align
+        self.preempt = preempt
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self.finished: list[Request] = []
         self._to_free: list[Request] = []
+        self.suspended: deque[Request] = deque()  # the longest suspended first
         self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
@@ -108,7 +136,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self._to_free)
+        return not (self.waiting or self.running or self._to_free or self.suspended)
 
     def _commits(self) -> tuple[list[int], list[list[int]]]:
         handles, tokens = [], []
@@ -133,10 +161,11 @@ class Scheduler:
                 pending = len(r.seq) - r.computed
                 if (pending == 1) != decoding or budget == 0:
                     continue
-                n = min(pending, self.chunk, budget)
+                n = self._chunk(r.computed, pending, budget)
                 budget -= n
                 plan.append(Work(r, r.computed, n))
-        admits = self._candidates(budget)
+        resume = list(self.suspended)[: max(0, self.max_running - len(self.running))]
+        admits = [] if self.suspended else self._candidates(budget)
         allocate = []
         for r, n in admits:
             r.admissions += 1
@@ -145,12 +174,21 @@ class Scheduler:
             commit=commit,
             commit_tokens=commit_tokens,
             free=free,
+            resume=[r.handle for r in resume],
             extend=[w.request.handle for w in plan],
             num_new_tokens=[w.count for w in plan] or 1,
             allocate=allocate,
         )
+        for r, status in zip(resume, out.status["resume"], strict=True):
+            if not status:  # back, with its blocks and state; it computes from the next step
+                self.suspended.remove(r)
+                self.running.append(r)
+                self.stats.resumes += 1
         extended = out.status["extend"]
         failed = [w for w, status in zip(plan, extended, strict=True) if status]
+        for w, status in zip(plan, extended, strict=True):
+            if not status:
+                w.request.held += w.count
         hits = out.hit_tokens
         for i, ((r, n), status) in enumerate(zip(admits, out.status["allocate"], strict=True)):
             if status:  # no room yet: it stays in the queue, in its place
@@ -160,7 +198,7 @@ class Scheduler:
             hit = int(hits[i])
             r.handle = int(out.handles[i])
             r.row, r.computed = r.handle & ROW_MASK, hit
-            r.committed = hit
+            r.committed, r.held = hit, n
             r.hit_tokens += hit
             self.stats.hit_tokens += hit
             self.stats.admitted += 1
@@ -186,45 +224,81 @@ class Scheduler:
             seq = r.seq
             self.stats.kvcm_calls += 1
             hit = self.kvcm.probe(seq)
-            n = hit + min(self.chunk, len(seq) - hit, budget)
+            n = hit + self._chunk(hit, len(seq) - hit, budget)
             budget -= n - hit
             out.append((r, n))
         return out
 
+    def _chunk(self, start: int, pending: int, budget: int) -> int:
+        """Tokens a request computes from position ``start`` with ``pending`` to go: at most a
+        chunk and the budget; a chunk that stops short of the end is cut back to end on a
+        multiple of ``align`` when that leaves any (a hybrid model's state is checkpointed
+        only where its commits end on block boundaries). Example: align 4, start 6, 30
+        pending, chunk 16, budget 48: 14 tokens, ending at 20."""
+        n = min(pending, self.chunk, budget)
+        if n < pending:
+            aligned = (start + n) // self.align * self.align - start
+            if aligned > 0:
+                n = aligned
+        return n
+
     def _call(self, **columns: Any) -> Any:
-        """One ``step_columns`` call; any failure but "no room" for an extend or an
-        allocate is a bug here."""
+        """One ``step_columns`` call; any failure but "no room" for an extend, an allocate,
+        a suspend or a resume is a bug here."""
         self.stats.kvcm_calls += 1
         out = self.kvcm.step_columns(**columns)
         if not out.ok:
             bad = [
                 e
                 for e in out.errors
-                if e.section not in ("extend", "allocate") or e.error.code not in _ROOM
+                if e.section not in ("extend", "allocate", "suspend", "resume")
+                or e.error.code not in _ROOM
             ]
             if bad or out.failed is not None:
                 raise RuntimeError(f"kvcm refused part of a step: {bad}")
         return out
 
     def _preempt_for(self, failed: list[Work], plan: list[Work]) -> list[Work]:
-        """Free the newest running requests until every failed extend succeeds (or was
+        """Preempt the newest running requests until every failed extend succeeds (or was
         itself preempted); returns the plan without the preempted requests."""
         while failed:
             victim = self.running.pop()
             self.stats.preemptions += 1
-            free = [victim.handle]
-            victim.computed = victim.committed = 0
-            victim.row, victim.handle = -1, 0
-            self.waiting.appendleft(victim)
             plan = [w for w in plan if w.request is not victim]
             failed = [w for w in failed if w.request is not victim]
-            out = self._call(
-                free=free,
-                extend=[w.request.handle for w in failed],
-                num_new_tokens=[w.count for w in failed] or 1,
-            )
+            suspend = self.preempt == "suspend" and victim.computed > 0
+            while True:
+                out = self._call(
+                    **(self._suspend_columns(victim) if suspend else {"free": [victim.handle]}),
+                    extend=[w.request.handle for w in failed],
+                    num_new_tokens=[w.count for w in failed] or 1,
+                )
+                if not suspend or not out.status["suspend"][0]:
+                    break
+                suspend = False  # the host tier cannot hold it: freed instead
+            if suspend:
+                self.suspended.append(victim)
+                self.stats.suspends += 1
+            else:
+                victim.computed = victim.committed = victim.held = 0
+                victim.row, victim.handle = -1, 0
+                self.waiting.appendleft(victim)
+            for w, status in zip(failed, out.status["extend"], strict=True):
+                if not status:
+                    w.request.held += w.count
             failed = [w for w, status in zip(failed, out.status["extend"], strict=True) if status]
         return plan
+
+    def _suspend_columns(self, victim: Request) -> dict[str, Any]:
+        """Suspend ``victim``, after rewinding what its extend of this step added (kvcm keeps
+        the computed tokens only, all committed: the step's commits ran first)."""
+        tail = victim.held - victim.computed
+        victim.held = victim.computed
+        return {
+            "rewind": [victim.handle] if tail else [],
+            "rewind_tokens": tail or 1,
+            "suspend": [victim.handle],
+        }
 
     def finish_step(self, plan: list[Work], next_tokens: dict[str, int]) -> None:
         """Record a forward: the work is computed; requests whose sequence is now all computed
