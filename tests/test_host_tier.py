@@ -301,8 +301,9 @@ def run_cycles(
     assert stats["offloaded_blocks"] > 500 and stats["onboarded_blocks"] > 100
     assert stats["dropped_blocks"] > 0
     if m._state is not None:  # hits restored from checkpoints, states suspended and back
-        assert m._state.restores > 200
-        assert stats["offloaded_states"] > 500 and stats["onboarded_states"] > 500
+        # Per 100 cycles: about 2.3 restores, 11 states suspended and 8 resumed (seeds 5, 6).
+        assert m._state.restores > cycles // 100
+        assert min(stats["offloaded_states"], stats["onboarded_states"]) > cycles // 40
     for rid in list(seqs):
         if rid in suspended:
             m.resume(rid)

@@ -2,12 +2,13 @@
 
 from .cache import CacheMiss, KVCMCache, StepStates, StepTables
 from .engine import Backend, Engine, EngineStats, reference_outputs
-from .models import FAMILIES, BuiltModel, build_model, kvcm_layers
+from .models import FAMILIES, HYBRIDS, BuiltModel, build_model, hybrid_unsupported, kvcm_layers
 from .scheduler import Request, Scheduler
 from .workload import make_requests
 
 __all__ = [
     "FAMILIES",
+    "HYBRIDS",
     "Backend",
     "BuiltModel",
     "CacheMiss",
@@ -19,6 +20,7 @@ __all__ = [
     "StepStates",
     "StepTables",
     "build_model",
+    "hybrid_unsupported",
     "kvcm_layers",
     "make_requests",
     "reference_outputs",

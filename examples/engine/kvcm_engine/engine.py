@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from .cache import KVCMCache, LayerInfo, StepStates, StepTables
-from .models import BuiltModel
+from .models import BuiltModel, hybrid_unsupported
 from .scheduler import Request, Scheduler, Work
 
 
@@ -176,6 +176,8 @@ class Engine:
         self.model = built.model
         self.backend = backend
         self._hybrid = backend.state_view is not None
+        if self._hybrid and (why := hybrid_unsupported()) is not None:
+            raise RuntimeError(why)
         self.scheduler = Scheduler(
             backend.kvcm,
             chunk=chunk,

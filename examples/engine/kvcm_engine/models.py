@@ -14,7 +14,10 @@ Qwen3-Next is the hybrid because transformers' pure-torch gated delta net contin
 cached state in a multi-token forward (``torch_chunk_gated_delta_rule`` takes an initial
 state), so a chunked prefill after a prefix hit gives transformers' own tokens. Jamba's
 pure-torch Mamba scan (``mamba_selective_scan``) starts every multi-token forward from a zero
-state, so it is exact only for a prefill in one piece.
+state, so it is exact only for a prefill in one piece; so did Qwen3-Next's before the
+linear-attention cache interface (``Cache.get_conv_state`` and friends, which
+``KVCMCache`` answers): transformers 5.17 has neither, 5.24 (the pinned one) has both
+(``hybrid_unsupported``).
 
 Weights: transformers' initialisation under ``torch.manual_seed(seed)``, then every matrix
 of two or more dimensions multiplied by a gain (``GAINS``, 5 unless a family says otherwise).
@@ -86,6 +89,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
 }
 
+#: Families with state layers (hybrids): their recurrent state lives in kvcm's state slots.
+HYBRIDS = frozenset({"qwen3_next"})
+
 #: Weight gain by family (default 5.0; see the module docstring).
 GAINS = {"gemma3": 1.0}
 
@@ -100,6 +106,24 @@ class BuiltModel:
     family: str
     model: torch.nn.Module
     hf_config: dict[str, Any]
+
+
+#: The oldest transformers the hybrid is checked with (see the module docstring).
+HYBRID_TRANSFORMERS = "5.24"
+
+
+def hybrid_unsupported() -> str | None:
+    """Why this transformers cannot run the hybrid on kvcm's state slots, or None."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) >= Version(HYBRID_TRANSFORMERS):
+        return None
+    return (
+        f"transformers {transformers.__version__} runs a gated delta net's multi-token forward "
+        "from a zero state (no linear-attention cache interface): the hybrid needs "
+        f"transformers >= {HYBRID_TRANSFORMERS}"
+    )
 
 
 def kvcm_layers(hf_config: dict[str, Any]) -> dict[str, Any]:
