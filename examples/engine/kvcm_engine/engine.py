@@ -117,9 +117,10 @@ class Backend:
     @staticmethod
     def sidecar(client: Any) -> Backend:
         """A ``KVCacheClient``: calls over HTTP, pools and page tables attached (shared memory
-        on the CPU, CUDA IPC on a GPU). A hybrid model's state slots are the requests' rows:
-        kvcm gives the request in row r live slot r when every row has one
-        (``state_live_slots`` left at ``max_requests``), and this engine never suspends."""
+        on the CPU, CUDA IPC on a GPU). A hybrid model's state slots are the requests' rows
+        (the step's answers carry no slots): kvcm gives the request in row r live slot r,
+        resumed ones too, when every row has one (``state_live_slots`` left at
+        ``max_requests``)."""
         attachment = client.attach()
         layout = attachment.layout
         if layout.state_layers:
