@@ -250,9 +250,10 @@ class StatePools:
 
     def take(self, row: int) -> int:
         """Give the request in ``row`` a live slot and return it (the caller checked
-        ``num_free_live``): slot ``row`` when it is free, else the lowest free one. Nothing
-        but the request in row r takes slot r while another is free, so with one live slot
-        per row slot r is always row r's. Example: 2 live slots, 4 rows; the requests of
+        ``num_free_live``): slot ``row`` when it is free, else the lowest free one. With one
+        live slot per row, a request's own slot is free whenever it takes one (only its
+        row's requests ever took it), so slot r is always row r's. Example: 2 live slots, 4
+        rows; the requests of
         rows 0 and 1 hold slots 0 and 1; row 0's is suspended (slot 0 is free again); a new
         request in row 2 takes slot 0, and row 0's request cannot resume until one is free."""
         free = self.free_live
