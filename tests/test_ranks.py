@@ -21,7 +21,7 @@ from test_shared_consumer import dense
 from kvcm import KVCacheManager
 from kvcm.device_tables import EditQueues
 from kvcm_client import KVCacheClient
-from kvcm_client.errors import InvalidArgument, OutOfBlocks
+from kvcm_client.errors import InsufficientMemory, InvalidArgument, OutOfBlocks
 from kvcm_client.paged_attention import attention, write_kv
 
 TPB = 4
@@ -345,3 +345,63 @@ def a_process_per_rank(url: str) -> None:
     for r, proc in enumerate(procs):
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == [f"{10 + r:.1f}", str(r)]
+
+
+def test_an_undo_after_a_rank_took_the_edits_edits_the_cells_back() -> None:
+    """A read inside a transaction takes its edits to a rank's tables (and queues them for
+    the others); the undo then logs edits that put every cell back, so no rank keeps a
+    block the host no longer has."""
+    m = KVCacheManager(config())
+    c = m._coord
+    c.edits = []
+    queues = EditQueues(c, 2)
+    copies = [c.tables.copy() for _ in range(2)]
+
+    def replay(rank: int) -> None:
+        edits = queues.take(rank)
+        copies[rank][edits[:, 0], edits[:, 1], edits[:, 2]] = edits[:, 3]
+
+    m.allocate("a", 5)
+    replay(0)
+    with m.transaction() as undo:
+        m.allocate("b", 9)
+        m.extend("a", 4)
+        replay(0)  # rank 0 applied b's blocks and a's new one; rank 1 has them queued
+        assert copies[0][0, m.request("b").row, :3].tolist() == [4, 5, 6]
+        undo()
+    replay(0)
+    replay(1)
+    assert np.array_equal(copies[0], c.tables) and np.array_equal(copies[1], c.tables)
+    assert m.request_ids() == ["a"] and m.block_table("a") == [[0, 1], [2, 3]]
+
+
+def test_a_queue_nobody_reads_stays_bounded() -> None:
+    m = KVCacheManager(config(num_blocks=64))
+    c = m._coord
+    c.edits = []
+    queues = EditQueues(c, 2)
+    for i in range(300):
+        m.allocate(f"r{i}", 5)
+        queues.take(0)
+        m.free(f"r{i}")
+        queues.take(0)
+    assert len(queues._queues[1]) <= EditQueues.FOLD
+    copy = np.full_like(c.tables, c.empty)
+    edits = queues.take(1)
+    copy[edits[:, 0], edits[:, 1], edits[:, 2]] = edits[:, 3]
+    assert np.array_equal(copy, c.tables)
+
+
+def test_a_budget_too_small_for_another_rank_names_that_rank() -> None:
+    """Rank 1 (16 heads) limits the split: the refusal gives its numbers, which a retry
+    with ``max_seq_len_that_fits`` then satisfies."""
+    ranks = [
+        {"device": "cpu", "layers": [spec(0, heads=2)]},
+        {"device": "cpu", "layers": [spec(0, heads=16)]},
+    ]
+    cfg = config(ranks=ranks, memory_bytes=40960, num_blocks=None)
+    with pytest.raises(InsufficientMemory) as exc:
+        KVCacheManager(cfg)
+    fits = exc.value.detail["max_seq_len_that_fits"]
+    assert exc.value.detail["rank"] == 1 and fits < 64
+    KVCacheManager(cfg | {"max_seq_len": fits})

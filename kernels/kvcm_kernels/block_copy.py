@@ -20,6 +20,7 @@ of a region at H: ``segments(P + [3, 5] * 81920, H + [0, 1] * 81920, 81920)`` gi
 from __future__ import annotations
 
 import ctypes
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -94,9 +95,20 @@ def cuda_runtime() -> Any:
 
 
 def destroy_events(runtime: Any, events: tuple[int, ...]) -> None:
-    """Destroy raw events (a ``weakref.finalize`` callback of their owner)."""
+    """Wait for raw events, then destroy them (a ``weakref.finalize`` callback of their
+    owner, which runs before the owner's buffers go: work they fence may still read them)."""
     for event in events:
+        runtime.eventSynchronize(event)
         runtime.eventDestroy(event)
+
+
+def on_device(index: int) -> AbstractContextManager[object]:
+    """Make device ``index`` current for raw runtime calls (a no-op when it is already):
+    stream handle 0, torch's default stream, means the current device's, and an event
+    recorded on a stream of another device fails."""
+    if torch.cuda.current_device() == index:
+        return nullcontext()
+    return torch.cuda.device(index)
 
 
 def copy_segments(

@@ -21,8 +21,8 @@ THREADS = 256
 def apply_page_table_edits_reference(tables: torch.Tensor, edits: torch.Tensor) -> None:
     """In place: ``tables[g, r, p] = s`` for every edit (g, r, p, s)."""
     if edits.shape[0]:
-        e = edits.long()
-        tables[e[:, 0], e[:, 1], e[:, 2]] = edits[:, 3].to(tables.dtype)
+        e = edits.to(tables.device).long()  # pinned host edits, on CUDA
+        tables[e[:, 0], e[:, 1], e[:, 2]] = e[:, 3].to(tables.dtype)
 
 
 def apply_page_table_edits_cuda(tables: torch.Tensor, edits: torch.Tensor) -> None:

@@ -78,6 +78,7 @@ class _Checkpoint:
     cache: Any
     edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None
     ops_since_take: int
+    takes: int
 
 
 class Coordinator:
@@ -127,6 +128,8 @@ class Coordinator:
         #: Table edits since the last ``take_edits`` (only kept for device tables):
         #: (layer group, rows, positions, slots or None for ``empty``).
         self.edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None = None
+        #: Edit batches taken so far (``take_edits``): an undo after a take must edit back.
+        self.takes = 0
         self.ops_since_take = 0
         #: The host tier (``kvcm.host_tier``), set by the manager when it has one.
         self.host: Any = None
@@ -494,6 +497,7 @@ class Coordinator:
         if self.edits is not None:
             self.edits.clear()
         self.ops_since_take = 0
+        self.takes += 1
         return out
 
     def last_edits(self, edits: np.ndarray) -> np.ndarray:
@@ -520,6 +524,7 @@ class Coordinator:
             cache=self.cache.checkpoint(),
             edits=None if self.edits is None else list(self.edits),
             ops_since_take=self.ops_since_take,
+            takes=self.takes,
         )
 
     def _state_arrays(self) -> tuple[np.ndarray, ...]:
@@ -534,6 +539,23 @@ class Coordinator:
         )
 
     def restore(self, saved: _Checkpoint) -> None:
+        """Put back what ``checkpoint`` copied. Edits logged since then are dropped, unless
+        some were taken meanwhile (a device table, or a rank's queue, already has them):
+        then every cell the undo changes back is logged as an edit of its own.
+
+        Example: a step allocates block 5 into row 2 of group 0, a read inside the step's
+        transaction takes that edit to the device, and the step is undone: the host cell
+        goes back to -1 and an edit (0, 2, 0, -1) follows, so the device cell does too.
+        """
+        edits, ops_since_take = saved.edits, saved.ops_since_take
+        if self.edits is not None and edits is not None and self.takes != saved.takes:
+            before = saved.arrays[-1]  # the tables
+            changed = np.argwhere(self.tables != before)
+            edits = list(self.edits)
+            for g in np.unique(changed[:, 0]).tolist():
+                cells = changed[changed[:, 0] == g]
+                edits.append((g, cells[:, 1], cells[:, 2], before[g, cells[:, 1], cells[:, 2]]))
+            ops_since_take = self.ops_since_take + 2  # several records: fold them by cell
         for dst, src in zip(self._state_arrays(), saved.arrays, strict=True):
             dst[...] = src
         for pool, state in zip(self.pools, saved.pools, strict=True):
@@ -541,9 +563,9 @@ class Coordinator:
         for refs, old in zip(self.refs, saved.refs, strict=True):
             refs[:] = old
         self.cache.restore(saved.cache)
-        if self.edits is not None and saved.edits is not None:
-            self.edits[:] = saved.edits
-        self.ops_since_take = saved.ops_since_take
+        if self.edits is not None and edits is not None:
+            self.edits[:] = edits
+        self.ops_since_take = ops_since_take
 
     # -- queries -----------------------------------------------------------------------------
 

@@ -29,6 +29,9 @@ class EditQueues:
     tables take them: one bookkeeping, a device table per rank. A rank that takes collects
     the coordinator's new edits for every rank first, so no rank misses any."""
 
+    #: Batches a queue holds before they are folded into one (the last edit of each cell).
+    FOLD = 64
+
     def __init__(self, coord: Coordinator, num_ranks: int) -> None:
         self._coord = coord
         self._queues: list[list[np.ndarray]] = [[] for _ in range(num_ranks)]
@@ -42,6 +45,8 @@ class EditQueues:
             if edits.shape[0]:
                 for queue in self._queues:
                     queue.append(edits)
+                    if len(queue) > self.FOLD:  # a rank nobody reads: bounded by its cells
+                        queue[:] = [c.last_edits(np.concatenate(queue))]
         queue = self._queues[rank]
         if not queue:
             return _NO_EDITS
@@ -111,8 +116,9 @@ class Uploader:
         if self._rt is None:
             self._events[k].record(torch.cuda.current_stream(self.device))
         else:
-            stream = int(torch._C._cuda_getCurrentRawStream(self.index))
-            self._rt.eventRecord(self._events[k], stream)
+            with kvcm_kernels.block_copy.on_device(self.index):  # handle 0: this device's
+                stream = int(torch._C._cuda_getCurrentRawStream(self.index))
+                self._rt.eventRecord(self._events[k], stream)
         self._used[k] = True
 
     def __call__(self, array: np.ndarray) -> torch.Tensor:

@@ -75,9 +75,15 @@ def plan(
                 state_bytes=state,
             )
         slots = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
-    ranks, slots = plan_ranks(cfg, layout, slots, resolve_device)
+    ranks, slots, limiting = plan_ranks(cfg, layout, slots, resolve_device)
     if cfg.memory_bytes is not None and check_budget:
-        sizing.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
+        rank, limit = (0, sizing) if limiting is None else limiting
+        try:
+            limit.check_budget(cfg.memory_bytes, slots, int(cfg.null_page))
+        except InsufficientMemory as exc:
+            if len(ranks) > 1:
+                exc.detail["rank"] = rank
+            raise
     if cfg.null_page:
         _check_null_page_room(slots)
     return device, layout, sizing, slots, ranks

@@ -58,11 +58,13 @@ def plan_ranks(
     layout: Layout,
     slots: dict[PoolGroupId, int],
     resolve: Callable[[str], torch.device],
-) -> tuple[list[RankPlan], dict[PoolGroupId, int]]:
-    """Every rank's plan (rank 0's is ``layout`` on ``cfg.device``) and the slots per pool
+) -> tuple[list[RankPlan], dict[PoolGroupId, int], tuple[int, Sizing] | None]:
+    """Every rank's plan (rank 0's is ``layout`` on ``cfg.device``), the slots per pool
     group that every rank can hold: with ``memory_bytes`` (a budget per rank), the fewest
-    any rank's split gives. Refuses ranks whose layer groups or pool groups do not match
-    rank 0's, or whose devices are of another type (``InvalidArgument``)."""
+    any rank's split gives; and the rank whose split that is, with its sizing, when it is
+    not rank 0 (its budget is the one to check). Refuses ranks whose layer groups or pool
+    groups do not match rank 0's, or whose devices are of another type
+    (``InvalidArgument``)."""
     device0 = resolve(cfg.device)
     plans = [RankPlan(0, device0, layout, cfg)]
     keys = group_keys(layout)
@@ -93,14 +95,16 @@ def plan_ranks(
             )
         local = cfg.model_copy(update={"layers": list(spec.layers), "device": spec.device})
         plans.append(RankPlan(rank, device, mine, local))
+    limiting = None
     if cfg.memory_bytes is not None and len(plans) > 1:
         shape = StepShape(cfg.max_prefill_chunk, cfg.max_lookahead)
         for plan in plans[1:]:
-            theirs = Sizing(plan.layout, cfg.max_seq_len, shape).slots_for_budget(
-                cfg.memory_bytes, int(cfg.null_page)
-            )
+            sizing = Sizing(plan.layout, cfg.max_seq_len, shape)
+            theirs = sizing.slots_for_budget(cfg.memory_bytes, int(cfg.null_page))
+            if sum(theirs.values()) < sum(slots.values()):
+                limiting = (plan.rank, sizing)
             slots = {pg: min(n, theirs[pg]) for pg, n in slots.items()}
-    return plans, slots
+    return plans, slots, limiting
 
 
 def _keys_of(layers: list[LayerSpec], tokens_per_block: int) -> list[GroupKey]:

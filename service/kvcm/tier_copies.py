@@ -228,7 +228,8 @@ class TierCopier:
         """Make ``stream``'s later work wait for every copy queued or launched so far."""
         self.flush()
         if self._launched:
-            self._rt.streamWaitEvent(stream.cuda_stream, self._done, 0)
+            with kvcm_kernels.block_copy.on_device(self._index):  # handle 0: this device's
+                self._rt.streamWaitEvent(stream.cuda_stream, self._done, 0)
 
     def _copy_now(self, pool_group: int, out: bool, device: list[int], host: list[int]) -> None:
         """Copy on the copy engines now (CUDA, slots of at least ``dma_min_bytes``): one
@@ -264,9 +265,10 @@ class TierCopier:
         a wait, and the copy engines start without a cross-stream hand-off."""
         rt = self._rt
         current = _current_stream(self._index)
-        if rt.streamQuery(current) != 0:  # cudaErrorNotReady: work in flight
-            rt.eventRecord(self._ready, current)
-            rt.streamWaitEvent(self._stream, self._ready, 0)
+        with kvcm_kernels.block_copy.on_device(self._index):  # handle 0: this device's
+            if rt.streamQuery(current) != 0:  # cudaErrorNotReady: work in flight
+                rt.eventRecord(self._ready, current)
+                rt.streamWaitEvent(self._stream, self._ready, 0)
 
     # -- the batch ----------------------------------------------------------------------------
 

@@ -67,3 +67,26 @@ def test_a_tp_pp_engine_on_the_gpu_attends_like_dense_attention(tmp_path: Path) 
     with serve_process("--config", str(ranked_config(tmp_path, "cuda:0"))) as (url, _, _):
         every_rank_against_dense(url)
         a_process_per_rank(url)
+
+
+@pytest.mark.parametrize("kernels", ["cupy", "reference"])
+def test_an_undone_step_leaves_every_ranks_device_tables_equal_to_the_host(
+    kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slot mappings inside a transaction take the edits to every rank (the manager's
+    ``_sync_other_ranks``); the undo must edit them back. With the torch reference kernels
+    too (``KVCM_KERNELS=reference``), whose table edits come from pinned host memory."""
+    if kernels == "reference":
+        monkeypatch.setenv("KVCM_KERNELS", "reference")
+    ranks = [r | {"device": d} for r, d in zip(RANKS, _devices(4), strict=True)]
+    m = KVCacheManager(config(ranks=ranks, num_blocks=64))
+    m.allocate("a", 5)
+    m.slot_mappings(["a"])
+    with m.transaction() as undo:
+        m.allocate("b", 9)
+        m.slot_mappings(["a", "b"])
+        undo()
+    m.slot_mappings(["a"])
+    host = torch.from_numpy(m._coord.tables)
+    for r in range(4):
+        assert torch.equal(m.rank(r)._tables.tensor.cpu(), host), r
