@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -337,6 +338,7 @@ def test_copies_on_the_copy_engines_go_out_as_queued(monkeypatch: pytest.MonkeyP
     copier._rt, copier._stream, copier._ready, copier._done = rt, 7, 1, 2
     copier._engines = {0: True}  # the 48-byte slots go to the "copy engines"
     monkeypatch.setattr(tier_copies, "_current_stream", lambda index: 3)
+    monkeypatch.setattr(kvcm_kernels.block_copy, "on_device", lambda index: nullcontext())
     old5, old7 = device[5].clone(), device[7].clone()
     rt.busy = True  # the copies out wait for the current stream's work
     copier.queue(0, True, [5, 7], [4, 0])  # host 4 is chunk 1, row 1
