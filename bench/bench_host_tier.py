@@ -10,7 +10,7 @@ Layout: Llama-3-8B-like, 32 layers of 8 KV heads x 128, bf16, 16-token blocks, o
 - ``offload``: ``HostTier.offload`` of that many cached blocks (device -> pinned host) and the
   wait for its copies, as a step that evicts them does (``kvcm.tier_copies``: 2 MiB slots
   go to the copy engines as they are queued); the ``clear`` that makes room for the next
-  round is not timed;
+  round is not timed, nor a synchronize after ``finish`` (which waits for the copies);
 - ``onboard``: as many host blocks copied into device slots (host -> device) and the wait;
 - ``baseline``: one ``copy_`` of the same number of bytes between a contiguous device buffer
   and a pinned host buffer, each way, synchronised: what a single cudaMemcpy of that size
@@ -52,9 +52,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn, device: torch.device, repeats: int, reset=None) -> float:  # type: ignore[no-untyped-def]
-    """Median wall time of ``fn`` and the device work it waits for; ``reset`` (untimed)
-    runs after each call."""
+def _median_s(fn, device: torch.device, repeats: int, reset=None, waits: bool = False) -> float:  # type: ignore[no-untyped-def]
+    """Median wall time of ``fn`` and the device work it waits for: a synchronize after it,
+    unless ``fn`` waits for its own work (``waits``: kvcm's ``finish``; then the device is
+    synchronised after the sample, untimed). ``reset`` (untimed) runs after each call."""
     fn()
     _sync(device)
     if reset is not None:
@@ -63,8 +64,10 @@ def _median_s(fn, device: torch.device, repeats: int, reset=None) -> float:  # t
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        if not waits:
+            _sync(device)
         samples.append(time.perf_counter() - t0)
+        _sync(device)
         if reset is not None:
             reset()
     return statistics.median(samples)
@@ -292,7 +295,7 @@ def _row(host: Any, n: int, slot_bytes: int, device: torch.device, repeats: int)
         host.offload(0, entries)
         host.copier.finish()
 
-    out_s = _median_s(offload, device, repeats, reset=host.clear)  # offloads again
+    out_s = _median_s(offload, device, repeats, reset=host.clear, waits=True)
     host.offload(0, entries)
     host.copier.finish()
     held = [host.lru[0][k] for k in keys]
@@ -302,7 +305,7 @@ def _row(host: Any, n: int, slot_bytes: int, device: torch.device, repeats: int)
         host.copier.queue(0, False, slots, held)
         host.copier.finish()
 
-    in_s = _median_s(onboard, device, repeats)
+    in_s = _median_s(onboard, device, repeats, waits=True)
     host.clear()
     gbs = [nbytes / s / 1e9 for s in (out_s, d2h, in_s, h2d)]
     return (

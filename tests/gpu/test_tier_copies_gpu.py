@@ -63,6 +63,7 @@ def test_random_copy_batches_on_cuda_equal_copies_one_by_one(seed: int, dma: boo
     ]
     copier = TierCopier([device], {0: chunks}, {0: [0]}, DEV)
     copier.dma_min_bytes = 1 if dma else 1 << 62
+    copier._engines = {0: dma}  # decided at construction from the slot size: decide here
     run_random_copies(copier, device, chunks, rng, 400, 4, 9)
     if dma:  # each copy launched as it was queued: stream order alone keeps them right
         assert (copier.stats.copy_launches, copier.stats.copy_hazard_launches) == (400, 0)
