@@ -39,6 +39,7 @@ import torch
 
 from .events import EventLog
 from .layout import Layout
+from .prefix_cache import needed_blocks
 from .tier_copies import CopyStats, TierCopier
 
 if TYPE_CHECKING:
@@ -317,21 +318,6 @@ class HostTier:
         for pg, lru in self.lru.items():
             self.free[pg].extend(lru.values())
             lru.clear()
-
-
-def needed_blocks(b: int, windows: list[tuple[int | None, int]], tpb: int) -> list[list[int]]:
-    """Per layer group, the blocks a hit of ``b`` blocks needs (as ``find_hit`` rules): all
-    of ``[0, b)`` for full attention; a window's sinks and the blocks the first new token
-    attends to, ``[max(S, (b * tpb + 1 - W) // tpb), b)``. Example: W 8, tpb 4, no sinks,
-    b 3: blocks [1, 2]."""
-    out = []
-    for window, sinks in windows:
-        if window is None:
-            out.append(list(range(b)))
-        else:
-            start = max(sinks, (b * tpb + 1 - window) // tpb)
-            out.append([*range(min(sinks, b)), *range(start, b)])
-    return out
 
 
 def tier_hit(

@@ -147,6 +147,21 @@ class PrefixCache:
         self.log.truncate(last_seq, events)
 
 
+def needed_blocks(b: int, windows: list[tuple[int | None, int]], tpb: int) -> list[list[int]]:
+    """Per layer group, the blocks a hit of ``b`` blocks needs (as ``find_hit`` rules): all
+    of ``[0, b)`` for full attention; a window's sinks and the blocks the first new token
+    attends to, ``[max(S, (b * tpb + 1 - W) // tpb), b)``. Example: W 8, tpb 4, no sinks,
+    b 3: blocks [1, 2]."""
+    out = []
+    for window, sinks in windows:
+        if window is None:
+            out.append(list(range(b)))
+        else:
+            start = max(sinks, (b * tpb + 1 - window) // tpb)
+            out.append([*range(min(sinks, b)), *range(start, b)])
+    return out
+
+
 def find_hit(
     cache: PrefixCache,
     root: bytes,

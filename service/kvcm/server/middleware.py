@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcm_client.errors import PayloadTooLarge, StaleGeneration
 
-from .metrics import Metrics
+if TYPE_CHECKING:  # the router uses this module without the manager (and torch)
+    from .metrics import Metrics
 
 
 async def _send_error(
