@@ -250,6 +250,23 @@ class NoModel(KVCMError):
     status = 503
 
 
+class ModelMismatch(KVCMError):
+    """A sidecar serves a model whose block keys differ from the router's (another
+    ``tokens_per_block``, other layer groups): the router cannot score it, so it does not
+    follow it (``kvcm router``, docs/router.md)."""
+
+    code = "model_mismatch"
+    status = 409
+
+
+class IndexUnavailable(KVCMError):
+    """The router's index store (Redis) cannot be reached now; the router keeps trying and
+    rebuilds what it lost (docs/router.md)."""
+
+    code = "index_unavailable"
+    status = 503
+
+
 class ModelWaitTimeout(NoModel):
     """``wait_for_model`` gave up: the service still had no model when its time ran out
     (raised by the clients, never sent by the service)."""
@@ -293,6 +310,8 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         ServiceUnavailable,
         NoModel,
         ModelWaitTimeout,
+        ModelMismatch,
+        IndexUnavailable,
     )
 }
 
@@ -335,6 +354,8 @@ STATUS_CODES: tuple[str, ...] = (
     "model_wait_timeout",
     "request_suspended",
     "state_not_rewindable",
+    "model_mismatch",
+    "index_unavailable",
 )
 STATUS_OF: dict[str, int] = {code: i for i, code in enumerate(STATUS_CODES)}
 
