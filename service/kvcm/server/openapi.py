@@ -79,6 +79,11 @@ class RouteDoc:
     session: bool = False
     extra: dict[int, dict[str, Any]] | None = None
     """Non-error statuses the route answers with beside its success, as OpenAPI responses."""
+    generation: bool = True
+    """The route refuses a caller pinned to another service generation (the sidecar's
+    ``Generation`` middleware); a router has no generation."""
+    notes: tuple[tuple[type[KVCMError], str], ...] = ()
+    """Lines that explain an error on this route better than the table-wide ``_NOTES``."""
 
     def error_classes(self) -> Errors:
         """Every error class of the route, in status order (ties: the table's order)."""
@@ -89,8 +94,10 @@ class RouteDoc:
             out.append(Unauthorized)
         if self.session:
             out.append(UnknownSession)
-        # Any route, for a client that pinned another generation (X-KVCM-Generation).
-        out += [*self.errors, StaleGeneration, InternalError]
+        out += self.errors
+        if self.generation:  # any route, for a client that pinned another generation
+            out.append(StaleGeneration)
+        out.append(InternalError)
         unique = list(dict.fromkeys(out))
         return tuple(sorted(unique, key=lambda cls: cls.status))
 
@@ -184,9 +191,11 @@ _NOTES = {
 }
 
 
-def describe(cls: type[KVCMError]) -> str:
-    """One line about an error class: the route note, else its docstring's first paragraph."""
-    note = _NOTES.get(cls)
+def describe(cls: type[KVCMError], doc: RouteDoc | None = None) -> str:
+    """One line about an error class: the route's note, the table's, else the class
+    docstring's first paragraph."""
+    note = dict(doc.notes).get(cls) if doc is not None else None
+    note = note or _NOTES.get(cls)
     if note:
         return note
     doc = (cls.__doc__ or "").strip().split("\n\n")[0]
@@ -219,7 +228,7 @@ def error_responses(doc: RouteDoc) -> dict[str, dict[str, Any]]:
     for status, classes in by_status.items():
         codes = list(dict.fromkeys(cls.code for cls in classes))
         out[str(status)] = {
-            "description": "; ".join(f"`{cls.code}`: {describe(cls)}" for cls in classes),
+            "description": "; ".join(f"`{cls.code}`: {describe(cls, doc)}" for cls in classes),
             "content": {
                 _JSON: {
                     "schema": {
@@ -242,8 +251,14 @@ def documented_statuses(schema: dict[str, Any], method: str, path: str) -> dict[
     return out
 
 
-def build(app: FastAPI, bodies: dict[str, type[BaseModel]], auth_required: bool) -> dict[str, Any]:
-    """The OpenAPI document of ``app``; ``bodies``: raw-body routes' request models by path.
+def build(
+    app: FastAPI,
+    bodies: dict[str, type[BaseModel]],
+    auth_required: bool,
+    routes: dict[tuple[str, str], RouteDoc] | None = None,
+) -> dict[str, Any]:
+    """The OpenAPI document of ``app``; ``bodies``: raw-body routes' request models by path;
+    ``routes``: the app's table (the sidecar's ``ROUTES`` by default; the router has its own).
 
     ``auth_required``: the service runs with a token, so the guarded routes' bearer
     requirement is a must (without a token it is optional: any or no header is accepted).
@@ -270,19 +285,20 @@ def build(app: FastAPI, bodies: dict[str, type[BaseModel]], auth_required: bool)
             "description": "KVCM_API_TOKEN; needed only when the service runs with one",
         }
     }
+    table = ROUTES if routes is None else routes
     seen: set[tuple[str, str]] = set()
     for path, item in schema["paths"].items():
         for method, operation in item.items():
             key = (method.upper(), path)
-            doc = ROUTES.get(key)
+            doc = table.get(key)
             if doc is None:
-                raise RuntimeError(f"{method.upper()} {path} has no entry in openapi.ROUTES")
+                raise RuntimeError(f"{method.upper()} {path} has no entry in its ROUTES table")
             seen.add(key)
             body = bodies.get(path) if method == "post" else None  # bodies are POSTs'
             _document(operation, doc, body, auth_required)
-    missing = set(ROUTES) - seen
+    missing = set(table) - seen
     if missing:
-        raise RuntimeError(f"openapi.ROUTES names routes the app lacks: {sorted(missing)}")
+        raise RuntimeError(f"the ROUTES table names routes the app lacks: {sorted(missing)}")
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     text = json.dumps(schema)
@@ -328,12 +344,17 @@ def _document(
         )
 
 
-def install(app: FastAPI, bodies: dict[str, type[BaseModel]], auth_required: bool) -> None:
+def install(
+    app: FastAPI,
+    bodies: dict[str, type[BaseModel]],
+    auth_required: bool,
+    routes: dict[tuple[str, str], RouteDoc] | None = None,
+) -> None:
     """Serve the document at ``app.openapi_url`` and the offline docs page at ``/docs``."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build(app, bodies, auth_required)
+            app.openapi_schema = build(app, bodies, auth_required, routes)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
