@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,16 +53,19 @@ def serve_process(
     port: int = 0,
     own_group: bool = False,
     model: bool = True,
+    command: str = "serve",
 ) -> Iterator[tuple[str, subprocess.Popen[str], list[str]]]:
     """``python -m kvcm serve ARGS`` in its own process, once ready (``model`` False: once
-    up without a model, ``/readyz`` answering 503 ``no_model``).
+    up without a model, ``/readyz`` answering 503 ``no_model``). ``command="router"`` runs
+    ``kvcm router ARGS`` the same way (its ``/readyz`` says ``no_model`` until a sidecar
+    told it the model).
 
     Yields (url, process, the lines it printed: up to the "serving on" line, then more as a
     thread drains its output; once it exited, ``process.drain.join()`` completes them).
     ``own_group`` starts it in a process group of its own, so that a test can kill it together
     with its helpers (``os.killpg``), as a container kill would.
     """
-    cmd = [sys.executable, "-m", "kvcm", "serve", *args]
+    cmd = [sys.executable, "-m", "kvcm", command, *args]
     if uds is None:
         cmd += ["--port", str(port)]
     proc = subprocess.Popen(
@@ -111,6 +115,69 @@ def serve_process(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """A real ``redis-server`` on loopback (a free port), without persistence, that a test
+    can restart empty on the same port (``restart``). ``pytest.skip`` where the binary is
+    missing (CI installs it: .ci/run)."""
+
+    def __init__(self) -> None:
+        import pytest
+
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        import redis
+
+        assert self.binary is not None
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
+        self.proc = subprocess.Popen(
+            [self.binary, *args, "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        """Kill it and start an empty one on the same port (it saves nothing)."""
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class SyncOverAsync:

@@ -1,4 +1,5 @@
-"""The ``kvcm`` command: ``kvcm serve`` (the default) runs the sidecar, ``kvcm estimate`` sizes.
+"""The ``kvcm`` command: ``kvcm serve`` (the default) runs the sidecar, ``kvcm estimate`` sizes,
+``kvcm router`` and ``kvcm route`` run and ask a router (``kvcm.router.cli``).
 
 Every flag has a ``KVCM_<NAME>`` environment variable (flags win); see ``kvcm serve --help``.
 With no model source ``kvcm serve`` starts without a model on http://127.0.0.1:8470 and waits
@@ -25,6 +26,8 @@ from pydantic import ValidationError
 
 from kvcm_client.errors import KVCMError
 
+from .router.cli import add_commands as add_router_commands
+from .router.cli import run_route, run_router
 from .server.settings import Settings
 
 if TYPE_CHECKING:
@@ -170,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--seq-len", type=int, action="append", help="sequence lengths to size (repeatable)"
     )
+    add_router_commands(sub)
     return parser
 
 
@@ -374,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["serve", *argv]
     args = build_parser().parse_args(argv)
+    if args.command == "router":
+        return run_router(args)
+    if args.command == "route":
+        return run_route(args)
     try:
         settings = _settings(args)
         if args.command == "estimate":

@@ -1,0 +1,181 @@
+"""The router: its followers, the store's upkeep, and the route call.
+
+``route`` hashes a prompt as the sidecars do (``kvcm.hashing.block_keys`` with the key
+space's ``tokens_per_block``), reads the masks of its reusable blocks and ranks the sidecars
+being followed now. Upkeep runs every ``upkeep_s``: it checks the store's marker (an
+emptied Redis: every follower loads again), renews the followed sidecars' leases, and
+every ``sweep_s`` sweeps dead slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Sequence
+from contextlib import suppress
+from time import monotonic, perf_counter
+
+from kvcm_client.errors import IndexUnavailable, InvalidArgument, NoModel
+from kvcm_client.routing import (
+    GroupHit,
+    RouteRequest,
+    RouteResult,
+    Sidecars,
+    SidecarScore,
+    SidecarStatus,
+)
+
+from ..hashing import KEY_BYTES, block_keys
+from .follower import Follower
+from .keyspace import KeySpace, ModelGate
+from .metrics import RouterMetrics
+from .scorer import Hits, Walk
+from .store import IndexStore
+
+log = logging.getLogger("kvcm.router")
+
+_HEX_KEY = re.compile(rf"[0-9a-fA-F]{{{2 * KEY_BYTES}}}")
+
+
+def prompt_keys(request: RouteRequest, space: KeySpace) -> tuple[list[bytes], int]:
+    """The prompt's block keys and how many of them a request could reuse: all full blocks
+    but the one holding the last token for token ids (``probe``'s rule), every given key."""
+    tpb = space.tokens_per_block
+    if request.token_ids is not None:
+        keys = block_keys(
+            request.token_ids, tpb, request.lora_id, request.cache_salt, request.multimodal
+        )
+        n = len(request.token_ids)
+        return keys, min(len(keys), (n - 1) // tpb) if n else 0
+    assert request.block_keys is not None
+    for i, key in enumerate(request.block_keys):
+        if not _HEX_KEY.fullmatch(key):
+            raise InvalidArgument(f"block_keys[{i}] is not {KEY_BYTES} bytes in hex", index=i)
+    keys = [bytes.fromhex(k) for k in request.block_keys]
+    return keys, len(keys)
+
+
+def rank(scores: Sequence[SidecarScore]) -> list[SidecarScore]:
+    """Best first: more hit blocks, more on the device, fewer running requests, more free
+    blocks (unknown load last), then by name."""
+    big = 1 << 62
+    return sorted(
+        scores,
+        key=lambda s: (
+            -s.hit_blocks,
+            -s.device_hit_blocks,
+            big if s.running_requests is None else s.running_requests,
+            -(s.free_blocks or 0),
+            s.sidecar,
+        ),
+    )
+
+
+class Router:
+    def __init__(
+        self,
+        store: IndexStore,
+        gate: ModelGate,
+        followers: Sequence[Follower],
+        *,
+        upkeep_s: float = 1.0,
+        sweep_s: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.gate = gate
+        self.followers = list(followers)
+        self.upkeep_s = upkeep_s
+        self.sweep_s = sweep_s
+        self.metrics = RouterMetrics(self.statuses)
+        self.store_error: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        for f in self.followers:
+            f.on_events = lambda _, n: self.metrics.events.inc(n)
+
+    def statuses(self) -> list[SidecarStatus]:
+        return [f.status() for f in self.followers]
+
+    def sidecars(self) -> Sidecars:
+        return Sidecars(sidecars=self.statuses())
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(f.run()) for f in self.followers]
+        self._tasks.append(asyncio.create_task(self._upkeep()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with suppress(asyncio.CancelledError):
+                await task
+        await self.store.close()
+
+    async def _upkeep(self) -> None:
+        last_sweep = monotonic()
+        while True:
+            await asyncio.sleep(self.upkeep_s)
+            try:
+                if not await self.store.check():
+                    log.warning("the index store was emptied: loading every sidecar again")
+                    for f in self.followers:
+                        f.resync()
+                following = {
+                    f.name: f.cursor
+                    for f in self.followers
+                    if f.state == "following" and f.cursor is not None
+                }
+                await self.store.renew(following)
+                if monotonic() - last_sweep >= self.sweep_s:
+                    last_sweep = monotonic()
+                    changed = await self.store.sweep()
+                    if changed:
+                        log.info("swept dropped slots' bits from %d block keys", changed)
+                self.store_error = None
+            except IndexUnavailable as exc:
+                if self.store_error is None:
+                    log.warning("%s", exc.message)
+                self.store_error = exc.message
+            except Exception:  # never let upkeep die; the next round tries again
+                log.exception("router upkeep failed")
+
+    def space(self) -> KeySpace:
+        if self.gate.space is None:
+            raise NoModel(
+                "the router knows no sidecar's model yet (none has answered): it cannot hash "
+                "prompts as they do"
+            )
+        return self.gate.space
+
+    async def route(self, request: RouteRequest) -> RouteResult:
+        start = perf_counter()
+        space = self.space()
+        keys, cap = prompt_keys(request, space)
+        following = {f.name: f for f in self.followers if f.state == "following"}
+        walk = Walk(space, cap)
+        await self.store.lookup(list(following), keys[:cap], walk)
+        tpb = space.tokens_per_block
+        scores = [
+            self._score(following[name], walk.cursors[name].generation, hits, tpb)
+            for name, hits in walk.hits().items()
+        ]
+        result = RouteResult(tokens_per_block=tpb, num_blocks=walk.cap, scores=rank(scores))
+        self.metrics.routes.observe(perf_counter() - start)
+        return result
+
+    @staticmethod
+    def _score(f: Follower, generation: str, hits: Hits, tpb: int) -> SidecarScore:
+        return SidecarScore(
+            sidecar=f.name,
+            url=f.url,
+            generation=generation,
+            hit_blocks=hits.hit_blocks,
+            device_hit_blocks=hits.device_hit_blocks,
+            hit_tokens=hits.hit_blocks * tpb,
+            groups=[
+                GroupHit(layer_group=g, device_blocks=d, host_blocks=h)
+                for g, (d, h) in enumerate(hits.groups)
+            ],
+            free_blocks=f.free_blocks,
+            running_requests=f.running_requests,
+        )

@@ -1,0 +1,387 @@
+"""The router's index stores (in process, and on a real redis-server) hold exactly what the
+sidecars cache, and its hits are exactly what the sidecars' own probes answer
+(docs/router.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from itertools import count
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import layer, manager
+from servers import RedisServer
+
+from kvcm import KVCacheManager
+from kvcm.router.follower import Follower
+from kvcm.router.keyspace import GroupRule, KeySpace, ModelGate
+from kvcm.router.memory_store import MemoryStore
+from kvcm.router.redis_store import RedisStore, mask_of
+from kvcm.router.scorer import Walk
+from kvcm.router.service import Router
+from kvcm.router.store import DEVICE, HOST, Applied, Cursor, Group, IndexStore, Op
+from kvcm_client.errors import IndexUnavailable, ModelMismatch
+from kvcm_client.routing import RouteRequest
+
+FULL = KeySpace(4, (GroupRule(None, 0, True),))
+TWO = KeySpace(4, (GroupRule(None, 0, True), GroupRule(8, 0, True)))  # width 4
+K = [bytes([i]) * 32 for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+_namespaces = count()
+Make = Callable[[], IndexStore]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make(request: pytest.FixtureRequest) -> Make:
+    """A factory of empty stores (called inside the test's event loop)."""
+    if request.param == "memory":
+        return MemoryStore
+    url = request.getfixturevalue("redis_server").url
+    return lambda: RedisStore(url, f"t{next(_namespaces)}")
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(body())
+
+
+async def contents(store: IndexStore) -> dict[bytes, int]:
+    """Every block key the store holds and its holder mask, read from the store itself."""
+    if isinstance(store, MemoryStore):
+        return dict(store.masks)
+    assert isinstance(store, RedisStore)
+    keys = await store.redis.keys(store.block_prefix + b"*")
+    prefix = len(store.block_prefix)
+    return {k[prefix:]: mask_of(await store.redis.get(k)) for k in keys}
+
+
+def test_loads_and_events_give_exact_masks(make: Make) -> None:
+    """Bits are slot * 4 + 2 * group + tier; events at or below the cursor are skipped, a
+    gap and a stale cursor are refused with the store's cursor, a removal that empties a
+    mask deletes its key, and removing what is not there creates nothing."""
+
+    async def body() -> None:
+        s = make()
+        assert await s.bind(TWO) == TWO
+        a = await s.replace(
+            "a",
+            "ga",
+            5,
+            [Group(0, DEVICE, K[0:3]), Group(1, DEVICE, K[1:3]), Group(0, HOST, [K[3]])],
+        )
+        b = await s.replace("b", "gb", 0, [Group(0, DEVICE, [K[0]])])
+        assert (a, b) == (Cursor(0, "ga", 5), Cursor(1, "gb", 0))
+        assert await contents(s) == {K[0]: 0b1_0001, K[1]: 0b101, K[2]: 0b101, K[3]: 0b10}
+        ops = [
+            Op(5, True, 0, DEVICE, (K[5],)),  # already in the load: skipped
+            Op(6, False, 0, HOST, (K[3],)),
+            Op(7, True, 1, HOST, (K[4],)),
+            Op(8, False, 0, DEVICE, (K[0], K[6])),
+        ]
+        assert await s.apply("a", a, ops) == Applied("ok", Cursor(0, "ga", 8))
+        want = {K[0]: 0b1_0000, K[1]: 0b101, K[2]: 0b101, K[4]: 0b1000}
+        assert await contents(s) == want
+        a = Cursor(0, "ga", 8)
+        assert await s.apply("a", a, [Op(10, True, 0, 0, (K[7],))]) == Applied("gap", a)
+        assert await s.apply("a", Cursor(0, "old", 8), ops) == Applied("stale", a)
+        assert await s.apply("zz", Cursor(9, "g", 0), ops) == Applied("stale", None)
+        assert await contents(s) == want
+        assert await s.cursor("a") == a and await s.cursor("zz") is None
+        assert await s.bind(FULL) == TWO  # the first key space stays
+        await s.close()
+
+    run(body)
+
+
+def test_a_new_load_drops_the_old_entries_at_once(make: Make) -> None:
+    """A sidecar loaded again (a new generation) stops counting its old slot at once; the
+    in-process store clears it at once, Redis at the next sweep, and both reuse the slot
+    (lowest first) only once it is clear."""
+
+    async def body() -> None:
+        s = make()
+        await s.bind(FULL)
+        await s.replace("a", "g1", 3, [Group(0, DEVICE, K[0:3])])
+        await s.replace("b", "g1", 0, [Group(0, DEVICE, K[0:2])])
+        a = await s.replace("a", "g2", 0, [Group(0, DEVICE, [K[0]])])
+        assert a == Cursor(2, "g2", 0)
+        walk = Walk(FULL, 3)
+        await s.lookup(["a", "b", "c"], K[0:3], walk)
+        assert walk.cursors == {"a": a, "b": Cursor(1, "g1", 0)}
+        hits = walk.hits()
+        assert (hits["a"].device_hit_blocks, hits["b"].device_hit_blocks) == (1, 2)
+        clear = {K[0]: 0b1_0100, K[1]: 0b100}
+        if isinstance(s, RedisStore):
+            assert await contents(s) == {K[0]: 0b1_0101, K[1]: 0b101, K[2]: 0b1}
+            assert await s.sweep() == 3
+            assert await s.redis.zrange(s.free, 0, -1) == [b"0"]
+        assert await contents(s) == clear
+        assert await s.sweep() == 0
+        c = await s.replace("c", "g", 0, [Group(0, DEVICE, [K[7]])])
+        assert c.slot == 0
+        assert await contents(s) == {**clear, K[7]: 0b1}
+        await s.close()
+
+    run(body)
+
+
+def test_redis_emptied_under_the_store_is_noticed_once(redis_server: RedisServer) -> None:
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "emptied")
+        await s.bind(FULL)
+        a = await s.replace("a", "g", 0, [Group(0, DEVICE, [K[0]])])
+        assert await s.check()
+        await s.redis.flushdb()
+        assert not await s.check()  # noticed: the marker is back, with a new epoch
+        assert await s.check()
+        assert await s.cursor("a") is None
+        assert await s.apply("a", a, [Op(1, True, 0, 0, (K[1],))]) == Applied("stale", None)
+        assert await contents(s) == {}
+        await s.close()
+
+    run(body)
+
+
+def test_redis_drops_sidecars_whose_lease_ran_out(redis_server: RedisServer) -> None:
+    """A sidecar no router renewed within the lease (it left the fleet) is swept with its
+    cursor; one renewed, even late, stays."""
+
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "leases", lease_s=0.3)
+        await s.bind(FULL)
+        await s.replace("a", "g", 0, [Group(0, DEVICE, K[0:2])])
+        b = await s.replace("b", "g", 0, [Group(0, DEVICE, [K[1]])])
+        await asyncio.sleep(0.5)
+        await s.renew({"b": b})
+        assert await s.sweep() == 2
+        assert await contents(s) == {K[1]: 0b100}
+        assert await s.cursor("a") is None and await s.cursor("b") == b
+        slots = await s.redis.hgetall(s.slots)
+        assert list(slots) == [b"1"] and slots[b"1"].startswith(b"live ")
+        await s.close()
+
+    run(body)
+
+
+def test_redis_out_of_reach_is_index_unavailable() -> None:
+    from servers import free_port
+
+    async def body() -> None:
+        s = RedisStore(f"redis://127.0.0.1:{free_port()}/0")
+        with pytest.raises(IndexUnavailable, match="cannot be reached"):
+            await s.bind(FULL)
+        with pytest.raises(IndexUnavailable):
+            await s.lookup(["a"], K[0:2], Walk(FULL, 2))
+        await s.close()
+
+    run(body)
+
+
+# -- the hits are the sidecar's own --------------------------------------------------------------
+
+
+class ManagerSource:
+    """A follower's source over an in-process manager (what ``AsyncKVCacheClient`` asks)."""
+
+    def __init__(self, m: KVCacheManager) -> None:
+        self.m = m
+
+    async def model(self) -> Any:
+        return self.m.model()
+
+    async def index_snapshot(self) -> Any:
+        return self.m.index_snapshot()
+
+    async def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> Any:
+        return self.m.events(after, limit)
+
+    async def stats(self) -> Any:
+        return self.m.stats()
+
+    def reconnect(self) -> None:
+        """Nothing pinned."""
+
+
+async def sync(f: Follower, m: KVCacheManager, limit: int = 5) -> None:
+    """Follow until caught up, in small batches (several events per store write)."""
+    while True:
+        if f.needs_snapshot:
+            await f.load()
+        batch = m.events(f.cursor.last_seq if f.cursor else 0, limit)
+        await f.ingest(batch)
+        if not batch.events and not f.needs_snapshot:
+            return
+
+
+def _sidecar(**kw: Any) -> KVCacheManager:
+    return manager(
+        [layer(0), layer(1, sliding_window=8)],
+        num_blocks=24,
+        host_memory_bytes=1 << 12,
+        max_seq_len=64,
+        **kw,
+    )
+
+
+def test_hits_are_the_sidecars_probes(make: Make) -> None:
+    """Two sidecars with a full and a sliding-window layer group and a host tier, under a
+    random workload of shared prefixes (evictions to the host, drops, onboarding, a
+    restart): after every round, each sidecar's score for many prompts is its own probe
+    (device) and probe_tiers (device or host), in blocks."""
+    rng = np.random.default_rng(7)
+    families = [rng.integers(0, 500, 60).tolist() for _ in range(5)]
+
+    async def body() -> None:
+        store = make()
+        gate = ModelGate()
+        managers = {"a": _sidecar(), "b": _sidecar()}
+        followers = {n: Follower(n, n, ManagerSource(m), store, gate) for n, m in managers.items()}
+        router = Router(store, gate, list(followers.values()))
+        live: dict[str, list[str]] = {"a": [], "b": []}
+        checked = hits = host = 0
+        for round_ in range(24):
+            if round_ == 12:  # b restarts: a new generation, an empty cache
+                managers["b"] = _sidecar()
+                followers["b"].source = ManagerSource(managers["b"])
+                live["b"] = []
+            for name, m in managers.items():
+                for i in range(8):
+                    ids = live[name]
+                    if ids and (len(ids) > 3 or rng.random() < 0.4):
+                        m.free(ids.pop(int(rng.integers(0, len(ids)))))
+                        continue
+                    n = int(rng.integers(5, 60))
+                    prompt = families[int(rng.integers(0, 5))][:n]
+                    try:
+                        got = m.allocate(f"r{round_}.{i}", n, token_ids=prompt)
+                    except Exception:
+                        continue
+                    m.commit(f"r{round_}.{i}", prompt[got.num_hit_tokens :])
+                    ids.append(f"r{round_}.{i}")
+                await sync(followers[name], m)
+            for family in families:
+                for n in (3, 9, 17, 30, 41, 60):
+                    prompt = family[:n]
+                    result = await router.route(RouteRequest(token_ids=prompt))
+                    assert {s.sidecar for s in result.scores} == {"a", "b"}
+                    for score in result.scores:
+                        m = managers[score.sidecar]
+                        device, more = m.probe_tiers(prompt)
+                        assert score.device_hit_blocks * 4 == device == m.probe(prompt)
+                        assert score.hit_blocks * 4 == device + more, (round_, n)
+                        checked += 1
+                        hits += device > 0
+                        host += more > 0
+        assert followers["b"].snapshots == 2 and followers["a"].snapshots == 1
+        assert checked == 24 * 5 * 6 * 2 and hits > 200 and host > 20
+        await store.close()
+
+    run(body)
+
+
+def test_a_salted_prefix_never_scores_for_another_scope(make: Make) -> None:
+    async def body() -> None:
+        store = make()
+        gate = ModelGate()
+        m = manager([layer(0)], num_blocks=32)
+        f = Follower("a", "a", ManagerSource(m), store, gate)
+        router = Router(store, gate, [f])
+        prompt = list(range(30, 50))
+        for rid, salt, lora in (("t", "tenant-a", None), ("l", None, 7)):
+            m.allocate(rid, 20, token_ids=prompt, cache_salt=salt, lora_id=lora)
+            m.commit(rid, prompt)
+        await sync(f, m)
+
+        async def hit(**kw: Any) -> int:
+            return (await router.route(RouteRequest(token_ids=prompt, **kw))).scores[0].hit_blocks
+
+        assert await hit(cache_salt="tenant-a") == 4  # 19 tokens reusable: 4 blocks
+        assert await hit() == 0
+        assert await hit(cache_salt="tenant-b") == 0
+        assert await hit(lora_id=7) == 4
+        assert await hit(lora_id=7, cache_salt="tenant-a") == 0
+        assert await hit(lora_id="7") == 0  # a str LoRA id is another scope than an int
+        await store.close()
+
+    run(body)
+
+
+def test_a_sidecar_of_another_model_is_refused() -> None:
+    async def body() -> None:
+        store = MemoryStore()
+        gate = ModelGate()
+        ok = Follower("a", "a", ManagerSource(manager([layer(0)])), store, gate)
+        await ok.load()
+        other = manager([layer(0)], tokens_per_block=8)
+        bad = Follower("b", "b", ManagerSource(other), store, gate)
+        with pytest.raises(ModelMismatch, match="8 tokens per block, layer groups \\[full\\]"):
+            await bad.load()
+        windowed = manager([layer(0, sliding_window=8)])
+        with pytest.raises(ModelMismatch, match="window 8"):
+            await Follower("c", "c", ManagerSource(windowed), store, gate).load()
+        pinned = ModelGate(tokens_per_block=8)
+        with pytest.raises(ModelMismatch, match="--tokens-per-block"):
+            await Follower("a", "a", ManagerSource(manager([layer(0)])), store, pinned).load()
+        assert bad.needs_snapshot and store.cursors.keys() == {"a"}
+
+    run(body)
+
+
+def test_an_all_blocks_cleared_event_drops_everything_before_it(make: Make) -> None:
+    async def body() -> None:
+        store = make()
+        m = manager([layer(0)], num_blocks=32)
+        f = Follower("a", "a", ManagerSource(m), store, ModelGate())
+        await sync(f, m)
+        prompt = list(range(9))
+        m.allocate("x", 9, token_ids=prompt)
+        m.commit("x", prompt)
+        m.free("x")
+        m.reset_prefix_cache()  # one all_blocks_cleared event
+        m.allocate("y", 5, token_ids=prompt[:5])
+        m.commit("y", prompt[:5])
+        batch = m.events(f.cursor.last_seq)
+        assert [e.kind for e in batch.events] == [
+            "block_stored",
+            "all_blocks_cleared",
+            "block_stored",
+        ]
+        await f.ingest(batch)
+        assert f.cursor == Cursor(1, m.generation, 3) and f.snapshots == 1
+        if isinstance(store, RedisStore):
+            assert await store.sweep() == 2  # x's two blocks, in the dropped slot 0
+        assert await contents(store) == {
+            bytes.fromhex(k): 0b100 for k in batch.events[2].block_keys
+        }
+        await store.close()
+
+    run(body)
+
+
+def test_a_stalled_load_is_reclaimed(redis_server: RedisServer) -> None:
+    """A load whose router stalled past the lease is swept; the stalled writer's next chunk
+    is refused rather than writing into a slot that may be someone else's."""
+
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "stall", lease_s=0.2)
+        await s.bind(FULL)
+        slot = await s._run("CLAIM", [s.slots, s.free, s.next], [b"a", s.lease_ms, 8])
+        await s._write(slot, b"a", [s.slots, s.block_prefix + K[0]], [7, 1])
+        assert await contents(s) == {K[0]: 0b1}
+        time.sleep(0.4)
+        assert await s.sweep() == 1
+        with pytest.raises(IndexUnavailable, match="outlived its lease"):
+            await s._write(slot, b"a", [s.slots, s.block_prefix + K[1]], [7, 1])
+        assert await contents(s) == {}
+        await s.close()
+
+    run(body)
