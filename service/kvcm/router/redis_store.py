@@ -105,11 +105,9 @@ class RedisStore:
         return self.space
 
     async def check(self) -> bool:
-        if self.epoch is None or self.space is None:
-            return True
-        with self._reachable():
+        with self._reachable():  # also before any sidecar: readiness says Redis answers
             epoch = await self.redis.hget(self.meta, "epoch")
-        if epoch == self.epoch:
+        if self.space is None or epoch == self.epoch:
             return True
         await self.bind(self.space)  # the marker again, for every router sharing it
         return False
