@@ -385,3 +385,21 @@ def test_a_stalled_load_is_reclaimed(redis_server: RedisServer) -> None:
         await s.close()
 
     run(body)
+
+
+def test_prompt_keys_are_block_keys_a_slice_at_a_time() -> None:
+    """The router hashes long prompts in slices (yielding to its followers between them):
+    the keys are still ``block_keys``', extra keys and images included, and the reusable
+    count is ``probe``'s."""
+    from kvcm import block_keys
+    from kvcm.router.service import HASH_SLICE, prompt_keys
+
+    tokens = [(7 * i) % 1000 for i in range(4 * (2 * HASH_SLICE + 3) + 2)]  # 3 slices, a tail
+    image = [{"digest": "img", "start": 4 * HASH_SLICE - 2, "length": 5}]  # across a slice
+    for kw in ({}, {"cache_salt": "t", "lora_id": 3, "multimodal": image}):
+        keys, cap = asyncio.run(prompt_keys(RouteRequest(token_ids=tokens, **kw), FULL))
+        assert keys == block_keys(tokens, 4, **kw) and len(keys) == 2 * HASH_SLICE + 3
+        assert cap == len(keys)  # the 2-token tail holds the last token
+    keys, cap = asyncio.run(prompt_keys(RouteRequest(token_ids=tokens[:8]), FULL))
+    assert (len(keys), cap) == (2, 1)
+    assert asyncio.run(prompt_keys(RouteRequest(token_ids=[]), FULL)) == ([], 0)

@@ -157,6 +157,10 @@ class Follower:
             except KVCMError as exc:  # ServiceUnavailable and the sidecar's other answers
                 self._failed("unreachable", exc)
                 delay = backoff
+            except Exception as exc:  # a bug: logged, and the follower goes on
+                log.exception("sidecar %s: follower failed", self.name)
+                self.state, self.error = "unreachable", f"{type(exc).__name__}: {exc}"
+                delay = backoff
             backoff = min(2 * backoff, 2.0)
             await self._pause(delay)
 

@@ -45,6 +45,11 @@ def redis_offset(bit: int) -> int:
     return (bit & ~7) | (7 - (bit & 7))
 
 
+def _bulk(value: bytes) -> bytes:
+    """A RESP bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
 def mask_of(value: bytes | None) -> int:
     return int.from_bytes(value, "little") if value else 0
 
@@ -185,27 +190,48 @@ class RedisStore:
     async def lookup(self, sidecars: Sequence[str], keys: Sequence[bytes], walk: Walk) -> None:
         blocks = [self.block_prefix + k for k in keys]
         with self._reachable():
-            pipe = self.redis.pipeline(transaction=False)
-            for sidecar in sidecars:
-                pipe.hmget(self._key(sidecar), "slot", "generation", "last_seq")
-            first = blocks[:FIRST_CHUNK]
-            if first:
-                pipe.mget(first)
-            answers = await pipe.execute()
-            cursors = {
-                sidecar: Cursor(int(slot), generation.decode(), int(last))
-                for sidecar, (slot, generation, last) in zip(sidecars, answers, strict=False)
-                if slot is not None and generation is not None and last is not None
-            }
-            walk.start(cursors)
-            if not first or not walk.feed([mask_of(v) for v in answers[-1]]):
-                return
-            start, size = len(first), 2 * FIRST_CHUNK
+            fields = b"$4\r\nslot\r\n$10\r\ngeneration\r\n$8\r\nlast_seq\r\n"
+            packed = b"".join(
+                b"*5\r\n$5\r\nHMGET\r\n%s%s" % (_bulk(self._key(s)), fields) for s in sidecars
+            )
+            answers = await self._exchange(packed, len(sidecars)) if sidecars else []
+            walk.start(
+                {
+                    sidecar: Cursor(int(slot), generation.decode(), int(last))
+                    for sidecar, (slot, generation, last) in zip(sidecars, answers, strict=True)
+                    if slot is not None and generation is not None and last is not None
+                }
+            )
+            start, size = 0, FIRST_CHUNK
             while start < len(blocks):
-                values = await self.redis.mget(blocks[start : start + size])
+                chunk = blocks[start : start + size]
+                head = b"$%d\r\n" % len(chunk[0])  # block keys all have one length
+                mget = b"*%d\r\n$4\r\nMGET\r\n%s%s\r\n" % (
+                    len(chunk) + 1,
+                    head,
+                    (b"\r\n" + head).join(chunk),
+                )
+                (values,) = await self._exchange(mget, 1)
                 if not walk.feed([mask_of(v) for v in values]):
                     return
                 start, size = start + size, 2 * size
+
+    async def _exchange(self, packed: bytes, replies: int) -> list[Any]:
+        """Send commands packed here (RESP) on one connection and read their replies.
+
+        A route's reads are packed here, not by redis-py, which packs at about 1.4 us an
+        argument in Python: 2.8 ms for a 32k-token prompt's 2048 keys, where one
+        ``bytes.join`` takes about 50 us."""
+        pool = self.redis.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(packed)
+            return [await conn.read_response() for _ in range(replies)]
+        except BaseException:
+            await conn.disconnect()  # replies may still be on their way: not reusable
+            raise
+        finally:
+            await pool.release(conn)
 
     async def renew(self, following: dict[str, Cursor]) -> None:
         if not following:
