@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,3 +134,24 @@ def test_bench_ranks_quick_prints_a_row_per_rank_count() -> None:
         line.split("|")[1].strip() for line in lines if line[:3] in ("| 1", "| 2", "| 4", "| 8")
     ]
     assert rows == ["1", "2", "4", "8"]
+
+
+def test_bench_router_quick_prints_its_table() -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_router.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line.split(" | ")[0] for line in run.stdout.splitlines() if line.startswith("| ")]
+    scores = [r for r in rows if r.startswith("| score")]
+    assert len(scores) == 3 and scores[0].startswith("| score p50 / p99 ms, 20 req/s open loop")
+    assert scores[1:] == [
+        "| score p50 / p99 ms, the same prompts one at a time",
+        "| score p50 / p99 ms, all 64 hold the whole prompt",
+    ]
+    assert any(r.startswith("| event-to-index visibility") for r in rows)
+    assert any(r.startswith("| restart to complete") for r in rows)
