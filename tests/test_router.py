@@ -185,6 +185,10 @@ def test_requests_go_to_the_longest_hit(
         top = RouterClient(url).route(doc).scores[0]
         assert (top.running_requests, top.free_blocks) == (0, 127)  # 128 slots, 1 null page
         assert RouterClient(local).route(doc).scores == RouterClient(url).route(doc).scores
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvcm_router_sidecars{state="following"} 3.0' in metrics
+        assert 'kvcm_router_sidecars{state="refused"} 1.0' in metrics
+        assert "kvcm_router_snapshots_total 3.0" in metrics
 
         fleet.cache("c", doc, "doc-c-all")
         want = {"a": 10, "b": 5, "c": 15}
