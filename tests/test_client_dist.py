@@ -29,6 +29,7 @@ for heavy in ("torch", "numpy", "cupy", "kvcm"):
 import kvcm_client
 from kvcm_client import KVCacheClient
 from kvcm_client.errors import UnknownRequest
+from kvcm_client.router import RouterClient  # a gateway asks kvcm router with this alone
 
 out["file"] = kvcm_client.__file__
 url, step_socket = sys.argv[1], sys.argv[2]
@@ -57,6 +58,7 @@ with KVCacheClient(url, step_socket=step_socket) as kv:  # msgpack frames on the
     done = kv.step_columns(extend=cols.handles, free=[])
     out["columns"] = [cols.ok, done.ok, done.new_blocks, kv.request("c").num_tokens]
     kv.step_columns(free=cols.handles)
+out["router_client"] = RouterClient.__module__
 out["loaded"] = sorted(
     {m.split(".")[0] for m in sys.modules} & {"torch", "numpy", "cupy", "kvcm"}
 )
@@ -124,4 +126,5 @@ def test_client_alone_in_a_fresh_venv_drives_a_real_service(tmp_path: Path) -> N
     assert out["error"] == "unknown_request"
     assert out["attach"] == "torch" and out["consumers"] == 0
     assert out["columns"] == [True, True, [1], 17]
+    assert out["router_client"] == "kvcm_client.router"
     assert out["loaded"] == []

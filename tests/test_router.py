@@ -357,6 +357,9 @@ def test_router_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPa
     gone.gate.space = FULL
     with serve_in_thread(create_router_app(gone)) as url, httpx.Client(base_url=url) as http:
         call(http, "POST", "/v1/route", "index_unavailable", json={"token_ids": [1, 2, 3, 4, 5]})
+        big = list(range(100_000, 160_000))  # over 256 KiB: parsed in a worker thread
+        call(http, "POST", "/v1/route", "index_unavailable", json={"token_ids": big})
+        call(http, "POST", "/v1/route", "malformed_request", content=json.dumps(big)[:-1])
         wait_for(lambda: gone.store_error, "the upkeep to fail")
         call(http, "GET", "/readyz", 503)
 

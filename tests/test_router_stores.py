@@ -403,3 +403,18 @@ def test_prompt_keys_are_block_keys_a_slice_at_a_time() -> None:
     keys, cap = asyncio.run(prompt_keys(RouteRequest(token_ids=tokens[:8]), FULL))
     assert (len(keys), cap) == (2, 1)
     assert asyncio.run(prompt_keys(RouteRequest(token_ids=[]), FULL)) == ([], 0)
+
+
+def test_the_router_loads_no_torch() -> None:
+    """What ``kvcm router`` imports (docs/router.md: a small process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvcm.cli\n"
+        "from kvcm.router import app, follower, memory_store, redis_store, service\n"
+        "from kvcm.server.protocol import with_deadline\n"
+        "print('torch' in sys.modules, 'kvcm.manager' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["False", "False"]
