@@ -112,6 +112,7 @@ class Follower:
         self.resumable = True
         self.free_blocks: int | None = None
         self.running_requests: int | None = None
+        self.stopping = False
         self._wake = asyncio.Event()
 
     def status(self) -> SidecarStatus:
@@ -137,7 +138,7 @@ class Follower:
 
     async def _follow(self) -> None:
         backoff = self.retry_s
-        while True:
+        while not self.stopping:
             try:
                 await self.step()
                 backoff = self.retry_s
@@ -236,11 +237,13 @@ class Follower:
             self.source.events(self.cursor.last_seq, self.limit, timeout_s=self.poll_s)
         )
         wake = asyncio.ensure_future(self._wake.wait())
-        done, _ = await asyncio.wait({poll, wake}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({poll, wake}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the router stops: no task is left behind
+            for task in (poll, wake):
+                task.cancel()
         if poll in done:
-            wake.cancel()
             return poll.result()
-        poll.cancel()
         with suppress(asyncio.CancelledError, KVCMError):
             await poll
         self._wake.clear()
@@ -286,7 +289,7 @@ class Follower:
         return False
 
     async def _watch_stats(self) -> None:
-        while True:
+        while not self.stopping:
             with suppress(KVCMError):  # the follow loop reports what is wrong
                 stats = await self.source.stats()
                 self.free_blocks = stats.request_free_blocks

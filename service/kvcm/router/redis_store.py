@@ -20,9 +20,10 @@ sidecar again. A Redis that cannot be reached raises ``IndexUnavailable``.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from kvcm_client.errors import IndexUnavailable
@@ -37,6 +38,8 @@ FIRST_CHUNK = 256
 WRITE_CHUNK = 8192
 #: Block keys one sweep script clears.
 SWEEP_CHUNK = 1000
+#: Seconds one Redis call may take before the store counts Redis as unreachable.
+CALL_TIMEOUT_S = 10.0
 
 
 def redis_offset(bit: int) -> int:
@@ -66,7 +69,10 @@ class RedisStore:
         import redis.asyncio as aioredis  # the router extra: only a Redis index needs it
         from redis import exceptions
 
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+        # No socket_timeout: redis-py then writes under asyncio.wait_for, which on Python 3.11
+        # can swallow a task's cancellation (a router that never stops); each call here has
+        # its own deadline instead (_reachable).
+        self.redis = aioredis.Redis.from_url(url, socket_connect_timeout=5)
         self.url = url
         self._down = (exceptions.ConnectionError, exceptions.TimeoutError)
         self.lease_ms = int(lease_s * 1000)
@@ -84,17 +90,19 @@ class RedisStore:
         self.space: KeySpace | None = None
         self.width = 0
 
-    @contextmanager
-    def _reachable(self) -> Iterator[None]:
+    @asynccontextmanager
+    async def _reachable(self) -> AsyncIterator[None]:
+        """Redis calls within ``CALL_TIMEOUT_S``, their failures as ``IndexUnavailable``."""
         try:
-            yield
-        except self._down as exc:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                yield
+        except (*self._down, TimeoutError) as exc:
             raise IndexUnavailable(
                 f"the index store (redis) cannot be reached: {type(exc).__name__}: {exc}"
             ) from None
 
     async def _run(self, script: str, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
-        with self._reachable():
+        async with self._reachable():
             return await self._lua[script](keys=list(keys), args=list(args))
 
     def _key(self, sidecar: str) -> bytes:
@@ -110,7 +118,7 @@ class RedisStore:
         return self.space
 
     async def check(self) -> bool:
-        with self._reachable():  # also before any sidecar: readiness says Redis answers
+        async with self._reachable():  # also before any sidecar: readiness says Redis answers
             epoch = await self.redis.hget(self.meta, "epoch")
         if self.space is None or epoch == self.epoch:
             return True
@@ -118,7 +126,7 @@ class RedisStore:
         return False
 
     async def cursor(self, sidecar: str) -> Cursor | None:
-        with self._reachable():
+        async with self._reachable():
             slot, generation, last = await self.redis.hmget(
                 self._key(sidecar), "slot", "generation", "last_seq"
             )
@@ -189,7 +197,7 @@ class RedisStore:
 
     async def lookup(self, sidecars: Sequence[str], keys: Sequence[bytes], walk: Walk) -> None:
         blocks = [self.block_prefix + k for k in keys]
-        with self._reachable():
+        async with self._reachable():
             fields = b"$4\r\nslot\r\n$10\r\ngeneration\r\n$8\r\nlast_seq\r\n"
             packed = b"".join(
                 b"*5\r\n$5\r\nHMGET\r\n%s%s" % (_bulk(self._key(s)), fields) for s in sidecars
@@ -246,7 +254,7 @@ class RedisStore:
         then free those slots; returns how many block keys changed. One router sweeps at a
         time (a lock key); the others return 0 meanwhile."""
         token = secrets.token_hex(8)
-        with self._reachable():
+        async with self._reachable():
             if not await self.redis.set(self.lock, token, nx=True, px=10 * self.lease_ms):
                 return 0
         try:
@@ -259,27 +267,20 @@ class RedisStore:
             for slot in dead:
                 for bit in range(slot * self.width, (slot + 1) * self.width):
                     keep[bit // 8] &= ~(1 << (bit % 8))
-            changed = 0
-            with self._reachable():
-                async for batch in self._scan():
+            changed, cursor = 0, None
+            while cursor != 0:
+                async with self._reachable():
+                    cursor, batch = await self.redis.scan(
+                        cursor or 0, match=self.block_prefix + b"*", count=SWEEP_CHUNK
+                    )
+                if batch:
                     changed += await self._run("SWEEP_KEYS", batch, [bytes(keep)])
             await self._run("SWEEP_END", [self.slots, self.free], dead)
             return changed
         finally:
-            with self._reachable():
+            async with self._reachable():
                 if await self.redis.get(self.lock) == token.encode():
                     await self.redis.delete(self.lock)
-
-    async def _scan(self) -> Any:
-        """Batches of block keys (``SCAN``: every key present throughout is seen)."""
-        batch: list[bytes] = []
-        async for key in self.redis.scan_iter(match=self.block_prefix + b"*", count=SWEEP_CHUNK):
-            batch.append(key)
-            if len(batch) == SWEEP_CHUNK:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -102,6 +102,7 @@ class Router:
         self.sweep_s = sweep_s
         self.metrics = RouterMetrics(self.statuses)
         self.store_error: str | None = None
+        self.stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         for f in self.followers:
             f.on_events = lambda _, n: self.metrics.events.inc(n)
@@ -117,6 +118,11 @@ class Router:
         self._tasks.append(asyncio.create_task(self._upkeep()))
 
     async def stop(self) -> None:
+        """Cancel the loops; each also checks ``stopping`` at every turn, so a library that
+        swallows a cancellation (Python 3.11's ``wait_for`` can) does not keep it running."""
+        self.stopping = True
+        for f in self.followers:
+            f.stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -126,7 +132,7 @@ class Router:
 
     async def _upkeep(self) -> None:
         last_sweep = monotonic()
-        while True:
+        while not self.stopping:
             await asyncio.sleep(self.upkeep_s)
             try:
                 if not await self.store.check():
