@@ -69,9 +69,9 @@ class RedisStore:
         import redis.asyncio as aioredis  # the router extra: only a Redis index needs it
         from redis import exceptions
 
-        # No socket_timeout: redis-py then writes under asyncio.wait_for, which on Python 3.11
-        # can swallow a task's cancellation (a router that never stops); each call here has
-        # its own deadline instead (_reachable).
+        # Each call has its deadline in _reachable (asyncio.timeout), the sweep's SCAN pages
+        # included, rather than a socket_timeout: one place that turns every Redis failure
+        # and stall into IndexUnavailable.
         self.redis = aioredis.Redis.from_url(url, socket_connect_timeout=5)
         self.url = url
         self._down = (exceptions.ConnectionError, exceptions.TimeoutError)
