@@ -146,10 +146,10 @@ def following(url: str, names: tuple[str, ...] = NAMES) -> bool:
 def test_requests_go_to_the_longest_hit(
     fleet: Fleet, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """a, b and c hold 10, 5 and 2 blocks of one document; a router on Redis and one in
-    process rank them alike, exactly; an event (c caching all of it) is visible at once;
-    a sidecar of another model is refused; a salted tenant's prefix scores only for its
-    salt; ``kvcm route`` and both clients give the same answer."""
+    """a, b and c hold 10, 5 and 2 blocks of one document; two routers on one Redis index
+    and one in process rank them alike, exactly; an event (c caching all of it) shows in
+    all three; a sidecar of another model is refused; a salted tenant's prefix scores only
+    for its salt; ``kvcm route`` and both clients give the same answer."""
     doc = list(range(1000, 1064))  # 16 blocks
     for name, n in (("a", 40), ("b", 20), ("c", 8)):
         fleet.cache(name, doc[:n], f"doc-{name}")
@@ -165,9 +165,14 @@ def test_requests_go_to_the_longest_hit(
             sidecars={**fleet.urls, "x": other_url},
         ) as (url, _, _),
         router_process(fleet) as (local, _, lines),
+        router_process(fleet, "--redis-url", redis_server.url, "--namespace", "longest") as (
+            replica,
+            _,
+            _,
+        ),
     ):
         assert "index in process" in lines[0]
-        for where in (url, local):
+        for where in (url, local, replica):
             wait_for(lambda: following(where), "the sidecars followed")  # noqa: B023
         refused = wait_for(lambda: (x := statuses(url)["x"]).state == "refused" and x, "x")
         assert "has 8 tokens per block; this router scores 4" in str(refused.error)
@@ -184,7 +189,8 @@ def test_requests_go_to_the_longest_hit(
         wait_for(lambda: statuses(url)["a"].free_blocks is not None, "stats")
         top = RouterClient(url).route(doc).scores[0]
         assert (top.running_requests, top.free_blocks) == (0, 127)  # 128 slots, 1 null page
-        assert RouterClient(local).route(doc).scores == RouterClient(url).route(doc).scores
+        for other in (local, replica):  # one in process, one sharing the Redis index
+            assert RouterClient(other).route(doc).scores == RouterClient(url).route(doc).scores
         metrics = httpx.get(f"{url}/metrics").text
         assert 'kvcm_router_sidecars{state="following"} 3.0' in metrics
         assert 'kvcm_router_sidecars{state="refused"} 1.0' in metrics
@@ -192,7 +198,7 @@ def test_requests_go_to_the_longest_hit(
 
         fleet.cache("c", doc, "doc-c-all")
         want = {"a": 10, "b": 5, "c": 15}
-        for where in (url, local):
+        for where in (url, local, replica):
             wait_for(lambda: hits(where, doc) == want, "c's new blocks")  # noqa: B023
 
         salted = list(range(5000, 5024))  # 6 blocks, 5 reusable
