@@ -11,37 +11,29 @@ routes need no token; bind to loopback (the default) or a private network.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from kvcm_client.errors import (
     IndexUnavailable,
-    InternalError,
-    KVCMError,
-    MethodNotAllowed,
     NoModel,
-    NotFound,
     invalid_from_validation,
 )
 from kvcm_client.models import Health
 from kvcm_client.routing import RouteRequest, RouteResult, Sidecars
 
 from ..server import openapi
+from ..server.errors import JSON, install_error_handlers
 from ..server.middleware import BodyLimit
 from .service import Router
 
 log = logging.getLogger("kvcm.router")
 
-_JSON = "application/json"
 #: Room for a prompt of about 500k tokens of 6-digit ids.
 DEFAULT_BODY_LIMIT = 4 << 20
 #: Bodies larger than this are parsed in a worker thread (as the sidecar's).
@@ -51,7 +43,7 @@ _NOT_READY = {
     503: {
         "description": "Not ready: the index store cannot be reached (status `not_ready`), "
         "or no sidecar told the router its model yet (status `no_model`)",
-        "content": {_JSON: {"schema": {"$ref": "#/components/schemas/Health"}}},
+        "content": {JSON: {"schema": {"$ref": "#/components/schemas/Health"}}},
     }
 }
 _NO_MODEL_NOTE = (
@@ -79,12 +71,7 @@ def _parse(data: bytes) -> RouteRequest:
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json().encode(), status_code=status, media_type=_JSON)
-
-
-def _error(exc: KVCMError) -> Response:
-    body = json.dumps(exc.to_dict(), default=str).encode()
-    return Response(body, status_code=exc.status, media_type=_JSON)
+    return Response(model.model_dump_json().encode(), status_code=status, media_type=JSON)
 
 
 def create_router_app(router: Router, *, max_body_bytes: int = DEFAULT_BODY_LIMIT) -> FastAPI:
@@ -140,37 +127,7 @@ def create_router_app(router: Router, *, max_body_bytes: int = DEFAULT_BODY_LIMI
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.exception_handler(KVCMError)
-    async def kvcm_error(_: Request, exc: KVCMError) -> Response:
-        return _error(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        return _error(invalid_from_validation(list(exc.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code == 404:
-            return _error(NotFound(f"no route {request.url.path}"))
-        if exc.status_code == 405:
-            answer = _error(
-                MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
-            )
-            answer.headers.update(exc.headers or {})  # Allow: the methods the path takes
-            return answer
-        err = KVCMError(str(exc.detail))
-        err.status = exc.status_code  # type: ignore[misc]
-        return _error(err)
-
-    @app.exception_handler(ClientDisconnect)
-    async def gone(request: Request, _: ClientDisconnect) -> Response:
-        log.debug("client left during %s %s", request.method, request.url.path)
-        return Response(status_code=400)
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> Response:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return _error(InternalError(f"internal error: {type(exc).__name__}"))
+    install_error_handlers(app, log)
 
     openapi.install(app, {"/v1/route": RouteRequest}, auth_required=False, routes=ROUTES)
     app.add_middleware(BodyLimit, limit=lambda: max_body_bytes)

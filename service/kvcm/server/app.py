@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
-import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -32,18 +31,11 @@ from time import perf_counter
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from kvcm_client.errors import (
-    InternalError,
     InvalidArgument,
-    KVCMError,
-    MethodNotAllowed,
-    NotFound,
     SequenceTooLong,
     Unauthorized,
     invalid_from_validation,
@@ -91,6 +83,7 @@ from kvcm_client.models import (
 
 from ..manager import KVCacheManager, resolve_device
 from . import openapi
+from .errors import JSON, install_error_handlers
 from .middleware import BodyLimit, CountResponses, Generation
 from .state import ServiceState
 from .step_channel import StepChannel
@@ -98,7 +91,6 @@ from .step_channel import StepChannel
 log = logging.getLogger("kvcm.server")
 
 SESSION_HEADER = "x-kvcm-session"
-_JSON = "application/json"
 
 
 #: Bodies larger than this are parsed in a worker thread, not on the event loop.
@@ -118,12 +110,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json().encode(), status_code=status, media_type=_JSON)
-
-
-def _error_response(exc: KVCMError) -> Response:
-    body = json.dumps(exc.to_dict(), default=str).encode()
-    return Response(body, status_code=exc.status, media_type=_JSON)
+    return Response(model.model_dump_json().encode(), status_code=status, media_type=JSON)
 
 
 def create_app(
@@ -272,7 +259,7 @@ def create_app(
                 answer = call(parsed, session)
                 latency.observe(perf_counter() - start)
                 state.notify_events()
-                return Response(answer, media_type=_JSON)
+                return Response(answer, media_type=JSON)
             result = call(parsed, session)
             latency.observe(perf_counter() - start)
             state.notify_events()
@@ -582,38 +569,7 @@ def create_app(
 
     # -- errors --------------------------------------------------------------------------------
 
-    @app.exception_handler(KVCMError)
-    async def kvcm_error(_: Request, exc: KVCMError) -> Response:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        return _error_response(invalid_from_validation(list(exc.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code == 404:
-            return _error_response(NotFound(f"no route {request.url.path}"))
-        if exc.status_code == 405:
-            answer = _error_response(
-                MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
-            )
-            answer.headers.update(exc.headers or {})  # Allow: the methods the path takes
-            return answer
-        err = KVCMError(str(exc.detail))
-        err.status = exc.status_code  # type: ignore[misc]
-        return _error_response(err)
-
-    @app.exception_handler(ClientDisconnect)
-    async def gone(request: Request, _: ClientDisconnect) -> Response:
-        # The client went away (or was cut off mid-body): nobody reads this, and it is no bug.
-        log.debug("client left during %s %s", request.method, request.url.path)
-        return Response(status_code=400)
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> Response:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return _error_response(InternalError(f"internal error: {type(exc).__name__}"))
+    install_error_handlers(app, log)
 
     openapi.install(app, bodies, auth_required=token is not None)
     app.add_middleware(BodyLimit, limit=body_limit)
