@@ -23,7 +23,7 @@ from kvcm.router.redis_store import RedisStore, mask_of
 from kvcm.router.scorer import Walk
 from kvcm.router.service import Router
 from kvcm.router.store import DEVICE, HOST, Applied, Cursor, Group, IndexStore, Op
-from kvcm_client.errors import IndexUnavailable, ModelMismatch
+from kvcm_client.errors import IndexUnavailable, ModelMismatch, ServiceUnavailable
 from kvcm_client.routing import RouteRequest
 
 FULL = KeySpace(4, (GroupRule(None, 0, True),))
@@ -161,7 +161,7 @@ def test_redis_drops_sidecars_whose_lease_ran_out(redis_server: RedisServer) -> 
         await s.replace("a", "g", 0, [Group(0, DEVICE, K[0:2])])
         b = await s.replace("b", "g", 0, [Group(0, DEVICE, [K[1]])])
         await asyncio.sleep(0.5)
-        await s.renew({"b": b})
+        assert await s.renew(["b", "z"]) == ["z"]  # z: no cursor, its follower must load
         assert await s.sweep() == 2
         assert await contents(s) == {K[1]: 0b100}
         assert await s.cursor("a") is None and await s.cursor("b") == b
@@ -418,3 +418,128 @@ def test_the_router_loads_no_torch() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.split() == ["False", "False"]
+
+
+# -- leases, sweeps and replicas: interleavings, driven step by step ------------------------------
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 4.0) -> None:
+    """Wait (yielding to the loop) until ``check`` holds; fails with ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.02)
+
+
+def _prompt_in(m: KVCacheManager) -> list[int]:
+    prompt = list(range(100, 117))
+    m.allocate("p", 17, token_ids=prompt)
+    m.commit("p", prompt)
+    return prompt
+
+
+async def _scored(router: Router, prompt: list[int]) -> dict[str, int]:
+    result = await router.route(RouteRequest(token_ids=prompt))
+    return {s.sidecar: s.hit_blocks for s in result.scores}
+
+
+def test_a_replica_renews_the_slot_another_replica_loaded(redis_server: RedisServer) -> None:
+    """Two routers follow an idle sidecar; B loads it again (its cursor moves to B's slot
+    while A's follower still holds the old one), then B stops. A's lease renewals go to the
+    store cursor's slot, by name, so the sidecar stays scored past the lease."""
+
+    async def body() -> None:
+        m = manager([layer(0)], num_blocks=32)
+        prompt = _prompt_in(m)
+        routers = []
+        for _ in range(2):
+            store = RedisStore(redis_server.url, "replicas", lease_s=0.3)
+            gate = ModelGate()
+            f = Follower("a", "a", ManagerSource(m), store, gate)
+            routers.append(Router(store, gate, [f]))
+        (ra, fa), (rb, fb) = ((r, r.followers[0]) for r in routers)
+        await sync(fa, m)
+        fb.resync()  # e.g. lost events: B loads a snapshot of its own
+        await sync(fb, m)
+        assert (fa.cursor.slot, fb.cursor.slot) == (0, 1) and fa.state == fb.state == "following"
+        await rb.store.close()  # B stops
+        for _ in range(8):  # 0.8 s: past the lease, the sidecar idle
+            await asyncio.sleep(0.1)
+            await fa.ingest(m.events(fa.cursor.last_seq))
+            await ra.upkeep(sweep=True)
+        assert fa.state == "following"
+        assert await ra.store.cursor("a") == Cursor(1, m.generation, fb.cursor.last_seq)
+        assert await _scored(ra, prompt) == {"a": 4}
+        await ra.store.close()
+
+    run(body)
+
+
+class FlakySource(ManagerSource):
+    """A sidecar that can be made unreachable; its long-poll waits a little when idle."""
+
+    down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise ServiceUnavailable("the sidecar cannot be reached")
+
+    async def model(self) -> Any:
+        self._check()
+        return await super().model()
+
+    async def index_snapshot(self) -> Any:
+        self._check()
+        return await super().index_snapshot()
+
+    async def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> Any:
+        await asyncio.sleep(0.02)
+        self._check()
+        return await super().events(after, limit, timeout_s)
+
+    async def stats(self) -> Any:
+        self._check()
+        return await super().stats()
+
+
+def test_a_sidecar_back_after_its_lease_ran_out_is_loaded_again(
+    redis_server: RedisServer,
+) -> None:
+    """A sidecar unreachable for longer than the lease is swept from the index; when it
+    comes back in the same generation, idle, the router loads it again (the renewal finds
+    no live cursor) rather than showing it following and never scoring it."""
+
+    async def body() -> None:
+        m = manager([layer(0)], num_blocks=32)
+        prompt = _prompt_in(m)
+        store = RedisStore(redis_server.url, "outage", lease_s=0.3)
+        gate = ModelGate()
+        source = FlakySource(m)
+        f = Follower("a", "a", source, store, gate, poll_s=0.05, retry_s=0.02)
+        router = Router(store, gate, [f], upkeep_s=0.05, sweep_s=0.05)
+        await router.start()
+        try:
+
+            async def scored() -> bool:
+                return await _scored(router, prompt) == {"a": 4}
+
+            await eventually(lambda: _true(f.state == "following"), "a followed")
+            await eventually(scored, "a scored")
+            source.down = True
+            await eventually(lambda: _true(f.state == "unreachable"), "a unreachable")
+            await eventually(lambda: _none(store.cursor("a")), "a's lease ran out")
+            source.down = False
+            await eventually(scored, "a scored again")
+            assert f.state == "following" and f.snapshots == 2
+        finally:
+            await router.stop()
+
+    run(body)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _none(value: Awaitable[Any]) -> bool:
+    return await value is None

@@ -119,8 +119,10 @@ class MemoryStore:
     async def check(self) -> bool:
         return True
 
-    async def renew(self, following: dict[str, Cursor]) -> None:
-        """Nothing to renew: the process's own sidecars are the only ones."""
+    async def renew(self, sidecars: Sequence[str]) -> list[str]:
+        """No leases (the process's own sidecars are the only ones): only those it holds
+        nothing of are missing."""
+        return [s for s in sidecars if s not in self.cursors]
 
     async def sweep(self) -> int:
         """Nothing to sweep: a replaced slot's entries are dropped at once."""

@@ -146,20 +146,25 @@ redis.call('HSET', KEYS[1], 'last_seq', last)
 return {'ok', last}
 """
 
-#: KEYS: slots. ARGV: lease ms, then (slot, sidecar) pairs. Renews the leases of the slots
-#: that are still those sidecars' live slots.
+#: KEYS: slots. ARGV: lease ms, the cursor key prefix (``ns:sc:``), then sidecars. Renews
+#: the lease of the live slot each sidecar's stored cursor points at, whichever router loaded
+#: it; returns the sidecars with no live cursor (swept after a lapsed lease, or never loaded):
+#: their followers must load again.
 RENEW = (
     _NOW
     + """
-for i = 2, #ARGV, 2 do
-  local rec = redis.call('HGET', KEYS[1], ARGV[i]) or ''
+local missing = {}
+for i = 3, #ARGV do
+  local slot = redis.call('HGET', ARGV[2] .. ARGV[i], 'slot')
+  local rec = slot and redis.call('HGET', KEYS[1], slot) or ''
   local head = string.match(rec, '^live %d+ ')
-  if head and rec == head .. ARGV[i + 1] then
-    redis.call('HSET', KEYS[1], ARGV[i],
-      'live ' .. (now + tonumber(ARGV[1])) .. ' ' .. ARGV[i + 1])
+  if head and rec == head .. ARGV[i] then
+    redis.call('HSET', KEYS[1], slot, 'live ' .. (now + tonumber(ARGV[1])) .. ' ' .. ARGV[i])
+  else
+    table.insert(missing, ARGV[i])
   end
 end
-return 0
+return missing
 """
 )
 

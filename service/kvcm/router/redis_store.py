@@ -241,13 +241,11 @@ class RedisStore:
         finally:
             await pool.release(conn)
 
-    async def renew(self, following: dict[str, Cursor]) -> None:
-        if not following:
-            return
-        args: list[Any] = [self.lease_ms]
-        for sidecar, cursor in following.items():
-            args += [cursor.slot, sidecar.encode()]
-        await self._run("RENEW", [self.slots], args)
+    async def renew(self, sidecars: Sequence[str]) -> list[str]:
+        if not sidecars:
+            return []
+        args: list[Any] = [self.lease_ms, self.cursor_prefix, *(s.encode() for s in sidecars)]
+        return [s.decode() for s in await self._run("RENEW", [self.slots], args)]
 
     async def sweep(self) -> int:
         """Clear the bits of dead slots (and of loads and sidecars whose lease ran out),

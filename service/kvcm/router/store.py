@@ -112,8 +112,10 @@ class IndexStore(Protocol):
         """False once, when the index was found emptied (a Redis restarted without its
         data): every sidecar must be loaded again."""
 
-    async def renew(self, following: dict[str, Cursor]) -> None:
-        """Periodic: the sidecars followed now are still wanted (their leases)."""
+    async def renew(self, sidecars: Sequence[str]) -> list[str]:
+        """Periodic: the sidecars followed now are still wanted (the leases of whatever slots
+        their stored cursors point at). Returns those the store has no live cursor of: their
+        followers must load again."""
 
     async def sweep(self) -> int:
         """Periodic: clear what dropped slots left and reuse the slots; returns how many
