@@ -23,7 +23,12 @@ from kvcm.router.redis_store import RedisStore, mask_of
 from kvcm.router.scorer import Walk
 from kvcm.router.service import Router
 from kvcm.router.store import DEVICE, HOST, Applied, Cursor, Group, IndexStore, Op
-from kvcm_client.errors import IndexUnavailable, ModelMismatch, ServiceUnavailable
+from kvcm_client.errors import (
+    IndexUnavailable,
+    ModelMismatch,
+    ServiceUnavailable,
+    StaleGeneration,
+)
 from kvcm_client.routing import RouteRequest
 
 FULL = KeySpace(4, (GroupRule(None, 0, True),))
@@ -543,3 +548,63 @@ async def _true(value: bool) -> bool:
 
 async def _none(value: Awaitable[Any]) -> bool:
     return await value is None
+
+
+class PinnedSource(ManagerSource):
+    """A client pinned to the generation it first saw (``AsyncKVCacheClient``): any call
+    answered by another generation raises ``StaleGeneration`` until ``reconnect``."""
+
+    def __init__(self, m: KVCacheManager, pinned: str) -> None:
+        super().__init__(m)
+        self.pinned: str | None = pinned
+        self.calls = 0
+
+    def _pin(self, value: Any) -> Any:
+        self.calls += 1
+        if self.pinned is not None and self.pinned != self.m.generation:
+            raise StaleGeneration("the service restarted: call reconnect()")
+        self.pinned = self.m.generation
+        return value
+
+    async def model(self) -> Any:
+        await asyncio.sleep(0)  # a network call: the loop gets a turn
+        return self._pin(await super().model())
+
+    async def index_snapshot(self) -> Any:
+        return self._pin(await super().index_snapshot())
+
+    async def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> Any:
+        await asyncio.sleep(0.02)
+        return self._pin(await super().events(after, limit, timeout_s))
+
+    def reconnect(self) -> None:
+        self.pinned = None
+
+
+def test_a_router_resuming_a_sidecar_that_restarted_loads_it(make: Make) -> None:
+    """The store has a cursor of the sidecar's old generation and the router's client is
+    pinned to it (by its stats poller), but the sidecar restarted: the follower unpins and
+    loads a snapshot of the new generation instead of retrying the resume forever."""
+
+    async def body() -> None:
+        store = make()
+        gate = ModelGate()
+        m = manager([layer(0)], num_blocks=32)
+        prompt = _prompt_in(m)
+        await gate.admit("a", m.model(), store.bind)
+        await store.replace("a", "old-generation", 9, [])
+        source = PinnedSource(m, "old-generation")
+        f = Follower("a", "a", source, store, gate, poll_s=0.05, retry_s=0.02)
+        router = Router(store, gate, [f])
+        task = asyncio.create_task(f._follow())
+        try:
+            await eventually(lambda: _true(f.snapshots > 0 or source.calls > 200), "a load")
+        finally:
+            f.stopping = True
+            await task
+        assert f.snapshots == 1 and source.calls < 200
+        assert f.state == "following" and f.cursor.generation == m.generation
+        assert await _scored(router, prompt) == {"a": 4}
+        await store.close()
+
+    run(body)

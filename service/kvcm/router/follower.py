@@ -144,7 +144,7 @@ class Follower:
                 backoff = self.retry_s
                 continue
             except StaleGeneration:  # the sidecar restarted: its old keys go at the load
-                self.needs_snapshot = True
+                self.needs_snapshot, self.resumable = True, False
                 continue
             except ModelMismatch as exc:
                 self._failed("refused", exc)
@@ -192,6 +192,7 @@ class Follower:
         still in that generation; else leave it to a snapshot."""
         cursor = await self.store.cursor(self.name)
         if cursor is not None:
+            self.source.reconnect()  # the stats poller may have pinned an older generation
             info = await self.source.model()
             if info.generation == cursor.generation:
                 await self.gate.admit(self.name, info, self.store.bind)
