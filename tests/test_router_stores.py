@@ -608,3 +608,77 @@ def test_a_router_resuming_a_sidecar_that_restarted_loads_it(make: Make) -> None
         await store.close()
 
     run(body)
+
+
+def _before_first_scan(s: RedisStore, meanwhile: Callable[[], Awaitable[None]]) -> None:
+    """Run ``meanwhile`` when ``s``'s sweep has read its dead slots, before its first scan."""
+    scan = s.redis.scan
+    ran = False
+
+    async def hooked(*args: Any, **kw: Any) -> Any:
+        nonlocal ran
+        if not ran:
+            ran = True
+            await meanwhile()
+        return await scan(*args, **kw)
+
+    s.redis.scan = hooked  # type: ignore[method-assign]
+
+
+def test_a_sweep_spares_a_new_load_in_a_slot_redis_lost_mid_sweep(
+    redis_server: RedisServer,
+) -> None:
+    """Redis restarts empty while a sweep that read slot 0 as dead runs; a follower loads
+    into slot 0 again (the counter starts over): the sweep leaves that load's bits alone."""
+
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "flushed")
+        other = RedisStore(redis_server.url, "flushed")
+        await s.bind(FULL)
+        await other.bind(FULL)
+        await s.replace("a", "g1", 0, [Group(0, DEVICE, [K[0]])])
+        await s.replace("a", "g2", 0, [Group(0, DEVICE, [K[1]])])  # slot 0 dead, 1 a's
+
+        async def flush_and_load() -> None:
+            await s.redis.flushdb()
+            assert not await other.check()
+            assert await other.replace("b", "g", 0, [Group(0, DEVICE, K[0:2])]) == Cursor(0, "g", 0)
+
+        _before_first_scan(s, flush_and_load)
+        assert await s.sweep() == 0
+        assert await contents(s) == {K[0]: 0b1, K[1]: 0b1}
+        assert await s.redis.get(s.lock) is None
+        await s.close()
+        await other.close()
+
+    run(body)
+
+
+def test_a_sweep_whose_lock_ran_out_mid_scan_stops(redis_server: RedisServer) -> None:
+    """A sweep's lock runs out while it scans; another router sweeps, frees slot 0, and a
+    new load takes it: the first sweep clears nothing of it and frees nothing, and does not
+    release the lock another router holds now."""
+
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "lock")
+        other = RedisStore(redis_server.url, "lock")
+        await s.bind(FULL)
+        await other.bind(FULL)
+        await s.replace("a", "g1", 0, [Group(0, DEVICE, [K[0]])])
+        await s.replace("a", "g2", 0, [Group(0, DEVICE, [K[1]])])  # slot 0 dead, 1 a's
+
+        async def expire_sweep_and_load() -> None:
+            await s.redis.delete(s.lock)  # ran out
+            assert await other.sweep() == 1  # slot 0 cleared and freed
+            assert await other.replace("b", "g", 0, [Group(0, DEVICE, K[0:2])]) == Cursor(0, "g", 0)
+            await s.redis.set(s.lock, b"a third router's")
+
+        _before_first_scan(s, expire_sweep_and_load)
+        assert await s.sweep() == 0
+        assert await contents(s) == {K[0]: 0b1, K[1]: 0b101}  # b's slot 0, a's slot 1
+        assert await s.redis.get(s.lock) == b"a third router's"
+        assert await s.redis.hget(s.slots, "0") is not None  # b's slot, not freed
+        await s.close()
+        await other.close()
+
+    run(body)

@@ -25,6 +25,7 @@ SCRIPTS = (
     "SWEEP_BEGIN",
     "SWEEP_KEYS",
     "SWEEP_END",
+    "UNLOCK",
 )
 
 _NOW = """
@@ -194,19 +195,47 @@ return dead
 """
 )
 
-#: KEYS: block keys. ARGV: the mask to keep, as bytes (the dead slots' bits clear). Clears
-#: those bits, trims trailing zero bytes, deletes masks left empty; returns how many keys
-#: changed.
-SWEEP_KEYS = """
-local keep = ARGV[1]
+#: Sweep scripts first check that this router still holds the sweep lock (``ns:sweeping``,
+#: its token): one whose lock ran out mid-scan, or whose Redis restarted empty, stops.
+_LOCKED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return -1
+end
+"""
+
+#: KEYS: the lock, slots, then block keys. ARGV: lock token, lock ms, the slot width (bits),
+#: then the dead slots of ``SWEEP_BEGIN``. Extends the lock; clears the bits of those slots
+#: that are still dead now (one freed and claimed again since, by a new load, keeps its bits),
+#: trims trailing zero bytes, deletes masks left empty; returns how many keys changed, or -1
+#: (nothing done) when the lock is not this sweep's.
+SWEEP_KEYS = (
+    _LOCKED
+    + """
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local width = tonumber(ARGV[3])
+local keep = {}
+for i = 4, #ARGV do
+  local rec = redis.call('HGET', KEYS[2], ARGV[i])
+  if rec and string.sub(rec, 1, 5) == 'dead ' then
+    local slot = tonumber(ARGV[i])
+    for b = slot * width, (slot + 1) * width - 1 do
+      local p = math.floor(b / 8) + 1
+      for q = #keep + 1, p do
+        keep[q] = 255
+      end
+      keep[p] = bit.band(keep[p], bit.bnot(bit.lshift(1, b % 8)))
+    end
+  end
+end
 local changed = 0
-for _, key in ipairs(KEYS) do
+for n = 3, #KEYS do
+  local key = KEYS[n]
   local v = redis.call('GET', key)
   if v then
     local bytes = {string.byte(v, 1, #v)}
     local dirty = false
     for p = 1, math.min(#v, #keep) do
-      local b = bit.band(bytes[p], string.byte(keep, p))
+      local b = bit.band(bytes[p], keep[p])
       if b ~= bytes[p] then
         bytes[p] = b
         dirty = true
@@ -228,15 +257,28 @@ for _, key in ipairs(KEYS) do
 end
 return changed
 """
+)
 
-#: KEYS: slots, free. ARGV: slots swept. Frees those still dead.
-SWEEP_END = """
-for i = 1, #ARGV do
-  local rec = redis.call('HGET', KEYS[1], ARGV[i])
+#: KEYS: the lock, slots, free. ARGV: lock token, then the slots swept. Frees those still
+#: dead; -1 (nothing freed) when the lock is not this sweep's.
+SWEEP_END = (
+    _LOCKED
+    + """
+for i = 2, #ARGV do
+  local rec = redis.call('HGET', KEYS[2], ARGV[i])
   if rec and string.sub(rec, 1, 5) == 'dead ' then
-    redis.call('HDEL', KEYS[1], ARGV[i])
-    redis.call('ZADD', KEYS[2], ARGV[i], ARGV[i])
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    redis.call('ZADD', KEYS[3], ARGV[i], ARGV[i])
   end
+end
+return 0
+"""
+)
+
+#: KEYS: the lock. ARGV: lock token. Releases the lock if it is still this sweep's.
+UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
 end
 return 0
 """

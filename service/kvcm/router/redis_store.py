@@ -250,10 +250,13 @@ class RedisStore:
     async def sweep(self) -> int:
         """Clear the bits of dead slots (and of loads and sidecars whose lease ran out),
         then free those slots; returns how many block keys changed. One router sweeps at a
-        time (a lock key); the others return 0 meanwhile."""
+        time (a lock key, extended at every batch); the others return 0 meanwhile. Each
+        batch clears only slots still dead then, and only while the lock is this sweep's: a
+        sweep that lost its lock (it ran out mid-scan, or Redis restarted empty) stops."""
         token = secrets.token_hex(8)
+        lock_ms = 10 * self.lease_ms
         async with self._reachable():
-            if not await self.redis.set(self.lock, token, nx=True, px=10 * self.lease_ms):
+            if not await self.redis.set(self.lock, token, nx=True, px=lock_ms):
                 return 0
         try:
             dead = [
@@ -261,10 +264,6 @@ class RedisStore:
             ]
             if not dead:
                 return 0
-            keep = bytearray(b"\xff" * (((max(dead) + 1) * self.width + 7) // 8))
-            for slot in dead:
-                for bit in range(slot * self.width, (slot + 1) * self.width):
-                    keep[bit // 8] &= ~(1 << (bit % 8))
             changed, cursor = 0, None
             while cursor != 0:
                 async with self._reachable():
@@ -272,13 +271,18 @@ class RedisStore:
                         cursor or 0, match=self.block_prefix + b"*", count=SWEEP_CHUNK
                     )
                 if batch:
-                    changed += await self._run("SWEEP_KEYS", batch, [bytes(keep)])
-            await self._run("SWEEP_END", [self.slots, self.free], dead)
+                    done = await self._run(
+                        "SWEEP_KEYS",
+                        [self.lock, self.slots, *batch],
+                        [token, lock_ms, self.width, *dead],
+                    )
+                    if done < 0:
+                        return changed
+                    changed += done
+            await self._run("SWEEP_END", [self.lock, self.slots, self.free], [token, *dead])
             return changed
         finally:
-            async with self._reachable():
-                if await self.redis.get(self.lock) == token.encode():
-                    await self.redis.delete(self.lock)
+            await self._run("UNLOCK", [self.lock], [token])
 
     async def close(self) -> None:
         await self.redis.aclose()
