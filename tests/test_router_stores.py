@@ -682,3 +682,37 @@ def test_a_sweep_whose_lock_ran_out_mid_scan_stops(redis_server: RedisServer) ->
         await other.close()
 
     run(body)
+
+
+def test_a_late_all_blocks_cleared_never_moves_the_cursor_back(make: Make) -> None:
+    """Replicas follow one sidecar. B applies an ``all_blocks_cleared`` and the events after
+    it; A, late, applies the clear: it is refused (the stored cursor moved on), so the
+    cursor does not go back to the clear (dropping B's later blocks), and A goes on from the
+    store's. Then the sidecar is loaded in another generation: a lagging replica's clear of
+    the old one changes nothing."""
+
+    async def body() -> None:
+        store = make()
+        gate = ModelGate()
+        m = manager([layer(0)], num_blocks=32)
+        fa, fb, fc = (Follower("a", "a", ManagerSource(m), store, gate) for _ in range(3))
+        await sync(fa, m)
+        for f in (fb, fc):  # replicas that resumed from fa's load
+            f.cursor, f.admitted, f.needs_snapshot = fa.cursor, fa.admitted, False
+        m.reset_prefix_cache()  # an all_blocks_cleared at seq 1
+        prompt = _prompt_in(m)  # then blocks stored at seq 2
+        batch = m.events(0)
+        assert [e.kind for e in batch.events] == ["all_blocks_cleared", "block_stored"]
+        await fb.ingest(batch)
+        assert fb.cursor == Cursor(1, m.generation, 2)
+        await fa.ingest(m.events(0, 1))  # A, late: the clear alone
+        assert await store.cursor("a") == fb.cursor == fa.cursor
+        router = Router(store, gate, [fa])
+        assert await _scored(router, prompt) == {"a": 4}
+
+        newer = await store.replace("a", "g2", 5, [Group(0, DEVICE, [K[0]])])
+        await fc.ingest(m.events(0))  # a lagging replica: the old generation's clear, refused
+        assert await store.cursor("a") == newer == fc.cursor
+        await store.close()
+
+    run(body)

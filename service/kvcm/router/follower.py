@@ -216,9 +216,11 @@ class Follower:
                     raise StaleGeneration("the sidecar changed generation during the load")
                 await self.gate.admit(self.name, info, self.store.bind)
                 self.admitted = snapshot.generation
-            self.cursor = await self.store.replace(
+            cursor = await self.store.replace(
                 self.name, snapshot.generation, snapshot.last_seq, groups_of(snapshot)
             )
+            assert cursor is not None  # a load expects no cursor: never refused
+            self.cursor = cursor
         except BaseException:
             self.needs_snapshot = True
             raise
@@ -267,7 +269,17 @@ class Follower:
             if not await self._apply(segment):
                 return
             segment = []
-            self.cursor = await self.store.replace(self.name, self.cursor.generation, item, [])
+            cleared = await self.store.replace(
+                self.name, self.cursor.generation, item, [], expect=self.cursor
+            )
+            if cleared is None:  # another router moved the cursor: go on from the store's
+                stored = await self.store.cursor(self.name)
+                if stored is None:
+                    self.needs_snapshot = True
+                else:
+                    self.cursor = stored
+                return
+            self.cursor = cleared
         if await self._apply(segment) and self.on_events is not None:
             self.on_events(self.name, len(batch.events))
         if not self.needs_snapshot:

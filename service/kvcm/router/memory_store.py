@@ -66,8 +66,21 @@ class MemoryStore:
         held.update(dict.fromkeys(keys))
 
     async def replace(
-        self, sidecar: str, generation: str, last_seq: int, groups: Sequence[Group]
-    ) -> Cursor:
+        self,
+        sidecar: str,
+        generation: str,
+        last_seq: int,
+        groups: Sequence[Group],
+        expect: Cursor | None = None,
+    ) -> Cursor | None:
+        if expect is not None:
+            mine = self.cursors.get(sidecar)
+            if (
+                mine is None
+                or (mine.slot, mine.generation) != (expect.slot, expect.generation)
+                or mine.last_seq >= last_seq
+            ):
+                return None
         slot = self._claim()
         self.slot_keys[slot] = {}
         for g in groups:

@@ -86,10 +86,13 @@ return 1
 """
 )
 
-#: KEYS: slots, the sidecar's cursor. ARGV: slot, sidecar, generation, last_seq, lease ms.
-#: Makes a loaded slot the sidecar's and its previous slot dead (its bits stop counting now;
-#: ``SWEEP_KEYS`` clears them later). Returns the previous slot (-1: none), or -2 when the
-#: slot is no longer this sidecar's load.
+#: KEYS: slots, the sidecar's cursor. ARGV: slot, sidecar, generation, last_seq, lease ms,
+#: and for an ``all_blocks_cleared`` the cursor it follows (slot, generation). Makes a loaded
+#: slot the sidecar's and its previous slot dead (its bits stop counting now; ``SWEEP_KEYS``
+#: clears them later). Returns the previous slot (-1: none), -2 when the slot is no longer
+#: this sidecar's load, or -3 when the stored cursor is not the one the clear follows (another
+#: router moved it: another slot or generation, or already at or past the clear); the
+#: claimed slot is then dead.
 ACTIVATE = (
     _NOW
     + """
@@ -98,7 +101,13 @@ local head = string.match(rec, '^loading %d+ ')
 if not head or rec ~= head .. ARGV[2] then
   return -2
 end
-local old = redis.call('HGET', KEYS[2], 'slot')
+local cur = redis.call('HMGET', KEYS[2], 'slot', 'generation', 'last_seq')
+if ARGV[6] and (cur[1] ~= ARGV[6] or cur[2] ~= ARGV[7]
+    or tonumber(cur[3]) >= tonumber(ARGV[4])) then
+  redis.call('HSET', KEYS[1], ARGV[1], 'dead 0 ' .. ARGV[2])
+  return -3
+end
+local old = cur[1]
 if old and old ~= ARGV[1] and redis.call('HEXISTS', KEYS[1], old) == 1 then
   redis.call('HSET', KEYS[1], old, 'dead 0 ' .. ARGV[2])
 end

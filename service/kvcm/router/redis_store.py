@@ -135,8 +135,13 @@ class RedisStore:
         return Cursor(int(slot), generation.decode(), int(last))
 
     async def replace(
-        self, sidecar: str, generation: str, last_seq: int, groups: Sequence[Group]
-    ) -> Cursor:
+        self,
+        sidecar: str,
+        generation: str,
+        last_seq: int,
+        groups: Sequence[Group],
+        expect: Cursor | None = None,
+    ) -> Cursor | None:
         name = sidecar.encode()
         slot = await self._run(
             "CLAIM", [self.slots, self.free, self.next], [name, self.lease_ms, self.max_slots]
@@ -160,13 +165,14 @@ class RedisStore:
                 runs += [offset, len(part)]
         if runs:
             await self._write(slot, name, keys, runs)
-        old = await self._run(
-            "ACTIVATE",
-            [self.slots, self._key(sidecar)],
-            [slot, name, generation, last_seq, self.lease_ms],
-        )
+        args = [slot, name, generation, last_seq, self.lease_ms]
+        if expect is not None:
+            args += [expect.slot, expect.generation]
+        old = await self._run("ACTIVATE", [self.slots, self._key(sidecar)], args)
         if old == -2:
             raise IndexUnavailable(f"the load of {sidecar} outlived its lease and was dropped")
+        if old == -3:
+            return None
         return Cursor(slot, generation, last_seq)
 
     async def _write(self, slot: int, name: bytes, keys: list[bytes], runs: list[int]) -> None:
