@@ -716,3 +716,25 @@ def test_a_late_all_blocks_cleared_never_moves_the_cursor_back(make: Make) -> No
         await store.close()
 
     run(body)
+
+
+def test_a_claim_never_takes_a_slot_in_use(redis_server: RedisServer) -> None:
+    """With the slot counter lost (evicted), a load is refused rather than overwriting a
+    slot in use, and a retry goes on to a free one."""
+
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "evicted")
+        await s.bind(FULL)
+        a = await s.replace("a", "g", 0, [Group(0, DEVICE, [K[0]])])
+        await s.replace("b", "g", 0, [Group(0, DEVICE, [K[1]])])
+        await s.redis.delete(s.next)
+        for _ in range(2):  # slots 0 and 1 are a's and b's
+            with pytest.raises(IndexUnavailable, match="noeviction"):
+                await s.replace("c", "g", 0, [Group(0, DEVICE, [K[2]])])
+        assert await s.replace("c", "g", 0, [Group(0, DEVICE, [K[2]])]) == Cursor(2, "g", 0)
+        assert await s.cursor("a") == a
+        assert (await s.redis.hget(s.slots, "0")).startswith(b"live ")
+        assert await contents(s) == {K[0]: 0b1, K[1]: 0b100, K[2]: 0b1_0000}
+        await s.close()
+
+    run(body)

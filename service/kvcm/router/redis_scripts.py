@@ -42,7 +42,10 @@ return redis.call('HMGET', KEYS[1], 'epoch', 'space')
 """
 
 #: KEYS: slots, free, next. ARGV: sidecar, lease ms, max slots. A fresh slot in state
-#: ``loading`` (the lowest free one, else a new one); -1 when all ``max slots`` are taken.
+#: ``loading`` (the lowest free one, else a new one); -1 when all ``max slots`` are taken;
+#: -3 when the slot has a record already (``ns:next`` or ``ns:free`` was lost, e.g. evicted:
+#: the router's Redis needs ``maxmemory-policy noeviction``); that slot is then skipped, so a
+#: retry claims another.
 CLAIM = (
     _NOW
     + """
@@ -56,6 +59,9 @@ else
     redis.call('DECR', KEYS[3])
     return -1
   end
+end
+if redis.call('HEXISTS', KEYS[1], slot) == 1 then
+  return -3
 end
 redis.call('HSET', KEYS[1], slot, 'loading ' .. (now + tonumber(ARGV[2])) .. ' ' .. ARGV[1])
 return slot

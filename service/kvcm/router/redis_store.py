@@ -146,6 +146,11 @@ class RedisStore:
         slot = await self._run(
             "CLAIM", [self.slots, self.free, self.next], [name, self.lease_ms, self.max_slots]
         )
+        if slot == -3:
+            raise IndexUnavailable(
+                "the index's free-slot bookkeeping was lost (evicted? its Redis needs "
+                "maxmemory-policy noeviction): a slot in use was offered; retrying skips it"
+            )
         if slot < 0:
             raise IndexUnavailable(
                 f"every one of the index's {self.max_slots} slots is taken (sidecars and loads "
