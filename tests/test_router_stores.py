@@ -738,3 +738,20 @@ def test_a_claim_never_takes_a_slot_in_use(redis_server: RedisServer) -> None:
         await s.close()
 
     run(body)
+
+
+def test_upkeep_loads_again_only_followers_not_loading_already() -> None:
+    """A followed sidecar the store holds nothing of is loaded again, unless its follower is
+    loading it now (that load brings its cursor)."""
+
+    async def body() -> None:
+        store = MemoryStore()
+        gate = ModelGate()
+        followers = [Follower(n, n, ManagerSource(manager([layer(0)])), store, gate) for n in "ab"]
+        for f in followers:
+            f.cursor, f.state, f.needs_snapshot = Cursor(0, "g", 0), "following", False
+        followers[1].loading = True
+        await Router(store, gate, followers).upkeep()
+        assert [f.needs_snapshot for f in followers] == [True, False]
+
+    run(body)

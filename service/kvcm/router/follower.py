@@ -110,6 +110,7 @@ class Follower:
         self.admitted: str | None = None
         self.needs_snapshot = True
         self.resumable = True
+        self.loading = False
         self.free_blocks: int | None = None
         self.running_requests: int | None = None
         self.stopping = False
@@ -206,7 +207,7 @@ class Follower:
         is not lost: the flag is cleared first, and set again on any failure."""
         if self.state == "connecting":
             self.state = "syncing"
-        self.needs_snapshot = False
+        self.needs_snapshot, self.loading = False, True
         try:
             self.source.reconnect()
             snapshot = await self.source.index_snapshot()
@@ -224,6 +225,8 @@ class Follower:
         except BaseException:
             self.needs_snapshot = True
             raise
+        finally:
+            self.loading = False
         self.snapshots += 1
         self.state, self.error = "following", None
         log.info(

@@ -164,7 +164,7 @@ class Router:
             following = [f.name for f in self.followers if f.state == "following" and f.cursor]
             missing = set(await self.store.renew(following))
             for f in self.followers:
-                if f.name in missing:
+                if f.name in missing and not f.loading:  # a load under way brings one
                     log.warning("sidecar %s: the index lost its entries: loading it again", f.name)
                     f.resync()
         if sweep:
