@@ -23,7 +23,12 @@ from kvcm.router.redis_store import RedisStore, mask_of
 from kvcm.router.scorer import Walk
 from kvcm.router.service import Router
 from kvcm.router.store import DEVICE, HOST, Applied, Cursor, Group, IndexStore, Op
-from kvcm_client.errors import IndexUnavailable, ModelMismatch
+from kvcm_client.errors import (
+    IndexUnavailable,
+    ModelMismatch,
+    ServiceUnavailable,
+    StaleGeneration,
+)
 from kvcm_client.routing import RouteRequest
 
 FULL = KeySpace(4, (GroupRule(None, 0, True),))
@@ -161,7 +166,7 @@ def test_redis_drops_sidecars_whose_lease_ran_out(redis_server: RedisServer) -> 
         await s.replace("a", "g", 0, [Group(0, DEVICE, K[0:2])])
         b = await s.replace("b", "g", 0, [Group(0, DEVICE, [K[1]])])
         await asyncio.sleep(0.5)
-        await s.renew({"b": b})
+        assert await s.renew(["b", "z"]) == ["z"]  # z: no cursor, its follower must load
         assert await s.sweep() == 2
         assert await contents(s) == {K[1]: 0b100}
         assert await s.cursor("a") is None and await s.cursor("b") == b
@@ -418,3 +423,335 @@ def test_the_router_loads_no_torch() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.split() == ["False", "False"]
+
+
+# -- leases, sweeps and replicas: interleavings, driven step by step ------------------------------
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 4.0) -> None:
+    """Wait (yielding to the loop) until ``check`` holds; fails with ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.02)
+
+
+def _prompt_in(m: KVCacheManager) -> list[int]:
+    prompt = list(range(100, 117))
+    m.allocate("p", 17, token_ids=prompt)
+    m.commit("p", prompt)
+    return prompt
+
+
+async def _scored(router: Router, prompt: list[int]) -> dict[str, int]:
+    result = await router.route(RouteRequest(token_ids=prompt))
+    return {s.sidecar: s.hit_blocks for s in result.scores}
+
+
+def test_a_replica_renews_the_slot_another_replica_loaded(redis_server: RedisServer) -> None:
+    """Two routers follow an idle sidecar; B loads it again (its cursor moves to B's slot
+    while A's follower still holds the old one), then B stops. A's lease renewals go to the
+    store cursor's slot, by name, so the sidecar stays scored past the lease."""
+
+    async def body() -> None:
+        m = manager([layer(0)], num_blocks=32)
+        prompt = _prompt_in(m)
+        routers = []
+        for _ in range(2):
+            store = RedisStore(redis_server.url, "replicas", lease_s=0.3)
+            gate = ModelGate()
+            f = Follower("a", "a", ManagerSource(m), store, gate)
+            routers.append(Router(store, gate, [f]))
+        (ra, fa), (rb, fb) = ((r, r.followers[0]) for r in routers)
+        await sync(fa, m)
+        fb.resync()  # e.g. lost events: B loads a snapshot of its own
+        await sync(fb, m)
+        assert (fa.cursor.slot, fb.cursor.slot) == (0, 1) and fa.state == fb.state == "following"
+        await rb.store.close()  # B stops
+        for _ in range(8):  # 0.8 s: past the lease, the sidecar idle
+            await asyncio.sleep(0.1)
+            await fa.ingest(m.events(fa.cursor.last_seq))
+            await ra.upkeep(sweep=True)
+        assert fa.state == "following"
+        assert await ra.store.cursor("a") == Cursor(1, m.generation, fb.cursor.last_seq)
+        assert await _scored(ra, prompt) == {"a": 4}
+        await ra.store.close()
+
+    run(body)
+
+
+class FlakySource(ManagerSource):
+    """A sidecar that can be made unreachable; its long-poll waits a little when idle."""
+
+    down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise ServiceUnavailable("the sidecar cannot be reached")
+
+    async def model(self) -> Any:
+        self._check()
+        return await super().model()
+
+    async def index_snapshot(self) -> Any:
+        self._check()
+        return await super().index_snapshot()
+
+    async def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> Any:
+        await asyncio.sleep(0.02)
+        self._check()
+        return await super().events(after, limit, timeout_s)
+
+    async def stats(self) -> Any:
+        self._check()
+        return await super().stats()
+
+
+def test_a_sidecar_back_after_its_lease_ran_out_is_loaded_again(
+    redis_server: RedisServer,
+) -> None:
+    """A sidecar unreachable for longer than the lease is swept from the index; when it
+    comes back in the same generation, idle, the router loads it again (the renewal finds
+    no live cursor) rather than showing it following and never scoring it."""
+
+    async def body() -> None:
+        m = manager([layer(0)], num_blocks=32)
+        prompt = _prompt_in(m)
+        store = RedisStore(redis_server.url, "outage", lease_s=0.3)
+        gate = ModelGate()
+        source = FlakySource(m)
+        f = Follower("a", "a", source, store, gate, poll_s=0.05, retry_s=0.02)
+        router = Router(store, gate, [f], upkeep_s=0.05, sweep_s=0.05)
+        await router.start()
+        try:
+
+            async def scored() -> bool:
+                return await _scored(router, prompt) == {"a": 4}
+
+            await eventually(lambda: _true(f.state == "following"), "a followed")
+            await eventually(scored, "a scored")
+            source.down = True
+            await eventually(lambda: _true(f.state == "unreachable"), "a unreachable")
+            await eventually(lambda: _none(store.cursor("a")), "a's lease ran out")
+            source.down = False
+            await eventually(scored, "a scored again")
+            assert f.state == "following" and f.snapshots == 2
+        finally:
+            await router.stop()
+
+    run(body)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _none(value: Awaitable[Any]) -> bool:
+    return await value is None
+
+
+class PinnedSource(ManagerSource):
+    """A client pinned to the generation it first saw (``AsyncKVCacheClient``): any call
+    answered by another generation raises ``StaleGeneration`` until ``reconnect``."""
+
+    def __init__(self, m: KVCacheManager, pinned: str) -> None:
+        super().__init__(m)
+        self.pinned: str | None = pinned
+        self.calls = 0
+
+    def _pin(self, value: Any) -> Any:
+        self.calls += 1
+        if self.pinned is not None and self.pinned != self.m.generation:
+            raise StaleGeneration("the service restarted: call reconnect()")
+        self.pinned = self.m.generation
+        return value
+
+    async def model(self) -> Any:
+        await asyncio.sleep(0)  # a network call: the loop gets a turn
+        return self._pin(await super().model())
+
+    async def index_snapshot(self) -> Any:
+        return self._pin(await super().index_snapshot())
+
+    async def events(self, after: int = 0, limit: int = 1000, timeout_s: float = 0.0) -> Any:
+        await asyncio.sleep(0.02)
+        return self._pin(await super().events(after, limit, timeout_s))
+
+    def reconnect(self) -> None:
+        self.pinned = None
+
+
+def test_a_router_resuming_a_sidecar_that_restarted_loads_it(make: Make) -> None:
+    """The store has a cursor of the sidecar's old generation and the router's client is
+    pinned to it (by its stats poller), but the sidecar restarted: the follower unpins and
+    loads a snapshot of the new generation instead of retrying the resume forever."""
+
+    async def body() -> None:
+        store = make()
+        gate = ModelGate()
+        m = manager([layer(0)], num_blocks=32)
+        prompt = _prompt_in(m)
+        await gate.admit("a", m.model(), store.bind)
+        await store.replace("a", "old-generation", 9, [])
+        source = PinnedSource(m, "old-generation")
+        f = Follower("a", "a", source, store, gate, poll_s=0.05, retry_s=0.02)
+        router = Router(store, gate, [f])
+        task = asyncio.create_task(f._follow())
+        try:
+            await eventually(lambda: _true(f.snapshots > 0 or source.calls > 200), "a load")
+        finally:
+            f.stopping = True
+            await task
+        assert f.snapshots == 1 and source.calls < 200
+        assert f.state == "following" and f.cursor.generation == m.generation
+        assert await _scored(router, prompt) == {"a": 4}
+        await store.close()
+
+    run(body)
+
+
+def _before_first_scan(s: RedisStore, meanwhile: Callable[[], Awaitable[None]]) -> None:
+    """Run ``meanwhile`` when ``s``'s sweep has read its dead slots, before its first scan."""
+    scan = s.redis.scan
+    ran = False
+
+    async def hooked(*args: Any, **kw: Any) -> Any:
+        nonlocal ran
+        if not ran:
+            ran = True
+            await meanwhile()
+        return await scan(*args, **kw)
+
+    s.redis.scan = hooked  # type: ignore[method-assign]
+
+
+def test_a_sweep_spares_a_new_load_in_a_slot_redis_lost_mid_sweep(
+    redis_server: RedisServer,
+) -> None:
+    """Redis restarts empty while a sweep that read slot 0 as dead runs; a follower loads
+    into slot 0 again (the counter starts over): the sweep leaves that load's bits alone."""
+
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "flushed")
+        other = RedisStore(redis_server.url, "flushed")
+        await s.bind(FULL)
+        await other.bind(FULL)
+        await s.replace("a", "g1", 0, [Group(0, DEVICE, [K[0]])])
+        await s.replace("a", "g2", 0, [Group(0, DEVICE, [K[1]])])  # slot 0 dead, 1 a's
+
+        async def flush_and_load() -> None:
+            await s.redis.flushdb()
+            assert not await other.check()
+            assert await other.replace("b", "g", 0, [Group(0, DEVICE, K[0:2])]) == Cursor(0, "g", 0)
+
+        _before_first_scan(s, flush_and_load)
+        assert await s.sweep() == 0
+        assert await contents(s) == {K[0]: 0b1, K[1]: 0b1}
+        assert await s.redis.get(s.lock) is None
+        await s.close()
+        await other.close()
+
+    run(body)
+
+
+def test_a_sweep_whose_lock_ran_out_mid_scan_stops(redis_server: RedisServer) -> None:
+    """A sweep's lock runs out while it scans; another router sweeps, frees slot 0, and a
+    new load takes it: the first sweep clears nothing of it and frees nothing, and does not
+    release the lock another router holds now."""
+
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "lock")
+        other = RedisStore(redis_server.url, "lock")
+        await s.bind(FULL)
+        await other.bind(FULL)
+        await s.replace("a", "g1", 0, [Group(0, DEVICE, [K[0]])])
+        await s.replace("a", "g2", 0, [Group(0, DEVICE, [K[1]])])  # slot 0 dead, 1 a's
+
+        async def expire_sweep_and_load() -> None:
+            await s.redis.delete(s.lock)  # ran out
+            assert await other.sweep() == 1  # slot 0 cleared and freed
+            assert await other.replace("b", "g", 0, [Group(0, DEVICE, K[0:2])]) == Cursor(0, "g", 0)
+            await s.redis.set(s.lock, b"a third router's")
+
+        _before_first_scan(s, expire_sweep_and_load)
+        assert await s.sweep() == 0
+        assert await contents(s) == {K[0]: 0b1, K[1]: 0b101}  # b's slot 0, a's slot 1
+        assert await s.redis.get(s.lock) == b"a third router's"
+        assert await s.redis.hget(s.slots, "0") is not None  # b's slot, not freed
+        await s.close()
+        await other.close()
+
+    run(body)
+
+
+def test_a_late_all_blocks_cleared_never_moves_the_cursor_back(make: Make) -> None:
+    """Replicas follow one sidecar. B applies an ``all_blocks_cleared`` and the events after
+    it; A, late, applies the clear: it is refused (the stored cursor moved on), so the
+    cursor does not go back to the clear (dropping B's later blocks), and A goes on from the
+    store's. Then the sidecar is loaded in another generation: a lagging replica's clear of
+    the old one changes nothing."""
+
+    async def body() -> None:
+        store = make()
+        gate = ModelGate()
+        m = manager([layer(0)], num_blocks=32)
+        fa, fb, fc = (Follower("a", "a", ManagerSource(m), store, gate) for _ in range(3))
+        await sync(fa, m)
+        for f in (fb, fc):  # replicas that resumed from fa's load
+            f.cursor, f.admitted, f.needs_snapshot = fa.cursor, fa.admitted, False
+        m.reset_prefix_cache()  # an all_blocks_cleared at seq 1
+        prompt = _prompt_in(m)  # then blocks stored at seq 2
+        batch = m.events(0)
+        assert [e.kind for e in batch.events] == ["all_blocks_cleared", "block_stored"]
+        await fb.ingest(batch)
+        assert fb.cursor == Cursor(1, m.generation, 2)
+        await fa.ingest(m.events(0, 1))  # A, late: the clear alone
+        assert await store.cursor("a") == fb.cursor == fa.cursor
+        router = Router(store, gate, [fa])
+        assert await _scored(router, prompt) == {"a": 4}
+
+        newer = await store.replace("a", "g2", 5, [Group(0, DEVICE, [K[0]])])
+        await fc.ingest(m.events(0))  # a lagging replica: the old generation's clear, refused
+        assert await store.cursor("a") == newer == fc.cursor
+        await store.close()
+
+    run(body)
+
+
+def test_a_claim_never_takes_a_slot_in_use(redis_server: RedisServer) -> None:
+    """With the slot counter lost (evicted), a load is refused rather than overwriting a
+    slot in use, and a retry goes on to a free one."""
+
+    async def body() -> None:
+        s = RedisStore(redis_server.url, "evicted")
+        await s.bind(FULL)
+        a = await s.replace("a", "g", 0, [Group(0, DEVICE, [K[0]])])
+        await s.replace("b", "g", 0, [Group(0, DEVICE, [K[1]])])
+        await s.redis.delete(s.next)
+        for _ in range(2):  # slots 0 and 1 are a's and b's
+            with pytest.raises(IndexUnavailable, match="noeviction"):
+                await s.replace("c", "g", 0, [Group(0, DEVICE, [K[2]])])
+        assert await s.replace("c", "g", 0, [Group(0, DEVICE, [K[2]])]) == Cursor(2, "g", 0)
+        assert await s.cursor("a") == a
+        assert (await s.redis.hget(s.slots, "0")).startswith(b"live ")
+        assert await contents(s) == {K[0]: 0b1, K[1]: 0b100, K[2]: 0b1_0000}
+        await s.close()
+
+    run(body)
+
+
+def test_upkeep_loads_again_only_followers_not_loading_already() -> None:
+    """A followed sidecar the store holds nothing of is loaded again, unless its follower is
+    loading it now (that load brings its cursor)."""
+
+    async def body() -> None:
+        store = MemoryStore()
+        gate = ModelGate()
+        followers = [Follower(n, n, ManagerSource(manager([layer(0)])), store, gate) for n in "ab"]
+        for f in followers:
+            f.cursor, f.state, f.needs_snapshot = Cursor(0, "g", 0), "following", False
+        followers[1].loading = True
+        await Router(store, gate, followers).upkeep()
+        assert [f.needs_snapshot for f in followers] == [True, False]
+
+    run(body)

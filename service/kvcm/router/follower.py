@@ -110,6 +110,7 @@ class Follower:
         self.admitted: str | None = None
         self.needs_snapshot = True
         self.resumable = True
+        self.loading = False
         self.free_blocks: int | None = None
         self.running_requests: int | None = None
         self.stopping = False
@@ -144,7 +145,7 @@ class Follower:
                 backoff = self.retry_s
                 continue
             except StaleGeneration:  # the sidecar restarted: its old keys go at the load
-                self.needs_snapshot = True
+                self.needs_snapshot, self.resumable = True, False
                 continue
             except ModelMismatch as exc:
                 self._failed("refused", exc)
@@ -192,6 +193,7 @@ class Follower:
         still in that generation; else leave it to a snapshot."""
         cursor = await self.store.cursor(self.name)
         if cursor is not None:
+            self.source.reconnect()  # the stats poller may have pinned an older generation
             info = await self.source.model()
             if info.generation == cursor.generation:
                 await self.gate.admit(self.name, info, self.store.bind)
@@ -205,7 +207,7 @@ class Follower:
         is not lost: the flag is cleared first, and set again on any failure."""
         if self.state == "connecting":
             self.state = "syncing"
-        self.needs_snapshot = False
+        self.needs_snapshot, self.loading = False, True
         try:
             self.source.reconnect()
             snapshot = await self.source.index_snapshot()
@@ -215,12 +217,16 @@ class Follower:
                     raise StaleGeneration("the sidecar changed generation during the load")
                 await self.gate.admit(self.name, info, self.store.bind)
                 self.admitted = snapshot.generation
-            self.cursor = await self.store.replace(
+            cursor = await self.store.replace(
                 self.name, snapshot.generation, snapshot.last_seq, groups_of(snapshot)
             )
+            assert cursor is not None  # a load expects no cursor: never refused
+            self.cursor = cursor
         except BaseException:
             self.needs_snapshot = True
             raise
+        finally:
+            self.loading = False
         self.snapshots += 1
         self.state, self.error = "following", None
         log.info(
@@ -266,7 +272,17 @@ class Follower:
             if not await self._apply(segment):
                 return
             segment = []
-            self.cursor = await self.store.replace(self.name, self.cursor.generation, item, [])
+            cleared = await self.store.replace(
+                self.name, self.cursor.generation, item, [], expect=self.cursor
+            )
+            if cleared is None:  # another router moved the cursor: go on from the store's
+                stored = await self.store.cursor(self.name)
+                if stored is None:
+                    self.needs_snapshot = True
+                else:
+                    self.cursor = stored
+                return
+            self.cursor = cleared
         if await self._apply(segment) and self.on_events is not None:
             self.on_events(self.name, len(batch.events))
         if not self.needs_snapshot:

@@ -66,8 +66,21 @@ class MemoryStore:
         held.update(dict.fromkeys(keys))
 
     async def replace(
-        self, sidecar: str, generation: str, last_seq: int, groups: Sequence[Group]
-    ) -> Cursor:
+        self,
+        sidecar: str,
+        generation: str,
+        last_seq: int,
+        groups: Sequence[Group],
+        expect: Cursor | None = None,
+    ) -> Cursor | None:
+        if expect is not None:
+            mine = self.cursors.get(sidecar)
+            if (
+                mine is None
+                or (mine.slot, mine.generation) != (expect.slot, expect.generation)
+                or mine.last_seq >= last_seq
+            ):
+                return None
         slot = self._claim()
         self.slot_keys[slot] = {}
         for g in groups:
@@ -119,8 +132,10 @@ class MemoryStore:
     async def check(self) -> bool:
         return True
 
-    async def renew(self, following: dict[str, Cursor]) -> None:
-        """Nothing to renew: the process's own sidecars are the only ones."""
+    async def renew(self, sidecars: Sequence[str]) -> list[str]:
+        """No leases (the process's own sidecars are the only ones): only those it holds
+        nothing of are missing."""
+        return [s for s in sidecars if s not in self.cursors]
 
     async def sweep(self) -> int:
         """Nothing to sweep: a replaced slot's entries are dropped at once."""

@@ -25,6 +25,7 @@ SCRIPTS = (
     "SWEEP_BEGIN",
     "SWEEP_KEYS",
     "SWEEP_END",
+    "UNLOCK",
 )
 
 _NOW = """
@@ -41,7 +42,10 @@ return redis.call('HMGET', KEYS[1], 'epoch', 'space')
 """
 
 #: KEYS: slots, free, next. ARGV: sidecar, lease ms, max slots. A fresh slot in state
-#: ``loading`` (the lowest free one, else a new one); -1 when all ``max slots`` are taken.
+#: ``loading`` (the lowest free one, else a new one); -1 when all ``max slots`` are taken;
+#: -3 when the slot has a record already (``ns:next`` or ``ns:free`` was lost, e.g. evicted:
+#: the router's Redis needs ``maxmemory-policy noeviction``); that slot is then skipped, so a
+#: retry claims another.
 CLAIM = (
     _NOW
     + """
@@ -55,6 +59,9 @@ else
     redis.call('DECR', KEYS[3])
     return -1
   end
+end
+if redis.call('HEXISTS', KEYS[1], slot) == 1 then
+  return -3
 end
 redis.call('HSET', KEYS[1], slot, 'loading ' .. (now + tonumber(ARGV[2])) .. ' ' .. ARGV[1])
 return slot
@@ -85,10 +92,13 @@ return 1
 """
 )
 
-#: KEYS: slots, the sidecar's cursor. ARGV: slot, sidecar, generation, last_seq, lease ms.
-#: Makes a loaded slot the sidecar's and its previous slot dead (its bits stop counting now;
-#: ``SWEEP_KEYS`` clears them later). Returns the previous slot (-1: none), or -2 when the
-#: slot is no longer this sidecar's load.
+#: KEYS: slots, the sidecar's cursor. ARGV: slot, sidecar, generation, last_seq, lease ms,
+#: and for an ``all_blocks_cleared`` the cursor it follows (slot, generation). Makes a loaded
+#: slot the sidecar's and its previous slot dead (its bits stop counting now; ``SWEEP_KEYS``
+#: clears them later). Returns the previous slot (-1: none), -2 when the slot is no longer
+#: this sidecar's load, or -3 when the stored cursor is not the one the clear follows (another
+#: router moved it: another slot or generation, or already at or past the clear); the
+#: claimed slot is then dead.
 ACTIVATE = (
     _NOW
     + """
@@ -97,7 +107,13 @@ local head = string.match(rec, '^loading %d+ ')
 if not head or rec ~= head .. ARGV[2] then
   return -2
 end
-local old = redis.call('HGET', KEYS[2], 'slot')
+local cur = redis.call('HMGET', KEYS[2], 'slot', 'generation', 'last_seq')
+if ARGV[6] and (cur[1] ~= ARGV[6] or cur[2] ~= ARGV[7]
+    or tonumber(cur[3]) >= tonumber(ARGV[4])) then
+  redis.call('HSET', KEYS[1], ARGV[1], 'dead 0 ' .. ARGV[2])
+  return -3
+end
+local old = cur[1]
 if old and old ~= ARGV[1] and redis.call('HEXISTS', KEYS[1], old) == 1 then
   redis.call('HSET', KEYS[1], old, 'dead 0 ' .. ARGV[2])
 end
@@ -146,20 +162,25 @@ redis.call('HSET', KEYS[1], 'last_seq', last)
 return {'ok', last}
 """
 
-#: KEYS: slots. ARGV: lease ms, then (slot, sidecar) pairs. Renews the leases of the slots
-#: that are still those sidecars' live slots.
+#: KEYS: slots. ARGV: lease ms, the cursor key prefix (``ns:sc:``), then sidecars. Renews
+#: the lease of the live slot each sidecar's stored cursor points at, whichever router loaded
+#: it; returns the sidecars with no live cursor (swept after a lapsed lease, or never loaded):
+#: their followers must load again.
 RENEW = (
     _NOW
     + """
-for i = 2, #ARGV, 2 do
-  local rec = redis.call('HGET', KEYS[1], ARGV[i]) or ''
+local missing = {}
+for i = 3, #ARGV do
+  local slot = redis.call('HGET', ARGV[2] .. ARGV[i], 'slot')
+  local rec = slot and redis.call('HGET', KEYS[1], slot) or ''
   local head = string.match(rec, '^live %d+ ')
-  if head and rec == head .. ARGV[i + 1] then
-    redis.call('HSET', KEYS[1], ARGV[i],
-      'live ' .. (now + tonumber(ARGV[1])) .. ' ' .. ARGV[i + 1])
+  if head and rec == head .. ARGV[i] then
+    redis.call('HSET', KEYS[1], slot, 'live ' .. (now + tonumber(ARGV[1])) .. ' ' .. ARGV[i])
+  else
+    table.insert(missing, ARGV[i])
   end
 end
-return 0
+return missing
 """
 )
 
@@ -189,19 +210,47 @@ return dead
 """
 )
 
-#: KEYS: block keys. ARGV: the mask to keep, as bytes (the dead slots' bits clear). Clears
-#: those bits, trims trailing zero bytes, deletes masks left empty; returns how many keys
-#: changed.
-SWEEP_KEYS = """
-local keep = ARGV[1]
+#: Sweep scripts first check that this router still holds the sweep lock (``ns:sweeping``,
+#: its token): one whose lock ran out mid-scan, or whose Redis restarted empty, stops.
+_LOCKED = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return -1
+end
+"""
+
+#: KEYS: the lock, slots, then block keys. ARGV: lock token, lock ms, the slot width (bits),
+#: then the dead slots of ``SWEEP_BEGIN``. Extends the lock; clears the bits of those slots
+#: that are still dead now (one freed and claimed again since, by a new load, keeps its bits),
+#: trims trailing zero bytes, deletes masks left empty; returns how many keys changed, or -1
+#: (nothing done) when the lock is not this sweep's.
+SWEEP_KEYS = (
+    _LOCKED
+    + """
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local width = tonumber(ARGV[3])
+local keep = {}
+for i = 4, #ARGV do
+  local rec = redis.call('HGET', KEYS[2], ARGV[i])
+  if rec and string.sub(rec, 1, 5) == 'dead ' then
+    local slot = tonumber(ARGV[i])
+    for b = slot * width, (slot + 1) * width - 1 do
+      local p = math.floor(b / 8) + 1
+      for q = #keep + 1, p do
+        keep[q] = 255
+      end
+      keep[p] = bit.band(keep[p], bit.bnot(bit.lshift(1, b % 8)))
+    end
+  end
+end
 local changed = 0
-for _, key in ipairs(KEYS) do
+for n = 3, #KEYS do
+  local key = KEYS[n]
   local v = redis.call('GET', key)
   if v then
     local bytes = {string.byte(v, 1, #v)}
     local dirty = false
     for p = 1, math.min(#v, #keep) do
-      local b = bit.band(bytes[p], string.byte(keep, p))
+      local b = bit.band(bytes[p], keep[p])
       if b ~= bytes[p] then
         bytes[p] = b
         dirty = true
@@ -223,15 +272,28 @@ for _, key in ipairs(KEYS) do
 end
 return changed
 """
+)
 
-#: KEYS: slots, free. ARGV: slots swept. Frees those still dead.
-SWEEP_END = """
-for i = 1, #ARGV do
-  local rec = redis.call('HGET', KEYS[1], ARGV[i])
+#: KEYS: the lock, slots, free. ARGV: lock token, then the slots swept. Frees those still
+#: dead; -1 (nothing freed) when the lock is not this sweep's.
+SWEEP_END = (
+    _LOCKED
+    + """
+for i = 2, #ARGV do
+  local rec = redis.call('HGET', KEYS[2], ARGV[i])
   if rec and string.sub(rec, 1, 5) == 'dead ' then
-    redis.call('HDEL', KEYS[1], ARGV[i])
-    redis.call('ZADD', KEYS[2], ARGV[i], ARGV[i])
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    redis.call('ZADD', KEYS[3], ARGV[i], ARGV[i])
   end
+end
+return 0
+"""
+)
+
+#: KEYS: the lock. ARGV: lock token. Releases the lock if it is still this sweep's.
+UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
 end
 return 0
 """

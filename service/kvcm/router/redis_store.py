@@ -135,12 +135,22 @@ class RedisStore:
         return Cursor(int(slot), generation.decode(), int(last))
 
     async def replace(
-        self, sidecar: str, generation: str, last_seq: int, groups: Sequence[Group]
-    ) -> Cursor:
+        self,
+        sidecar: str,
+        generation: str,
+        last_seq: int,
+        groups: Sequence[Group],
+        expect: Cursor | None = None,
+    ) -> Cursor | None:
         name = sidecar.encode()
         slot = await self._run(
             "CLAIM", [self.slots, self.free, self.next], [name, self.lease_ms, self.max_slots]
         )
+        if slot == -3:
+            raise IndexUnavailable(
+                "the index's free-slot bookkeeping was lost (evicted? its Redis needs "
+                "maxmemory-policy noeviction): a slot in use was offered; retrying skips it"
+            )
         if slot < 0:
             raise IndexUnavailable(
                 f"every one of the index's {self.max_slots} slots is taken (sidecars and loads "
@@ -160,13 +170,14 @@ class RedisStore:
                 runs += [offset, len(part)]
         if runs:
             await self._write(slot, name, keys, runs)
-        old = await self._run(
-            "ACTIVATE",
-            [self.slots, self._key(sidecar)],
-            [slot, name, generation, last_seq, self.lease_ms],
-        )
+        args = [slot, name, generation, last_seq, self.lease_ms]
+        if expect is not None:
+            args += [expect.slot, expect.generation]
+        old = await self._run("ACTIVATE", [self.slots, self._key(sidecar)], args)
         if old == -2:
             raise IndexUnavailable(f"the load of {sidecar} outlived its lease and was dropped")
+        if old == -3:
+            return None
         return Cursor(slot, generation, last_seq)
 
     async def _write(self, slot: int, name: bytes, keys: list[bytes], runs: list[int]) -> None:
@@ -241,21 +252,22 @@ class RedisStore:
         finally:
             await pool.release(conn)
 
-    async def renew(self, following: dict[str, Cursor]) -> None:
-        if not following:
-            return
-        args: list[Any] = [self.lease_ms]
-        for sidecar, cursor in following.items():
-            args += [cursor.slot, sidecar.encode()]
-        await self._run("RENEW", [self.slots], args)
+    async def renew(self, sidecars: Sequence[str]) -> list[str]:
+        if not sidecars:
+            return []
+        args: list[Any] = [self.lease_ms, self.cursor_prefix, *(s.encode() for s in sidecars)]
+        return [s.decode() for s in await self._run("RENEW", [self.slots], args)]
 
     async def sweep(self) -> int:
         """Clear the bits of dead slots (and of loads and sidecars whose lease ran out),
         then free those slots; returns how many block keys changed. One router sweeps at a
-        time (a lock key); the others return 0 meanwhile."""
+        time (a lock key, extended at every batch); the others return 0 meanwhile. Each
+        batch clears only slots still dead then, and only while the lock is this sweep's: a
+        sweep that lost its lock (it ran out mid-scan, or Redis restarted empty) stops."""
         token = secrets.token_hex(8)
+        lock_ms = 10 * self.lease_ms
         async with self._reachable():
-            if not await self.redis.set(self.lock, token, nx=True, px=10 * self.lease_ms):
+            if not await self.redis.set(self.lock, token, nx=True, px=lock_ms):
                 return 0
         try:
             dead = [
@@ -263,10 +275,6 @@ class RedisStore:
             ]
             if not dead:
                 return 0
-            keep = bytearray(b"\xff" * (((max(dead) + 1) * self.width + 7) // 8))
-            for slot in dead:
-                for bit in range(slot * self.width, (slot + 1) * self.width):
-                    keep[bit // 8] &= ~(1 << (bit % 8))
             changed, cursor = 0, None
             while cursor != 0:
                 async with self._reachable():
@@ -274,13 +282,18 @@ class RedisStore:
                         cursor or 0, match=self.block_prefix + b"*", count=SWEEP_CHUNK
                     )
                 if batch:
-                    changed += await self._run("SWEEP_KEYS", batch, [bytes(keep)])
-            await self._run("SWEEP_END", [self.slots, self.free], dead)
+                    done = await self._run(
+                        "SWEEP_KEYS",
+                        [self.lock, self.slots, *batch],
+                        [token, lock_ms, self.width, *dead],
+                    )
+                    if done < 0:
+                        return changed
+                    changed += done
+            await self._run("SWEEP_END", [self.lock, self.slots, self.free], [token, *dead])
             return changed
         finally:
-            async with self._reachable():
-                if await self.redis.get(self.lock) == token.encode():
-                    await self.redis.delete(self.lock)
+            await self._run("UNLOCK", [self.lock], [token])
 
     async def close(self) -> None:
         await self.redis.aclose()

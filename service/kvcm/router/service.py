@@ -137,21 +137,10 @@ class Router:
         while not self.stopping:
             await asyncio.sleep(self.upkeep_s)
             try:
-                if not await self.store.check():
-                    log.warning("the index store was emptied: loading every sidecar again")
-                    for f in self.followers:
-                        f.resync()
-                following = {
-                    f.name: f.cursor
-                    for f in self.followers
-                    if f.state == "following" and f.cursor is not None
-                }
-                await self.store.renew(following)
-                if monotonic() - last_sweep >= self.sweep_s:
+                sweep = monotonic() - last_sweep >= self.sweep_s
+                if sweep:
                     last_sweep = monotonic()
-                    changed = await self.store.sweep()
-                    if changed:
-                        log.info("swept dropped slots' bits from %d block keys", changed)
+                await self.upkeep(sweep=sweep)
                 self.store_error = None
             except IndexUnavailable as exc:
                 if self.store_error is None:
@@ -159,6 +148,29 @@ class Router:
                 self.store_error = exc.message
             except Exception:  # never let upkeep die; the next round tries again
                 log.exception("router upkeep failed")
+
+    async def upkeep(self, *, sweep: bool = False) -> None:
+        """One round of upkeep: the store's marker, the leases, and a sweep if asked.
+
+        A lease is renewed by sidecar name, on whatever slot the store's cursor points at
+        (another router's load included); a sidecar that has no live cursor any more (its
+        lease ran out while this router did not renew it, e.g. while the sidecar could not
+        be reached) is loaded again: an idle follower would not notice otherwise."""
+        if not await self.store.check():
+            log.warning("the index store was emptied: loading every sidecar again")
+            for f in self.followers:
+                f.resync()
+        else:
+            following = [f.name for f in self.followers if f.state == "following" and f.cursor]
+            missing = set(await self.store.renew(following))
+            for f in self.followers:
+                if f.name in missing and not f.loading:  # a load under way brings one
+                    log.warning("sidecar %s: the index lost its entries: loading it again", f.name)
+                    f.resync()
+        if sweep:
+            changed = await self.store.sweep()
+            if changed:
+                log.info("swept dropped slots' bits from %d block keys", changed)
 
     def space(self) -> KeySpace:
         if self.gate.space is None:

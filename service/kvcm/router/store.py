@@ -96,10 +96,18 @@ class IndexStore(Protocol):
         """The sidecar's cursor, None if the index holds nothing of it."""
 
     async def replace(
-        self, sidecar: str, generation: str, last_seq: int, groups: Sequence[Group]
-    ) -> Cursor:
+        self,
+        sidecar: str,
+        generation: str,
+        last_seq: int,
+        groups: Sequence[Group],
+        expect: Cursor | None = None,
+    ) -> Cursor | None:
         """Load a snapshot (or nothing: an ``all_blocks_cleared``) into a fresh slot, then
-        make it the sidecar's, dropping its previous slot's entries at once."""
+        make it the sidecar's, dropping its previous slot's entries at once. With ``expect``
+        (an ``all_blocks_cleared`` at ``last_seq``, after the events of ``expect``), only if
+        the store's cursor is still in that slot and generation and before ``last_seq``:
+        None otherwise, the store unchanged (another router moved the cursor)."""
 
     async def apply(self, sidecar: str, cursor: Cursor, ops: Sequence[Op]) -> Applied:
         """Apply ops that extend ``cursor`` (see the module doc)."""
@@ -112,8 +120,10 @@ class IndexStore(Protocol):
         """False once, when the index was found emptied (a Redis restarted without its
         data): every sidecar must be loaded again."""
 
-    async def renew(self, following: dict[str, Cursor]) -> None:
-        """Periodic: the sidecars followed now are still wanted (their leases)."""
+    async def renew(self, sidecars: Sequence[str]) -> list[str]:
+        """Periodic: the sidecars followed now are still wanted (the leases of whatever slots
+        their stored cursors point at). Returns those the store has no live cursor of: their
+        followers must load again."""
 
     async def sweep(self) -> int:
         """Periodic: clear what dropped slots left and reuse the slots; returns how many
