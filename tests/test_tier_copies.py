@@ -15,7 +15,7 @@ import torch
 from helpers import layer, manager
 
 import kvcm_kernels
-from kvcm import KVCacheManager, block_keys, tier_copies
+from kvcm import KVCacheManager, block_keys
 from kvcm.hashing import root_key
 from kvcm.host_tier import BlockState
 from kvcm.tier_copies import TierCopier
@@ -337,7 +337,7 @@ def test_copies_on_the_copy_engines_go_out_as_queued(monkeypatch: pytest.MonkeyP
     copier.stream = object()  # type: ignore[assignment]  # stands for the tier's stream
     copier._rt, copier._stream, copier._ready, copier._done = rt, 7, 1, 2
     copier._engines = {0: True}  # the 48-byte slots go to the "copy engines"
-    monkeypatch.setattr(tier_copies, "_current_stream", lambda index: 3)
+    monkeypatch.setattr(kvcm_kernels, "current_stream_handle", lambda index: 3)
     monkeypatch.setattr(kvcm_kernels.block_copy, "on_device", lambda index: nullcontext())
     old5, old7 = device[5].clone(), device[7].clone()
     rt.busy = True  # the copies out wait for the current stream's work

@@ -6,6 +6,7 @@ function that dispatches between them (``_dispatch.gpu_path``). CuPy is optional
 or for CPU tensors, the reference runs.
 """
 
+from ._dispatch import current_stream_handle
 from .block_copy import copy_segments, copy_segments_reference, pieces, segments
 from .kv_copy import TokenCopyPool, copy_tokens
 from .page_indices import kernel_page_indices
@@ -21,6 +22,7 @@ __all__ = [
     "copy_segments",
     "copy_segments_reference",
     "copy_tokens",
+    "current_stream_handle",
     "kernel_page_indices",
     "layer_pointers",
     "pieces",

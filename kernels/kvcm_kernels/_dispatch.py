@@ -66,6 +66,13 @@ def _stream(pointer: int, device: int) -> Any:
         return _cupy().cuda.ExternalStream(pointer, device)
 
 
+def current_stream_handle(index: int) -> int:
+    """The raw handle of torch's current stream on device ``index`` (0: the default
+    stream). torch's raw accessor costs about 0.1 us, ``current_stream(index).cuda_stream``
+    about 3, and a step asks once per rank and per host-tier copy."""
+    return int(torch._C._cuda_getCurrentRawStream(index))
+
+
 def launch(
     module: str,
     function: str,
@@ -80,9 +87,7 @@ def launch(
     the stream whose raw handle is ``stream_handle``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if stream_handle is None:
-        # torch's raw accessor: ``current_stream(index).cuda_stream`` costs about 3 us more,
-        # and a step launches once per rank.
-        stream_handle = int(torch._C._cuda_getCurrentRawStream(index))
+        stream_handle = current_stream_handle(index)
     stream = _stream(stream_handle, index)
     with _cupy().cuda.Device(index), stream:
         _function(module, function, index)(grid, block, args, shared_mem=shared_mem)

@@ -117,7 +117,7 @@ class Uploader:
             self._events[k].record(torch.cuda.current_stream(self.device))
         else:
             with kvcm_kernels.block_copy.on_device(self.index):  # handle 0: this device's
-                stream = int(torch._C._cuda_getCurrentRawStream(self.index))
+                stream = kvcm_kernels.current_stream_handle(self.index)
                 self._rt.eventRecord(self._events[k], stream)
         self._used[k] = True
 
