@@ -15,6 +15,9 @@ Workloads (block size 16, 4 full-attention layers of 1 KV head; every request ha
 - ``publish``: ``commit`` of a whole 8192-token request (512 blocks keyed and published),
   per block; allocate computed the prompt's keys, so commit reuses them.
 - ``extend_many`` by string ids over the same 256 requests: the per-id baseline.
+- ``decode with one stale handle``: the decode step with a freed request's handle appended
+  (a scheduler that missed a free): that item fails alone, the 256 others still run as one
+  batch.
 
 Each row is the median of repeated runs, in microseconds.
 """
@@ -74,6 +77,12 @@ def bench(repeats: int) -> dict[str, float]:
         lambda: m.step_columns(extend=handles), repeats, 20
     )
     rows["baseline: extend_many by id, N=256"] = _median_us(lambda: m.extend_many(ids), repeats, 20)
+    stale = m.allocate("stale", 1).handle
+    m.free("stale")
+    with_stale = np.append(handles, stale)
+    rows["decode with one stale handle, N=256 + 1"] = _median_us(
+        lambda: m.step_columns(extend=with_stale), repeats, 20
+    )
 
     # mixed: a long-lived cached prefix; each step frees the two requests it allocated last
     # step and allocates two new ones that share the prefix.

@@ -361,3 +361,110 @@ def test_step_results_are_built_when_read_and_equal_the_models() -> None:
     expected = [OpResult.model_validate(d) for d in results._dicts]
     assert results == expected and list(results) == expected and results[:2] == expected[:2]
     assert results[1].request is not None and results[1].request.num_tokens == 5
+
+
+TOO_LONG = status_of("sequence_too_long")
+
+
+def _decode_twins(n: int) -> tuple:
+    """Two equal managers with ``n`` requests of staggered lengths, one of them freed (its
+    handle is stale), and request 2 at max_seq_len: a decode batch's failing items."""
+    twins = []
+    for _ in range(2):
+        m = manager([layer(0)], num_blocks=64, max_seq_len=24)
+        handles = [m.allocate(f"r{i}", 3 + 2 * i).handle for i in range(n)]
+        m.extend("r2", 24 - m.request("r2").num_tokens)
+        m.free("r1")
+        twins.append((m, handles))
+    return twins
+
+
+def test_failing_items_of_a_decode_batch_fail_alone_and_the_rest_runs_as_one_by_one() -> None:
+    """A stale handle and a request at max_seq_len among a decode batch: the other items
+    extend exactly as single extends would (tables, free blocks), the two fail alone."""
+    (col, handles), (one, _) = _decode_twins(6)
+    stale = handles[1]
+    out = col.step_columns(extend=[*handles, 2**40 + 3], num_new_tokens=3)
+    assert out.status["extend"].tolist() == [OK, UNKNOWN, TOO_LONG, OK, OK, OK, UNKNOWN]
+    assert [(e.index, e.error.code) for e in out.errors] == [
+        (1, "unknown_request"),
+        (2, "sequence_too_long"),
+        (6, "unknown_request"),
+    ]
+    assert out.errors[0].error.detail == {"handle": stale}
+    added = []
+    for rid in ("r0", "r3", "r4", "r5"):
+        before = sum(len(t) for t in one.block_table(rid))
+        one.extend(rid, 3)
+        added.append(sum(len(t) for t in one.block_table(rid)) - before)
+    assert out.new_blocks.tolist() == [added[0], 0, 0, *added[1:], 0]
+    assert snapshot(col) == snapshot(one)
+
+
+def test_an_atomic_decode_batch_with_a_failing_item_changes_nothing() -> None:
+    (m, handles), _ = _decode_twins(5)
+    before = snapshot(m)
+    out = m.step_columns(extend=handles, num_new_tokens=1, atomic=True)
+    assert out.failed == ("extend", 1)
+    assert out.status["extend"].tolist() == [ABORTED, UNKNOWN, ABORTED, ABORTED, ABORTED]
+    assert out.new_blocks.tolist() == [0] * 5 and snapshot(m) == before
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_decode_batches_with_failures_match_single_extends(seed: int) -> None:
+    """Random decode batches (one count for all, distinct handles) with stale handles and
+    requests near max_seq_len mixed in, against single extends on a twin manager."""
+    rng = np.random.default_rng(seed)
+    col = manager([layer(0)], num_blocks=48, max_requests=12, max_seq_len=20)
+    one = manager([layer(0)], num_blocks=48, max_requests=12, max_seq_len=20)
+    stale: list[int] = []
+    for step in range(30):
+        for i in range(10 - len(col.request_ids())):
+            n = int(rng.integers(1, 16))
+            for m in (col, one):
+                m.allocate(f"s{step}-{i}", n)
+        ids = col.request_ids()
+        assert ids == one.request_ids()
+        picked = [ids[i] for i in rng.permutation(len(ids))[: rng.integers(2, len(ids) + 1)]]
+        handles = [col.request(r).handle for r in picked]
+        items: list[tuple[int, str | None]] = list(zip(handles, picked, strict=True))
+        if stale:
+            items += [(h, None) for h in rng.choice(stale, min(len(stale), 2), replace=False)]
+        order = rng.permutation(len(items))
+        items = [items[i] for i in order]
+        k, ahead = int(rng.integers(1, 4)), int(rng.integers(0, 2))
+        out = col.step_columns(extend=[int(h) for h, _ in items], num_new_tokens=k, lookahead=ahead)
+        expected = []
+        for _, rid in items:
+            try:
+                if rid is None:
+                    raise KVCMError("stale")
+                before = sum(len(t) for t in one.block_table(rid))
+                one.extend(rid, k, lookahead=ahead)
+                expected.append((OK, sum(len(t) for t in one.block_table(rid)) - before))
+            except KVCMError as exc:
+                expected.append((UNKNOWN if rid is None else status_of(exc.code), 0))
+        got = list(zip(out.status["extend"].tolist(), out.new_blocks.tolist(), strict=True))
+        assert got == expected
+        assert snapshot(col) == snapshot(one)
+        for rid in picked[: rng.integers(0, 3)]:
+            stale.append(col.request(rid).handle)
+            col.free(rid)
+            one.free(rid)
+
+
+def test_a_step_of_failing_items_leaves_no_garbage_cycles() -> None:
+    """Each failed item's error is kept without its traceback, whose frames would hold the
+    step's result and make a cycle per item that only the garbage collector frees."""
+    import gc
+
+    (m, handles), _ = _decode_twins(5)
+    gc.collect()
+    gc.disable()
+    try:
+        out = m.step_columns(extend=handles, num_new_tokens=1)
+        assert out.status["extend"].tolist() == [OK, UNKNOWN, TOO_LONG, OK, OK]
+        del out
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -368,6 +368,11 @@ def _ints(values: np.ndarray | int | list[int], n: int) -> list[int]:
     return [values] * n if type(values) is int else values
 
 
+def _pick(values: Any, indices: np.ndarray) -> Any:
+    """Items ``indices`` of a per-item column; one int for all stays that int."""
+    return values[indices] if isinstance(values, np.ndarray) else values
+
+
 class _Stop(Exception):
     """Raised inside ``_execute`` to stop the step at a failed item."""
 
@@ -390,6 +395,10 @@ class _Run:
         )
 
     def fail(self, section: str, index: int, exc: KVCMError) -> None:
+        # The result keeps the error, not its traceback: the traceback's frames hold this
+        # run, whose result holds the error, a cycle per failed item that only the garbage
+        # collector frees (a step of 256 failing items cost 7.8 ms instead of 1.2).
+        exc.__traceback__ = None
         self.out.status[section][index] = status_of(exc.code)
         self.out.errors.append(ItemError(section, index, exc))
         if self.stop_on_error or exc.code == InternalError.code:
@@ -520,20 +529,62 @@ class _Run:
             if done is not None:
                 self.out.new_blocks[:] = done[1]
                 return
+            if self.extends_around_failures():
+                return
+        self.extend_items(np.arange(n))
+
+    def extend_items(self, indices: np.ndarray) -> None:
+        """Extend items ``indices`` of the section one by one (the path of any batch)."""
+        cols, m = self.cols, self.m
+        handles = cols.extend[indices]
         rows, live = request_rows.handle_rows(m, handles)
-        new = _ints(cols.num_new_tokens, n)
-        ahead = _ints(cols.lookahead, n)
-        for i, row in enumerate(rows.tolist()):
-            if live is not None and not live[i]:
-                self.unknown("extend", i, int(handles[i]))
+        new = _ints(_pick(cols.num_new_tokens, indices), indices.size)
+        ahead = _ints(_pick(cols.lookahead, indices), indices.size)
+        for j, (i, row) in enumerate(zip(indices.tolist(), rows.tolist(), strict=True)):
+            if live is not None and not live[j]:
+                self.unknown("extend", i, int(handles[j]))
                 continue
             added = self.item(
                 "extend",
                 i,
-                lambda row=row, k=new[i], a=ahead[i]: request_rows.extend_row(m, row, k, a),
+                lambda row=row, k=new[j], a=ahead[j]: request_rows.extend_row(m, row, k, a),
             )
             if added is not None:
                 self.out.new_blocks[i] = added
+
+    def extends_around_failures(self) -> bool:
+        """The batch path for a decode step where some items fail on their own (a stale
+        handle, a request past ``max_seq_len``): the others as one batch, then the failing
+        ones one by one, so that one bad item does not cost the step the per-item path of
+        all of them (~3 us each). Failing items change nothing, so running them last gives
+        what item after item gives. Stopping at the first error (an atomic step), only the
+        items before it run as the batch. False (nothing changed) when items repeat a row
+        or the batch does not fit item after item: the caller runs every item one by one.
+
+        Example: handles [h0, stale, h2, h3], h3 at max_seq_len: h0 and h2 extend as one
+        batch, then items 1 and 3 fail (``unknown_request``, ``sequence_too_long``).
+        """
+        cols = self.cols
+        bad = request_rows.failing_extends(self.m, cols.extend, cols.num_new_tokens, cols.lookahead)
+        if bad is None or not bad.size:
+            return False
+        good = np.ones(cols.extend.size, dtype=bool)
+        good[bad] = False
+        if self.stop_on_error:
+            good[bad[0] :] = False
+        run = np.flatnonzero(good)
+        if run.size:
+            done = request_rows.extend_handles(
+                self.m,
+                cols.extend[run],
+                _pick(cols.num_new_tokens, run),
+                _pick(cols.lookahead, run),
+            )
+            if done is None:
+                return False
+            self.out.new_blocks[run] = done[1]
+        self.extend_items(bad)
+        return True
 
     def allocates(self) -> None:
         m = self.m

@@ -227,6 +227,26 @@ def extend_handles(
         return None
 
 
+def failing_extends(
+    m: KVCacheManager, handles: np.ndarray, new: np.ndarray | int, ahead: np.ndarray | int
+) -> np.ndarray | None:
+    """Indices of the items of a batch of extends that fail on their own: a handle that is
+    not live, or a length past ``max_seq_len``. None when live items repeat a row (item
+    after item, the second one sees the first one's length: no batch then).
+
+    Example (max_seq_len 64): handles of rows at 10, 64 and 20 tokens, +1 each, and a
+    freed request's handle: items 1 and 3 fail, so [1, 3].
+    """
+    rows, live = handle_rows(m, handles)
+    ok = np.ones(handles.size, dtype=bool) if live is None else live.copy()
+    taken = rows[ok]
+    if np.unique(taken).size != taken.size:
+        return None
+    total = m._coord.num_tokens[rows] + new + ahead
+    ok &= total <= m.config.max_seq_len
+    return np.flatnonzero(~ok)
+
+
 # -- rewind and free -----------------------------------------------------------------------
 
 
