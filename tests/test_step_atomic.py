@@ -218,7 +218,7 @@ def test_mixed_steps_have_the_outcomes_of_running_the_ops_one_by_one(
 
 
 def test_steps_split_into_pieces_in_section_order_without_repeated_requests() -> None:
-    from kvcm.columnar import op_segments
+    from kvcm.op_steps import op_segments
 
     def ops(spec: str) -> list[dict[str, object]]:
         kinds = {"e": "extend", "f": "free", "a": "allocate", "c": "commit", "r": "rewind"}

@@ -60,7 +60,9 @@ from . import (
     suspension,
     transactions,
 )
-from .columnar import OpResults, StepOutcome, parse_columns, run_columns
+from .columnar import run_columns
+from .columnar_parse import parse_columns
+from .columnar_types import StepOutcome
 from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
 from .counts import _count
@@ -69,7 +71,7 @@ from .hashing import MultimodalItem, multimodal_items, root_key
 from .host_tier import HostTier
 from .ids import LayerGroupId
 from .layout import BufferPlacement
-from .op_steps import execute_ops
+from .op_steps import OpResults, execute_ops
 from .ops import op_dicts
 from .planning import check_config, host_slots, plan
 from .planning import resolve_device as resolve_device  # re-exported: the server uses it

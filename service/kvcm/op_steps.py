@@ -1,6 +1,6 @@
 """``step(ops)``, the op-list form of a step, as a layer over the columnar step.
 
-An op list runs as pieces (``kvcm.columnar.op_segments``), each one columnar step: its ids
+An op list runs as pieces (``op_segments``), each one columnar step: its ids
 become handles, its results come back as one result dict per op in list order, the
 ``OpResult`` dumps the service sends (``KVCacheManager.step_plain``). Each op's result is
 read at the end of its piece, which is also its state right after the op (a piece never
@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvcm_client.errors import RequestSuspended, StepAborted, UnknownRequest
+from kvcm_client.models import OpResult
 
 from . import request_rows
-from .columnar import SECTIONS, StepColumns, StepOutcome, execute, op_segments
+from .columnar import execute
+from .columnar_types import SECTIONS, StepColumns, StepOutcome
 from .counts import MAX_COUNT
 
 if TYPE_CHECKING:
@@ -216,3 +218,72 @@ def result_dicts(
             strict=True,
         )
     ]
+
+
+class OpResults(Sequence[OpResult]):
+    """``step``'s results, one ``OpResult`` per op, each built when first read.
+
+    Validating 256 result models costs more than running the step (about 2 us an op, against
+    1 us for the step itself); a scheduler that reads only failures, or only ``len``, pays for
+    what it reads. Compares equal to a list of the same results.
+    """
+
+    __slots__ = ("_built", "_dicts")
+
+    def __init__(self, dicts: list[dict[str, Any]]) -> None:
+        self._dicts = dicts
+        self._built: list[OpResult | None] = [None] * len(dicts)
+
+    def __len__(self) -> int:
+        return len(self._dicts)
+
+    def _one(self, i: int) -> OpResult:
+        found = self._built[i]
+        if found is None:
+            found = self._built[i] = OpResult.model_validate(self._dicts[i])
+        return found
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._one(k) for k in range(*i.indices(len(self._dicts)))]
+        return self._one(range(len(self._dicts))[i])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, OpResults | list | tuple):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+#: Rank of each op kind in a step's section order.
+RANK = {section: i for i, section in enumerate(SECTIONS)}
+
+
+def op_segments(ops: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Split a list of ops into [start, end) pieces that each run as one columnar step with
+    the same outcome as running their ops in list order: within a piece the kinds follow the
+    section order and no request id repeats (so each op's result, read at the end of its
+    piece, is also its state right after the op).
+
+    Example: commit a, free b, extend c, allocate d, extend e gives (0, 4), (4, 5): the
+    extend after an allocate starts a new piece; so would a second op on c.
+    """
+    pieces = []
+    start, last = 0, -1
+    seen: set[str] = set()
+    for i, op in enumerate(ops):
+        rank = RANK[op["op"]]
+        rid = op["request_id"]
+        if rank < last or rid in seen:
+            pieces.append((start, i))
+            start = i
+            seen = set()
+        last = rank
+        seen.add(rid)
+    if start < len(ops):
+        pieces.append((start, len(ops)))
+    return pieces

@@ -55,7 +55,7 @@ from kvcm_client.models import (
 )
 
 from .. import footprint, registration
-from ..columnar import StepOutcome
+from ..columnar_types import StepOutcome
 from ..manager import KVCacheManager, check_config
 from ..ops import plain_step
 from .leases import Leases

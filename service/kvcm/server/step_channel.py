@@ -54,7 +54,7 @@ from kvcm_client.models import (
 )
 from kvcm_client.step_channel import HEADER, OPS, unpack
 
-from ..columnar import columns_from_wire
+from ..columnar_parse import columns_from_wire
 from ..ops import plain_step
 from .state import ServiceState
 

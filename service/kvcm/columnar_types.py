@@ -1,0 +1,123 @@
+"""The columnar step's types (``kvcm.columnar``): a parsed step, its outcome, an item's error.
+
+Results are arrays, one status per item (0 ok, else the index of its error's code in
+``STATUS_CODES``), so that a step of 256 items builds no object per item unless one fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvcm_client.errors import KVCMError
+
+#: The sections of a step, in the order they run.
+SECTIONS = ("commit", "free", "rewind", "suspend", "resume", "extend", "allocate")
+
+
+@dataclass(slots=True)
+class ItemError:
+    """The error of one item: its section, its index in that section, the error."""
+
+    section: str
+    index: int
+    error: KVCMError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"section": self.section, "index": self.index, **self.error.to_dict()}
+
+
+@dataclass(slots=True)
+class StepColumns:
+    """A validated columnar step (``parse_columns``): handles and counts as int64 arrays."""
+
+    free: np.ndarray
+    rewind: np.ndarray
+    rewind_tokens: np.ndarray | int | list[int]
+    suspend: np.ndarray
+    resume: np.ndarray
+    commit: np.ndarray
+    commit_tokens: Sequence[Any]
+    extend: np.ndarray
+    num_new_tokens: np.ndarray | int | list[int]
+    """Checked counts: an array, or one int for all; unchecked ints as a list (only run item
+    by item, each item checking its own)."""
+    lookahead: np.ndarray | int | list[int]
+    allocate: list[dict[str, Any]]
+    """(Not frozen: a step builds one per call, and a frozen dataclass costs a microsecond
+    more to build. Nothing changes it after ``parse_columns``.)"""
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "free": self.free.size,
+            "rewind": self.rewind.size,
+            "suspend": self.suspend.size,
+            "resume": self.resume.size,
+            "commit": self.commit.size,
+            "extend": self.extend.size,
+            "allocate": len(self.allocate),
+        }
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What a columnar step did: a status per item (0 ok, else ``STATUS_CODES``' index of
+    its error), block counts, the allocated handles, the errors of failed items.
+
+    ``new_blocks``: block positions an extend added to the request's table rows, summed over
+    layer groups. ``allocate_new_blocks`` the same for an allocate (prefix-hit blocks
+    included). ``failed``: (section, index) of the item that stopped the step (an
+    all-or-nothing step's first failure, or an internal error), whose other unapplied items
+    have status ``step_aborted``; None when the step ran to the end.
+    """
+
+    status: dict[str, np.ndarray]
+    new_blocks: np.ndarray
+    handles: np.ndarray
+    hit_tokens: np.ndarray
+    allocate_new_blocks: np.ndarray
+    errors: list[ItemError] = field(default_factory=list)
+    failed: tuple[str, int] | None = None
+    freed_ids: list[str] = field(default_factory=list)
+    allocated_ids: list[str] = field(default_factory=list)
+    infos: list[Any] = field(default_factory=list)
+    """Per allocate, the ``RequestInfo`` it returned (None where it failed): for a retry,
+    the first allocation's result, as ``allocate`` answers it."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and self.failed is None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``StepColumnsResponse`` of ``POST /v1/step_columns`` (lists)."""
+        return {
+            "status": {s: a.tolist() for s, a in self.status.items()},
+            "new_blocks": self.new_blocks.tolist(),
+            "handles": self.handles.tolist(),
+            "hit_tokens": self.hit_tokens.tolist(),
+            "allocate_new_blocks": self.allocate_new_blocks.tolist(),
+            "errors": [e.to_dict() for e in self.errors],
+            "failed": None if self.failed is None else list(self.failed),
+        }
+
+    def to_wire(self) -> dict[str, Any]:
+        """The result map of the step channel (docs/step-channel.md#step_columns): arrays as
+        little-endian bytes (int16 status, int32 block counts, int64 handles and tokens);
+        empty sections, empty arrays and an empty error list are left out."""
+        out: dict[str, Any] = {
+            "status": {s: a.astype("<i2").tobytes() for s, a in self.status.items() if a.size}
+        }
+        if self.new_blocks.size:
+            out["new_blocks"] = self.new_blocks.astype("<i4").tobytes()
+        if self.handles.size:
+            out["handles"] = self.handles.astype("<i8").tobytes()
+            out["hit_tokens"] = self.hit_tokens.astype("<i8").tobytes()
+            out["allocate_new_blocks"] = self.allocate_new_blocks.astype("<i4").tobytes()
+        if self.errors:
+            out["errors"] = [e.to_dict() for e in self.errors]
+        if self.failed is not None:
+            out["failed"] = list(self.failed)
+        return out
