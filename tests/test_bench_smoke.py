@@ -155,3 +155,20 @@ def test_bench_router_quick_prints_its_table() -> None:
     ]
     assert any(r.startswith("| event-to-index visibility") for r in rows)
     assert any(r.startswith("| restart to complete") for r in rows)
+
+
+def test_step_channel_timeline_quick_splits_every_frame() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step_channel_timeline.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    for frame in ("bad op", "empty step", "decode 256"):
+        for client in ("sleeps", "spins"):
+            row = re.search(rf"^\| {frame}, client {client} \|(.*)\|$", run.stdout, re.M)
+            assert row is not None, (frame, client, run.stdout)
+            cells = [float(v) for v in row.group(1).split("|")]
+            # Every part is a positive time and the parts fit inside the round trip.
+            assert len(cells) == 6 and min(cells) > 0 and sum(cells[:4]) <= cells[4]
