@@ -4,7 +4,8 @@ Depends on httpx and pydantic only (no torch, no numpy), so a scheduler can inst
 """
 
 from . import errors, models
-from .client import AsyncKVCacheClient, KVCacheClient
+from .async_client import AsyncKVCacheClient
+from .client import KVCacheClient
 from .shared import Attachment, attach  # torch is imported only when attaching
 
 __all__ = ["AsyncKVCacheClient", "Attachment", "KVCacheClient", "attach", "errors", "models"]

@@ -20,10 +20,11 @@ past the new length, so committing the accepted tokens of a verified draft and r
 rejected ones work in this order.) A section of extends of distinct requests runs as one
 vectorised batch when it fits as a whole, item after item; items that fail on their own (a
 stale handle, a request past max_seq_len) are taken out of the batch and fail alone;
-otherwise its items run one by one (the same outcome, item by item).
+otherwise its items run one by one (the same outcome, item by item). ``atomic=True`` makes
+the step all or nothing.
 
 This module runs a step; ``columnar_parse`` checks its shape, ``columnar_types`` holds the
-parsed step and its outcome, and ``op_steps`` runs an op list as columnar steps. ``atomic=True`` makes the step all or nothing.
+parsed step and its outcome, and ``op_steps`` runs an op list as columnar steps.
 
 Handles: ``(serial << 32) | row``, ``serial`` >= 1 counting the row's allocations, so a handle
 kept past a free never names the row's next request (it gets ``unknown_request``). Example:
