@@ -232,6 +232,10 @@ class RankSpec(_Frozen):
 
     device: str
     layers: Annotated[list[LayerSpec], Field(min_length=1)]
+    cp_rank: NonNegInt = 0
+    """This rank's place among the engine's context-parallel ranks (Helix decode context
+    parallelism, docs/ranks.md#context-parallelism): it holds the pages of block positions b
+    with b mod ``context_parallel`` == ``cp_rank``. 0 without context parallelism."""
 
 
 class ManagerConfig(_Frozen):
@@ -296,6 +300,11 @@ class ManagerConfig(_Frozen):
     """The ranks of a tensor- or pipeline-parallel engine (docs/ranks.md): one allocator and
     one set of block ids for all, pools and device page tables per rank. Rank 0 is
     ``layers`` and ``device``, which default to its own when left out; empty: one rank."""
+    context_parallel: Annotated[int, Field(ge=1, le=MAX_RANKS)] = 1
+    """Context-parallel ranks (Helix, docs/ranks.md#context-parallelism): block position b of
+    a request lives on the ranks whose ``cp_rank`` is b mod ``context_parallel``, each of
+    which holds 1/``context_parallel`` of every pool group's slots. 1: every rank holds every
+    block."""
 
     @model_validator(mode="before")
     @classmethod
@@ -326,6 +335,7 @@ class ManagerConfig(_Frozen):
                 "several ranks do not combine with a host tier or state layers yet",
                 {},
             )
+        self._context_parallel_rules()
         if self.max_lookahead >= self.max_seq_len:
             raise PydanticCustomError(
                 "lookahead_too_long",
@@ -353,6 +363,35 @@ class ManagerConfig(_Frozen):
                 {"state_live_slots": self.state_live_slots, "max_requests": self.max_requests},
             )
         return self
+
+    def _context_parallel_rules(self) -> None:
+        """Every CP rank present, rank 0 among CP rank 0's, slots divisible by the ranks;
+        what context parallelism does not combine with yet is refused."""
+        cp = self.context_parallel
+        classes = [spec.cp_rank for spec in self.ranks] or [0]
+        if classes[0] != 0 or set(classes) != set(range(cp)):
+            raise PydanticCustomError(
+                "cp_ranks_mismatch",
+                "with context_parallel={cp} the ranks' cp_rank must cover 0..{last}, rank 0 "
+                "having 0; they are {classes}",
+                {"cp": cp, "last": cp - 1, "classes": classes},
+            )
+        if cp == 1:
+            return
+        if self.memory_bytes is not None or self.share:
+            raise PydanticCustomError(
+                "ranks_unsupported",
+                "context parallelism does not combine with memory_bytes or share yet: give "
+                "num_blocks, and no sharing",
+                {},
+            )
+        if self.num_blocks is not None and self.num_blocks % cp:
+            raise PydanticCustomError(
+                "cp_num_blocks",
+                "num_blocks ({num_blocks}) must be a multiple of context_parallel ({cp}): "
+                "each context-parallel rank holds an equal share",
+                {"num_blocks": self.num_blocks, "cp": cp},
+            )
 
     @property
     def max_blocks_per_request(self) -> int:

@@ -44,7 +44,11 @@ def estimate(
     st = m._state
     rows = m.config.max_requests
     live = rows if st is None else st.live
-    est = m._sizing.estimate(seq_len, m._coord.usable_slots(), min(rows, live), num_requests, shape)
+    usable = m._coord.usable_slots()
+    if m._coord.cp > 1:  # per context-parallel rank: every class holds as many slots
+        pools = enumerate(m._coord.pools)
+        usable = {PoolGroupId(pg): pool.classes[0].num_usable for pg, pool in pools}
+    est = m._sizing.estimate(seq_len, usable, min(rows, live), num_requests, shape)
     host = m._host
     if st is not None:
         update: dict[str, Any] = {

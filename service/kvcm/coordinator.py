@@ -31,6 +31,7 @@ from kvcm_client.errors import InvalidRewind, OutOfBlocks
 
 from .attention import AttentionPolicy, policy_for
 from .block_pool import BlockPool
+from .context_parallel import ClassPools, class_counts, slot_classes
 from .ids import LayerGroupId, PoolGroupId
 from .layout import Layout
 from .prefix_cache import PrefixCache
@@ -94,14 +95,23 @@ class Coordinator:
         null_page: bool = False,
         kv_events: bool = True,
         kv_event_buffer: int = 10_000,
+        context_parallel: int = 1,
     ) -> None:
+        """``context_parallel`` > 1: block position b takes a slot of class b mod cp
+        (``kvcm.context_parallel``); needs and releases are then counted per class."""
         tpb = layout.tokens_per_block
         self.tokens_per_block = tpb
         self.max_blocks = max_blocks
         #: What a table cell holds where there is no page: the null page 0, or -1.
         self.empty = 0 if null_page else -1
         reserved = int(null_page)
-        self.pools = [BlockPool(slots[pg.pool_group_id], reserved) for pg in layout.pool_groups]
+        self.cp = cp = context_parallel
+        self.pools: list[Any] = [
+            BlockPool(slots[pg.pool_group_id], reserved)
+            if cp == 1
+            else ClassPools(slots[pg.pool_group_id], reserved, cp)
+            for pg in layout.pool_groups
+        ]
         #: Requests holding each slot (prefix hits share slots); a slot is free at 0.
         self.refs = [np.zeros(slots[pg.pool_group_id], dtype=np.int32) for pg in layout.pool_groups]
         self.cache = PrefixCache(layout, slots, kv_event_buffer, kv_events)
@@ -146,8 +156,8 @@ class Coordinator:
         tpb = self.tokens_per_block
         want = (capacity + (tpb - 1)) // tpb
         plans = []
-        need = [0] * len(self.pools)
-        back = [0] * len(self.pools)
+        need = self._zeros()
+        back = self._zeros()
         #: Per pool group, each group's (blocks added, blocks freed) per row, in order.
         moves: list[list[tuple[np.ndarray, np.ndarray | int]]] = [[] for _ in self.pools]
         stale: list[list[np.ndarray]] = [[] for _ in self.pools]
@@ -164,7 +174,7 @@ class Coordinator:
                 rel_old = rel_new = current
                 num_released = 0
             pg = self.group_pool[g]
-            need[pg] += num_add
+            need[pg] += num_add if self.cp == 1 else class_counts(current, current + add, self.cp)
             freed: np.ndarray | int = 0
             cells = None
             if num_released:
@@ -192,7 +202,20 @@ class Coordinator:
                 back[pg] = self._freed(pg, slots[0] if len(slots) == 1 else np.concatenate(slots))
         for pg, pool in enumerate(self.pools):
             # In order, row i runs after rows < i: it needs what they took net of what they
-            # gave back, so every prefix of the net needs must fit, not only the total.
+            # gave back, so every prefix of the net needs must fit, not only the total. Per
+            # class (context parallelism), the batch must fit without what it gives back: a
+            # stricter rule, whose refusal only sends the rows one by one.
+            if self.cp > 1:
+                late = in_order and bool(np.any(back[pg]))
+                if late and bool(np.any(need[pg] > pool.free_by_class())):
+                    raise OutOfBlocks(
+                        f"pool group {pg}: the rows do not fit one after another",
+                        pool_group=pg,
+                        needed=int(need[pg].sum()),
+                        free=pool.num_free,
+                        released=int(back[pg].sum()),
+                    )
+                continue
             if in_order and back[pg] and int(np.cumsum(_net(moves[pg])).max()) > pool.num_free:
                 raise OutOfBlocks(
                     f"pool group {pg}: the rows do not fit one after another",
@@ -204,20 +227,42 @@ class Coordinator:
         self.check_fits(need, back)
         return plans
 
-    def _freed(self, pg: int, slots: np.ndarray) -> int:
-        """Slots of pool group pg that releasing these table cells frees: a slot goes back
-        only when its last holder drops it, so a stale window block that a prefix hit shares
-        with another request frees nothing (one listed k times, by k rows, frees it if they
-        are all its holders)."""
-        if int(self.refs[pg][slots].max()) == 1:  # the usual case: each cell its own slot
-            return int(slots.size)
-        unique, counts = np.unique(slots, return_counts=True)
-        return int((self.refs[pg][unique] == counts).sum())
+    def _zeros(self) -> list[Any]:
+        """A count per pool group: an int, or per class an int64 ``[cp]``."""
+        if self.cp == 1:
+            return [0] * len(self.pools)
+        return [np.zeros(self.cp, dtype=np.int64) for _ in self.pools]
 
-    def check_fits(self, need: list[int], back: list[int] | None = None) -> None:
-        """Refuse an op that needs more slots than are free once its releases are back."""
-        back = back or [0] * len(self.pools)
+    def _freed(self, pg: int, slots: np.ndarray) -> Any:
+        """Slots of pool group pg that releasing these table cells frees (per class with
+        context parallelism): a slot goes back only when its last holder drops it, so a
+        stale window block that a prefix hit shares with another request frees nothing
+        (one listed k times, by k rows, frees it if they are all its holders)."""
+        if int(self.refs[pg][slots].max()) == 1:  # the usual case: each cell its own slot
+            return int(slots.size) if self.cp == 1 else slot_classes(slots, self.cp)
+        unique, counts = np.unique(slots, return_counts=True)
+        freed = unique[self.refs[pg][unique] == counts]
+        return int(freed.size) if self.cp == 1 else slot_classes(freed, self.cp)
+
+    def check_fits(self, need: list[Any], back: list[Any] | None = None) -> None:
+        """Refuse an op that needs more slots than are free once its releases are back (per
+        class with context parallelism: ``need`` and ``back`` are then ``[cp]`` arrays)."""
+        back = back or self._zeros()
         for pg, pool in enumerate(self.pools):
+            if self.cp > 1:
+                free = pool.free_by_class() + back[pg]
+                if bool(np.any(need[pg] > free)):
+                    c = int(np.argmax(need[pg] - free))
+                    raise OutOfBlocks(
+                        f"pool group {pg} needs {int(need[pg][c])} blocks of context-parallel "
+                        f"rank {c}, {int(free[c])} are free",
+                        pool_group=pg,
+                        needed=int(need[pg][c]),
+                        free=int(pool.free_by_class()[c]),
+                        released=int(back[pg][c]),
+                        cp_rank=c,
+                    )
+                continue
             if need[pg] > pool.num_free + back[pg]:
                 raise OutOfBlocks(
                     f"pool group {pg} needs {need[pg]} blocks, {pool.num_free + back[pg]} are free",
@@ -284,6 +329,13 @@ class Coordinator:
         tpb = self.tokens_per_block
         history = self.num_tokens.item(row)
         length = history + new_tokens
+        if self.cp > 1:  # per-class counts: the batch path, with one row
+            one = np.array([row])
+            past = np.array([history])
+            grown = self.grow_rows(
+                one, past, past + new_tokens, past + new_tokens + lookahead, lookahead
+            )
+            return int(grown[0])
         want = -(-(length + lookahead) // tpb)
         if not self.any_windowed:
             for held in self.num_blocks:
@@ -333,19 +385,26 @@ class Coordinator:
         self._set(plan.group, r, pos, None)
 
     def _allocate(self, plan: _GroupPlan, rows: np.ndarray) -> None:
-        slots = self._take(self.group_pool[plan.group], plan.num_add)
+        pg = self.group_pool[plan.group]
         items = plan.add.nonzero()[0]
         if items.size == plan.num_add:
             # Each row adds at most one block (a decode step): no offsets to expand.
-            self._set(plan.group, rows[items], plan.current[items], slots)
-            return
-        items, offsets = segments(plan.add)
-        self._set(plan.group, rows[items], plan.current[items] + offsets, slots)
+            positions = plan.current[items]
+        else:
+            items, offsets = segments(plan.add)
+            positions = plan.current[items] + offsets
+        slots = self._take(pg, plan.num_add, positions)
+        self._set(plan.group, rows[items], positions, slots)
 
-    def _take(self, pg: int, k: int) -> np.ndarray:
-        """k slots off the queue's head, held once; blocks cached in them are evicted (to the
-        host tier first, if there is one: copied before the slots are handed out)."""
-        slots = self.pools[pg].pop(k)
+    def _take(self, pg: int, k: int, positions: np.ndarray | None = None) -> np.ndarray:
+        """k slots off the queue's head (with context parallelism, one of each position's
+        class), held once; blocks cached in them are evicted (to the host tier first, if
+        there is one: copied before the slots are handed out)."""
+        if self.cp > 1:
+            assert positions is not None and positions.size == k
+            slots = self.pools[pg].pop_positions(positions)
+        else:
+            slots = self.pools[pg].pop(k)
         self.refs[pg][slots] = 1
         if self.host is not None and self.cache.slot_key[pg]:
             cached = slots[self.cache.cached[pg][slots]].tolist()
@@ -442,14 +501,18 @@ class Coordinator:
         need it); the blocks past the hit up to ``capacity`` tokens are new.
         """
         want = -(-capacity // self.tokens_per_block)
-        need = [0] * len(self.pools)
+        need = self._zeros()
         idle = []
         for g, slots in enumerate(hits):
             pg = self.group_pool[g]
             live = slots[slots >= 0] if self.windowed[g] else slots
             unheld = live[self.refs[pg][live] == 0]
             idle.append(unheld)
-            need[pg] += max(want - slots.size, 0) + unheld.size
+            if self.cp == 1:
+                need[pg] += max(want - slots.size, 0) + unheld.size
+            else:
+                new = class_counts(slots.size, max(want, slots.size), self.cp)
+                need[pg] += new + slot_classes(unheld, self.cp)
         return need, idle
 
     def place_hits(

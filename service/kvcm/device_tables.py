@@ -19,6 +19,7 @@ import torch
 
 import kvcm_kernels
 
+from .context_parallel import local_edits, local_table_width
 from .coordinator import Coordinator
 
 _NO_EDITS = np.empty((0, 4), dtype=np.int64)
@@ -143,17 +144,28 @@ class DeviceTables:
         memory: torch.Tensor | None = None,
         queues: EditQueues | None = None,
         rank: int = 0,
+        cp: tuple[int, int] = (1, 0),
     ) -> None:
         """``memory`` (uint8, on ``device``): where the CUDA tables live when shared;
-        ``queues``: with several ranks, where this rank (``rank``) takes its edits."""
+        ``queues``: with several ranks, where this rank (``rank``) takes its edits. ``cp``:
+        (context_parallel, this rank's cp_rank); with context parallelism the tables are
+        the rank's local ones (``kvcm.context_parallel``), on the CPU too."""
         self._coord = coordinator
         self._queues = queues
         self._rank = rank
+        self._cp = cp
         self.device = device
         host = coordinator.tables
-        if device.type == "cpu":
+        self._upload: Uploader | None = None
+        if cp[0] > 1:
+            groups, rows, cols = host.shape
+            local = np.full((groups, rows, local_table_width(cols, cp[0])), coordinator.empty)
+            self.tensor = torch.from_numpy(local.astype(np.int32)).to(device)
+            coordinator.edits = coordinator.edits if coordinator.edits is not None else []
+            if device.type != "cpu":
+                self._upload = Uploader(device, torch.int64)
+        elif device.type == "cpu":
             self.tensor = torch.from_numpy(host)
-            self._upload: Uploader | None = None
         else:
             if memory is None:
                 self.tensor = torch.from_numpy(host).to(device)
@@ -171,10 +183,12 @@ class DeviceTables:
         """The edits not yet on the device, int64 ``[E, 4]``; the caller must apply them on
         the current stream, which then waits for the host tier's copies so far: a table
         cell never reaches the device before the copy that fills or empties its slot."""
+        if self._queues is not None:  # several ranks (no host tier with them)
+            edits = self._queues.take(self._rank)
+            cp, mine = self._cp
+            return edits if cp == 1 else local_edits(edits, cp, mine)
         if self._upload is None:
             return np.empty((0, 4), dtype=np.int64)
-        if self._queues is not None:  # several ranks (no host tier with them)
-            return self._queues.take(self._rank)
         if not self._coord.ops_since_take:
             return np.empty((0, 4), dtype=np.int64)
         if self._coord.host is not None:
@@ -185,7 +199,9 @@ class DeviceTables:
         """Apply pending edits (one launch) and return the tables ``[groups, rows, blocks]``."""
         edits = self.take_pending()
         if edits.shape[0]:
-            assert self._upload is not None
+            if self._upload is None:  # a context-parallel rank's tables on the CPU
+                kvcm_kernels.apply_page_table_edits(self.tensor, torch.from_numpy(edits))
+                return self.tensor
             # The kernel reads the edits from pinned memory: no copy of their own.
             kvcm_kernels.apply_page_table_edits(self.tensor, self._upload.stage(edits))
             self._upload.commit()

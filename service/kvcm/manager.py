@@ -188,8 +188,10 @@ class KVCacheManager:
                 if self.device.type == "cpu"
                 else CudaSegments(self.generation, self.device)
             )
+        #: Slots each rank's pools hold: all of them, or a context-parallel rank's share.
+        self._rank_slots = {pg: n // cfg.context_parallel for pg, n in self._slots.items()}
         self.memory = PoolMemory(
-            self.layout, self._slots, self.device, self._segments, cfg.null_page
+            self.layout, self._rank_slots, self.device, self._segments, cfg.null_page
         )
         if self._segments is not None:
             ng = len(self.layout.layer_groups)
@@ -206,6 +208,7 @@ class KVCacheManager:
             cfg.null_page,
             cfg.kv_events,
             cfg.kv_event_buffer,
+            cfg.context_parallel,
         )
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
@@ -229,14 +232,19 @@ class KVCacheManager:
         self._committed = np.zeros(cfg.max_requests, dtype=np.int64)
         #: Undo actions for token-list edits while an all-or-nothing step runs.
         self._undo: list[Callable[[], None]] | None = None
-        #: Several ranks on CUDA: each rank's device tables take the edits from a queue.
+        #: Several ranks on CUDA, or context-parallel ranks (tables of their own pages): each
+        #: rank's device tables take the edits from a queue.
         queues = (
             EditQueues(self._coord, len(rank_plans))
-            if len(rank_plans) > 1 and self.device.type == "cuda"
+            if len(rank_plans) > 1 and (self.device.type == "cuda" or cfg.context_parallel > 1)
             else None
         )
         self._tables = DeviceTables(
-            self._coord, self.device, None if self.device.type == "cpu" else table_memory, queues
+            self._coord,
+            self.device,
+            None if self.device.type == "cpu" else table_memory,
+            queues,
+            cp=(cfg.context_parallel, 0),
         )
         self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
         #: State layers (docs/state-layers.md): live slots, checkpoints; None without.
@@ -282,7 +290,7 @@ class KVCacheManager:
             self.layout,
             self.device,
             self.memory,
-            self._slots,
+            self._rank_slots,
             self._coord,
             self._tables,
             _weak(self._rows_of),
@@ -293,7 +301,7 @@ class KVCacheManager:
             *(
                 build_rank(
                     p,
-                    self._slots,
+                    self._rank_slots,
                     self._coord,
                     queues,
                     _weak(self._rows_of),

@@ -62,7 +62,7 @@ def plan(
     layout = build_layout(cfg.layers, cfg.tokens_per_block)
     state = state_memory(cfg)
     shape = StepShape(cfg.max_prefill_chunk, cfg.max_lookahead)
-    sizing = Sizing(layout, cfg.max_seq_len, shape, state)
+    sizing = Sizing(layout, cfg.max_seq_len, shape, state, cfg.context_parallel)
     if cfg.num_blocks is not None:
         slots = {pg.pool_group_id: cfg.num_blocks for pg in layout.pool_groups}
     else:
@@ -84,8 +84,8 @@ def plan(
             if len(ranks) > 1:
                 exc.detail["rank"] = rank
             raise
-    if cfg.null_page:
-        _check_null_page_room(slots)
+    if cfg.null_page:  # per context-parallel rank: each reserves its own slot 0
+        _check_null_page_room({pg: n // cfg.context_parallel for pg, n in slots.items()})
     return device, layout, sizing, slots, ranks
 
 

@@ -132,15 +132,17 @@ def build_rank(
     segments: SharedSegments | CudaSegments | None,
     cpu_table_segment: SharedSegment | None,
 ) -> Rank:
-    """Rank ``plan.rank`` (>= 1): its pools on its device; on the CPU it reads the host tables
-    like rank 0 (and maps rank 0's table segment), on CUDA it gets tables of its own that take
-    their edits from ``queues``. ``segments``: the manager's CPU segments, or a new CUDA one
+    """Rank ``plan.rank`` (>= 1): its pools on its device (``slots``: its share of them); on
+    the CPU it reads the host tables like rank 0 (and maps rank 0's table segment), on CUDA,
+    or as a context-parallel rank, it gets tables of its own that take their edits from
+    ``queues``. ``segments``: the manager's CPU segments, or a new CUDA one
     per rank (its own device) when sharing."""
     cfg, device = plan.config, plan.device
     memory = PoolMemory(plan.layout, slots, device, segments, cfg.null_page)
     table_segment, table_memory = cpu_table_segment, None
     if device.type == "cuda" and segments is not None:
         table_segment, table_memory = segments.allocate(coord.tables.nbytes)
-    tables = DeviceTables(coord, device, table_memory, queues, plan.rank)
-    views = TablesAndViews(cfg, plan.layout, device, memory, slots, coord, tables, rows_of)
+    cp = (cfg.context_parallel, cfg.ranks[plan.rank].cp_rank)
+    tables = DeviceTables(coord, device, table_memory, queues, plan.rank, cp)
+    views = TablesAndViews(cfg, plan.layout, device, memory, slots, coord, tables, rows_of, cp[1])
     return Rank(plan, memory, tables, views, table_segment)

@@ -33,6 +33,7 @@ run out at the same number of such requests:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,7 @@ import numpy as np
 from kvcm_client.errors import InsufficientMemory, InvalidArgument
 from kvcm_client.models import Estimate, LayerGroupEstimate, PoolGroupEstimate
 
+from .context_parallel import local_count
 from .ids import PoolGroupId
 from .layout import Layout
 
@@ -73,9 +75,17 @@ class Sizing:
     CACHED = 8
 
     def __init__(
-        self, layout: Layout, max_seq_len: int, shape: StepShape, fixed_bytes: int = 0
+        self,
+        layout: Layout,
+        max_seq_len: int,
+        shape: StepShape,
+        fixed_bytes: int = 0,
+        context_parallel: int = 1,
     ) -> None:
-        """``fixed_bytes``: what a budget pays before the KV pools (the state layers')."""
+        """``fixed_bytes``: what a budget pays before the KV pools (the state layers').
+        ``context_parallel`` > 1: every count is per context-parallel rank (slot class,
+        ``kvcm.context_parallel``), the most any rank holds."""
+        self.context_parallel = context_parallel
         self.layout = layout
         self.max_seq_len = max_seq_len
         self.shape = shape
@@ -107,17 +117,65 @@ class Sizing:
                 return np.zeros_like(history)
             return np.maximum(0, (history + 1 - window) // tpb - sinks)
 
+        cp = self.context_parallel
+        curves = [
+            self._class_curves(blocks, released, h, length, start, chunk, shape, c)
+            for c in range(cp)
+        ]
+        if cp == 1:
+            return curves[0]
+        # Each rank holds its own class: the most any class needs, L by L.
+        return Curves(
+            max_len=max_len,
+            group=[
+                np.maximum.reduce([k.group[i] for k in curves]) for i in range(len(curves[0].group))
+            ],
+            pool=[
+                np.maximum.reduce([k.pool[i] for k in curves]) for i in range(len(curves[0].pool))
+            ],
+            fixed=[
+                None if f is None else max(k.fixed[i] or 0 for k in curves)
+                for i, f in enumerate(curves[0].fixed)
+            ],
+        )
+
+    def _class_curves(
+        self,
+        blocks: Callable[[np.ndarray], np.ndarray],
+        released: Callable[[np.ndarray, int | None, int], np.ndarray],
+        h: np.ndarray,
+        length: np.ndarray,
+        start: np.ndarray,
+        chunk: int,
+        shape: StepShape,
+        c: int,
+    ) -> Curves:
+        """The curves of slot class c (all of them without context parallelism): of the
+        blocks an op leaves held, those at positions of class c. With cp ranks a window's
+        held run [S + released, end) and its sinks [0, S) count ``local_count`` each."""
+        tpb, cp = self.layout.tokens_per_block, self.context_parallel
+
+        def held(
+            history: np.ndarray, end: np.ndarray, window: int | None, sinks: int
+        ) -> np.ndarray:
+            gone = released(history, window, sinks)
+            if cp == 1:
+                return blocks(end) - gone
+            first = local_count(sinks, cp, c)
+            return local_count(blocks(end), cp, c) - (local_count(sinks + gone, cp, c) - first)
+
         unclipped, clipped, fixed = [], [], []
         for g in self.layout.layer_groups:
-            unclipped.append(blocks(h + chunk) - released(h, g.sliding_window, g.sink_blocks))
-            clipped.append(blocks(length) - released(start, g.sliding_window, g.sink_blocks))
+            unclipped.append(held(h, h + chunk, g.sliding_window, g.sink_blocks))
+            clipped.append(held(start, length, g.sliding_window, g.sink_blocks))
             if g.sliding_window is None or shape.chunk is None:
                 fixed.append(None)
                 continue
-            # Past h = W - 1 + S x tpb the unclipped count repeats with period tpb.
-            horizon = np.arange(g.sliding_window + (g.sink_blocks + 1) * tpb, dtype=np.int64)
-            held = blocks(horizon + chunk) - released(horizon, g.sliding_window, g.sink_blocks)
-            fixed.append(int(held.max()))
+            # Past h = W - 1 + S x tpb the unclipped count repeats with period tpb (cp x tpb
+            # per class).
+            span = g.sliding_window + (g.sink_blocks + 1) * tpb * cp
+            horizon = np.arange(span, dtype=np.int64)
+            fixed.append(int(held(horizon, horizon + chunk, g.sliding_window, g.sink_blocks).max()))
 
         def peak(members: list[int]) -> np.ndarray:
             free_running = np.maximum.accumulate(sum(unclipped[g] for g in members))
@@ -126,7 +184,7 @@ class Sizing:
             return np.maximum(earlier, sum(clipped[g] for g in members))
 
         return Curves(
-            max_len=max_len,
+            max_len=int(length[-1]) if length.size else 0,
             group=[peak([g.group_id]) for g in self.layout.layer_groups],
             pool=[peak(list(pg.layer_groups)) for pg in self.layout.pool_groups],
             fixed=fixed,

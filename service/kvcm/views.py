@@ -31,6 +31,7 @@ from kvcm_client.models import (
 )
 from kvcm_client.models import Layout as LayoutInfo
 
+from .context_parallel import local_count, local_lengths, local_positions
 from .coordinator import Coordinator, segments
 from .counts import _count, _counts
 from .device_tables import DeviceTables, Uploader
@@ -53,10 +54,14 @@ class TablesAndViews:
         coord: Coordinator,
         tables: DeviceTables,
         rows_of: Callable[[Sequence[str]], np.ndarray],
+        cp_rank: int = 0,
     ) -> None:
         """``rows_of`` maps request ids to page-table rows (the manager's, which refuses
-        unknown ids)."""
+        unknown ids). ``cp_rank``: this rank's context-parallel rank; its tables, slot
+        mappings and lengths are then of its own pages (``kvcm.context_parallel``)."""
         self.config = config
+        self.cp = config.context_parallel
+        self.cp_rank = cp_rank
         self.layout = layout
         self.device = device
         self.memory = memory
@@ -224,7 +229,13 @@ class TablesAndViews:
         packed[ends[0]] = 0
         np.cumsum(counts, out=packed[ends[0] + 1 : ends[1]])
         items, offsets = segments(counts)
-        packed[ends[1] : ends[2]] = (length - counts)[items] + offsets
+        positions = (length - counts)[items] + offsets
+        if self.cp > 1:  # this rank's pages only: other ranks' tokens map to -1
+            width = self._tables.tensor.shape[2]
+            positions = local_positions(
+                positions, self.tokens_per_block, self.cp, self.cp_rank, width
+            )
+        packed[ends[1] : ends[2]] = positions
         packed[ends[2] :] = edits.reshape(-1)
         uploader = self._tables.uploader
         staged = torch.from_numpy(packed) if uploader is None else uploader.stage(packed)
@@ -266,6 +277,12 @@ class TablesAndViews:
         for the tokens it was computed from. Sources there are fine. All or nothing: on any
         refusal no byte changes.
         """
+        if self.cp > 1:
+            raise InvalidArgument(
+                "copy_tokens does not combine with context parallelism yet (a token's KV "
+                "lives on the rank of its block)",
+                context_parallel=self.cp,
+            )
         rows = self._rows_of(request_ids)
         n = rows.size
         src = _counts("src_positions", src_positions, n, 0)
@@ -292,6 +309,33 @@ class TablesAndViews:
             disjoint=disjoint,
             min_live=self._min_live,
         )
+
+    def context_lengths(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """int32 ``[len(request_ids)]`` tokens of each request this rank's attention reads:
+        its length, or with context parallelism the tokens of this rank's blocks (the
+        rank's local pages are full but for its last one). Example (cp 2, 4 tokens per
+        block): a request of 10 tokens has 6 on CP rank 0 (blocks 0 and 2), 4 on rank 1."""
+        rows = self._rows_of(request_ids)
+        length = self._coord.num_tokens[rows]
+        if self.cp > 1:
+            length = local_lengths(length, self.tokens_per_block, self.cp, self.cp_rank)
+        return self._to_device(length.astype(np.int64)).to(torch.int32)
+
+    def released_pages(self, request_ids: Sequence[str], layer_id: int) -> torch.Tensor:
+        """int32 ``[len(request_ids), 2]``: each request's [start, end) of page-table
+        entries of the layer that its sliding window released (no page there: -1, or the
+        null page), in this rank's entries. A window's released run is global blocks
+        [sink_blocks, released_end); a context-parallel rank r holds of them its local
+        entries [ceil((sink_blocks - r) / cp), ceil((released_end - r) / cp)). Full
+        attention releases nothing: [0, 0) for sinkless groups, [S, S) otherwise."""
+        group = self.placement(layer_id, "key").layer_group
+        rows = self._rows_of(request_ids)
+        sinks = self.layout.layer_groups[group].sink_blocks
+        end = self._coord.released_end[group][rows]
+        ranges = np.stack([np.full(rows.size, sinks, dtype=np.int64), end], axis=1)
+        if self.cp > 1:
+            ranges = local_count(ranges, self.cp, self.cp_rank)
+        return self._to_device(ranges.astype(np.int64)).to(torch.int32)
 
     def _held_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Slots ``[layer groups, n]`` of the blocks holding each row's position; refuses a

@@ -1,0 +1,293 @@
+"""Decode context parallelism (Helix, kvcm.context_parallel, docs/ranks.md): block position b
+on context-parallel rank b mod cp, one free list per slot class, and per rank its own page
+tables, slot mappings, lengths and released pages, checked against a brute-force model of
+the global block tables on random op sequences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from kvcm import KVCacheManager
+from kvcm.context_parallel import ClassPools, class_counts, local_count
+from kvcm_client.errors import InvalidArgument, KVCMError, OutOfBlocks
+
+TPB = 4
+
+
+def spec(i: int, window: int | None = None, sinks: int = 0, **kw: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"layer_id": i, "num_kv_heads": 1, "head_dim": 4, "dtype": "fp32"}
+    if window is not None:
+        out |= {"sliding_window": window, "sink_tokens": sinks}
+    return out | kw
+
+
+def manager(cp: int, layers: list[dict[str, Any]] | None = None, **kw: Any) -> KVCacheManager:
+    layers = layers or [spec(0)]
+    cfg: dict[str, Any] = {
+        "ranks": [{"device": "cpu", "layers": layers, "cp_rank": c} for c in range(cp)],
+        "context_parallel": cp,
+        "tokens_per_block": TPB,
+        "max_requests": 6,
+        "max_seq_len": 96,
+        "num_blocks": 12 * cp,
+    }
+    return KVCacheManager(cfg | kw)
+
+
+# -- the pieces --------------------------------------------------------------------------------
+
+
+def test_local_counts_and_class_counts_match_enumeration() -> None:
+    for cp in (1, 2, 3, 5):
+        for n in range(0, 23):
+            for c in range(cp):
+                assert local_count(n, cp, c) == sum(1 for b in range(n) if b % cp == c)
+        starts, stops = np.array([0, 3, 7]), np.array([5, 3, 13])
+        spans = [range(a, z) for a, z in zip(starts, stops, strict=True)]
+        want = [sum(1 for r in spans for b in r if b % cp == c) for c in range(cp)]
+        assert class_counts(starts, stops, cp).tolist() == want
+
+
+def test_class_pools_hand_out_each_position_a_slot_of_its_class() -> None:
+    pools = ClassPools(8, reserved=1, cp=2)  # class 0: 2, 4, 6; class 1: 3, 5, 7
+    assert pools.num_usable == 6 and pools.free_by_class().tolist() == [3, 3]
+    got = pools.pop_positions(np.array([0, 1, 2, 5]))
+    assert got.tolist() == [2, 3, 4, 5]
+    pools.push(np.array([5, 2]))
+    assert pools.free_order().tolist() == [6, 2, 7, 5]
+    pools.claim(np.array([2]))
+    assert pools.free_by_class().tolist() == [1, 2] and pools.num_free == 3
+    saved = pools.checkpoint()
+    pools.pop_positions(np.array([1, 3]))
+    pools.restore(saved)
+    assert pools.free_order().tolist() == [6, 7, 5]
+
+
+# -- configs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"context_parallel": 3}, "cp_ranks_mismatch"),  # no rank of class 2
+        (
+            {"ranks": [{"device": "cpu", "layers": [spec(0)], "cp_rank": 1}] * 2},
+            "cp_ranks_mismatch",
+        ),
+        ({"num_blocks": 25}, "cp_num_blocks"),
+        ({"num_blocks": None, "memory_bytes": 1 << 20}, "ranks_unsupported"),
+        ({"share": True}, "ranks_unsupported"),
+    ],
+)
+def test_inconsistent_context_parallel_configs_are_refused(
+    change: dict[str, Any], code: str
+) -> None:
+    cfg = {
+        "ranks": [{"device": "cpu", "layers": [spec(0)], "cp_rank": c} for c in range(2)],
+        "context_parallel": 2,
+        "tokens_per_block": TPB,
+        "max_requests": 4,
+        "max_seq_len": 64,
+        "num_blocks": 24,
+    }
+    with pytest.raises(ValidationError) as exc:
+        KVCacheManager(cfg | change)
+    assert exc.value.errors()[0]["type"] == code
+
+
+def test_a_cp_rank_without_context_parallelism_is_refused() -> None:
+    with pytest.raises(ValidationError) as exc:
+        KVCacheManager(
+            {
+                "ranks": [
+                    {"device": "cpu", "layers": [spec(0)]},
+                    {"device": "cpu", "layers": [spec(0)], "cp_rank": 1},
+                ],
+                "num_blocks": 8,
+                "max_seq_len": 64,
+            }
+        )
+    assert exc.value.errors()[0]["type"] == "cp_ranks_mismatch"
+
+
+# -- exact tables ------------------------------------------------------------------------------
+
+
+def test_pages_alternate_between_ranks_with_local_tables_lengths_and_mappings() -> None:
+    m = manager(2, num_blocks=16)
+    info = m.allocate("a", 10)  # blocks 0, 1, 2
+    assert m.block_table("a") == [[0, 1, 2]]  # classes 0, 1, 0
+    r0, r1 = m.rank(0), m.rank(1)
+    assert r0.page_table(0)[info.row, :3].tolist() == [0, 1, -1]  # global 0, 2
+    assert r1.page_table(0)[info.row, :2].tolist() == [0, -1]  # global 1
+    assert r0.context_lengths(["a"]).tolist() == [6] and r1.context_lengths(["a"]).tolist() == [4]
+    assert r0.slot_mapping(["a"], 0).tolist() == [0, 1, 2, 3, -1, -1, -1, -1, 4, 5]
+    assert r1.slot_mapping(["a"], 0).tolist() == [-1, -1, -1, -1, 0, 1, 2, 3, -1, -1]
+    assert m.rank(0).kv_view(0).shape[0] == 8  # each rank holds half of the 16 slots
+    m.extend("a", 3)  # 13 tokens: block 3 (class 1) is new
+    assert m.block_table("a") == [[0, 1, 2, 3]]
+    assert r1.page_table(0)[info.row, :2].tolist() == [0, 1]
+    assert r1.slot_mapping(["a"], 0).tolist() == [-1, -1, 4]  # tokens 10, 11 (block 2), 12
+    assert r0.slot_mapping(["a"], 0).tolist() == [6, 7, -1]
+
+
+def test_a_class_that_runs_out_refuses_even_with_other_classes_free() -> None:
+    m = manager(2, num_blocks=8)  # 4 slots per class
+    m.allocate("a", 3 * TPB)  # blocks 0, 1, 2: classes 0, 1, 0
+    assert m._coord.pools[0].free_by_class().tolist() == [2, 3]
+    before = m.block_table("a")
+    with pytest.raises(OutOfBlocks) as exc:
+        m.allocate("b", 5 * TPB)  # 5 blocks, 5 free: but 3 of class 0, and 2 are free
+    assert exc.value.detail["cp_rank"] == 0 and exc.value.detail["needed"] == 3
+    assert m.request_ids() == ["a"] and m.block_table("a") == before
+    assert m.num_free_blocks(0) == 5
+    m.allocate("b", 4 * TPB)  # 2 of each class: fits
+    assert m.block_table("b") == [[4, 3, 6, 5]]
+
+
+def test_estimates_hold_exactly_per_class() -> None:
+    for cp, seq_len in ((2, 40), (3, 41), (4, 17)):
+        m = manager(
+            cp, [spec(0), spec(1, window=9, sinks=4)], num_blocks=10 * cp, max_prefill_chunk=8
+        )
+        est = m.estimate(seq_len)
+        n = est.max_requests
+        assert 0 < n < 6
+        for i in range(n):
+            m.allocate(f"r{i}", 8)
+        # Lockstep to seq_len in chunks of 8: every op fits.
+        while m.request("r0").num_tokens < seq_len:
+            for i in range(n):
+                m.extend(f"r{i}", min(8, seq_len - m.request(f"r{i}").num_tokens))
+        # One more request of the worst history does not: it runs out in some class.
+        with pytest.raises(OutOfBlocks):
+            m.allocate("extra", 8)
+            while m.request("extra").num_tokens < seq_len:
+                m.extend("extra", min(8, seq_len - m.request("extra").num_tokens))
+
+
+def test_copy_tokens_is_refused_with_context_parallelism() -> None:
+    m = manager(2)
+    m.allocate("a", 8)
+    with pytest.raises(InvalidArgument, match="context parallelism"):
+        m.copy_tokens(["a"], [0], [5])
+
+
+# -- the brute-force model ---------------------------------------------------------------------
+
+
+def _check(m: KVCacheManager, cp: int, null_page: bool) -> None:
+    """Every rank's tables, lengths, mappings and released pages against the global block
+    tables; slot classes, holders and free counts per class."""
+    empty = 0 if null_page else -1
+    c = m._coord
+    ids = m.request_ids()
+    holders: dict[tuple[int, int], int] = {}
+    for rid in ids:
+        row = m.request(rid).row
+        for g, blocks in enumerate(m.block_table(rid)):
+            pg = c.group_pool[g]
+            for b, s in enumerate(blocks):
+                if s >= 0:
+                    assert s % cp == b % cp, (rid, g, b, s)
+                    holders[pg, s] = holders.get((pg, s), 0) + 1
+            assert len(blocks) == int(c.num_blocks[g][row])
+    for pg, pool in enumerate(c.pools):
+        held = {s for (q, s) in holders if q == pg}
+        for s in held:
+            assert c.refs[pg][s] == holders[pg, s]
+        cached = set(np.flatnonzero(c.cache.cached[pg]).tolist())
+        free = set(pool.free_order().tolist())
+        assert not free & held
+        for k in range(cp):  # every usable slot of a class is held, or free (maybe cached)
+            usable = {s for s in range(k, pool.num_slots, cp) if s // cp >= int(null_page)}
+            assert {s for s in free if s % cp == k} | {s for s in held if s % cp == k} == usable
+        assert cached <= free | held
+    for r in range(cp):
+        view = m.rank(r)
+        tables = view.page_tables().numpy()
+        width = tables.shape[2]
+        assert (tables[:, :, -1] == empty).all()
+        for rid in ids:
+            info = m.request(rid)
+            row, length = info.row, info.num_tokens
+            for g, blocks in enumerate(m.block_table(rid)):
+                want = [empty] * width
+                for b, s in enumerate(blocks):
+                    if b % cp == r:
+                        want[b // cp] = s // cp if s >= 0 else empty
+                assert tables[g, row].tolist() == want, (rid, r, g)
+            tokens = sum(1 for t in range(length) if (t // TPB) % cp == r)
+            assert view.context_lengths([rid]).tolist() == [tokens]
+            k = min(length, 7)
+            for g, group in enumerate(m.layout.layer_groups):
+                layer = int(group.layers[0].layer_id)
+                blocks = m.block_table(rid)[g]
+                want_map = []
+                for t in range(length - k, length):
+                    b = t // TPB
+                    s = blocks[b] if b < len(blocks) else -1
+                    mine = b % cp == r and s >= 0
+                    want_map.append((s // cp) * TPB + t % TPB if mine else -1)
+                assert view.slot_mapping([rid], layer, k).tolist() == want_map, (rid, r, g)
+                start, end = view.released_pages([rid], layer).tolist()[0]
+                sinks, rel_end = group.sink_blocks, int(c.released_end[g][row])
+                local = {b // cp for b in range(sinks, rel_end) if b % cp == r}
+                assert set(range(start, end)) == local
+                for j in local:  # released: no page there
+                    assert tables[g, row, j] == empty
+
+
+@pytest.mark.parametrize(
+    ("cp", "null_page", "seed"), [(2, False, 0), (3, True, 1), (4, False, 2), (2, True, 3)]
+)
+def test_random_ops_match_the_brute_force_model(cp: int, null_page: bool, seed: int) -> None:
+    """Allocates (with prompts that hit the prefix cache), chunked extends with lookahead,
+    rejected drafts, commits and frees; after each op every rank's view is checked."""
+    rng = np.random.default_rng(seed)
+    m = manager(
+        cp,
+        [spec(0), spec(1, window=9, sinks=4)],
+        num_blocks=18 * cp,
+        null_page=null_page,
+    )
+    prompts = [rng.integers(0, 4, 24).tolist() for _ in range(3)]
+    given: dict[str, list[int]] = {}
+    serial = 0
+    for _ in range(120):
+        ids = m.request_ids()
+        op = rng.integers(0, 6) if ids else 0
+        try:
+            if op == 0:
+                serial += 1
+                prompt = prompts[rng.integers(0, 3)][: rng.integers(1, 25)]
+                given[f"r{serial}"] = prompt
+                m.allocate(
+                    f"r{serial}", len(prompt), token_ids=prompt, lookahead=int(rng.integers(0, 3))
+                )
+            else:
+                rid = ids[rng.integers(0, len(ids))]
+                n = m.request(rid).num_tokens
+                if op == 1:
+                    m.extend(rid, int(rng.integers(1, 9)), lookahead=int(rng.integers(0, 4)))
+                elif op == 2 and n > 1:
+                    m.rewind(rid, int(rng.integers(1, min(n, 5))))
+                elif op == 3:
+                    done = len(m.committed_tokens(rid))
+                    k = int(rng.integers(0, n - done + 1))
+                    # The prompt's own tokens first (their blocks are what later prompts hit).
+                    ours = given[rid][done : done + k]
+                    m.commit(rid, ours + rng.integers(0, 4, k - len(ours)).tolist())
+                elif op == 4:
+                    m.free(rid)
+                else:
+                    handles = [m.request(r).handle for r in ids]
+                    m.step_columns(extend=handles, num_new_tokens=1)
+        except KVCMError:
+            pass
+        _check(m, cp, null_page)
+    assert m.stats().prefix_cache.hit_tokens > 0  # the prompts did hit the cache
