@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from pydantic import ValidationError
 
 from kvcm import KVCacheManager
@@ -25,10 +26,12 @@ def spec(i: int, window: int | None = None, sinks: int = 0, **kw: Any) -> dict[s
     return out | kw
 
 
-def manager(cp: int, layers: list[dict[str, Any]] | None = None, **kw: Any) -> KVCacheManager:
+def manager(
+    cp: int, layers: list[dict[str, Any]] | None = None, device: str = "cpu", **kw: Any
+) -> KVCacheManager:
     layers = layers or [spec(0)]
     cfg: dict[str, Any] = {
-        "ranks": [{"device": "cpu", "layers": layers, "cp_rank": c} for c in range(cp)],
+        "ranks": [{"device": device, "layers": layers, "cp_rank": c} for c in range(cp)],
         "context_parallel": cp,
         "tokens_per_block": TPB,
         "max_requests": 6,
@@ -209,7 +212,7 @@ def _check(m: KVCacheManager, cp: int, null_page: bool) -> None:
         assert cached <= free | held
     for r in range(cp):
         view = m.rank(r)
-        tables = view.page_tables().numpy()
+        tables = view.page_tables().cpu().numpy()
         width = tables.shape[2]
         assert (tables[:, :, -1] == empty).all()
         for rid in ids:
@@ -246,19 +249,28 @@ def _check(m: KVCacheManager, cp: int, null_page: bool) -> None:
     ("cp", "null_page", "seed"), [(2, False, 0), (3, True, 1), (4, False, 2), (2, True, 3)]
 )
 def test_random_ops_match_the_brute_force_model(cp: int, null_page: bool, seed: int) -> None:
+    random_ops_against_the_model(cp, null_page, seed, "cpu", check_every=1 + seed % 3)
+
+
+def random_ops_against_the_model(
+    cp: int, null_page: bool, seed: int, device: str, check_every: int = 1
+) -> None:
     """Allocates (with prompts that hit the prefix cache), chunked extends with lookahead,
-    rejected drafts, commits and frees; after each op every rank's view is checked."""
+    rejected drafts, commits, frees and decode batches; after every ``check_every`` ops
+    every rank's view is checked against the model (``_check``), so that with more than 1
+    the ranks' tables take the edits of several ops at once."""
     rng = np.random.default_rng(seed)
     m = manager(
         cp,
         [spec(0), spec(1, window=9, sinks=4)],
+        device,
         num_blocks=18 * cp,
         null_page=null_page,
     )
     prompts = [rng.integers(0, 4, 24).tolist() for _ in range(3)]
     given: dict[str, list[int]] = {}
     serial = 0
-    for _ in range(120):
+    for step in range(120):
         ids = m.request_ids()
         op = rng.integers(0, 6) if ids else 0
         try:
@@ -289,5 +301,79 @@ def test_random_ops_match_the_brute_force_model(cp: int, null_page: bool, seed: 
                     m.step_columns(extend=handles, num_new_tokens=1)
         except KVCMError:
             pass
-        _check(m, cp, null_page)
+        if step % check_every == 0:
+            _check(m, cp, null_page)
     assert m.stats().prefix_cache.hit_tokens > 0  # the prompts did hit the cache
+
+
+# -- Helix attention: every rank's partial attention, merged, is dense attention ------------
+
+
+def _partial(
+    m: KVCacheManager, r: int, rid: str, query: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's attention of ``query`` [heads, dim] over its own pages of ``rid``: the
+    output and the log-sum-exp of the scores per head (what Helix ranks exchange)."""
+    view = m.rank(r)
+    row = m.request(rid).row
+    n = int(view.context_lengths([rid])[0])
+    pages = -(-n // TPB)
+    slots = view.page_table(0)[row, :pages].long()
+    keys = view.layer_view(0, "key")[slots].reshape(-1, *query.shape)[:n]
+    values = view.layer_view(0, "value")[slots].reshape(-1, *query.shape)[:n]
+    scores = torch.einsum("hd,thd->ht", query, keys) / query.shape[-1] ** 0.5
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), values)
+    return out, lse
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_helix_ranks_merged_attention_equals_dense_attention(cp: int) -> None:
+    helix_against_dense(cp, "cpu")
+
+
+def helix_against_dense(cp: int, device: str) -> None:
+    """A request prefilled in chunks then decoded: each step writes its tokens' KV through
+    every rank's slot mapping (other ranks' tokens are -1 there), and a decode query's
+    partial attentions of all ranks, merged by their log-sum-exps, equal dense attention
+    over every token (the test's own copy of the KV)."""
+    heads, dim = 2, 4
+    m = manager(cp, [spec(0, num_kv_heads=heads, head_dim=dim)], device, num_blocks=16 * cp)
+    gen = torch.Generator().manual_seed(cp)
+    dense_k, dense_v = torch.empty(0, heads, dim), torch.empty(0, heads, dim)
+
+    def step(new: int, first: bool = False) -> None:
+        nonlocal dense_k, dense_v
+        if first:
+            m.allocate("a", new)
+        else:
+            m.extend("a", new)
+        k, v = (
+            torch.randn(new, heads, dim, generator=gen),
+            torch.randn(new, heads, dim, generator=gen),
+        )
+        dense_k, dense_v = torch.cat([dense_k, k]), torch.cat([dense_v, v])
+        for r in range(cp):
+            view = m.rank(r)
+            mapping = view.slot_mapping(["a"], 0)
+            keep = mapping >= 0
+            assert int(keep.sum()) == sum(
+                1 for t in range(len(dense_k) - new, len(dense_k)) if (t // TPB) % cp == r
+            )
+            slots = mapping[keep]
+            for role, data in (("key", k), ("value", v)):
+                pages = view.layer_view(0, role)
+                pages[slots // TPB, slots % TPB] = data.to(pages.device)[keep.to(pages.device)]
+
+    step(11, first=True)
+    for chunk in (7, 1, 1, 5, 1, 1, 1, 9, 1):
+        step(chunk)
+        query = torch.randn(heads, dim, generator=gen)
+        parts = [_partial(m, r, "a", query.to(m.rank(r).device)) for r in range(cp)]
+        parts = [(o.cpu(), lse.cpu()) for o, lse in parts]
+        lse = torch.stack([p[1] for p in parts])  # [cp, heads]
+        weights = torch.softmax(lse, dim=0)  # exp(lse_r - logsumexp over ranks)
+        merged = sum(w.unsqueeze(-1) * p[0] for w, p in zip(weights, parts, strict=True))
+        scores = torch.einsum("hd,thd->ht", query, dense_k) / dim**0.5
+        dense = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), dense_v)
+        torch.testing.assert_close(merged, dense)
