@@ -53,6 +53,14 @@ def test_local_counts_and_class_counts_match_enumeration() -> None:
         spans = [range(a, z) for a, z in zip(starts, stops, strict=True)]
         want = [sum(1 for r in spans for b in r if b % cp == c) for c in range(cp)]
         assert class_counts(starts, stops, cp).tolist() == want
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # decode-shaped ranges (at most one position each) and longer ones
+        cp, n = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        starts = rng.integers(0, 20, n)
+        stops = starts + rng.integers(0, 2 if rng.random() < 0.5 else 5, n)
+        spans = [range(a, z) for a, z in zip(starts, stops, strict=True)]
+        want = [sum(1 for r in spans for b in r if b % cp == c) for c in range(cp)]
+        assert class_counts(starts, stops, cp).tolist() == want
 
 
 def test_class_pools_hand_out_each_position_a_slot_of_its_class() -> None:
