@@ -5,15 +5,21 @@ the global block tables on random op sequences."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
+from servers import serve_process
 
 from kvcm import KVCacheManager
-from kvcm.context_parallel import ClassPools, class_counts, local_count
+from kvcm.context_parallel import ClassPools, class_counts, local_count, local_lengths
+from kvcm_client import KVCacheClient
 from kvcm_client.errors import InvalidArgument, KVCMError, OutOfBlocks
 
 TPB = 4
@@ -91,7 +97,6 @@ def test_class_pools_hand_out_each_position_a_slot_of_its_class() -> None:
         ),
         ({"num_blocks": 25}, "cp_num_blocks"),
         ({"num_blocks": None, "memory_bytes": 1 << 20}, "ranks_unsupported"),
-        ({"share": True}, "ranks_unsupported"),
     ],
 )
 def test_inconsistent_context_parallel_configs_are_refused(
@@ -385,3 +390,99 @@ def helix_against_dense(cp: int, device: str) -> None:
         scores = torch.einsum("hd,thd->ht", query, dense_k) / dim**0.5
         dense = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), dense_v)
         torch.testing.assert_close(merged, dense)
+
+
+# -- shared: a process per CP rank maps its own pools and tables ------------------------------
+
+
+def cp_config(tmp_path: Path, cp: int, device: str = "cpu") -> Path:
+    heads, dim = 2, 4
+    layers = [spec(0, num_kv_heads=heads, head_dim=dim)]
+    cfg = {
+        "ranks": [{"device": device, "layers": layers, "cp_rank": c} for c in range(cp)],
+        "context_parallel": cp,
+        "tokens_per_block": TPB,
+        "max_requests": 4,
+        "max_seq_len": 96,
+        "num_blocks": 16 * cp,
+        "share": True,
+    }
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def helix_through_attachments(url: str, cp: int) -> None:
+    """The scheduler steps one request through the sidecar (its ``slot_mappings`` brings
+    every rank's tables up to date); each rank's attachment writes the KV of its own tokens,
+    found through its own shared tables, and the ranks' partial attentions, merged, equal
+    dense attention. Then a process per rank maps its rank and reads its table row back."""
+    heads, dim = 2, 4
+    gen = torch.Generator().manual_seed(7)
+    dense_k, dense_v = torch.empty(0, heads, dim), torch.empty(0, heads, dim)
+    with KVCacheClient(url) as kv:
+        atts = [kv.attach(rank=r) for r in range(cp)]
+        assert [(a.layout.cp_rank, a.layout.context_parallel) for a in atts] == [
+            (r, cp) for r in range(cp)
+        ]
+        kv.allocate("a", 11)
+        new = 11
+        for chunk in (0, 6, 1, 1, 9, 1):
+            if chunk:
+                kv.extend("a", chunk)
+                new = chunk
+            kv.slot_mappings(["a"])  # the step's mappings: every rank's tables are current
+            info = kv.request("a")
+            k = torch.randn(new, heads, dim, generator=gen)
+            v = torch.randn(new, heads, dim, generator=gen)
+            first = len(dense_k)
+            dense_k, dense_v = torch.cat([dense_k, k]), torch.cat([dense_v, v])
+            query = torch.randn(heads, dim, generator=gen)
+            parts = []
+            for r, att in enumerate(atts):
+                table = att.page_tables[0, info.row]
+                keys, values = att.layer_view(0, "key"), att.layer_view(0, "value")
+                for i, t in enumerate(range(first, first + new)):
+                    b = t // TPB
+                    if b % cp == r:
+                        slot = int(table[b // cp])
+                        keys[slot, t % TPB] = k[i].to(keys.device)
+                        values[slot, t % TPB] = v[i].to(keys.device)
+                n = int(local_lengths(np.array([info.num_tokens]), TPB, cp, r)[0])
+                slots = table[: -(-n // TPB)].long()
+                mine_k = keys[slots].reshape(-1, heads, dim)[:n]
+                mine_v = values[slots].reshape(-1, heads, dim)[:n]
+                q = query.to(keys.device)
+                scores = torch.einsum("hd,thd->ht", q, mine_k) / dim**0.5
+                out = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), mine_v)
+                parts.append((out.cpu(), torch.logsumexp(scores, dim=-1).cpu()))
+            weights = torch.softmax(torch.stack([p[1] for p in parts]), dim=0)
+            merged = sum(w.unsqueeze(-1) * p[0] for w, p in zip(weights, parts, strict=True))
+            scores = torch.einsum("hd,thd->ht", query, dense_k) / dim**0.5
+            dense_out = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), dense_v)
+            torch.testing.assert_close(merged, dense_out)
+        blocks = kv.block_table("a")[0]
+        row = kv.request("a").row
+        for att in atts:
+            att.close()
+        code = (
+            "import sys; from kvcm_client import KVCacheClient\n"
+            "r, row = int(sys.argv[2]), int(sys.argv[3])\n"
+            "with KVCacheClient(sys.argv[1]) as kv, kv.attach(rank=r) as att:\n"
+            "    print(att.page_tables[0, row, :8].tolist())\n"
+        )
+        for r in range(cp):
+            proc = subprocess.run(
+                [sys.executable, "-c", code, url, str(r), str(row)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.returncode == 0, proc.stderr
+            mine = [s // cp for b, s in enumerate(blocks) if b % cp == r]
+            assert json.loads(proc.stdout) == (mine + [-1] * 8)[:8]
+
+
+def test_a_process_per_cp_rank_maps_its_own_pools_and_tables(tmp_path: Path) -> None:
+    with serve_process("--config", str(cp_config(tmp_path, 3))) as (url, _, _):
+        helix_through_attachments(url, 3)

@@ -378,11 +378,10 @@ class ManagerConfig(_Frozen):
             )
         if cp == 1:
             return
-        if self.memory_bytes is not None or self.share:
+        if self.memory_bytes is not None:
             raise PydanticCustomError(
                 "ranks_unsupported",
-                "context parallelism does not combine with memory_bytes or share yet: give "
-                "num_blocks, and no sharing",
+                "context parallelism does not combine with memory_bytes yet: give num_blocks",
                 {},
             )
         if self.num_blocks is not None and self.num_blocks % cp:
@@ -1064,6 +1063,11 @@ class SharedLayout(_Frozen):
     state_buffers: list[SharedStateBuffer] = []
     rank: int = 0
     """The rank of a tensor- or pipeline-parallel engine these are (docs/ranks.md)."""
+    context_parallel: int = 1
+    cp_rank: int = 0
+    """With context parallelism (docs/ranks.md#context-parallelism) the page tables are this
+    rank's own: entry j of a row is global block j * context_parallel + cp_rank, and the
+    pools hold this rank's share of the slots."""
 
 
 class ConsumerRequest(_Frozen):

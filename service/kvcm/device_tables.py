@@ -159,8 +159,12 @@ class DeviceTables:
         self._upload: Uploader | None = None
         if cp[0] > 1:
             groups, rows, cols = host.shape
-            local = np.full((groups, rows, local_table_width(cols, cp[0])), coordinator.empty)
-            self.tensor = torch.from_numpy(local.astype(np.int32)).to(device)
+            shape = (groups, rows, local_table_width(cols, cp[0]))
+            if memory is None:
+                self.tensor = torch.full(shape, coordinator.empty, dtype=torch.int32, device=device)
+            else:  # shared: a consumer maps this rank's tables there
+                self.tensor = memory.view(torch.int32).view(shape)
+                self.tensor.fill_(coordinator.empty)
             coordinator.edits = coordinator.edits if coordinator.edits is not None else []
             if device.type != "cpu":
                 self._upload = Uploader(device, torch.int64)

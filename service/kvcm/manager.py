@@ -63,6 +63,7 @@ from . import (
 from .columnar import run_columns
 from .columnar_parse import parse_columns
 from .columnar_types import StepOutcome
+from .context_parallel import local_table_width
 from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
 from .counts import _count
@@ -195,10 +196,15 @@ class KVCacheManager:
         )
         if self._segments is not None:
             ng = len(self.layout.layer_groups)
-            table_bytes = 4 * ng * cfg.max_requests * self.max_blocks_per_request
+            # A context-parallel rank shares its own tables (a share of the positions and
+            # the always-empty column), not the host's.
+            width = local_table_width(self.max_blocks_per_request, cfg.context_parallel)
+            if cfg.context_parallel == 1:
+                width = self.max_blocks_per_request
+            table_bytes = 4 * ng * cfg.max_requests * width
             self._table_segment, table_memory = self._segments.allocate(table_bytes)
-            if self.device.type == "cpu":  # the host tables are the shared ones
-                tables_buffer = table_memory.numpy().data
+            if self.device.type == "cpu" and cfg.context_parallel == 1:
+                tables_buffer = table_memory.numpy().data  # the host tables are the shared ones
         self._coord = Coordinator(
             self.layout,
             self._slots,
@@ -242,7 +248,7 @@ class KVCacheManager:
         self._tables = DeviceTables(
             self._coord,
             self.device,
-            None if self.device.type == "cpu" else table_memory,
+            None if tables_buffer is not None else table_memory,
             queues,
             cp=(cfg.context_parallel, 0),
         )

@@ -32,6 +32,7 @@ import torch
 from kvcm_client.errors import InvalidArgument
 from kvcm_client.models import LayerSpec, ManagerConfig, SharedSegment
 
+from .context_parallel import local_table_width
 from .coordinator import Coordinator
 from .device_tables import DeviceTables, EditQueues
 from .ids import PoolGroupId
@@ -140,9 +141,12 @@ def build_rank(
     cfg, device = plan.config, plan.device
     memory = PoolMemory(plan.layout, slots, device, segments, cfg.null_page)
     table_segment, table_memory = cpu_table_segment, None
-    if device.type == "cuda" and segments is not None:
-        table_segment, table_memory = segments.allocate(coord.tables.nbytes)
     cp = (cfg.context_parallel, cfg.ranks[plan.rank].cp_rank)
+    if segments is not None and (device.type == "cuda" or cp[0] > 1):
+        # Tables of its own: on CUDA, or a context-parallel rank's local ones anywhere.
+        groups, rows, cols = coord.tables.shape
+        width = cols if cp[0] == 1 else local_table_width(cols, cp[0])
+        table_segment, table_memory = segments.allocate(4 * groups * rows * width)
     tables = DeviceTables(coord, device, table_memory, queues, plan.rank, cp)
     views = TablesAndViews(cfg, plan.layout, device, memory, slots, coord, tables, rows_of, cp[1])
     return Rank(plan, memory, tables, views, table_segment)

@@ -547,7 +547,7 @@ class TablesAndViews:
                 )
             )
         self.sync_tables()  # CUDA: what a consumer maps is up to date
-        tables = self._coord.tables
+        tables = self._tables.tensor
         return SharedLayout(
             generation=generation,
             device=str(self.device),
@@ -559,6 +559,8 @@ class TablesAndViews:
             pools=list(self.memory.segments),
             buffers=buffers,
             page_tables=page_tables,
-            page_table_shape=tables.shape,
+            page_table_shape=tuple(tables.shape),
             null_page=self.config.null_page,
+            context_parallel=self.cp,
+            cp_rank=self.cp_rank,
         )
