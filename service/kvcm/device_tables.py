@@ -204,7 +204,8 @@ class DeviceTables:
         edits = self.take_pending()
         if edits.shape[0]:
             if self._upload is None:  # a context-parallel rank's tables on the CPU
-                kvcm_kernels.apply_page_table_edits(self.tensor, torch.from_numpy(edits))
+                # One numpy assignment (a cell appears once in a batch of edits).
+                self.tensor.numpy()[edits[:, 0], edits[:, 1], edits[:, 2]] = edits[:, 3]
                 return self.tensor
             # The kernel reads the edits from pinned memory: no copy of their own.
             kvcm_kernels.apply_page_table_edits(self.tensor, self._upload.stage(edits))
