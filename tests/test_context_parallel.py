@@ -310,8 +310,12 @@ def random_ops_against_the_model(
                 elif op == 4:
                     m.free(rid)
                 else:
+                    # A decode batch; every third one all or nothing with a chunk that may
+                    # not fit (then undone whole).
                     handles = [m.request(r).handle for r in ids]
-                    m.step_columns(extend=handles, num_new_tokens=1)
+                    atomic = step % 3 == 0
+                    chunk = int(rng.integers(1, 60)) if atomic else 1
+                    m.step_columns(extend=handles, num_new_tokens=chunk, atomic=atomic)
         except KVCMError:
             pass
         if step % check_every == 0:
