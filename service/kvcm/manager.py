@@ -13,8 +13,6 @@ math kvcm_kernels'. Every op is atomic: it raises before anything changes, or it
 from __future__ import annotations
 
 import functools
-import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -50,6 +48,7 @@ from kvcm_client.models import (
 from kvcm_client.models import Layout as LayoutInfo
 
 from . import (
+    assembly,
     capacity,
     commits,
     footprint,
@@ -63,24 +62,17 @@ from . import (
 from .columnar import run_columns
 from .columnar_parse import parse_columns
 from .columnar_types import StepOutcome
-from .context_parallel import local_table_width
-from .coordinator import Coordinator
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
 from .counts import _count
-from .device_tables import DeviceTables, EditQueues
 from .hashing import MultimodalItem, multimodal_items, root_key
-from .host_tier import HostTier
 from .ids import LayerGroupId
 from .layout import BufferPlacement
 from .op_steps import OpResults, execute_ops
 from .ops import op_dicts
-from .planning import check_config, host_slots, plan
+from .planning import check_config
 from .planning import resolve_device as resolve_device  # re-exported: the server uses it
-from .pools import PoolMemory
 from .publish import PrefixState
-from .ranks import Rank, build_rank
 from .shared_memory import CudaSegments, SharedSegments
-from .state_pools import StatePools, build_state_groups
 from .suspension import Suspended
 from .views import TablesAndViews
 
@@ -135,19 +127,6 @@ def _settles(method: _F) -> _F:
     return call  # type: ignore[return-value]
 
 
-def _weak(method: Callable[[Sequence[str]], np.ndarray]) -> Callable[[Sequence[str]], np.ndarray]:
-    """``method`` holding its object weakly: a component the manager owns keeps no cycle back
-    to it, so its pools go with its last reference (the server freezes the collector)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(request_ids: Sequence[str]) -> np.ndarray:
-        bound = ref()
-        assert bound is not None, "the manager is gone"
-        return bound(request_ids)
-
-    return call
-
-
 @dataclass(frozen=True, slots=True)
 class _FirstAllocation:
     """What an allocate was called with and returned, so an identical retry returns it again."""
@@ -159,6 +138,18 @@ class _FirstAllocation:
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of an engine's ranks."""
 
+    # Request state that ``kvcm.assembly`` sets up (the rest of its attributes are
+    # components, typed where they are built).
+    _segments: SharedSegments | CudaSegments | None
+    _rows: dict[str, int]
+    _ids: list[str | None]
+    _first: dict[str, _FirstAllocation]
+    _prefix: dict[str, PrefixState]
+    _tokens: dict[str, bytearray]
+    _undo: list[Callable[[], None]] | None
+    _suspended: dict[str, Suspended]
+    _suspended_handles: dict[int, str]
+
     def __init__(self, config: ManagerConfig | dict[str, Any], check_budget: bool = True) -> None:
         """Build the pools; a ``memory_bytes`` budget that cannot hold one ``max_seq_len``
         request is refused (``InsufficientMemory``) unless ``check_budget`` is False (for
@@ -168,155 +159,10 @@ class KVCacheManager:
     def _build(
         self, config: ManagerConfig, check_budget: bool = True, serial_base: int = 0
     ) -> None:
-        """Everything ``__init__`` sets; ``register_model`` builds a manager anew with it
-        (``serial_base``: the previous model's last handle serial, so that no handle of it
-        ever names a request of the new one)."""
-        self.config = cfg = config
-        self.device, self.layout, self._sizing, self._slots, rank_plans = plan(cfg, check_budget)
-        self.tokens_per_block = cfg.tokens_per_block
-        self.max_blocks_per_request = cfg.max_blocks_per_request
-        #: Most positions one step can map (every row at ``max_seq_len``): the bound of a slot
-        #: mapping's ``pad_to``, whose output is allocated up front (int64 per group).
-        self.max_step_tokens = cfg.max_requests * cfg.max_seq_len
-        #: Changes at every construction: shared descriptors of another one are refused.
-        self.generation = uuid.uuid4().hex
-        self._segments: SharedSegments | CudaSegments | None = None
-        tables_buffer = None
-        table_memory = None
-        if cfg.share:
-            self._segments = (
-                SharedSegments(self.generation)
-                if self.device.type == "cpu"
-                else CudaSegments(self.generation, self.device)
-            )
-        #: Slots each rank's pools hold: all of them, or a context-parallel rank's share.
-        self._rank_slots = {pg: n // cfg.context_parallel for pg, n in self._slots.items()}
-        self.memory = PoolMemory(
-            self.layout, self._rank_slots, self.device, self._segments, cfg.null_page
-        )
-        if self._segments is not None:
-            ng = len(self.layout.layer_groups)
-            # A context-parallel rank shares its own tables (a share of the positions and
-            # the always-empty column), not the host's.
-            width = local_table_width(self.max_blocks_per_request, cfg.context_parallel)
-            if cfg.context_parallel == 1:
-                width = self.max_blocks_per_request
-            table_bytes = 4 * ng * cfg.max_requests * width
-            self._table_segment, table_memory = self._segments.allocate(table_bytes)
-            if self.device.type == "cpu" and cfg.context_parallel == 1:
-                tables_buffer = table_memory.numpy().data  # the host tables are the shared ones
-        self._coord = Coordinator(
-            self.layout,
-            self._slots,
-            cfg.max_requests,
-            self.max_blocks_per_request,
-            tables_buffer,
-            cfg.null_page,
-            cfg.kv_events,
-            cfg.kv_event_buffer,
-            cfg.context_parallel,
-        )
-        self._rows: dict[str, int] = {}
-        self._free_rows = list(range(cfg.max_requests - 1, -1, -1))
-        #: Each row's request id and handle (None and -1 when free: no handle a caller passes
-        #: can equal -1 with a row below max_requests), and the row's allocations so far (a
-        #: handle's serial: kvcm.request_rows).
-        self._ids: list[str | None] = [None] * cfg.max_requests
-        self._handle = np.full(cfg.max_requests, -1, dtype=np.int64)
-        self._serial = np.full(cfg.max_requests, serial_base, dtype=np.int64)
-        #: Scratch for the distinct-rows check of a batch of extends.
-        self._order = np.arange(cfg.max_requests, dtype=np.int64)
-        self._scratch = np.zeros(cfg.max_requests, dtype=np.int64)
-        self._first: dict[str, _FirstAllocation] = {}
-        self._prefix: dict[str, PrefixState] = {}
-        #: Tokens each row got from the prefix cache at allocation.
-        self._hits = np.zeros(cfg.max_requests, dtype=np.int64)
-        #: Committed token ids per request, and their count per row (for batch results).
-        #: (Committed ids as int32 bytes: a commit appends its checked bytes, a rewind cuts
-        #: them, and no Python int is made per token; ``committed_tokens`` decodes them.)
-        self._tokens: dict[str, bytearray] = {}
-        self._committed = np.zeros(cfg.max_requests, dtype=np.int64)
-        #: Undo actions for token-list edits while an all-or-nothing step runs.
-        self._undo: list[Callable[[], None]] | None = None
-        #: Several ranks on CUDA, or context-parallel ranks (tables of their own pages): each
-        #: rank's device tables take the edits from a queue.
-        queues = (
-            EditQueues(self._coord, len(rank_plans))
-            if len(rank_plans) > 1 and (self.device.type == "cuda" or cfg.context_parallel > 1)
-            else None
-        )
-        self._tables = DeviceTables(
-            self._coord,
-            self.device,
-            None if tables_buffer is not None else table_memory,
-            queues,
-            cp=(cfg.context_parallel, 0),
-        )
-        self._windows = [(g.sliding_window, g.sink_blocks) for g in self.layout.layer_groups]
-        #: State layers (docs/state-layers.md): live slots, checkpoints; None without.
-        self._state = (
-            StatePools(
-                build_state_groups(cfg.state_layers),
-                cfg.max_requests,
-                cfg.num_state_live_slots,
-                cfg.num_state_checkpoints,
-                cfg.state_checkpoint_stride,
-                self.device,
-                self._segments,
-            )
-            if cfg.state_layers
-            else None
-        )
-        #: Each row's live state slot (-1: none); the state pools' own array when there are
-        #: state layers.
-        self._state_slot = (
-            np.full(cfg.max_requests, -1, dtype=np.int64)
-            if self._state is None
-            else self._state.slot_of
-        )
-        self._host = None
-        if cfg.host_memory_bytes is not None:
-            pool_slots, state_slots = host_slots(cfg, self.layout, self._slots)
-            self._host = HostTier(
-                self.layout,
-                self.memory.tensors,
-                pool_slots,
-                self.device,
-                self._coord.cache.log,
-                [] if self._state is None else self._state.memory,
-                state_slots,
-            )
-        self._coord.host = self._host
-        #: Suspended requests: their blocks' positions and host slots per layer group.
-        self._suspended: dict[str, Suspended] = {}
-        #: The handle each suspended request gets back, to its id (a resume by handle).
-        self._suspended_handles: dict[int, str] = {}
-        self._views = TablesAndViews(
-            cfg,
-            self.layout,
-            self.device,
-            self.memory,
-            self._rank_slots,
-            self._coord,
-            self._tables,
-            _weak(self._rows_of),
-        )
-        table_segment = self._table_segment if self._segments is not None else None
-        self._ranks = [
-            Rank(rank_plans[0], self.memory, self._tables, self._views, table_segment),
-            *(
-                build_rank(
-                    p,
-                    self._rank_slots,
-                    self._coord,
-                    queues,
-                    _weak(self._rows_of),
-                    self._rank_segments(p.device),
-                    table_segment,
-                )
-                for p in rank_plans[1:]
-            ),
-        ]
+        """Everything ``__init__`` sets (``kvcm.assembly``); ``register_model`` builds a
+        manager anew with it (``serial_base``: the previous model's last handle serial, so
+        that no handle of it ever names a request of the new one)."""
+        assembly.build(self, config, check_budget, serial_base)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -706,12 +552,6 @@ class KVCacheManager:
                 num_ranks=len(self._ranks),
             )
         return self._ranks[rank].views
-
-    def _rank_segments(self, device: torch.device) -> SharedSegments | CudaSegments | None:
-        """Where a rank's shared pools go: the manager's CPU segments, a CUDA set per rank."""
-        if self._segments is None or device.type == "cpu":
-            return self._segments
-        return CudaSegments(self.generation, device)
 
     def _placement(self, layer_id: int, role: str) -> BufferPlacement:
         return self._views.placement(layer_id, role)
