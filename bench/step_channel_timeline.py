@@ -9,6 +9,8 @@ stamp ``time.perf_counter_ns`` (CLOCK_MONOTONIC, one clock for both), so each fr
 into: the client's send returning -> the server's ``data_received`` (wake: the kernel and the
 event loop), ``StepChannel.handle`` (the op itself, with its checks and metrics), the answer's
 packing and write, the server done -> the client's recv returning (wake), and the total.
+Each wake is the difference of two processes' stamps taken after a call returns, so a small
+negative one means the other side ran before that call returned.
 
 Kinds: ``bad op`` (an unknown op: the channel's floor, no manager call), ``empty step``
 (``step_columns`` with no items) and ``decode 256`` (+1 token for 256 requests), each with a

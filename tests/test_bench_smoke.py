@@ -169,6 +169,9 @@ def test_step_channel_timeline_quick_splits_every_frame() -> None:
         for client in ("sleeps", "spins"):
             row = re.search(rf"^\| {frame}, client {client} \|(.*)\|$", run.stdout, re.M)
             assert row is not None, (frame, client, run.stdout)
-            cells = [float(v) for v in row.group(1).split("|")]
-            # Every part is a positive time and the parts fit inside the round trip.
-            assert len(cells) == 6 and min(cells) > 0 and sum(cells[:4]) <= cells[4]
+            wake, handle, write, back, total, hot = (float(v) for v in row.group(1).split("|"))
+            # The server's parts are positive and inside the round trip. The wakes are
+            # differences of two processes' stamps: either may run before the other's
+            # call returns, so only their bounds are checked.
+            assert min(handle, write, hot) > 0 and total > handle + write
+            assert abs(wake) < total and abs(back) < total

@@ -14,7 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import Strict, model_validator
 
-from .models import Count, MultimodalInput, _Frozen
+from .models import Count, MultimodalInput
+from .specs import _Frozen
 
 
 class RouteRequest(_Frozen):

@@ -1,0 +1,301 @@
+"""The service's request and response bodies (``kvcm_client.models``): steps, tables, sessions,
+model registration, and the shared-memory descriptors a consumer maps."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, Strict, model_validator
+from pydantic_core import PydanticCustomError
+
+from .results import AllocateOp, Estimate, Layout, Op, OpResult
+from .specs import Count, DType, LayerSpec, ManagerConfig, Role, _Frozen
+from .state import SharedStateBuffer, StateLayerSpec
+
+# --- service wire bodies ----------------------------------------------------------------------
+# Bodies of the HTTP routes that are not an op model themselves. Ops (AllocateOp, ...) are the
+# bodies of their own routes, so the in-process ``step`` and the wire share one schema.
+
+
+class StepRequest(_Frozen):
+    """``atomic``: all or nothing. ``brief``: successful extends answer without ``request``."""
+
+    ops: list[Op]
+    atomic: Annotated[bool, Strict()] = False
+    brief: Annotated[bool, Strict()] = False
+
+
+class StepResponse(_Frozen):
+    results: list[OpResult]
+
+
+Handle = Annotated[int, Strict()]
+
+
+class StepColumnsRequest(_Frozen):
+    """A columnar step (docs/requests.md#the-columnar-step): requests by handle, sections
+    run commit, free, rewind, suspend, resume, extend, allocate; counts are one int or one
+    per handle."""
+
+    free: list[Handle] = []
+    rewind: list[Handle] = []
+    rewind_tokens: Count | list[Count] = 1
+    commit: list[Handle] = []
+    commit_tokens: list[list[Count]] = []
+    extend: list[Handle] = []
+    num_new_tokens: Count | list[Count] = 1
+    lookahead: Count | list[Count] = 0
+    allocate: list[AllocateOp] = []
+    suspend: list[Handle] = []
+    resume: list[Handle] = []
+    atomic: Annotated[bool, Strict()] = False
+
+
+class ItemErrorInfo(_Frozen):
+    """The error of one item of a columnar step: its section and index in that section."""
+
+    section: str
+    index: int
+    code: str
+    message: str
+    detail: dict[str, object] = {}
+
+
+class StepColumnsResponse(_Frozen):
+    """Per section a status per item (0 ok, else the index of its error code in
+    ``kvcm_client.errors.STATUS_CODES``); ``new_blocks`` per extend, ``handles``,
+    ``hit_tokens`` and ``allocate_new_blocks`` per allocate (0 where it failed); ``failed``:
+    the item that stopped the step, if one did."""
+
+    status: dict[str, list[int]]
+    new_blocks: list[int]
+    handles: list[int]
+    hit_tokens: list[int]
+    allocate_new_blocks: list[int]
+    errors: list[ItemErrorInfo] = []
+    failed: tuple[str, int] | None = None
+
+
+class ExtendManyRequest(_Frozen):
+    request_ids: list[str]
+    num_new_tokens: Count | list[Count] = 1
+    lookahead: Count | list[Count] = 0
+
+
+class CommitManyRequest(_Frozen):
+    """``commit_many``: ``token_ids[i]`` are committed to ``request_ids[i]``."""
+
+    request_ids: list[str]
+    token_ids: list[list[Count]]
+
+
+class PageIndicesRequest(_Frozen):
+    request_ids: list[str]
+    layer_id: Count
+    role: Role = "key"
+    mode: Literal["slot", "kernel"] = "slot"
+    per_layer: bool = False
+
+
+class SlotMappingRequest(_Frozen):
+    """``layer_id`` None maps every layer group (``slot_mappings``)."""
+
+    request_ids: list[str]
+    layer_id: Count | None = None
+    num_tokens: Count | list[Count] | None = None
+    pad_to: Count | None = None
+
+
+class IndexRows(_Frozen):
+    """A small int table sent as rows (page indices, block tables, slot mappings per group)."""
+
+    rows: list[list[int]]
+
+
+class IndexRow(_Frozen):
+    row: list[int]
+
+
+class RequestIds(_Frozen):
+    request_ids: list[str]
+
+
+class SessionRequest(_Frozen):
+    ttl_s: Annotated[float, Strict(), Field(gt=0, le=86_400)] | None = None
+    """Seconds; strict, so ``true`` is refused (``1`` is taken as 1.0, as JSON has one number
+    type)."""
+
+
+class SessionInfo(_Frozen):
+    """A lease: requests allocated under it are freed when it is not renewed within ttl_s."""
+
+    session_id: str
+    ttl_s: float
+    expires_in_s: float
+    num_requests: int
+
+
+class Health(_Frozen):
+    """``/livez`` and ``/readyz``: ``no_model`` until a model is registered (``/readyz``)."""
+
+    status: Literal["ok", "not_ready", "no_model"]
+    detail: str = ""
+
+
+class SessionClosed(_Frozen):
+    session_id: str
+    freed_requests: int
+
+
+class EmptyBody(_Frozen):
+    """The body of routes that take no arguments (``{}``)."""
+
+
+# --- registering a model at run time (POST /v1/model) --------------------------------------------
+
+StrictPosInt = Annotated[int, Strict(), Field(gt=0)]
+StrictBool = Annotated[bool, Strict()]
+
+
+class ModelRegistration(_Frozen):
+    """A model for a running service or manager: its layers, and how to size them.
+
+    Exactly one source: ``layers`` (this rank's layer specs) or ``hf_config`` (a Hugging Face
+    ``config.json`` as an object; ``kv_dtype`` and ``tensor_parallel`` apply to it as to
+    ``kvcm serve --model-config``, and its ``max_position_embeddings`` is ``max_seq_len``
+    unless one is given). At most one budget: ``memory_bytes`` or ``num_blocks``. Fields left
+    out take the service's flags (the manager's device, share and budget in process), then the
+    defaults of ``kvcm serve`` (16 tokens per block, 256 requests, 4096 tokens, the null page
+    on, 1 GiB). The device is always the service's own (docs/service.md#registering-a-model).
+    """
+
+    layers: Annotated[list[LayerSpec], Field(min_length=1)] | None = None
+    hf_config: dict[str, Any] | None = None
+    kv_dtype: DType | None = None
+    """The dtype of every layer's KV (of ``layers`` too)."""
+    tensor_parallel: StrictPosInt | None = None
+    """Ranks an ``hf_config``'s KV heads are split over (``layers`` are per rank already)."""
+    memory_bytes: StrictPosInt | None = None
+    num_blocks: StrictPosInt | None = None
+    tokens_per_block: StrictPosInt | None = None
+    max_seq_len: StrictPosInt | None = None
+    max_requests: StrictPosInt | None = None
+    max_prefill_chunk: StrictPosInt | None = None
+    max_lookahead: Annotated[int, Strict(), Field(ge=0)] | None = None
+    null_page: StrictBool | None = None
+    share: StrictBool | None = None
+    kv_events: StrictBool | None = None
+    """Record KV events (``ManagerConfig.kv_events``); None: as the service (on by default)."""
+    host_memory_bytes: StrictPosInt | None = None
+    """A host tier of this many bytes (``ManagerConfig.host_memory_bytes``); None: as the
+    service (``kvcm serve --host-memory``; none by default)."""
+    state_layers: list[StateLayerSpec] | None = None
+    """With ``layers``: the model's recurrent state layers (``ManagerConfig.state_layers``)."""
+    state_checkpoint_stride: StrictPosInt | None = None
+    state_checkpoints: Annotated[int, Strict(), Field(ge=0)] | None = None
+    state_live_slots: StrictPosInt | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> ModelRegistration:
+        if (self.layers is None) == (self.hf_config is None):
+            raise PydanticCustomError(
+                "one_model_source", "give exactly one of layers and hf_config", {}
+            )
+        if self.memory_bytes is not None and self.num_blocks is not None:
+            raise PydanticCustomError(
+                "blocks_or_memory", "give at most one of num_blocks and memory_bytes", {}
+            )
+        if self.layers is not None and self.tensor_parallel is not None:
+            raise PydanticCustomError(
+                "tensor_parallel_with_layers",
+                "tensor_parallel splits an hf_config's KV heads; layers are per rank already",
+                {},
+            )
+        return self
+
+
+class ModelInfo(_Frozen):
+    """The model a service or manager serves (``GET /v1/model``, ``register_model``): the
+    config in effect (every default resolved), the layout ``describe()`` gives, the capacity
+    at the longest request (``estimate(max_seq_len - max_lookahead)``) and the generation,
+    which changes with every registration."""
+
+    generation: str
+    config: ManagerConfig
+    layout: Layout
+    estimate: Estimate
+
+
+# --- shared memory (the inference server's view of the pools) ----------------------------------
+
+
+class SharedSegment(_Frozen):
+    """One mappable allocation: a POSIX shared-memory segment (``name``) on the CPU, or a
+    CUDA allocation (``handle``: its base64 CUDA IPC handle, on the GPU ``device_uuid``)."""
+
+    kind: Literal["shm", "cuda_ipc"]
+    name: str | None = None
+    handle: str | None = None
+    device_uuid: str | None = None
+    nbytes: int
+
+
+class SharedBuffer(_Frozen):
+    """Where (layer, role) lives in its pool's segment: a strided view in ``dtype`` elements,
+    ``[num_slots, tokens_per_block, ...]``, the page of slot s at ``view[s]``."""
+
+    layer_id: int
+    role: Role
+    layer_group: int
+    pool: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+
+class SharedLayout(_Frozen):
+    """Everything a consumer needs to map the pools and page tables without copying.
+
+    ``generation`` changes at every start of the service: descriptors of an earlier start
+    describe memory that no longer exists, and ``attach`` refuses them.
+    """
+
+    generation: str
+    device: str
+    tokens_per_block: int
+    layers: list[LayerSpec]
+    layer_group_of: dict[int, int]
+    pools: list[SharedSegment]
+    buffers: list[SharedBuffer]
+    page_tables: SharedSegment
+    page_table_shape: tuple[int, int, int]
+    null_page: bool = False
+    """Where a page table has no page it holds 0 (the zeroed null page), not -1."""
+    state_layers: list[StateLayerSpec] = []
+    state_pools: list[SharedSegment] = []
+    """One segment per state group (docs/state-layers.md)."""
+    state_buffers: list[SharedStateBuffer] = []
+    rank: int = 0
+    """The rank of a tensor- or pipeline-parallel engine these are (docs/ranks.md)."""
+    context_parallel: int = 1
+    cp_rank: int = 0
+    """With context parallelism (docs/ranks.md#context-parallelism) the page tables are this
+    rank's own: entry j of a row is global block j * context_parallel + cp_rank, and the
+    pools hold this rank's share of the slots."""
+
+
+class ConsumerRequest(_Frozen):
+    pid: Annotated[int, Strict(), Field(gt=0, le=2**31 - 1)]
+    """A process id (pid_t is a 32-bit int)."""
+    generation: str
+
+
+class ConsumerInfo(_Frozen):
+    consumer_id: str
+    pid: int
+    generation: str
+
+
+class Consumers(_Frozen):
+    consumers: list[ConsumerInfo]
