@@ -74,6 +74,7 @@ def test_class_pools_hand_out_each_position_a_slot_of_its_class() -> None:
     assert pools.num_usable == 6 and pools.free_by_class().tolist() == [3, 3]
     got = pools.pop_positions(np.array([0, 1, 2, 5]))
     assert got.tolist() == [2, 3, 4, 5]
+    assert pools.pop_positions(np.array([], dtype=np.int64)).tolist() == []
     pools.push(np.array([5, 2]))
     assert pools.free_order().tolist() == [6, 2, 7, 5]
     pools.claim(np.array([2]))
@@ -490,3 +491,35 @@ def helix_through_attachments(url: str, cp: int) -> None:
 def test_a_process_per_cp_rank_maps_its_own_pools_and_tables(tmp_path: Path) -> None:
     with serve_process("--config", str(cp_config(tmp_path, 3))) as (url, _, _):
         helix_through_attachments(url, 3)
+
+
+def test_free_blocks_count_what_a_new_request_can_get_per_class() -> None:
+    """Block 0 of every request is of class 0: with class 0 full there is no room for any
+    new request, however many slots other classes have (the router reads this figure)."""
+    m = manager(2, num_blocks=8)  # 4 slots per class
+    assert m.num_free_blocks() == m.num_total_blocks() == 4 * 2 + 0
+    for i in range(4):
+        m.allocate(f"r{i}", TPB)  # block 0 each: class 0 is full
+    assert m._coord.pools[0].free_by_class().tolist() == [0, 4]
+    assert m.num_free_blocks() == 0 and m.stats().request_free_blocks == 0
+    assert m.num_free_blocks(0) == 4  # the pool group's free slots, all classes
+    with pytest.raises(OutOfBlocks):
+        m.allocate("x", 1)
+    m.free("r0")  # class 0: 1 free, class 1: 4 free -> blocks 0 and 1 fit, block 2 does not
+    assert m.num_free_blocks() == 2
+    m.allocate("y", 2 * TPB)
+    with pytest.raises(OutOfBlocks):
+        m.allocate("z", 1)
+    for rid in m.request_ids():
+        m.free(rid)
+    assert m.num_free_blocks() == m.num_total_blocks()
+
+
+def test_describe_says_a_cp_ranks_table_width() -> None:
+    m = manager(3)  # max_seq_len 96: 24 positions, 8 per CP rank and the empty column
+    for r in range(3):
+        info = m.rank(r).describe()
+        assert (info.context_parallel, info.cp_rank) == (3, r)
+        assert info.max_blocks_per_request == 24
+        assert info.page_table_width == m.rank(r).page_tables().shape[2] == 9
+    assert manager(1).describe().page_table_width == 24

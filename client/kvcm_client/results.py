@@ -186,6 +186,12 @@ class Layout(_Frozen):
     buffers: tuple[BufferInfo, ...]
     dropped_layers: tuple[DroppedLayer, ...] = ()
     null_page: bool = False
+    context_parallel: int = 1
+    cp_rank: int = 0
+    page_table_width: int = 0
+    """Entries per row of this rank's page tables: ``max_blocks_per_request``, or with
+    context parallelism the rank's share of the positions and one always-empty entry
+    (docs/ranks.md#context-parallelism)."""
 
 
 # --- sizing -----------------------------------------------------------------------------------

@@ -98,13 +98,18 @@ def num_free_blocks(m: KVCacheManager, pool_group: int | None = None) -> int:
     """Free slots of ``pool_group``; without one, the blocks a new request can still get
     in every layer group: per pool group its free slots // the layer groups sharing it,
     the least over pool groups (a request takes a block in each layer group at once).
+    With context parallelism a request's block b needs a slot of class b mod cp, so a pool
+    group with f_c such blocks free in class c gives the longest new request, min over c
+    of f_c x cp + c blocks (its positions of class c are ceil((k - c) / cp) <= f_c); with
+    ``pool_group`` the slots free in all classes.
 
     Example: one pool group of 100 free slots shared by a window and a full group: 50.
+    With cp 2 and free slots [0, 4] per class: 0 (block 0 needs class 0).
     """
     pools = m._coord.pools
     if pool_group is None:
         return min(
-            pool.num_free // len(pg.layer_groups)
+            _request_blocks(m, pool.num_free, pool, len(pg.layer_groups))
             for pool, pg in zip(pools, m.layout.pool_groups, strict=True)
         )
     return pools[_pool_group(m, pool_group)].num_free
@@ -116,8 +121,24 @@ def num_total_blocks(m: KVCacheManager, pool_group: int | None = None) -> int:
     request is freed)."""
     usable = m._coord.usable_slots()
     if pool_group is None:
-        return min(usable[pg.pool_group_id] // len(pg.layer_groups) for pg in m.layout.pool_groups)
+        return min(
+            _request_blocks(m, usable[pg.pool_group_id], pool, len(pg.layer_groups), True)
+            for pool, pg in zip(m._coord.pools, m.layout.pool_groups, strict=True)
+        )
     return usable[PoolGroupId(_pool_group(m, pool_group))]
+
+
+def _request_blocks(
+    m: KVCacheManager, slots: int, pool: Any, groups: int, usable: bool = False
+) -> int:
+    """Blocks per layer group a new request can get from one pool group: its ``slots`` //
+    ``groups``, or per class with context parallelism (``num_free_blocks``), of the free
+    slots (or the usable ones)."""
+    cp = m._coord.cp
+    if cp == 1:
+        return slots // groups
+    per_class = [p.num_usable if usable else p.num_free for p in pool.classes]
+    return min((n // groups) * cp + c for c, n in enumerate(per_class))
 
 
 def _pool_group(m: KVCacheManager, pool_group: int) -> int:

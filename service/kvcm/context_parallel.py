@@ -85,6 +85,8 @@ class ClassPools:
         of the class first, in the order of the positions); the caller has checked that
         each class has enough."""
         cp = self.cp
+        if not positions.size:
+            return np.empty(0, dtype=np.int32)
         classes = positions % cp
         order = np.argsort(classes, kind="stable")  # positions grouped by class, in order
         counts = np.bincount(classes, minlength=cp).tolist()

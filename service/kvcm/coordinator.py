@@ -208,12 +208,14 @@ class Coordinator:
             if self.cp > 1:
                 late = in_order and bool(np.any(back[pg]))
                 if late and bool(np.any(need[pg] > pool.free_by_class())):
+                    c = int(np.argmax(need[pg] - pool.free_by_class()))
                     raise OutOfBlocks(
                         f"pool group {pg}: the rows do not fit one after another",
                         pool_group=pg,
-                        needed=int(need[pg].sum()),
-                        free=pool.num_free,
-                        released=int(back[pg].sum()),
+                        needed=int(need[pg][c]),
+                        free=int(pool.free_by_class()[c]),
+                        released=int(back[pg][c]),
+                        cp_rank=c,
                     )
                 continue
             if in_order and back[pg] and int(np.cumsum(_net(moves[pg])).max()) > pool.num_free:
@@ -255,7 +257,8 @@ class Coordinator:
                     c = int(np.argmax(need[pg] - free))
                     raise OutOfBlocks(
                         f"pool group {pg} needs {int(need[pg][c])} blocks of context-parallel "
-                        f"rank {c}, {int(free[c])} are free",
+                        f"rank {c}, {int(free[c] - back[pg][c])} are free and the op releases "
+                        f"{int(back[pg][c])}",
                         pool_group=pg,
                         needed=int(need[pg][c]),
                         free=int(pool.free_by_class()[c]),

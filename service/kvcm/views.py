@@ -93,8 +93,9 @@ class TablesAndViews:
     # -- tables ------------------------------------------------------------------------------
 
     def page_table(self, layer_group: int) -> torch.Tensor:
-        """The int32 ``[max_requests, max_blocks_per_request]`` table on the manager's device;
-        -1 where there is no page, or 0 (the null page) with ``null_page``."""
+        """The int32 ``[max_requests, describe().page_table_width]`` table on the manager's
+        device (``max_blocks_per_request`` wide but for context-parallel ranks); -1 where
+        there is no page, or 0 (the null page) with ``null_page``."""
         if not 0 <= layer_group < len(self.layout.layer_groups):
             raise InvalidArgument(f"no layer group {layer_group}", layer_group=layer_group)
         return self._tables.sync()[layer_group]
@@ -148,7 +149,8 @@ class TablesAndViews:
         mode: Literal["slot", "kernel"] = "slot",
         per_layer: bool = False,
     ) -> torch.Tensor:
-        """int32 ``[len(request_ids), max_blocks_per_request]`` page indices, -1 = no page.
+        """int32 ``[len(request_ids), describe().page_table_width]`` page indices, -1 = no
+        page.
 
         ``slot``: the slot itself (use with the layer view's page stride). ``kernel``:
         slot x num_buffers / kv_factor of the layer's pool, plus the layer's page offset in the
@@ -482,6 +484,9 @@ class TablesAndViews:
             device=str(self.device),
             max_requests=self.config.max_requests,
             max_blocks_per_request=self.max_blocks_per_request,
+            context_parallel=self.cp,
+            cp_rank=self.cp_rank,
+            page_table_width=int(self._tables.tensor.shape[2]),
             roles=lay.roles,
             layer_groups=tuple(
                 LayerGroupInfo(
