@@ -331,6 +331,9 @@ def _check(m: KVCacheManager, cp: int, null_page: bool) -> None:
                 assert view.slot_mapping([rid], layer, k).tolist() == want_map, (rid, r, g)
                 start, end = view.released_pages([rid], layer).tolist()[0]
                 sinks, rel_end = group.sink_blocks, int(c.released_end[g][row])
+                # The released range is exactly the global table's holes.
+                holes = {b for b, s in enumerate(blocks) if s < 0}
+                assert holes == set(range(sinks, rel_end)), (rid, g)
                 local = {b // cp for b in range(sinks, rel_end) if b % cp == r}
                 assert set(range(start, end)) == local
                 for j in local:  # released: no page there
