@@ -230,6 +230,36 @@ def test_rejected_drafts_give_their_blocks_back_to_their_class() -> None:
     assert [m.rank(r).slot_mapping(["d"], 0).tolist() for r in range(2)] == [[-1], [2]]
 
 
+def test_cp_ranks_that_are_also_tp_ranks_share_their_class_tables_not_their_pools() -> None:
+    layers = [spec(0, num_kv_heads=2), spec(1, window=9)]  # two pool groups
+    m = KVCacheManager(
+        {
+            "ranks": [{"device": "cpu", "layers": layers, "cp_rank": c} for c in (0, 1, 1, 0)],
+            "context_parallel": 2,
+            "tokens_per_block": TPB,
+            "max_requests": 4,
+            "max_seq_len": 64,
+            "num_blocks": 32,
+        }
+    )
+    m.allocate("x", 4)  # slot 0 of each pool group
+    info = m.allocate("a", 10)
+    m.extend("a", 8)
+    m.extend("a", 3)  # 21 tokens; history 18: the window releases blocks [0, 2)
+    assert m.block_table("a") == [[2, 1, 4, 3, 6, 5], [-1, -1, 4, 3, 6, 5]]
+    # Class 0 (ranks 0 and 3): blocks 0, 2, 4; class 1 (ranks 1 and 2): blocks 1, 3, 5.
+    want = {0: [[1, 2, 3, -1], [-1, 2, 3, -1]], 1: [[0, 1, 2, -1], [-1, 1, 2, -1]]}
+    mapping = {0: [12, 13, 14, 15, -1], 1: [-1, -1, -1, -1, 8]}  # tokens 16..20
+    for r, c in enumerate((0, 1, 1, 0)):
+        view = m.rank(r)
+        assert view.page_tables()[:, info.row, :4].tolist() == want[c], r
+        assert view.context_lengths(["a"]).tolist() == [[12, 9][c]]
+        assert view.slot_mapping(["a"], 0, 5).tolist() == mapping[c]
+        assert view.released_pages(["a"], 1).tolist() == [[0, 1]]
+        assert view.kv_view(0).shape[0] == 16  # half of the 32 slots
+    assert m.rank(3).kv_view(0).data_ptr() != m.rank(0).kv_view(0).data_ptr()  # own heads
+
+
 def test_a_class_that_runs_out_refuses_even_with_other_classes_free() -> None:
     m = manager(2, num_blocks=8)  # 4 slots per class
     m.allocate("a", 3 * TPB)  # blocks 0, 1, 2: classes 0, 1, 0
