@@ -152,6 +152,115 @@ def test_pages_alternate_between_ranks_with_local_tables_lengths_and_mappings() 
     assert r0.slot_mapping(["a"], 0).tolist() == [6, 7, -1]
 
 
+def test_null_page_is_local_slot_0_of_every_rank_through_chunked_prefill_and_refusal() -> None:
+    m = manager(3, num_blocks=12, null_page=True)  # 4 slots per class, local 0 reserved
+    assert m._coord.pools[0].free_order().tolist() == [3, 6, 9, 4, 7, 10, 5, 8, 11]
+    info = m.allocate("a", 5)  # chunked prefill: 5 + 8 + 8 = 21 tokens, blocks 0..5
+    m.extend("a", 8)
+    m.extend("a", 8)
+    assert m.block_table("a") == [[3, 4, 5, 6, 7, 8]]  # classes 0, 1, 2, 0, 1, 2
+    for r in range(3):  # local slots 1, 2 on every rank; padding is the null page 0
+        assert m.rank(r).page_table(0)[info.row].tolist() == [1, 2] + [0] * 7
+        assert m.rank(r).kv_view(0).shape[0] == 4
+    assert [m.rank(r).context_lengths(["a"]).item() for r in range(3)] == [8, 8, 5]
+    assert m._coord.pools[0].free_by_class().tolist() == [1, 1, 1]
+    before = [m.rank(r).page_tables().clone() for r in range(3)]
+    with pytest.raises(OutOfBlocks) as exc:
+        m.extend("a", 16)  # blocks 6..9: classes 0, 1, 2, 0, and class 0 has 1 free
+    assert exc.value.detail["cp_rank"] == 0 and exc.value.detail["needed"] == 2
+    assert m.request("a").num_tokens == 21 and m.block_table("a") == [[3, 4, 5, 6, 7, 8]]
+    assert m._coord.pools[0].free_by_class().tolist() == [1, 1, 1]
+    assert all(bool((m.rank(r).page_tables() == before[r]).all()) for r in range(3))
+    m.extend("a", 15)  # blocks 6..8: one of each class
+    assert m.block_table("a") == [[3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    assert m.rank(2).page_table(0)[info.row, :4].tolist() == [1, 2, 3, 0]
+    m.free("a")
+    assert m._coord.pools[0].free_by_class().tolist() == [3, 3, 3]
+    assert m.rank(1).page_table(0)[info.row].tolist() == [0] * 9
+
+
+def test_a_window_releases_each_ranks_share_of_its_stale_blocks() -> None:
+    m = manager(3, [spec(0), spec(1, window=9, sinks=4)], num_blocks=36)
+    info = m.allocate("w", 10)
+    for _ in range(5):
+        m.extend("w", 4)
+    # History 26, window 9, 1 sink block: stale global blocks [1, (26 + 1 - 9) // 4) = [1, 4).
+    assert m.block_table("w") == [[0, 1, 2, 6, 7, 8, 12, 13], [3, -1, -1, -1, 10, 11, 15, 16]]
+    # Rank r's local entries [ceil((1 - r) / 3), ceil((4 - r) / 3)): block 3, 1 and 2.
+    released = [m.rank(r).released_pages(["w"], 1).tolist() for r in range(3)]
+    assert released == [[[1, 2]], [[0, 1]], [[0, 1]]]
+    assert m.rank(0).page_table(1)[info.row, :3].tolist() == [1, -1, 5]  # blocks 0, 3, 6
+    assert m.rank(1).page_table(1)[info.row, :3].tolist() == [-1, 3, 5]  # blocks 1, 4, 7
+    assert m.rank(2).page_table(1)[info.row, :3].tolist() == [-1, 3, -1]  # blocks 2, 5
+    assert m.rank(0).released_pages(["w"], 0).tolist() == [[0, 0]]  # full attention
+    # One pool group for both groups; class 2 holds blocks 2 and 5 of layer 0, 5 of layer 1.
+    assert m._coord.pools[0].free_by_class().tolist() == [7, 7, 9]
+
+
+def test_prefix_hits_land_on_the_rank_of_their_position() -> None:
+    m = manager(4, num_blocks=16)  # 4 slots per class
+    prompt = list(range(22))
+    m.allocate("a", 22, token_ids=prompt)  # blocks 0..5: classes 0, 1, 2, 3, 0, 1
+    assert m.block_table("a") == [[0, 1, 2, 3, 4, 5]]
+    m.commit("a", prompt)
+    m.free("a")  # its 5 full blocks stay cached
+    assert m.probe(prompt) == 20
+    info = m.allocate("b", 20, token_ids=prompt[:20])
+    assert info.num_hit_tokens == 16  # the last token is computed: block 4 is new
+    assert m.block_table("b") == [[0, 1, 2, 3, 8]]  # hits at their positions; 8 is class 0
+    assert m.rank(0).page_table(0)[info.row, :3].tolist() == [0, 2, -1]  # slots 0, 8
+    for r in (1, 2, 3):
+        assert m.rank(r).page_table(0)[info.row, :2].tolist() == [0, -1]
+    assert [m.rank(r).context_lengths(["b"]).item() for r in range(4)] == [8, 4, 4, 4]
+    assert m._coord.pools[0].free_by_class().tolist() == [2, 3, 3, 3]
+
+
+def test_rejected_drafts_give_their_blocks_back_to_their_class() -> None:
+    m = manager(2, num_blocks=16)
+    info = m.allocate("d", 6, lookahead=3)  # capacity 9: blocks 0, 1, 2
+    m.extend("d", 3, lookahead=4)  # 9 tokens, capacity 13: block 3 (class 1) is new
+    assert m.block_table("d") == [[0, 1, 2, 3]]
+    assert m._coord.pools[0].free_by_class().tolist() == [6, 6]
+    m.rewind("d", 2)  # 7 tokens, capacity 11: block 3 goes back to class 1's tail
+    assert m.block_table("d") == [[0, 1, 2]]
+    assert m._coord.pools[0].free_by_class().tolist() == [6, 7]
+    assert m._coord.pools[0].free_order().tolist()[-1] == 3
+    assert m.rank(1).page_table(0)[info.row, :2].tolist() == [0, -1]
+    assert [m.rank(r).context_lengths(["d"]).item() for r in range(2)] == [4, 3]
+    # The last token, 6, is in block 1 (slot 1: rank 1's local slot 0) at offset 2.
+    assert [m.rank(r).slot_mapping(["d"], 0).tolist() for r in range(2)] == [[-1], [2]]
+
+
+def test_cp_ranks_that_are_also_tp_ranks_share_their_class_tables_not_their_pools() -> None:
+    layers = [spec(0, num_kv_heads=2), spec(1, window=9)]  # two pool groups
+    m = KVCacheManager(
+        {
+            "ranks": [{"device": "cpu", "layers": layers, "cp_rank": c} for c in (0, 1, 1, 0)],
+            "context_parallel": 2,
+            "tokens_per_block": TPB,
+            "max_requests": 4,
+            "max_seq_len": 64,
+            "num_blocks": 32,
+        }
+    )
+    m.allocate("x", 4)  # slot 0 of each pool group
+    info = m.allocate("a", 10)
+    m.extend("a", 8)
+    m.extend("a", 3)  # 21 tokens; history 18: the window releases blocks [0, 2)
+    assert m.block_table("a") == [[2, 1, 4, 3, 6, 5], [-1, -1, 4, 3, 6, 5]]
+    # Class 0 (ranks 0 and 3): blocks 0, 2, 4; class 1 (ranks 1 and 2): blocks 1, 3, 5.
+    want = {0: [[1, 2, 3, -1], [-1, 2, 3, -1]], 1: [[0, 1, 2, -1], [-1, 1, 2, -1]]}
+    mapping = {0: [12, 13, 14, 15, -1], 1: [-1, -1, -1, -1, 8]}  # tokens 16..20
+    for r, c in enumerate((0, 1, 1, 0)):
+        view = m.rank(r)
+        assert view.page_tables()[:, info.row, :4].tolist() == want[c], r
+        assert view.context_lengths(["a"]).tolist() == [[12, 9][c]]
+        assert view.slot_mapping(["a"], 0, 5).tolist() == mapping[c]
+        assert view.released_pages(["a"], 1).tolist() == [[0, 1]]
+        assert view.kv_view(0).shape[0] == 16  # half of the 32 slots
+    assert m.rank(3).kv_view(0).data_ptr() != m.rank(0).kv_view(0).data_ptr()  # own heads
+
+
 def test_a_class_that_runs_out_refuses_even_with_other_classes_free() -> None:
     m = manager(2, num_blocks=8)  # 4 slots per class
     m.allocate("a", 3 * TPB)  # blocks 0, 1, 2: classes 0, 1, 0
@@ -253,6 +362,9 @@ def _check(m: KVCacheManager, cp: int, null_page: bool) -> None:
                 assert view.slot_mapping([rid], layer, k).tolist() == want_map, (rid, r, g)
                 start, end = view.released_pages([rid], layer).tolist()[0]
                 sinks, rel_end = group.sink_blocks, int(c.released_end[g][row])
+                # The released range is exactly the global table's holes.
+                holes = {b for b, s in enumerate(blocks) if s < 0}
+                assert holes == set(range(sinks, rel_end)), (rid, g)
                 local = {b // cp for b in range(sinks, rel_end) if b % cp == r}
                 assert set(range(start, end)) == local
                 for j in local:  # released: no page there
