@@ -18,7 +18,7 @@ import torch
 
 from kvcm_client.models import ManagerConfig
 
-from .context_parallel import local_table_width
+from .context_parallel import table_width
 from .coordinator import Coordinator
 from .device_tables import DeviceTables, EditQueues
 from .host_tier import HostTier
@@ -63,9 +63,7 @@ def build(
         ng = len(m.layout.layer_groups)
         # A context-parallel rank shares its own tables (a share of the positions and
         # the always-empty column), not the host's.
-        width = local_table_width(m.max_blocks_per_request, cfg.context_parallel)
-        if cfg.context_parallel == 1:
-            width = m.max_blocks_per_request
+        width = table_width(m.max_blocks_per_request, cfg.context_parallel)
         table_bytes = 4 * ng * cfg.max_requests * width
         m._table_segment, table_memory = m._segments.allocate(table_bytes)
         if m.device.type == "cpu" and cfg.context_parallel == 1:

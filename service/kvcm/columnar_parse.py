@@ -18,16 +18,11 @@ from kvcm_client.models import AllocateOp
 
 from .columnar_types import StepColumns
 from .counts import MAX_COUNT, _count, _counts
+from .ops import OP_FIELDS
 
 _ALLOCATE_KEYS = frozenset(AllocateOp.model_fields) - {"op"}
-_ALLOCATE_DEFAULTS: dict[str, Any] = {
-    "lookahead": 0,
-    "token_ids": None,
-    "lora_id": None,
-    "cache_salt": None,
-    "multimodal": None,
-    "block_keys": None,
-}
+#: An allocate's optional fields and their defaults: the op list's (``kvcm.ops``).
+_ALLOCATE_DEFAULTS: dict[str, Any] = OP_FIELDS["allocate"][1]
 
 
 _NO_HANDLES = np.zeros(0, dtype=np.int64)

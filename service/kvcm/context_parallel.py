@@ -140,10 +140,11 @@ def local_edits(edits: np.ndarray, cp: int, c: int) -> np.ndarray:
     return mine
 
 
-def local_table_width(max_blocks: int, cp: int) -> int:
-    """Entries per row of a CP rank's local tables: its share of ``max_blocks`` positions
-    and one more, always empty, where ``local_positions`` sends other ranks' tokens."""
-    return local_count(max_blocks, cp, 0) + 1
+def table_width(max_blocks: int, cp: int) -> int:
+    """Entries per row of a rank's page tables: ``max_blocks``, or for a CP rank its share
+    of the ``max_blocks`` positions and one more, always empty, where ``local_positions``
+    sends other ranks' tokens. Example: 24 positions and cp 3 give 8 + 1 = 9."""
+    return max_blocks if cp == 1 else local_count(max_blocks, cp, 0) + 1
 
 
 def local_positions(

@@ -206,17 +206,9 @@ class Coordinator:
             # class (context parallelism), the batch must fit without what it gives back: a
             # stricter rule, whose refusal only sends the rows one by one.
             if self.cp > 1:
-                late = in_order and bool(np.any(back[pg]))
-                if late and bool(np.any(need[pg] > pool.free_by_class())):
-                    c = int(np.argmax(need[pg] - pool.free_by_class()))
-                    raise OutOfBlocks(
-                        f"pool group {pg}: the rows do not fit one after another",
-                        pool_group=pg,
-                        needed=int(need[pg][c]),
-                        free=int(pool.free_by_class()[c]),
-                        released=int(back[pg][c]),
-                        cp_rank=c,
-                    )
+                if in_order and bool(np.any(back[pg])):
+                    note = " (not counted: the rows run one after another)"
+                    self._fit_classes(pg, need[pg], back[pg], pool.free_by_class(), note)
                 continue
             if in_order and back[pg] and int(np.cumsum(_net(moves[pg])).max()) > pool.num_free:
                 raise OutOfBlocks(
@@ -228,6 +220,26 @@ class Coordinator:
                 )
         self.check_fits(need, back)
         return plans
+
+    def _fit_classes(
+        self, pg: int, need: np.ndarray, back: np.ndarray, room: np.ndarray, note: str = ""
+    ) -> None:
+        """Refuse (``OutOfBlocks``, naming the class that lacks most) if some class of pool
+        group pg needs more slots than ``room`` (its free slots, with or without those the op
+        releases: ``back``)."""
+        if not bool(np.any(need > room)):
+            return
+        c = int(np.argmax(need - room))
+        free = int(self.pools[pg].free_by_class()[c])
+        raise OutOfBlocks(
+            f"pool group {pg} needs {int(need[c])} blocks of context-parallel rank {c}, "
+            f"{free} are free and the op releases {int(back[c])}{note}",
+            pool_group=pg,
+            needed=int(need[c]),
+            free=free,
+            released=int(back[c]),
+            cp_rank=c,
+        )
 
     def _zeros(self) -> list[Any]:
         """A count per pool group: an int, or per class an int64 ``[cp]``."""
@@ -252,19 +264,7 @@ class Coordinator:
         back = back or self._zeros()
         for pg, pool in enumerate(self.pools):
             if self.cp > 1:
-                free = pool.free_by_class() + back[pg]
-                if bool(np.any(need[pg] > free)):
-                    c = int(np.argmax(need[pg] - free))
-                    raise OutOfBlocks(
-                        f"pool group {pg} needs {int(need[pg][c])} blocks of context-parallel "
-                        f"rank {c}, {int(free[c] - back[pg][c])} are free and the op releases "
-                        f"{int(back[pg][c])}",
-                        pool_group=pg,
-                        needed=int(need[pg][c]),
-                        free=int(pool.free_by_class()[c]),
-                        released=int(back[pg][c]),
-                        cp_rank=c,
-                    )
+                self._fit_classes(pg, need[pg], back[pg], pool.free_by_class() + back[pg])
                 continue
             if need[pg] > pool.num_free + back[pg]:
                 raise OutOfBlocks(

@@ -19,7 +19,7 @@ import torch
 
 import kvcm_kernels
 
-from .context_parallel import local_edits, local_table_width
+from .context_parallel import local_edits, table_width
 from .coordinator import Coordinator
 
 _NO_EDITS = np.empty((0, 4), dtype=np.int64)
@@ -159,7 +159,7 @@ class DeviceTables:
         self._upload: Uploader | None = None
         if cp[0] > 1:
             groups, rows, cols = host.shape
-            shape = (groups, rows, local_table_width(cols, cp[0]))
+            shape = (groups, rows, table_width(cols, cp[0]))
             if memory is None:
                 self.tensor = torch.full(shape, coordinator.empty, dtype=torch.int32, device=device)
             else:  # shared: a consumer maps this rank's tables there

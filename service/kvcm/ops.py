@@ -22,7 +22,7 @@ from kvcm_client.models import CommitOp, ExtendOp, FreeOp, Op, ResumeOp, RewindO
 
 #: Per op: (required fields, optional fields with defaults); every field but request_id and
 #: token_ids is a strict int.
-_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int | None]]] = {
+OP_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int | None]]] = {
     "allocate": (
         ("request_id", "num_tokens"),
         {
@@ -46,7 +46,8 @@ _FLAT_OPS = (ExtendOp, RewindOp, CommitOp, FreeOp, SuspendOp, ResumeOp)
 _OPS = TypeAdapter(list[Op])
 _STEP_KEYS = frozenset({"ops", "atomic", "brief"})
 _KEYS = {
-    kind: frozenset(("op", *required, *optional)) for kind, (required, optional) in _FIELDS.items()
+    kind: frozenset(("op", *required, *optional))
+    for kind, (required, optional) in OP_FIELDS.items()
 }
 
 
@@ -65,7 +66,7 @@ def _plain(op: Any) -> dict[str, Any] | None:
         ):
             return {"op": kind, "request_id": rid, "num_new_tokens": n, "lookahead": la}
         return None
-    fields = _FIELDS.get(kind) if type(kind) is str else None
+    fields = OP_FIELDS.get(kind) if type(kind) is str else None
     if fields is None or not op.keys() <= _KEYS[kind]:
         return None
     required, optional = fields

@@ -32,7 +32,7 @@ import torch
 from kvcm_client.errors import InvalidArgument
 from kvcm_client.models import LayerSpec, ManagerConfig, SharedSegment
 
-from .context_parallel import local_table_width
+from .context_parallel import table_width
 from .coordinator import Coordinator
 from .device_tables import DeviceTables, EditQueues
 from .ids import PoolGroupId
@@ -145,7 +145,7 @@ def build_rank(
     if segments is not None and (device.type == "cuda" or cp[0] > 1):
         # Tables of its own: on CUDA, or a context-parallel rank's local ones anywhere.
         groups, rows, cols = coord.tables.shape
-        width = cols if cp[0] == 1 else local_table_width(cols, cp[0])
+        width = table_width(cols, cp[0])
         table_segment, table_memory = segments.allocate(4 * groups * rows * width)
     tables = DeviceTables(coord, device, table_memory, queues, plan.rank, cp)
     views = TablesAndViews(cfg, plan.layout, device, memory, slots, coord, tables, rows_of, cp[1])
