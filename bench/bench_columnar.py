@@ -2,6 +2,7 @@
 
   python bench/bench_columnar.py            # ~1 min
   python bench/bench_columnar.py --quick    # a smoke run
+  python bench/bench_columnar.py --compare-native   # with the C core and without (~5 min)
 
 Workloads (block size 16, 4 full-attention layers of 1 KV head; every request has room):
 
@@ -27,12 +28,13 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from kvcm import KVCacheManager
+from kvcm import KVCacheManager, native
 from kvcm_client.models import ExtendOp
 
 TPB = 16
@@ -160,12 +162,44 @@ TARGETS = {
 }
 
 
+def compare_native(repeats: int, rounds: int) -> None:
+    """Every row with the C core and without it (``kvcm.native.use``), alternating whole
+    runs ``rounds`` times, each side's median per row (the VM's speed drifts in minutes)."""
+    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    for r in range(rounds):
+        for on in (True, False):
+            native.use(on)
+            runs[on].append(bench(repeats))
+            print(f"round {r + 1}/{rounds}, C core {'on' if on else 'off'}", file=sys.stderr)
+    native.use(True)
+    print("| workload | C core us | numpy path us | numpy / C | target us |")
+    print("|---|---|---|---|---|")
+    for name in runs[True][0]:
+        c = statistics.median(run[name] for run in runs[True])
+        py = statistics.median(run[name] for run in runs[False])
+        target = TARGETS.get(name)
+        print(
+            f"| {name} | {c:.2f} | {py:.2f} | {py / c:.2f}x | "
+            f"{'' if target is None else f'{target:g}'} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--compare-native",
+        action="store_true",
+        help="each row with the C core (kvcm._native) and with the numpy path, same run",
+    )
     args = parser.parse_args()
+    print(f"{platform.node()} {platform.processor() or platform.machine()}; {native.summary()}")
+    if args.compare_native:
+        if not native.available():
+            sys.exit("kvcm._native is not built: nothing to compare")
+        compare_native(5 if args.quick else 20, 1 if args.quick else 3)
+        return
     rows = bench(5 if args.quick else 40)
-    print(f"{platform.node()} {platform.processor() or platform.machine()}")
     print("| workload | us | target us |")
     print("|---|---|---|")
     for name, us in rows.items():

@@ -79,6 +79,22 @@ def test_bench_columnar_quick_prints_every_workload() -> None:
         assert f"| {workload} |" in run.stdout
 
 
+def test_bench_columnar_compares_the_c_core_with_the_numpy_path() -> None:
+    from kvcm import native
+
+    if not native.available():
+        pytest.skip("kvcm._native is not built")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_columnar.py"), "--quick", "--compare-native"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| workload | C core us | numpy path us | numpy / C | target us |" in run.stdout
+    assert "| decode: step_columns, N=256 |" in run.stdout
+
+
 def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> None:
     code = (
         "import sys, kvcm_client; "

@@ -334,7 +334,15 @@ def test_setup_runs_pip_only_when_the_install_changed(tmp_path: Path) -> None:
     same pyproject files, constraints and extras are installed. The real script, with a fake
     interpreter that records what it is asked to run."""
     root = Path(__file__).resolve().parents[1]
-    for name in ("scripts/setup", "pyproject.toml", "client/pyproject.toml", "constraints.txt"):
+    inputs = (
+        "scripts/setup",
+        "pyproject.toml",
+        "setup.py",
+        "service/kvcm/_native.c",
+        "client/pyproject.toml",
+        "constraints.txt",
+    )
+    for name in inputs:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes((root / name).read_bytes())
     log = tmp_path / "calls.log"
@@ -372,6 +380,10 @@ def test_setup_runs_pip_only_when_the_install_changed(tmp_path: Path) -> None:
     assert setup("test,gpu") == [] and setup("gpu") == []
     with (tmp_path / "constraints.txt").open("a") as f:
         f.write("# changed\n")
+    assert [c.split()[-1] for c in setup()] == ["./client", ".[gpu,test]"]
+    assert setup() == []
+    with (tmp_path / "service/kvcm/_native.c").open("a") as f:
+        f.write("/* changed */\n")  # the C core is rebuilt by pip
     assert [c.split()[-1] for c in setup()] == ["./client", ".[gpu,test]"]
     assert setup() == []
     assert len(setup(KVCM_SETUP_FORCE="1")) == 2

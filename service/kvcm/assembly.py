@@ -22,6 +22,7 @@ from .context_parallel import table_width
 from .coordinator import Coordinator
 from .device_tables import DeviceTables, EditQueues
 from .host_tier import HostTier
+from .native_step import NativeDecode
 from .planning import host_slots, plan
 from .pools import PoolMemory
 from .ranks import Rank, build_rank
@@ -90,6 +91,7 @@ def build(
     #: Scratch for the distinct-rows check of a batch of extends.
     m._order = np.arange(cfg.max_requests, dtype=np.int64)
     m._scratch = np.zeros(cfg.max_requests, dtype=np.int64)
+    m._native_decode = NativeDecode(cfg.max_requests, len(m.layout.layer_groups))
     m._first = {}
     m._prefix = {}
     #: Tokens each row got from the prefix cache at allocation.

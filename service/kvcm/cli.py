@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from kvcm_client.errors import KVCMError
 
+from . import native
 from .router.cli import add_commands as add_router_commands
 from .router.cli import run_route, run_router
 from .server.settings import Settings
@@ -334,6 +335,7 @@ def serve(settings: Settings) -> int:
         )
         print(f"kvcm: probes and metrics on {probe_url}", flush=True)
     print(f"kvcm: serving on {url}", flush=True)
+    print(f"kvcm: step path in {native.summary()}", flush=True)
 
     async def run() -> None:
         if probe is None:

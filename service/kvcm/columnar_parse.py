@@ -30,8 +30,14 @@ _NO_HANDLES.flags.writeable = False
 
 
 def _handles(name: str, value: Any) -> np.ndarray:
-    """Handles as int64: any sequence or 1-d array of ints (not bools)."""
-    if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
+    """Handles as a contiguous int64 array (what the C decode path reads): any sequence or
+    1-d array of ints (not bools)."""
+    if (
+        type(value) is np.ndarray
+        and value.dtype == np.int64
+        and value.ndim == 1
+        and value.flags.c_contiguous
+    ):
         return value
     if (type(value) is tuple or type(value) is list) and not value:
         return _NO_HANDLES
@@ -48,7 +54,7 @@ def _handles(name: str, value: Any) -> np.ndarray:
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidArgument(f"{name} must be a 1-d sequence of ints", **{name: None})
     if arr.dtype == np.int64:
-        return arr
+        return np.ascontiguousarray(arr)
     if arr.size and arr.dtype.kind == "u" and int(arr.max()) >= 2**63:
         # No live handle is that large: those items become 0 (unknown), the others stay.
         return np.where(arr >= 2**63, 0, arr).astype(np.int64)

@@ -52,4 +52,4 @@ def _counts(name: str, value: int | Sequence[int], n: int, minimum: int) -> np.n
             f"{name} must be ints in [{minimum}, {MAX_COUNT}]",
             **{name: _shown(int(arr.min()) if int(arr.min()) < minimum else int(arr.max()))},
         )
-    return arr.astype(np.int64, copy=False)
+    return np.ascontiguousarray(arr, dtype=np.int64)  # as the C decode path reads it

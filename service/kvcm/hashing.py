@@ -33,6 +33,8 @@ import numpy as np
 
 from kvcm_client.errors import InvalidArgument
 
+from . import native
+
 KEY_BYTES = 32
 _ROOT_TAG = b"kvcm/v1/root"
 
@@ -83,6 +85,11 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     One C-level pass (``struct.pack``): prompts are thousands of tokens, and a Python loop
     over them would cost more than everything else an allocate does.
     """
+    core = native.core
+    if core is not None:
+        packed = core.pack_tokens(token_ids)  # None: not a list of ids in range; see below
+        if packed is not None:
+            return packed
     if isinstance(token_ids, str | bytes):
         raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
     try:
@@ -143,6 +150,9 @@ def chain_keys(
     items are in prompt positions.
     """
     step = 4 * tokens_per_block
+    core = native.core
+    if core is not None and native.fast_sha and not multimodal:
+        return core.sha256_chain(parent, tokens, step)
     count = len(tokens) // step
     tags = _multimodal_tags(multimodal, first_block + count, tokens_per_block) if multimodal else {}
     blocks = [tokens[i : i + step] for i in range(0, count * step, step)]

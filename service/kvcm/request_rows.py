@@ -25,7 +25,7 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import RequestInfo
 
-from . import state_requests
+from . import native, state_requests
 from .counts import MAX_COUNT, _count, _counts
 
 if TYPE_CHECKING:
@@ -204,6 +204,9 @@ def extend_handles(
     Distinct rows: each writes its position into ``scratch``; a repeated row keeps only
     its last write, so an earlier position reads back something else.
     """
+    core = native.core
+    if core is not None and m._coord.plain:
+        return m._native_decode.extend(core, m, handles, new, ahead)
     n = handles.size
     if n > m.config.max_requests:  # cannot all be distinct live rows
         return None

@@ -1,0 +1,45 @@
+"""kvcm's optional C core (``kvcm._native``, docs/native.md): loaded once, switchable.
+
+The C extension is built by ``pip install`` when a C compiler is there; without it, or with
+``KVCM_NATIVE=0`` in the environment, ``core`` is None and every caller takes its numpy path,
+which gives the same results (tests/test_native.py runs both and compares them).
+
+``core`` is read at each call, so a test can switch it (``use(False)``) on a live manager.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+try:
+    from . import _native as _built
+except ImportError:  # not built (no compiler): the numpy paths
+    _built = None
+
+#: The C core, or None (not built, or switched off).
+core: ModuleType | None = None if os.environ.get("KVCM_NATIVE", "1") == "0" else _built
+#: Block keys in C only with the CPU's SHA extensions: portable C SHA-256 is slower than
+#: the OpenSSL that hashlib calls.
+fast_sha: bool = bool(core is not None and core.HAVE_SHA_EXTENSIONS)
+
+
+def available() -> bool:
+    """Whether the C core was built (whatever ``use`` chose)."""
+    return _built is not None
+
+
+def use(on: bool) -> bool:
+    """Switch the C core on (if built) or off; returns whether it is now on."""
+    global core, fast_sha
+    core = _built if on else None
+    fast_sha = bool(core is not None and core.HAVE_SHA_EXTENSIONS)
+    return core is not None
+
+
+def summary() -> str:
+    """What runs the step path, for ``kvcm serve``'s first line: "C (SHA extensions)", "C",
+    "numpy (KVCM_NATIVE=0)" or "numpy (kvcm._native not built)"."""
+    if core is not None:
+        return "C (SHA extensions)" if fast_sha else "C"
+    return "numpy (KVCM_NATIVE=0)" if available() else "numpy (kvcm._native not built)"

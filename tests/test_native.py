@@ -1,0 +1,295 @@
+"""kvcm's C core (``kvcm._native``) against its numpy and hashlib references.
+
+Each test runs the same inputs through both paths (``kvcm.native.use``) and asserts equal
+results and equal manager state: block ids, tables, counters, free order, edits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import layer, manager
+
+from kvcm import InvalidArgument, KVCacheManager, native
+from kvcm.hashing import block_keys, token_bytes
+
+built = pytest.mark.skipif(not native.available(), reason="kvcm._native is not built")
+
+
+@pytest.fixture(autouse=True)
+def _restore_native() -> Iterator[None]:
+    on = native.core is not None
+    yield
+    native.use(on)
+
+
+# -- SHA-256 and block keys ------------------------------------------------------------------
+
+
+@built
+@pytest.mark.parametrize("extensions", [True, False])
+def test_sha256_equals_hashlib(extensions: bool, rng: np.random.Generator) -> None:
+    core = native._built
+    assert core is not None
+    if core.use_sha_extensions(extensions) != extensions:
+        pytest.skip("this CPU has no SHA extensions")
+    try:
+        # every padding case (0-200 bytes: one, two and three blocks), then longer inputs
+        for n in [*range(201), 1000, 4096, 65537]:
+            data = rng.bytes(n)
+            assert core.sha256(data) == hashlib.sha256(data).digest(), n
+    finally:
+        core.use_sha_extensions(True)
+
+
+def _chain(parent: bytes, data: bytes, step: int) -> list[bytes]:
+    keys = []
+    for i in range(len(data) // step):
+        parent = hashlib.sha256(parent + data[i * step : (i + 1) * step]).digest()
+        keys.append(parent)
+    return keys
+
+
+@built
+@pytest.mark.parametrize("extensions", [True, False])
+def test_key_chain_equals_hashlib(extensions: bool, rng: np.random.Generator) -> None:
+    core = native._built
+    assert core is not None
+    if core.use_sha_extensions(extensions) != extensions:
+        pytest.skip("this CPU has no SHA extensions")
+    try:
+        for tpb in (1, 2, 3, 16, 64, 257):
+            for n in (0, tpb - 1, tpb, 5 * tpb + 1, 40 * tpb):
+                parent = rng.bytes(32)
+                data = rng.integers(0, 2**31, n, dtype=np.int64).astype("<i4").tobytes()
+                assert core.sha256_chain(parent, data, 4 * tpb) == _chain(parent, data, 4 * tpb)
+    finally:
+        core.use_sha_extensions(True)
+    with pytest.raises(ValueError):
+        core.sha256_chain(b"short", b"", 4)
+
+
+@built
+def test_block_keys_are_the_same_with_and_without_the_core(rng: np.random.Generator) -> None:
+    tokens = rng.integers(0, 50_000, 300).tolist()
+    keys = {}
+    for on in (True, False):
+        native.use(on)
+        keys[on] = [
+            block_keys(tokens, 16),
+            block_keys(tokens, 7, lora_id=3, cache_salt="tenant-a"),
+            block_keys(tokens, 16, multimodal=[{"digest": "img", "start": 20, "length": 40}]),
+        ]
+    assert keys[True] == keys[False]
+    # the hashing module's worked example: [5, 6, 7] with 2 tokens per block
+    root = hashlib.sha256(b"kvcm/v1/root").digest()
+    native.use(True)
+    assert block_keys([5, 6, 7], 2) == [hashlib.sha256(root + struct.pack("<2i", 5, 6)).digest()]
+
+
+# -- token ids -------------------------------------------------------------------------------
+
+
+@built
+def test_pack_tokens_takes_only_ids_in_range() -> None:
+    core = native._built
+    assert core is not None
+    ids = [0, 1, 2**31 - 1, 65_536, 7]
+    assert core.pack_tokens(ids) == struct.pack("<5i", *ids)
+    assert core.pack_tokens(tuple(ids)) == struct.pack("<5i", *ids)
+    assert core.pack_tokens([]) == b""
+    assert core.pack_tokens([True, False]) == struct.pack("<2i", 1, 0)  # as struct does
+    for bad in ([-1], [2**31], [2**70], [-(2**70)], ["1"], [1.0], [np.int64(3)], [None]):
+        assert core.pack_tokens([5, *bad]) is None, bad  # the Python path names the error
+    for other in ("abc", b"ab", np.arange(3), range(3), {1: 2}):
+        assert core.pack_tokens(other) is None
+
+
+@built
+def test_token_bytes_is_the_same_with_and_without_the_core() -> None:
+    cases: list[Any] = [[1, 2, 3], (4, 5), [], np.arange(6), [np.int32(9), 2], [True, 3]]
+    bad: list[Any] = [[-1], [2**31], [2**64], ["x"], [1.5], "abc", b"\x00"]
+    for on in (True, False):
+        native.use(on)
+        got = [token_bytes(c) for c in cases]
+        assert got == [struct.pack(f"<{len(c)}i", *(int(x) for x in c)) for c in cases]
+        for b in bad:
+            with pytest.raises(InvalidArgument):
+                token_bytes(b)
+
+
+# -- a decode step's batch of extends --------------------------------------------------------
+
+
+class _Spy:
+    """The C core, counting the batches it planned (so a test knows the path ran)."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+        self.planned = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+    def decode_plan(self, *args: Any) -> Any:
+        out = self._core.decode_plan(*args)
+        self.planned += out is not None
+        return out
+
+
+def _state(m: KVCacheManager) -> list[Any]:
+    c = m._coord
+    edits = c.take_edits() if c.edits is not None else None
+    return [
+        c.tables.copy(),
+        c.num_tokens.copy(),
+        c.history.copy(),
+        c.lookahead.copy(),
+        [b.copy() for b in c.num_blocks],
+        [r.copy() for r in c.refs],
+        [p.free_order() for p in c.pools],
+        [dict(k) for k in c.cache.slot_key],
+        edits,
+        m._handle.copy(),
+    ]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _columns(rng: np.random.Generator, live: list[int], stale: list[int]) -> dict[str, Any]:
+    """An extend section of the shapes engines send, some of them for the general path."""
+    handles = list(live)
+    rng.shuffle(handles)
+    kind = rng.random()
+    if stale and kind < 0.1:
+        handles.insert(int(rng.integers(len(handles) + 1)), stale[-1])  # a missed free
+    elif handles and kind < 0.15:
+        handles.append(handles[0])  # a row named twice
+    elif kind < 0.18:
+        handles.append(2**40 + 3 if rng.random() < 0.5 else -1)  # a handle nobody holds
+    n = len(handles)
+    cols: dict[str, Any] = {"extend": np.array(handles, dtype=np.int64)}
+    r = rng.random()
+    if r < 0.3:
+        cols["num_new_tokens"] = rng.integers(1, 6, n)
+    elif r < 0.4:  # a chunked prefill's chunks: several blocks per row
+        cols["num_new_tokens"] = rng.integers(1, 40, n)
+    elif r < 0.45:  # a strided column (made contiguous for the C path)
+        cols["num_new_tokens"] = rng.integers(1, 3, 2 * n)[::2]
+    if rng.random() < 0.3:  # speculative decoding's lookahead
+        cols["lookahead"] = int(rng.integers(0, 4)) if rng.random() < 0.5 else rng.integers(0, 4, n)
+    return cols
+
+
+@built
+@pytest.mark.parametrize(
+    "layers, kw",
+    [
+        ([layer(0)], {}),
+        ([layer(0), layer(1, kv_factor=1), layer(2, head_dim=8)], {"null_page": True}),
+        ([layer(0), layer(1, head_dim=8)], {"tokens_per_block": 1}),
+    ],
+)
+def test_decode_batches_match_the_numpy_path(
+    layers: list[dict[str, Any]], kw: dict[str, Any], rng: np.random.Generator
+) -> None:
+    """Random steps (frees, allocates with prompts that hit and evict cached blocks, commits,
+    then a batch of extends) on two managers, one with the C core and one without: same
+    statuses, block counts and state after every step, device-table edits included."""
+    cfg = {"num_blocks": 48, "max_requests": 12, "max_seq_len": 96, **kw}
+    ms = {on: manager(layers, **cfg) for on in (True, False)}
+    for m in ms.values():
+        m._coord.edits = []  # as with a CUDA device
+    spy = _Spy(native._built)
+    prompts = [rng.integers(0, 9, 24).tolist() for _ in range(3)]
+    live: list[int] = []
+    stale: list[int] = []
+    for step in range(300):
+        cols = _columns(rng, live, stale)
+        if live and rng.random() < 0.2:
+            gone = live.pop(int(rng.integers(len(live))))
+            cols["free"] = [gone]
+            stale.append(gone)
+        commit = [h for h in live if rng.random() < 0.2]
+        if commit:
+            cols["commit"] = commit
+            cols["commit_tokens"] = [rng.integers(0, 9, 3).tolist() for _ in commit]
+        if rng.random() < 0.3:
+            prompt = prompts[int(rng.integers(3))][: int(rng.integers(1, 25))]
+            cols["allocate"] = [
+                {"request_id": f"q{step}", "num_tokens": len(prompt), "token_ids": prompt}
+            ]
+        atomic = bool(rng.random() < 0.1)
+        outs = {}
+        for on, m in ms.items():
+            native.use(on)
+            native.core = spy if on else None
+            outs[on] = m.step_columns(**cols, atomic=atomic)
+        a, b = outs[True], outs[False]
+        assert _same(a.status, b.status), step
+        for name in ("new_blocks", "handles", "hit_tokens", "allocate_new_blocks"):
+            assert _same(getattr(a, name), getattr(b, name)), (step, name)
+        assert [(e.section, e.index, e.error.code) for e in a.errors] == [
+            (e.section, e.index, e.error.code) for e in b.errors
+        ]
+        states = _state(ms[True]), _state(ms[False])
+        differ = [i for i, (x, y) in enumerate(zip(*states, strict=True)) if not _same(x, y)]
+        assert not differ, (step, differ)
+        live = [h for h in live if ms[True]._handle[h & 0xFFFFFFFF] == h]
+        live += [int(h) for h in a.handles if h]
+    assert spy.planned > 100  # most batches took the C path
+
+
+@built
+def test_decode_batch_exact_tables() -> None:
+    """The worked example of kvcm.native_step: rows at 16 and 20 tokens, +1 token each."""
+    native.use(True)
+    m = manager([layer(0)], tokens_per_block=16, num_blocks=8, max_seq_len=256)
+    a = m.allocate("a", 16)
+    b = m.allocate("b", 20)
+    assert m.block_table("a") == [[0]] and m.block_table("b") == [[1, 2]]
+    out = m.step_columns(extend=[a.handle, b.handle])
+    assert out.new_blocks.tolist() == [1, 0]
+    assert m.block_table("a") == [[0, 3]] and m.block_table("b") == [[1, 2]]
+    assert [m.request("a").num_tokens, m.request("b").num_tokens] == [17, 21]
+    assert m.num_free_blocks() == 4
+
+
+def test_the_numpy_path_serves_windows_and_context_parallel_ranks() -> None:
+    """The C path is only for plans without per-window or per-class parts."""
+    assert manager([layer(0), layer(1)])._coord.plain
+    assert not manager([layer(0, sliding_window=8)])._coord.plain
+    ranks = [{"device": "cpu", "layers": [layer(0)], "cp_rank": c} for c in range(2)]
+    assert not manager([layer(0)], context_parallel=2, ranks=ranks)._coord.plain
+
+
+@pytest.mark.skipif(os.environ.get("KVCM_REQUIRE_NATIVE") != "1", reason="not required here")
+def test_the_core_is_built_where_required() -> None:
+    """CI sets KVCM_REQUIRE_NATIVE=1: a build that silently skipped the C core fails there."""
+    assert native.available() and native.core is not None
+
+
+def test_kvcm_native_0_turns_the_core_off() -> None:
+    env = {**os.environ, "KVCM_NATIVE": "0"}
+    code = "from kvcm import native; print(native.core is None, native.summary())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    expected = "numpy (KVCM_NATIVE=0)" if native.available() else "numpy (kvcm._native not built)"
+    assert out.stdout.strip() == f"True {expected}"
