@@ -11,7 +11,7 @@ setup(
         Extension(
             "kvcm._native",
             ["service/kvcm/_native.c"],
-            extra_compile_args=["-O2", "-std=c11"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )
     ]

@@ -135,18 +135,21 @@ class _Spy:
     def __init__(self, core: Any) -> None:
         self._core = core
         self.planned = 0
+        self.deferred = 0  # left to the numpy plan
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._core, name)
 
     def decode_plan(self, *args: Any) -> Any:
         out = self._core.decode_plan(*args)
-        self.planned += out is not None
+        self.planned += type(out) is tuple
+        self.deferred += out is False
         return out
 
 
 def _state(m: KVCacheManager) -> list[Any]:
     c = m._coord
+    ops = c.ops_since_take
     edits = c.take_edits() if c.edits is not None else None
     return [
         c.tables.copy(),
@@ -154,11 +157,15 @@ def _state(m: KVCacheManager) -> list[Any]:
         c.history.copy(),
         c.lookahead.copy(),
         [b.copy() for b in c.num_blocks],
+        [r.copy() for r in c.released_end],
         [r.copy() for r in c.refs],
         [p.free_order() for p in c.pools],
         [dict(k) for k in c.cache.slot_key],
+        [f.copy() for f in c.cache.cached],
+        ops,
         edits,
         m._handle.copy(),
+        m._committed.copy(),
     ]
 
 
@@ -172,7 +179,9 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _columns(rng: np.random.Generator, live: list[int], stale: list[int]) -> dict[str, Any]:
+def _columns(
+    rng: np.random.Generator, live: list[int], stale: list[int], big: bool
+) -> dict[str, Any]:
     """An extend section of the shapes engines send, some of them for the general path."""
     handles = list(live)
     rng.shuffle(handles)
@@ -189,7 +198,7 @@ def _columns(rng: np.random.Generator, live: list[int], stale: list[int]) -> dic
     if r < 0.3:
         cols["num_new_tokens"] = rng.integers(1, 6, n)
     elif r < 0.4:  # a chunked prefill's chunks: several blocks per row
-        cols["num_new_tokens"] = rng.integers(1, 40, n)
+        cols["num_new_tokens"] = rng.integers(1, 40 if big else 12, n)
     elif r < 0.45:  # a strided column (made contiguous for the C path)
         cols["num_new_tokens"] = rng.integers(1, 3, 2 * n)[::2]
     if rng.random() < 0.3:  # speculative decoding's lookahead
@@ -197,22 +206,41 @@ def _columns(rng: np.random.Generator, live: list[int], stale: list[int]) -> dic
     return cols
 
 
+#: (layers, config): layer groups sharing a pool group or not, windows with and without
+#: sinks, the null page, one token per block, and a pool large enough for chunked extends of
+#: many blocks per row (the C path's work arrays grow).
+_CONFIGS = [
+    ([layer(0)], {}),
+    ([layer(0), layer(1, owner="draft")], {}),
+    ([layer(0), layer(1, owner="draft"), layer(2, head_dim=8, owner="draft")], {"null_page": True}),
+    ([layer(0), layer(1, reuse="none", kv_factor=1)], {"tokens_per_block": 1, "num_blocks": 320}),
+    ([layer(0), layer(1, sliding_window=8)], {}),
+    (
+        [
+            layer(0, sliding_window=6, sink_tokens=2),
+            layer(1),
+            layer(2, kv_factor=1, sliding_window=13),
+            layer(3, owner="draft"),
+        ],
+        {"null_page": True},
+    ),
+    (
+        [layer(0, sliding_window=3), layer(1, sliding_window=5, sink_tokens=1)],
+        {"tokens_per_block": 1, "num_blocks": 320},
+    ),
+    ([layer(0), layer(1, owner="draft")], {"num_blocks": 1000, "max_seq_len": 1024}),
+]
+
+
 @built
-@pytest.mark.parametrize(
-    "layers, kw",
-    [
-        ([layer(0)], {}),
-        ([layer(0), layer(1, kv_factor=1), layer(2, head_dim=8)], {"null_page": True}),
-        ([layer(0), layer(1, head_dim=8)], {"tokens_per_block": 1}),
-    ],
-)
+@pytest.mark.parametrize("layers, kw", _CONFIGS)
 def test_decode_batches_match_the_numpy_path(
     layers: list[dict[str, Any]], kw: dict[str, Any], rng: np.random.Generator
 ) -> None:
     """Random steps (frees, allocates with prompts that hit and evict cached blocks, commits,
     then a batch of extends) on two managers, one with the C core and one without: same
     statuses, block counts and state after every step, device-table edits included."""
-    cfg = {"num_blocks": 48, "max_requests": 12, "max_seq_len": 96, **kw}
+    cfg = {"num_blocks": 64, "max_requests": 12, "max_seq_len": 96, **kw}
     ms = {on: manager(layers, **cfg) for on in (True, False)}
     for m in ms.values():
         m._coord.edits = []  # as with a CUDA device
@@ -221,8 +249,8 @@ def test_decode_batches_match_the_numpy_path(
     live: list[int] = []
     stale: list[int] = []
     for step in range(300):
-        cols = _columns(rng, live, stale)
-        if live and rng.random() < 0.2:
+        cols = _columns(rng, live, stale, cfg["num_blocks"] >= 1000)
+        if live and rng.random() < 0.3:
             gone = live.pop(int(rng.integers(len(live))))
             cols["free"] = [gone]
             stale.append(gone)
@@ -253,7 +281,9 @@ def test_decode_batches_match_the_numpy_path(
         assert not differ, (step, differ)
         live = [h for h in live if ms[True]._handle[h & 0xFFFFFFFF] == h]
         live += [int(h) for h in a.handles if h]
-    assert spy.planned > 100  # most batches took the C path
+    # Every batch was planned in C or refused as the numpy plan refuses it (a stale, repeated
+    # or unknown handle, a request at max_seq_len, a full pool): none needed the numpy plan.
+    assert spy.planned > 30 and spy.deferred == 0
 
 
 @built
@@ -271,10 +301,86 @@ def test_decode_batch_exact_tables() -> None:
     assert m.num_free_blocks() == 4
 
 
-def test_the_numpy_path_serves_windows_and_context_parallel_ranks() -> None:
-    """The C path is only for plans without per-window or per-class parts."""
+@built
+@pytest.mark.parametrize("on", [True, False])
+def test_a_window_releasing_a_shared_page_frees_no_room(on: bool) -> None:
+    """b shares a's blocks 1 and 2 by a prefix hit (window 8, 4 tokens per block). Growing to
+    17 tokens releases b's block 1, which a still holds, so it frees nothing: b's new block
+    does not fit in a full pool, on both paths, and nothing changes; c's extend runs."""
+    native.use(on)
+    m = manager([layer(0, sliding_window=8)], num_blocks=8, max_seq_len=64)
+    prompt = list(range(12))
+    m.allocate("a", 12, token_ids=prompt)
+    m.commit("a", prompt)
+    b = m.allocate("b", 13, token_ids=[*prompt, 99])
+    c = m.allocate("c", 2)
+    m.allocate("fill", 4 * m.num_free_blocks())
+    assert m.block_table("a") == [[0, 1, 2]] and m.block_table("b") == [[-1, 1, 2, 3]]
+    out = m.step_columns(extend=[b.handle, c.handle], num_new_tokens=[3, 1])  # 16 and 3
+    assert out.status["extend"].tolist() == [0, 0] and m.num_free_blocks() == 0
+    tables = m._coord.tables.copy()
+    out = m.step_columns(extend=[b.handle, c.handle])
+    assert [e.error.code for e in out.errors] == ["out_of_blocks"]
+    assert out.status["extend"][1] == 0 and m.request("c").num_tokens == 4
+    assert m.request("b").num_tokens == 16 and m.block_table("b") == [[-1, 1, 2, 3]]
+    assert np.array_equal(m._coord.tables, tables) and m.num_free_blocks() == 0
+    assert m._coord.refs[0][1] == 2
+
+
+@built
+def test_decode_plan_leaves_to_numpy_what_it_does_not_plan() -> None:
+    """False (the numpy plan decides), changing nothing: columns the parser never makes (a
+    strided or int32 column, counts out of range); None for a batch numpy refuses too."""
+    core = native._built
+    assert core is not None
+    m = manager([layer(0)], max_seq_len=64)
+    handles = np.array([m.allocate(r, 5).handle for r in "ab"], dtype=np.int64)
+    nd = m._native_decode
+    ctx, free = nd.context(m), (m.num_free_blocks(),)
+    before = _state(m)
+    for new, ahead in [
+        (np.array([1, 9, 1, 9])[::2], 0),  # strided
+        (np.array([1, 1], dtype=np.int32), 0),
+        (0, 0),
+        (2**40, 0),
+        (1, -1),
+        (1, 2**31),
+        (np.array([1, 2**62]), 0),
+    ]:
+        assert core.decode_plan(handles, new, ahead, ctx, free, nd.out) is False, (new, ahead)
+    assert (
+        core.decode_plan(handles[::-1].copy(), 1, 0, ctx, free, nd.out)
+        == ((0,), (0,))  # 6 tokens fit 2 blocks
+    )
+    assert core.decode_plan(np.append(handles, handles[0]), 1, 0, ctx, free, nd.out) is None
+    assert core.decode_plan(handles, 60, 0, ctx, free, nd.out) is None  # past max_seq_len
+    assert core.decode_plan(handles, 30, 0, ctx, (0,), nd.out) is None  # no room
+    assert _same(_state(m), before)
+
+
+@built
+def test_decode_commit_checks_every_row_before_writing_any() -> None:
+    core = native._built
+    assert core is not None
+    m = manager([layer(0)])
+    m.allocate("a", 5)
+    ctx = m._native_decode.context(m)
+    before = _state(m)
+    added = np.zeros(2, dtype=np.int32)
+    for rows, new in [(np.array([0, 99]), 1), (np.array([0, -1]), 1), (np.array([0, 1]), 0)]:
+        with pytest.raises(ValueError):
+            core.decode_commit(rows, new, 0, ctx, added)
+    with pytest.raises(TypeError):  # a float32 result array is no int32 one
+        core.decode_commit(np.array([0, 1]), 1, 0, ctx, np.zeros(2, dtype=np.float32))
+    with pytest.raises(ValueError):
+        core.decode_commit(np.array([0, 1]), 1, 0, ctx[:5], added)
+    assert _same(_state(m), before)
+
+
+def test_the_numpy_path_serves_context_parallel_ranks() -> None:
+    """The C path is only for plans without per-class parts."""
     assert manager([layer(0), layer(1)])._coord.plain
-    assert not manager([layer(0, sliding_window=8)])._coord.plain
+    assert manager([layer(0, sliding_window=8)])._coord.plain
     ranks = [{"device": "cpu", "layers": [layer(0)], "cp_rank": c} for c in range(2)]
     assert not manager([layer(0)], context_parallel=2, ranks=ranks)._coord.plain
 

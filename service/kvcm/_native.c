@@ -241,239 +241,391 @@ refuse:
 
 /* ---- a decode step's batch of extends ----------------------------------------------------- */
 
+#define MAX_GROUPS 64
+#define ROW_MASK 0xFFFFFFFFLL
+#define MAX_COUNT 0x7FFFFFFFLL /* kvcm.counts.MAX_COUNT */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define NATIVE_LITTLE 1
+#else
+#define NATIVE_LITTLE 0
+#endif
+
 typedef struct {
     Py_buffer view;
-    int64_t *p;
+    void *p;
     Py_ssize_t n;
-} I64;
+} Buf;
 
-/* An int64 C-contiguous buffer (writable if asked). */
-static int i64_get(PyObject *obj, I64 *a, int writable) {
+/* A C-contiguous buffer of itemsize-byte signed ints, writable if asked; -1 with TypeError
+ * (or numpy's ValueError for a strided array) if it is not one. */
+static int buf_get(PyObject *obj, Buf *a, Py_ssize_t itemsize, int writable) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &a->view, flags) < 0) return -1;
     const char *f = a->view.format ? a->view.format : "B";
-    char last = f[strlen(f) - 1];
-    if (a->view.itemsize != 8 || (last != 'q' && last != 'l') || (f[0] == '>' || f[0] == '!')) {
+    /* native byte order only: no prefix, '@' or '=', or '<' on a little-endian host */
+    if (f[0] == '@' || f[0] == '=' || (f[0] == '<' && NATIVE_LITTLE)) f++;
+    int ok = a->view.itemsize == itemsize && strlen(f) == 1 &&
+             (itemsize == 8 ? (f[0] == 'q' || f[0] == 'l') : f[0] == 'i');
+    if (!ok) {
         PyBuffer_Release(&a->view);
-        PyErr_SetString(PyExc_TypeError, "expected a C-contiguous int64 array");
+        a->view.obj = NULL;
+        PyErr_Format(PyExc_TypeError, "expected a C-contiguous int%d array", (int)(8 * itemsize));
         return -1;
     }
-    a->p = (int64_t *)a->view.buf;
-    a->n = a->view.len / 8;
+    a->p = a->view.buf;
+    a->n = a->view.len / itemsize;
     return 0;
 }
 
-/* An int for every item, or an int64 array of one per item: (scalar, array or NULL). */
-static int per_item(PyObject *obj, Py_ssize_t n, int64_t *scalar, I64 *arr, int *is_arr) {
-    if (PyLong_Check(obj)) {
-        *scalar = PyLong_AsLongLong(obj);
-        *is_arr = 0;
-        return (*scalar == -1 && PyErr_Occurred()) ? -1 : 0;
+static void buf_release(Buf *a) {
+    if (a->view.obj) PyBuffer_Release(&a->view);
+    a->view.obj = NULL;
+}
+
+#define I64P(b) ((int64_t *)(b).p)
+#define I32P(b) ((int32_t *)(b).p)
+
+/* The coordinator's state a batch reads and writes (kvcm.native_step.NativeDecode.context):
+ * (row_handle, scratch, num_tokens, history, lookahead, num_blocks, released_end, tables,
+ *  refs, group_pool, windows, max_seq_len, tokens_per_block, empty), where num_blocks and
+ * released_end are tuples of an int64 array per layer group, tables the int32 [groups,
+ * rows, width] host page tables, refs a tuple of an int32 array per pool group, group_pool
+ * and windows a tuple of ints per layer group (window 0: full attention). */
+typedef struct {
+    Buf row_handle, scratch, num_tokens, history, lookahead, tables;
+    Buf blocks[MAX_GROUPS], released[MAX_GROUPS], refs[MAX_GROUPS];
+    int64_t window[MAX_GROUPS];
+    int group_pool[MAX_GROUPS];
+    int groups, pools, got_blocks, got_released, got_refs;
+    int64_t max_seq_len, tpb, empty;
+    Py_ssize_t nrows, width;
+} Ctx;
+
+static void ctx_release(Ctx *c) {
+    buf_release(&c->row_handle);
+    buf_release(&c->scratch);
+    buf_release(&c->num_tokens);
+    buf_release(&c->history);
+    buf_release(&c->lookahead);
+    buf_release(&c->tables);
+    for (int g = 0; g < c->got_blocks; g++) buf_release(&c->blocks[g]);
+    for (int g = 0; g < c->got_released; g++) buf_release(&c->released[g]);
+    for (int p = 0; p < c->got_refs; p++) buf_release(&c->refs[p]);
+}
+
+static int ctx_fail(const char *what) {
+    PyErr_Format(PyExc_ValueError, "decode context: %s", what);
+    return -1;
+}
+
+static int ctx_get(PyObject *t, Ctx *c) {
+    memset(c, 0, sizeof *c);
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 14) return ctx_fail("a tuple of 14");
+    PyObject **it = &PyTuple_GET_ITEM(t, 0);
+    if (buf_get(it[0], &c->row_handle, 8, 0) < 0 || buf_get(it[1], &c->scratch, 8, 1) < 0 ||
+        buf_get(it[2], &c->num_tokens, 8, 1) < 0 || buf_get(it[3], &c->history, 8, 1) < 0 ||
+        buf_get(it[4], &c->lookahead, 8, 1) < 0 || buf_get(it[7], &c->tables, 4, 0) < 0)
+        return -1;
+    PyObject *blocks = it[5], *released = it[6], *refs = it[8], *pools = it[9], *wins = it[10];
+    if (!PyTuple_Check(blocks) || !PyTuple_Check(released) || !PyTuple_Check(refs) ||
+        !PyTuple_Check(pools) || !PyTuple_Check(wins))
+        return ctx_fail("num_blocks, released_end, refs, group_pool and windows are tuples");
+    c->groups = (int)PyTuple_GET_SIZE(blocks);
+    c->pools = (int)PyTuple_GET_SIZE(refs);
+    if (c->groups < 1 || c->groups > MAX_GROUPS || c->pools < 1 || c->pools > MAX_GROUPS ||
+        PyTuple_GET_SIZE(released) != c->groups || PyTuple_GET_SIZE(pools) != c->groups ||
+        PyTuple_GET_SIZE(wins) != c->groups)
+        return ctx_fail("1 to 64 layer groups and pool groups, a value per group");
+    c->max_seq_len = PyLong_AsLongLong(it[11]);
+    c->tpb = PyLong_AsLongLong(it[12]);
+    c->empty = PyLong_AsLongLong(it[13]);
+    if (PyErr_Occurred()) return -1;
+    c->nrows = c->num_tokens.n;
+    if (c->tpb < 1) return ctx_fail("tokens_per_block must be >= 1");
+    if (c->row_handle.n != c->nrows || c->scratch.n != c->nrows ||
+        c->history.n != c->nrows || c->lookahead.n != c->nrows ||
+        c->tables.view.ndim != 3 || c->tables.view.shape[0] != c->groups ||
+        c->tables.view.shape[1] != c->nrows)
+        return ctx_fail("arrays of mismatched sizes");
+    c->width = c->tables.view.shape[2];
+    for (int g = 0; g < c->groups; g++) {
+        if (buf_get(PyTuple_GET_ITEM(blocks, g), &c->blocks[g], 8, 1) < 0) return -1;
+        c->got_blocks = g + 1;
+        if (buf_get(PyTuple_GET_ITEM(released, g), &c->released[g], 8, 1) < 0) return -1;
+        c->got_released = g + 1;
+        if (c->blocks[g].n != c->nrows || c->released[g].n != c->nrows)
+            return ctx_fail("a per-group array without a cell per row");
+        long pg = PyLong_AsLong(PyTuple_GET_ITEM(pools, g));
+        c->window[g] = PyLong_AsLongLong(PyTuple_GET_ITEM(wins, g));
+        if (PyErr_Occurred()) return -1;
+        if (pg < 0 || pg >= c->pools || c->window[g] < 0) return ctx_fail("a group's pool or window");
+        c->group_pool[g] = (int)pg;
     }
-    if (i64_get(obj, arr, 0) < 0) return -1;
-    *is_arr = 1;
-    if (arr->n != n) {
-        PyBuffer_Release(&arr->view);
-        *is_arr = 0;
+    for (int p = 0; p < c->pools; p++) {
+        if (buf_get(PyTuple_GET_ITEM(refs, p), &c->refs[p], 4, 0) < 0) return -1;
+        c->got_refs = p + 1;
+    }
+    return 0;
+}
+
+/* floor(a / b) for b > 0 (C's division truncates toward zero). */
+static inline int64_t floor_div(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+/* The end of a windowed group's released run after an op from `history` tokens
+ * (kvcm.attention.SlidingWindow.released_end). */
+static inline int64_t released_end(int64_t old, int64_t history, int64_t window, int64_t tpb) {
+    int64_t stale = floor_div(history + 1 - window, tpb);
+    return stale > old ? stale : old;
+}
+
+/* An int for every item, or an int64 array of one per item. */
+typedef struct {
+    int64_t one;
+    Buf arr;
+    int is_arr;
+} Column;
+
+static int column_get(PyObject *obj, Py_ssize_t n, Column *col) {
+    memset(col, 0, sizeof *col);
+    if (PyLong_Check(obj)) {
+        col->one = PyLong_AsLongLong(obj);
+        return (col->one == -1 && PyErr_Occurred()) ? -1 : 0;
+    }
+    if (buf_get(obj, &col->arr, 8, 0) < 0) return -1;
+    col->is_arr = 1;
+    if (col->arr.n != n) {
         PyErr_SetString(PyExc_ValueError, "a per-item column of the wrong length");
         return -1;
     }
     return 0;
 }
 
-#define MAX_GROUPS 64
-#define ROW_MASK 0xFFFFFFFFLL
+#define COL(c, i) ((c).is_arr ? I64P((c).arr)[i] : (c).one)
 
-typedef struct {
-    I64 handles, new_arr, ahead_arr, num_tokens, blocks[MAX_GROUPS];
-    int64_t new_one, ahead_one;
-    int new_is_arr, ahead_is_arr, groups, got_blocks;
-} Batch;
-
-static void batch_release(Batch *b) {
-    if (b->handles.view.obj) PyBuffer_Release(&b->handles.view);
-    if (b->new_is_arr) PyBuffer_Release(&b->new_arr.view);
-    if (b->ahead_is_arr) PyBuffer_Release(&b->ahead_arr.view);
-    if (b->num_tokens.view.obj) PyBuffer_Release(&b->num_tokens.view);
-    for (int g = 0; g < b->got_blocks; g++) PyBuffer_Release(&b->blocks[g].view);
-}
-
-/* The arguments both calls share: rows or handles, counts, num_tokens, num_blocks. -2 when
- * a column (handles, new, ahead) is not an int or a contiguous int64 array of the right
- * length, -1 for any other error. */
-static int batch_get(Batch *b, PyObject *handles, PyObject *new, PyObject *ahead,
-                     PyObject *num_tokens, PyObject *num_blocks, int writable) {
-    memset(b, 0, sizeof *b);
-    if (i64_get(handles, &b->handles, 0) < 0) return -2;
-    Py_ssize_t n = b->handles.n;
-    if (per_item(new, n, &b->new_one, &b->new_arr, &b->new_is_arr) < 0) return -2;
-    if (per_item(ahead, n, &b->ahead_one, &b->ahead_arr, &b->ahead_is_arr) < 0) return -2;
-    if (i64_get(num_tokens, &b->num_tokens, writable) < 0) return -1;
-    if (!PyTuple_Check(num_blocks) || PyTuple_GET_SIZE(num_blocks) > MAX_GROUPS ||
-        PyTuple_GET_SIZE(num_blocks) < 1) {
-        PyErr_SetString(PyExc_TypeError, "num_blocks must be a tuple of 1 to 64 arrays");
-        return -1;
-    }
-    b->groups = (int)PyTuple_GET_SIZE(num_blocks);
-    for (int g = 0; g < b->groups; g++) {
-        if (i64_get(PyTuple_GET_ITEM(num_blocks, g), &b->blocks[g], writable) < 0) return -1;
-        b->got_blocks = g + 1;
-        if (b->blocks[g].n != b->num_tokens.n) {
-            PyErr_SetString(PyExc_ValueError, "num_blocks arrays must have a cell per row");
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* decode_plan(handles, new, ahead, row_handle, scratch, num_tokens, num_blocks, max_seq_len,
- *             tokens_per_block, out_rows, out_items, out_positions) -> tuple | None
- *
- * Plans extends of live, distinct handles as one batch, changing no state (scratch is a work
- * array): out_rows[i] gets item i's row; for layer group g, the blocks to add are its
- * (item, block position) pairs out_items[g, :k_g], out_positions[g, :k_g], in item order.
- * Returns (k_0, ..., k_{G-1}); None when the batch is not for this path: a handle that is not
- * live, a row named twice, a capacity past max_seq_len, or more new blocks than the out
- * arrays hold (the caller then takes the general path, which names each item's error).
- *
- * Example (tokens_per_block 16, one group): row a holds 16 tokens in 1 block, row b 20
- * tokens in 2 blocks; +1 token each: a wants ceil(17 / 16) = 2 blocks, so (item 0, position 1)
- * is planned; b's 21 tokens fit its 2 blocks.
- * Returns (1,).
- */
-static PyObject *decode_plan(PyObject *self, PyObject *args) {
-    PyObject *handles, *new, *ahead, *row_handle_o, *scratch_o, *num_tokens, *num_blocks;
-    PyObject *out_rows_o, *out_items_o, *out_pos_o;
-    long long max_seq_len, tpb;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLLOOO", &handles, &new, &ahead, &row_handle_o,
-                          &scratch_o, &num_tokens, &num_blocks, &max_seq_len, &tpb,
-                          &out_rows_o, &out_items_o, &out_pos_o))
-        return NULL;
-    Batch b;
-    I64 row_handle = {0}, scratch = {0}, out_rows = {0}, out_items = {0}, out_pos = {0};
-    PyObject *result = NULL;
-    int got = batch_get(&b, handles, new, ahead, num_tokens, num_blocks, 0);
-    if (got == -2) { /* a strided or non-int64 column: numpy's path takes any */
-        PyErr_Clear();
-        goto none;
-    }
-    if (got < 0) goto done;
-    if (i64_get(row_handle_o, &row_handle, 0) < 0 || i64_get(scratch_o, &scratch, 1) < 0 ||
-        i64_get(out_rows_o, &out_rows, 1) < 0 || i64_get(out_items_o, &out_items, 1) < 0 ||
-        i64_get(out_pos_o, &out_pos, 1) < 0)
-        goto done;
-    Py_ssize_t n = b.handles.n, nrows = b.num_tokens.n;
-    Py_ssize_t cap = out_items.n / b.groups;
-    if (tpb < 1 || row_handle.n != nrows || scratch.n != nrows || out_rows.n != nrows ||
-        out_pos.n != out_items.n) {
-        PyErr_SetString(PyExc_ValueError, "decode_plan: arrays of mismatched sizes");
-        goto done;
-    }
-    const int64_t *h = b.handles.p;
-    if (n > nrows) goto none; /* cannot all be distinct rows */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t row = h[i] & ROW_MASK;
-        if (row >= nrows || row_handle.p[row] != h[i]) goto none;
-        out_rows.p[i] = row;
-        scratch.p[row] = i;
-    }
-    Py_ssize_t k[MAX_GROUPS] = {0};
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t row = out_rows.p[i];
-        if (scratch.p[row] != i) goto none; /* a later item names the same row */
-        int64_t nt = b.new_is_arr ? b.new_arr.p[i] : b.new_one;
-        int64_t la = b.ahead_is_arr ? b.ahead_arr.p[i] : b.ahead_one;
-        int64_t capacity = b.num_tokens.p[row] + nt + la;
-        if (capacity > max_seq_len) goto none;
-        int64_t want = (capacity + tpb - 1) / tpb;
-        for (int g = 0; g < b.groups; g++) {
-            for (int64_t pos = b.blocks[g].p[row]; pos < want; pos++) {
-                if (k[g] == cap) goto none;
-                out_items.p[g * cap + k[g]] = i;
-                out_pos.p[g * cap + k[g]] = pos;
-                k[g]++;
-            }
-        }
-    }
-    result = PyTuple_New(b.groups);
-    for (int g = 0; result && g < b.groups; g++) {
-        PyObject *v = PyLong_FromSsize_t(k[g]);
+/* A tuple of Py_ssize_t counts. */
+static PyObject *counts_tuple(const Py_ssize_t *k, int n) {
+    PyObject *t = PyTuple_New(n);
+    for (int i = 0; t && i < n; i++) {
+        PyObject *v = PyLong_FromSsize_t(k[i]);
         if (!v) {
-            Py_CLEAR(result);
+            Py_CLEAR(t);
             break;
         }
-        PyTuple_SET_ITEM(result, g, v);
+        PyTuple_SET_ITEM(t, i, v);
     }
+    return t;
+}
+
+/* decode_plan(handles, new, ahead, context, free, out) -> (added, released) | int | False | None
+ *
+ * Plans extends of live, distinct handles as one batch, item after item, changing no state
+ * (the scratch array is work space). ``free``: each pool group's free slots; ``out``:
+ * (rows int64 [R], add_items, add_positions, release_items, release_positions, each int64
+ * [groups, cap]). Item i's row goes to rows[i]; layer group g's new blocks are its (item,
+ * position) pairs add_*[g, :added[g]], and the table cells a sliding window releases are
+ * release_*[g, :released[g]], both in item order (what the numpy plan gathers).
+ *
+ * An int (the cells some group needs) when the out arrays are too small: the caller grows
+ * them and plans again. False when the numpy plan must decide (it plans what this one does
+ * not): a released cell that holds no page, a count out of range, a strided or non-int64
+ * column. None when the numpy plan would refuse
+ * the batch as well (the items then run one by one, each naming its error): a handle that
+ * is not live, a row named twice, a capacity past max_seq_len, or a batch that does not fit
+ * item after item: per pool group, every prefix of the items must need at most ``free`` slots,
+ * net of those it releases (a windowed row's released blocks serve later rows only).
+ *
+ * Example (tokens_per_block 16, one full-attention group): row a holds 16 tokens in 1
+ * block, row b 20 tokens in 2 blocks; +1 token each: a wants ceil(17 / 16) = 2 blocks, so
+ * (item 0, position 1) is planned; b's 21 tokens fit its 2 blocks: returns ((1,), (0,)).
+ * With a window of 32 tokens (no sinks), a row at 48 tokens that grows releases block 0:
+ * floor((48 + 1 - 32) / 16) = 1, so its released run [0, 0) becomes [0, 1), and
+ * (item, position 0) is a release_* pair.
+ */
+static PyObject *decode_plan(PyObject *self, PyObject *args) {
+    PyObject *handles_o, *new_o, *ahead_o, *ctx_o, *free_o, *out_o;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &handles_o, &new_o, &ahead_o, &ctx_o, &free_o, &out_o))
+        return NULL;
+    Ctx c;
+    Buf handles = {0}, out[5];
+    Column new = {0}, ahead = {0};
+    memset(out, 0, sizeof out);
+    PyObject *result = NULL;
+    int64_t room[MAX_GROUPS], net[MAX_GROUPS] = {0};
+    Py_ssize_t kadd[MAX_GROUPS] = {0}, krel[MAX_GROUPS] = {0};
+    if (ctx_get(ctx_o, &c) < 0) goto done;
+    /* a strided or non-int64 column: numpy's path takes any */
+    if (buf_get(handles_o, &handles, 8, 0) < 0) goto soft;
+    Py_ssize_t n = handles.n;
+    if (column_get(new_o, n, &new) < 0 || column_get(ahead_o, n, &ahead) < 0) goto soft;
+    if (!PyTuple_Check(free_o) || PyTuple_GET_SIZE(free_o) != c.pools || !PyTuple_Check(out_o) ||
+        PyTuple_GET_SIZE(out_o) != 5) {
+        PyErr_SetString(PyExc_ValueError, "decode_plan: free per pool group, 5 out arrays");
+        goto done;
+    }
+    for (int p = 0; p < c.pools; p++) {
+        room[p] = PyLong_AsLongLong(PyTuple_GET_ITEM(free_o, p));
+        if (PyErr_Occurred()) goto done;
+    }
+    for (int j = 0; j < 5; j++)
+        if (buf_get(PyTuple_GET_ITEM(out_o, j), &out[j], 8, 1) < 0) goto done;
+    Py_ssize_t cap = out[1].n / c.groups;
+    if (out[0].n != c.nrows || out[2].n != out[1].n || out[3].n != out[1].n ||
+        out[4].n != out[1].n) {
+        PyErr_SetString(PyExc_ValueError, "decode_plan: out arrays of mismatched sizes");
+        goto done;
+    }
+    int64_t *rows = I64P(out[0]), *add_items = I64P(out[1]), *add_pos = I64P(out[2]);
+    int64_t *rel_items = I64P(out[3]), *rel_pos = I64P(out[4]);
+    const int64_t *h = I64P(handles), *live = I64P(c.row_handle), *tokens = I64P(c.num_tokens);
+    int64_t *scratch = I64P(c.scratch);
+    const int32_t *tables = I32P(c.tables);
+    if (n > c.nrows) goto none; /* cannot all be distinct rows */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t row = h[i] & ROW_MASK;
+        if (row >= c.nrows || live[row] != h[i]) goto none;
+        rows[i] = row;
+        scratch[row] = i;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t row = rows[i];
+        if (scratch[row] != i) goto none; /* a later item names the same row */
+        int64_t history = tokens[row], nt = COL(new, i), la = COL(ahead, i);
+        if (nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT) goto numpy; /* it names them */
+        int64_t capacity = history + nt + la; /* no overflow: each term below 2**62 */
+        if (capacity > c.max_seq_len) goto none;
+        int64_t want = (capacity + c.tpb - 1) / c.tpb;
+        for (int g = 0; g < c.groups; g++) {
+            int p = c.group_pool[g];
+            if (c.window[g]) {
+                int64_t old = I64P(c.released[g])[row];
+                int64_t end = released_end(old, history, c.window[g], c.tpb);
+                if (end > c.width) goto numpy;
+                const int32_t *cells = tables + (g * c.nrows + row) * c.width;
+                for (int64_t pos = old; pos < end; pos++) {
+                    int64_t slot = cells[pos];
+                    if (slot <= c.empty || slot >= c.refs[p].n || I32P(c.refs[p])[slot] < 1)
+                        goto numpy; /* a cell without a page: let the numpy plan judge */
+                    if (krel[g] < cap) {
+                        rel_items[g * cap + krel[g]] = i;
+                        rel_pos[g * cap + krel[g]] = pos;
+                    }
+                    krel[g]++;
+                    /* Only a page this row holds alone comes back for later rows: a prefix
+                     * hit's page others hold frees nothing (if all its holders release it in
+                     * this batch it does, at the last; like the numpy plan, the in-order rule
+                     * does not count it, erring toward refusing). */
+                    net[p] -= I32P(c.refs[p])[slot] == 1;
+                }
+            }
+            for (int64_t pos = I64P(c.blocks[g])[row]; pos < want; pos++) {
+                if (kadd[g] < cap) {
+                    add_items[g * cap + kadd[g]] = i;
+                    add_pos[g * cap + kadd[g]] = pos;
+                }
+                kadd[g]++;
+                net[p]++;
+            }
+        }
+        for (int p = 0; p < c.pools; p++)
+            if (net[p] > room[p]) goto none; /* does not fit item after item */
+    }
+    Py_ssize_t most = 0;
+    for (int g = 0; g < c.groups; g++) {
+        if (kadd[g] > most) most = kadd[g];
+        if (krel[g] > most) most = krel[g];
+    }
+    if (most > cap) { /* the caller makes the out arrays this large and plans again */
+        result = PyLong_FromSsize_t(most);
+        goto done;
+    }
+    PyObject *added = counts_tuple(kadd, c.groups), *released = counts_tuple(krel, c.groups);
+    if (added && released) result = PyTuple_Pack(2, added, released);
+    Py_XDECREF(added);
+    Py_XDECREF(released);
+    goto done;
+soft: /* a column numpy's path takes (strided, another dtype) */
+    if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
+        !PyErr_ExceptionMatches(PyExc_BufferError))
+        goto done;
+    PyErr_Clear();
+numpy:
+    result = Py_NewRef(Py_False);
     goto done;
 none:
     result = Py_NewRef(Py_None);
 done:
-    batch_release(&b);
-    if (row_handle.view.obj) PyBuffer_Release(&row_handle.view);
-    if (scratch.view.obj) PyBuffer_Release(&scratch.view);
-    if (out_rows.view.obj) PyBuffer_Release(&out_rows.view);
-    if (out_items.view.obj) PyBuffer_Release(&out_items.view);
-    if (out_pos.view.obj) PyBuffer_Release(&out_pos.view);
+    ctx_release(&c);
+    buf_release(&handles);
+    buf_release(&new.arr);
+    buf_release(&ahead.arr);
+    for (int j = 0; j < 5; j++) buf_release(&out[j]);
     return result;
 }
 
-/* decode_commit(rows, new, ahead, num_tokens, history, lookahead, num_blocks,
- *               tokens_per_block, out_added) -> None
+/* decode_commit(rows, new, ahead, context, out_added) -> None
  *
- * The counters of a planned batch, once its blocks are in the tables: per row, history =
- * num_tokens, num_tokens += new, lookahead = ahead, and each group's num_blocks raised to
- * ceil((num_tokens + lookahead) / tokens_per_block); out_added (int32) gets each item's new
- * blocks summed over the groups.
+ * The counters of a planned batch, once its blocks are released and taken: per row,
+ * history = num_tokens, num_tokens += new, lookahead = ahead, each group's num_blocks raised
+ * to ceil((num_tokens + lookahead) / tokens_per_block) and each windowed group's released
+ * run extended as the plan did; out_added (int32) gets each item's new blocks summed over the
+ * groups.
  */
 static PyObject *decode_commit(PyObject *self, PyObject *args) {
-    PyObject *rows_o, *new, *ahead, *num_tokens, *history_o, *lookahead_o, *num_blocks, *added_o;
-    long long tpb;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLO", &rows_o, &new, &ahead, &num_tokens, &history_o,
-                          &lookahead_o, &num_blocks, &tpb, &added_o))
+    PyObject *rows_o, *new_o, *ahead_o, *ctx_o, *added_o;
+    if (!PyArg_ParseTuple(args, "OOOOO", &rows_o, &new_o, &ahead_o, &ctx_o, &added_o))
         return NULL;
-    Batch b;
-    I64 history = {0}, lookahead = {0};
-    Py_buffer added = {0};
+    Ctx c;
+    Buf rows = {0}, added = {0};
+    Column new = {0}, ahead = {0};
     PyObject *result = NULL;
-    if (batch_get(&b, rows_o, new, ahead, num_tokens, num_blocks, 1) < 0) goto done;
-    if (i64_get(history_o, &history, 1) < 0 || i64_get(lookahead_o, &lookahead, 1) < 0) goto done;
-    if (PyObject_GetBuffer(added_o, &added, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
-    Py_ssize_t n = b.handles.n, nrows = b.num_tokens.n;
-    if (tpb < 1 || added.itemsize != 4 || added.len / 4 != n || history.n != nrows ||
-        lookahead.n != nrows) {
-        PyErr_SetString(PyExc_ValueError, "decode_commit: arrays of mismatched sizes");
+    if (ctx_get(ctx_o, &c) < 0 || buf_get(rows_o, &rows, 8, 0) < 0) goto done;
+    Py_ssize_t n = rows.n;
+    if (column_get(new_o, n, &new) < 0 || column_get(ahead_o, n, &ahead) < 0 ||
+        buf_get(added_o, &added, 4, 1) < 0)
+        goto done;
+    if (added.n != n) {
+        PyErr_SetString(PyExc_ValueError, "decode_commit: out_added needs a cell per row");
         goto done;
     }
-    int32_t *out = (int32_t *)added.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t row = b.handles.p[i];
-        if (row < 0 || row >= nrows) {
-            PyErr_SetString(PyExc_IndexError, "decode_commit: a row out of range");
+    int64_t *tokens = I64P(c.num_tokens);
+    for (Py_ssize_t i = 0; i < n; i++) { /* all rows checked before any is written */
+        int64_t row = I64P(rows)[i], nt = COL(new, i), la = COL(ahead, i);
+        if (row < 0 || row >= c.nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT) {
+            PyErr_SetString(PyExc_ValueError, "decode_commit: a row or count out of range");
             goto done;
         }
-        int64_t nt = b.new_is_arr ? b.new_arr.p[i] : b.new_one;
-        int64_t la = b.ahead_is_arr ? b.ahead_arr.p[i] : b.ahead_one;
-        int64_t past = b.num_tokens.p[row];
-        int64_t want = (past + nt + la + tpb - 1) / tpb;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t row = I64P(rows)[i];
+        int64_t history = tokens[row], nt = COL(new, i), la = COL(ahead, i);
+        int64_t want = (history + nt + la + c.tpb - 1) / c.tpb;
         int64_t sum = 0;
-        for (int g = 0; g < b.groups; g++) {
-            int64_t *cell = &b.blocks[g].p[row];
+        for (int g = 0; g < c.groups; g++) {
+            int64_t *cell = &I64P(c.blocks[g])[row];
             if (want > *cell) {
                 sum += want - *cell;
                 *cell = want;
             }
+            if (c.window[g]) {
+                int64_t *end = &I64P(c.released[g])[row];
+                *end = released_end(*end, history, c.window[g], c.tpb);
+            }
         }
-        history.p[row] = past;
-        b.num_tokens.p[row] = past + nt;
-        lookahead.p[row] = la;
-        out[i] = (int32_t)sum;
+        I64P(c.history)[row] = history;
+        tokens[row] = history + nt;
+        I64P(c.lookahead)[row] = la;
+        I32P(added)[i] = (int32_t)sum;
     }
     result = Py_NewRef(Py_None);
 done:
-    batch_release(&b);
-    if (history.view.obj) PyBuffer_Release(&history.view);
-    if (lookahead.view.obj) PyBuffer_Release(&lookahead.view);
-    if (added.obj) PyBuffer_Release(&added);
+    ctx_release(&c);
+    buf_release(&rows);
+    buf_release(&added);
+    buf_release(&new.arr);
+    buf_release(&ahead.arr);
     return result;
 }
 
@@ -486,8 +638,13 @@ static PyMethodDef methods[] = {
     {"decode_commit", decode_commit, METH_VARARGS, "Write a planned batch's counters."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "kvcm's step path in C (docs/native.md).", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_native",
+    .m_doc = "kvcm's step path in C (docs/native.md).",
+    .m_size = -1,
+    .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__native(void) {
 #ifdef KVCM_X86

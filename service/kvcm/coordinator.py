@@ -122,9 +122,8 @@ class Coordinator:
         self.sinks = [g.sink_blocks for g in layout.layer_groups]
         self.windowed = [g.sliding_window is not None for g in layout.layer_groups]
         self.any_windowed = any(self.windowed)
-        #: No per-class or per-window part in a plan: the C decode path applies
-        #: (``kvcm.native_step``).
-        self.plain = cp == 1 and not self.any_windowed
+        #: No per-class part in a plan: the C decode path applies (``kvcm.native_step``).
+        self.plain = cp == 1
         ng = len(layout.layer_groups)
         self.num_tokens = np.zeros(max_requests, dtype=np.int64)
         self.history = np.zeros(max_requests, dtype=np.int64)

@@ -1,17 +1,19 @@
 """A decode step's batch of extends in C (``kvcm._native``): the numpy path's plan in one
 pass over the rows, the same blocks, tables, edits and counters (tests/test_native.py).
 
-Only for coordinators whose plan has no per-class or per-window part (one context-parallel
-class, no sliding window): there an extend releases nothing, so a batch that fits as a whole
-fits item after item, and planning is: for each row, the block positions from its current
-count up to ceil(capacity / tokens_per_block), in every layer group. Slots are still taken
-and tables written by the coordinator (``_take``, ``_set``: the free queue, evictions, the
-host tier and the device-table edits stay in one place).
+Only for coordinators without context parallelism (``Coordinator.plain``), whose plans have
+no per-class part. Planning is, for each row in order: the cells a sliding window releases,
+from the row's released run's end up to ``(history + 1 - window) // tokens_per_block``, and
+the block positions from its current count up to ceil(capacity / tokens_per_block), in every
+layer group. Only released pages a row holds alone count as room for the rows after it (a
+prefix hit's page that others hold frees nothing), as in the numpy plan. Slots are still
+given back, taken and written by the coordinator (``_unref``, ``_take``, ``_set``: the free
+queue, evictions, the host tier and the device-table edits stay in one place).
 
-Example (tokens_per_block 16, one layer group): handles of rows 3 and 8, at 16 and 20 tokens,
-+1 token each. The plan gives row 3's block position 1 (17 tokens need 2 blocks), nothing for
-row 8; one slot is taken, written at table[0][3, 1], and the counters become 17 and 21 tokens,
-with 2 blocks each; the items' new blocks are [1, 0].
+Example (tokens_per_block 16, one full-attention layer group): handles of rows 3 and 8, at
+16 and 20 tokens, +1 token each. The plan gives row 3's block position 1 (17 tokens need 2
+blocks), nothing for row 8; one slot is taken, written at table[0][3, 1], and the counters
+become 17 and 21 tokens, with 2 blocks each; the items' new blocks are [1, 0].
 """
 
 from __future__ import annotations
@@ -21,66 +23,87 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcm_client.errors import KVCMError
-
 if TYPE_CHECKING:
+    from .coordinator import Coordinator
     from .manager import KVCacheManager
 
-#: Planned new blocks a layer group may take in one batch, per row of the manager: a decode
-#: step takes at most one per row; a batch that needs more (a chunked prefill's extends) takes
-#: the numpy path, where its size does not matter.
+#: Planned new (or released) blocks per row of the manager that the work arrays hold at
+#: first: a decode step has at most one per row and layer group; a batch with more (a chunked
+#: prefill's extends) grows them.
 _PER_ROW = 2
 
 
 class NativeDecode:
-    """The work arrays of one manager's C decode path (no allocation per step)."""
+    """One manager's C decode path: its work arrays (no allocation per step) and the
+    coordinator's arrays as the C core reads them."""
 
-    __slots__ = ("items", "positions", "rows")
+    __slots__ = ("_context", "out", "rows")
 
     def __init__(self, max_requests: int, num_groups: int) -> None:
         self.rows = np.zeros(max_requests, dtype=np.int64)
-        self.items = np.zeros((num_groups, _PER_ROW * max_requests), dtype=np.int64)
-        self.positions = np.zeros_like(self.items)
+        self.out: tuple[np.ndarray, ...] = ()
+        self._cells(num_groups, _PER_ROW * max_requests)
+        self._context: tuple[Any, ...] | None = None
+
+    def _cells(self, num_groups: int, cells: int) -> None:
+        """Work arrays for ``cells`` new or released blocks per layer group: rows, then the
+        (items, positions) of new blocks and of released cells."""
+        shape = (num_groups, cells)
+        self.out = (self.rows, *(np.zeros(shape, dtype=np.int64) for _ in range(4)))
+
+    def context(self, m: KVCacheManager) -> tuple[Any, ...]:
+        """The arrays ``decode_plan`` reads: built once (the coordinator restores its arrays
+        in place, so these stay its own)."""
+        if self._context is None:
+            c: Coordinator = m._coord
+            self._context = (
+                m._handle,
+                m._scratch,
+                c.num_tokens,
+                c.history,
+                c.lookahead,
+                tuple(c.num_blocks),
+                tuple(c.released_end),
+                c.tables,
+                tuple(c.refs),
+                tuple(c.group_pool),
+                tuple(p.sliding_window or 0 for p in c.policies),
+                m.config.max_seq_len,
+                c.tokens_per_block,
+                c.empty,
+            )
+        return self._context
 
     def extend(
         self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """``request_rows.extend_handles`` in C: (rows, new blocks per item) or None, with
-        nothing changed, when the batch needs the general path."""
+    ) -> tuple[np.ndarray, np.ndarray] | bool | None:
+        """``request_rows.extend_handles`` in C: (rows, new blocks per item); None, with
+        nothing changed, when the numpy path would refuse the batch too (its items then run
+        one by one); False, with nothing changed, when the numpy path must plan it."""
         c = m._coord
-        blocks = tuple(c.num_blocks)
-        counts = core.decode_plan(
-            handles,
-            new,
-            ahead,
-            m._handle,
-            m._scratch,
-            c.num_tokens,
-            blocks,
-            m.config.max_seq_len,
-            c.tokens_per_block,
-            self.rows,
-            self.items,
-            self.positions,
-        )
-        if counts is None:
-            return None
-        need = [0] * len(c.pools)
-        for g, k in enumerate(counts):
-            need[c.group_pool[g]] += k
-        try:
-            c.check_fits(need)
-        except KVCMError:
-            return None
+        context = self.context(m)
+        free = tuple(p.num_free for p in c.pools)
+        planned = core.decode_plan(handles, new, ahead, context, free, self.out)
+        if type(planned) is int:  # more cells than the arrays hold: grow them, plan again
+            self._cells(self.out[1].shape[0], planned)
+            planned = core.decode_plan(handles, new, ahead, context, free, self.out)
+        if planned is None or planned is False:
+            return planned
+        added, released = planned
+        _, add_items, add_positions, release_items, release_positions = self.out
         rows = self.rows[: handles.size].copy()
-        for g, k in enumerate(counts):
+        for g, k in enumerate(released):  # a window's stale blocks first, as the numpy plan
             if k:
-                positions = self.positions[g, :k].copy()  # kept by the edit log
+                r = rows[release_items[g, :k]]
+                positions = release_positions[g, :k].copy()  # kept by the edit log
+                c._unref(c.group_pool[g], c.tables[g][r, positions])
+                c._set(g, r, positions, None)
+        for g, k in enumerate(added):
+            if k:
+                positions = add_positions[g, :k].copy()
                 slots = c._take(c.group_pool[g], k, positions)
-                c._set(g, rows[self.items[g, :k]], positions, slots)
-        added = np.empty(rows.size, dtype=np.int32)
-        tpb = c.tokens_per_block
-        history, lookahead = c.history, c.lookahead
-        core.decode_commit(rows, new, ahead, c.num_tokens, history, lookahead, blocks, tpb, added)
+                c._set(g, rows[add_items[g, :k]], positions, slots)
+        out = np.empty(rows.size, dtype=np.int32)
+        core.decode_commit(rows, new, ahead, context, out)
         c.ops_since_take += 1
-        return rows, added
+        return rows, out

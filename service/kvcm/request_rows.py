@@ -206,7 +206,9 @@ def extend_handles(
     """
     core = native.core
     if core is not None and m._coord.plain:
-        return m._native_decode.extend(core, m, handles, new, ahead)
+        done = m._native_decode.extend(core, m, handles, new, ahead)
+        if done is not False:  # False: a batch only the numpy plan below plans
+            return done
     n = handles.size
     if n > m.config.max_requests:  # cannot all be distinct live rows
         return None
