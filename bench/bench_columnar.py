@@ -8,6 +8,11 @@ Workloads (block size 16, 4 full-attention layers of 1 KV head; every request ha
 
 - ``decode``: ``step_columns(extend=handles)``, +1 token for each of N = 256 running requests
   whose lengths are staggered, so that about 1/16 of them cross a block boundary per step.
+- ``decode + 256 one-token commits``: the decode step plus a commit of each request's last
+  token (what the example engine sends: a request's computed tokens are committed every
+  step); about 1/16 of the commits fill a block and publish it.
+- ``decode, a window``: the same with a 128-token sliding window in layers 1 and 3 (two layer
+  groups): about 1/16 of the rows also release a block per step.
 - ``mixed``: the same 256 extends plus 2 frees, 2 allocates of 512-token prompts with prefix
   hashing (token ids given: each prompt is hashed, its first 256 tokens hit the cache) and 16
   commits of 16 tokens (one full block each, published), in one ``step_columns`` call.
@@ -41,8 +46,15 @@ TPB = 16
 N = 256
 
 
-def _manager(num_blocks: int = 400_000, max_seq_len: int = 1 << 20) -> KVCacheManager:
-    layers = [{"layer_id": i, "num_kv_heads": 1, "head_dim": 8} for i in range(4)]
+def _manager(
+    num_blocks: int = 400_000, max_seq_len: int = 1 << 20, window: int | None = None
+) -> KVCacheManager:
+    layers: list[dict[str, object]] = [
+        {"layer_id": i, "num_kv_heads": 1, "head_dim": 8} for i in range(4)
+    ]
+    if window is not None:  # every other layer, as in Gemma or gpt-oss
+        for spec in layers[1::2]:
+            spec["sliding_window"] = window
     return KVCacheManager(
         {
             "layers": layers,
@@ -79,6 +91,28 @@ def bench(repeats: int) -> dict[str, float]:
         lambda: m.step_columns(extend=handles), repeats, 20
     )
     rows["baseline: extend_many by id, N=256"] = _median_us(lambda: m.extend_many(ids), repeats, 20)
+    # The example engine's decode step: every running request commits its last token.
+    c = _manager()
+    cids, chandles = _running(c, N)
+    rng = np.random.default_rng(1)
+    for i, rid in enumerate(cids):
+        c.commit(rid, rng.integers(0, 50_000, 100 + i).tolist())
+    token_lists = [[[int(t)] for t in rng.integers(0, 50_000, N)] for _ in range(64)]
+    handle_list = chandles.tolist()
+    turn = {"k": 0}
+
+    def decode_commit() -> None:
+        turn["k"] += 1
+        c.step_columns(
+            commit=handle_list, commit_tokens=token_lists[turn["k"] % 64], extend=chandles
+        )
+
+    rows["decode + 256 one-token commits, N=256"] = _median_us(decode_commit, repeats, 5)
+    w = _manager(window=128)
+    _, window_handles = _running(w, N)
+    rows["decode, a 128-token window in every other layer, N=256"] = _median_us(
+        lambda: w.step_columns(extend=window_handles), repeats, 20
+    )
     stale = m.allocate("stale", 1).handle
     m.free("stale")
     with_stale = np.append(handles, stale)

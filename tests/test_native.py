@@ -114,6 +114,18 @@ def test_pack_tokens_takes_only_ids_in_range() -> None:
 
 
 @built
+def test_pack_token_lists_packs_each_or_none() -> None:
+    core = native._built
+    assert core is not None
+    lists = [[1, 2], [], (7,), [2**31 - 1]]
+    assert core.pack_token_lists(lists) == [struct.pack(f"<{len(t)}i", *t) for t in lists]
+    assert core.pack_token_lists(tuple(lists)) == core.pack_token_lists(lists)
+    assert core.pack_token_lists([]) == []
+    for bad in ([[1], [-1]], [[1], "ab"], [[1], np.arange(2)], [[1], [2**31]], "ab", [None]):
+        assert core.pack_token_lists(bad) is None, bad
+
+
+@built
 def test_token_bytes_is_the_same_with_and_without_the_core() -> None:
     cases: list[Any] = [[1, 2, 3], (4, 5), [], np.arange(6), [np.int32(9), 2], [True, 3]]
     bad: list[Any] = [[-1], [2**31], [2**64], ["x"], [1.5], "abc", b"\x00"]

@@ -212,10 +212,10 @@ static PyObject *use_sha_extensions(PyObject *self, PyObject *arg) {
 
 /* ---- token ids -------------------------------------------------------------------------- */
 
-/* pack_tokens(ids) -> int32 LE bytes, or None when ids is not a list or tuple of ints in
- * [0, 2**31) (the caller's checks then name what is wrong). */
-static PyObject *pack_tokens(PyObject *self, PyObject *seq) {
-    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_NONE;
+/* ids (a list or tuple) as int32 LE bytes; a new reference, NULL with an error set, or
+ * Py_None (borrowed, not incremented) when ids is not a list or tuple of ints in [0, 2**31). */
+static PyObject *packed(PyObject *seq) {
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return Py_None;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
@@ -236,7 +236,33 @@ static PyObject *pack_tokens(PyObject *self, PyObject *seq) {
     return out;
 refuse:
     Py_DECREF(out);
-    Py_RETURN_NONE;
+    return Py_None;
+}
+
+/* pack_tokens(ids) -> int32 LE bytes, or None when ids is not a list or tuple of ints in
+ * [0, 2**31) (the caller's checks then name what is wrong). */
+static PyObject *pack_tokens(PyObject *self, PyObject *seq) {
+    PyObject *out = packed(seq);
+    return out == Py_None ? Py_NewRef(Py_None) : out;
+}
+
+/* pack_token_lists(lists) -> [bytes, ...] for a list of id lists (a step's commits), or None
+ * when one of them is not packable (the caller then checks each one to name the error). */
+static PyObject *pack_token_lists(PyObject *self, PyObject *seq) {
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *one = packed(items[i]);
+        if (one == NULL || one == Py_None) {
+            Py_DECREF(out);
+            return one == NULL ? NULL : Py_NewRef(Py_None);
+        }
+        PyList_SET_ITEM(out, i, one);
+    }
+    return out;
 }
 
 /* ---- a decode step's batch of extends ----------------------------------------------------- */
@@ -634,6 +660,7 @@ static PyMethodDef methods[] = {
     {"sha256", sha256_one, METH_VARARGS, "SHA-256 of bytes (the selected implementation)."},
     {"use_sha_extensions", use_sha_extensions, METH_O, "Select the SHA extensions or not."},
     {"pack_tokens", pack_tokens, METH_O, "Token ids as int32 LE bytes, or None."},
+    {"pack_token_lists", pack_token_lists, METH_O, "pack_tokens of each list, or None."},
     {"decode_plan", decode_plan, METH_VARARGS, "Plan a batch of extends by handle."},
     {"decode_commit", decode_commit, METH_VARARGS, "Write a planned batch's counters."},
     {NULL, NULL, 0, NULL}};

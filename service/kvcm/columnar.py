@@ -50,7 +50,7 @@ from kvcm_client.errors import (
 
 from . import request_rows
 from .columnar_types import SECTIONS, ItemError, StepColumns, StepOutcome
-from .commits import commit_row
+from .commits import commit_batch, commit_row
 from .suspension import suspend_row
 
 if TYPE_CHECKING:
@@ -196,8 +196,19 @@ class _Run:
         self.each_row("rewind", lambda i, row: request_rows.rewind_row(m, row, counts[i]))
 
     def commits(self) -> None:
-        m, tokens = self.m, self.cols.commit_tokens
+        """As one batch when every item passes its checks (``commits.commit_batch``: a
+        decode step commits each running request's new token), else item by item."""
+        m, cols = self.m, self.cols
+        if cols.commit.size > 1:
+            rows, live = request_rows.handle_rows(m, cols.commit)
+            distinct = live is None and np.unique(rows).size == rows.size
+            if distinct and commit_batch(m, rows, cols.commit_tokens, self.commit_item):
+                return
+        tokens = cols.commit_tokens
         self.each_row("commit", lambda i, row: commit_row(m, row, tokens[i]))
+
+    def commit_item(self, index: int, fn: Callable[[], None]) -> None:
+        self.item("commit", index, fn)
 
     def suspends(self) -> None:
         m = self.m

@@ -8,7 +8,9 @@ atomic, and undone by a transaction's undo.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from itertools import compress
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,9 +18,9 @@ import numpy as np
 from kvcm_client.errors import InvalidArgument
 from kvcm_client.models import RequestInfo
 
-from . import request_rows, state_requests
+from . import native, request_rows, state_requests
 from .hashing import token_data
-from .publish import publish
+from .publish import PrefixState, publish
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -46,6 +48,59 @@ def commit_row(m: KVCacheManager, row: int, token_ids: Sequence[int]) -> None:
     data = token_data(token_ids)
     _check(m, request_id, row, len(data) // 4)
     _append(m, request_id, row, data)
+
+
+def commit_batch(
+    m: KVCacheManager,
+    rows: np.ndarray,
+    token_ids: Sequence[Sequence[int]],
+    item: Callable[[int, Callable[[], None]], object],
+) -> bool:
+    """A step's commits of distinct live rows as one batch, when every item passes its
+    checks; False, with nothing changed, if one would not (the items then run one by one
+    and each names its error). Items run in order, as ``commit_row`` of each would: no
+    item's check depends on another's append.
+
+    Most of a decode step's commits add a token and fill no block: those are appended here,
+    with no call per item, before the others (they touch nothing another item reads). An item
+    that fills a block publishes it through ``_append``, run by ``item(index, fn)`` (the
+    step's item runner: a failed publish is that item's error).
+
+    Example (tokens_per_block 4): requests at 5 and 7 committed tokens commit one token each;
+    the first reaches 6 (no block fills), the second 8 (block 1 fills and is published).
+    """
+    core = native.core
+    data = core.pack_token_lists(token_ids) if core is not None else None
+    if data is None:  # no C core, or some list the Python checks must judge
+        try:
+            data = [token_data(t) for t in token_ids]
+        except InvalidArgument:
+            return False
+    tokens, ids = m._tokens, m._ids
+    rids = list(map(ids.__getitem__, rows.tolist()))
+    held = list(map(tokens.__getitem__, rids))
+    before = np.fromiter(map(len, held), dtype=np.int64, count=len(held))
+    total = before + np.fromiter(map(len, data), dtype=np.int64, count=len(data))
+    if (total > 4 * m._coord.num_tokens[rows]).any():
+        return False
+    # A request's keys are those of its full committed blocks (len(keys) == committed //
+    # tokens_per_block, kept by allocate, publish and rewind), so an item publishes exactly
+    # when its tokens cross a block boundary. With state layers (checkpoints) or inside an
+    # all-or-nothing step (undo actions), every item takes the full path.
+    step = 4 * m.tokens_per_block
+    if m._state is None and m._undo is None:
+        full = total // step > before // step
+    else:
+        full = np.ones(len(held), dtype=bool)
+    quiet = ~full
+    for done, chunk in compress(zip(held, data, strict=True), quiet.tolist()):
+        done += chunk  # no block fills: nothing to publish
+    m._committed[rows[quiet]] = total[quiet] // 4
+    prefix = m._prefix
+    for i in np.flatnonzero(full).tolist():
+        rid, row = rids[i], int(rows[i])
+        item(i, functools.partial(_append, m, rid, row, data[i], held[i], prefix[rid]))
+    return True
 
 
 def commit_many(
@@ -96,12 +151,22 @@ def _check(m: KVCacheManager, request_id: str, row: int, num_new: int) -> None:
         )
 
 
-def _append(m: KVCacheManager, request_id: str, row: int, data: bytes) -> None:
+def _append(
+    m: KVCacheManager,
+    request_id: str,
+    row: int,
+    data: bytes,
+    held: bytearray | None = None,
+    state: PrefixState | None = None,
+) -> None:
     """Append checked tokens (``data``: their int32 bytes) and publish the blocks they
-    fill; a publish that raises changes nothing."""
-    held = m._tokens[request_id]
+    fill; a publish that raises changes nothing. (``held`` and ``state``: the request's
+    committed bytes and prefix state, when the caller has them.)"""
+    if held is None:
+        held = m._tokens[request_id]
+    if state is None:
+        state = m._prefix[request_id]
     done = len(held) // 4
-    state = m._prefix[request_id]
     have = len(state.keys)
     held += data
     try:

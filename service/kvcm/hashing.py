@@ -108,7 +108,7 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
 def token_data(value: Any) -> bytes:
     """Validated token ids as int32 bytes, for any sequence or array (``token_bytes``): what
     a commit keeps (it makes no int per token)."""
-    if not isinstance(value, Sequence | np.ndarray):
+    if type(value) is not list and not isinstance(value, Sequence | np.ndarray):
         raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
     return token_bytes(value)
 

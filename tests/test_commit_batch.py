@@ -1,0 +1,126 @@
+"""A step's commits as one batch (``commits.commit_batch``) against the same commits item by
+item: equal statuses, errors, committed tokens, block keys, cache index and KV events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import layer, manager
+
+from kvcm import KVCacheManager, columnar, native
+
+
+def _state(m: KVCacheManager, after: int) -> dict[str, Any]:
+    """What commits change (the KV events since sequence number ``after``)."""
+    live = m.request_ids()
+    return {
+        "tokens": {r: bytes(m._tokens[r]) for r in live},
+        "keys": {r: list(m._prefix[r].keys) for r in live},
+        "committed": m._committed.copy().tolist(),
+        "index": [{k: dict(v) for k, v in g.items()} for g in m._coord.cache.index],
+        "events": m.events(after, 100_000).model_dump(exclude={"generation"}),
+        "num_tokens": m._coord.num_tokens.tolist(),
+    }
+
+
+def _keys_follow_commits(m: KVCacheManager) -> None:
+    """What the batch relies on: a request's keys are those of its full committed blocks."""
+    for rid in m.request_ids():
+        assert len(m._prefix[rid].keys) == len(m._tokens[rid]) // 4 // m.tokens_per_block, rid
+
+
+@pytest.mark.parametrize("core", [True, False])
+@pytest.mark.parametrize("tpb", [1, 4])
+def test_batched_commits_match_item_by_item(
+    core: bool, tpb: int, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 random steps on two managers, one committing item by item: commits of one or
+    several tokens or too many, bad token ids, stale and repeated handles, prompts that hit
+    the cache, rewinds (rejected drafts) and frees, some steps all or nothing."""
+    native.use(core)
+    real = columnar.commit_batch
+    batches = {"ran": 0}
+
+    def counted(*args: Any) -> bool:
+        ran = real(*args)
+        batches["ran"] += ran
+        return ran
+
+    cfg = {"tokens_per_block": tpb, "num_blocks": 400, "max_requests": 10, "max_seq_len": 120}
+    ms = {True: manager([layer(0), layer(1, sliding_window=9)], **cfg)}
+    ms[False] = manager([layer(0), layer(1, sliding_window=9)], **cfg)
+    prompts = [rng.integers(0, 20, 30).tolist() for _ in range(3)]
+    seqs: dict[int, list[int]] = {}  # handle -> its tokens so far (committed or not)
+    stale: list[int] = []
+    try:
+        for step in range(300):
+            live = list(seqs)
+            cols: dict[str, Any] = {}
+            if live:
+                picked = [h for h in live if rng.random() < 0.8]
+                tokens = []
+                for h in picked:
+                    done = len(ms[True]._tokens[ms[True]._ids[h & 0xFFFFFFFF]]) // 4
+                    pending = len(seqs[h]) - done
+                    r = rng.random()
+                    if r < 0.05:
+                        tokens.append(rng.integers(0, 20, pending + 1).tolist())  # too many
+                    elif r < 0.08:
+                        tokens.append([-1])  # not a token id
+                    else:
+                        tokens.append(seqs[h][done : done + int(rng.integers(0, pending + 1))])
+                if stale and rng.random() < 0.1:
+                    picked.append(stale[-1])
+                    tokens.append([1])
+                elif picked and rng.random() < 0.05:
+                    picked.append(picked[0])
+                    tokens.append([])
+                cols["commit"], cols["commit_tokens"] = picked, tokens
+                cols["extend"] = live
+                cols["num_new_tokens"] = rng.integers(1, 4, len(live))
+            if live and rng.random() < 0.15:
+                gone = live[int(rng.integers(len(live)))]
+                cols["free"] = [gone]
+            if live and rng.random() < 0.15:
+                h = live[int(rng.integers(len(live)))]
+                cols["rewind"], cols["rewind_tokens"] = [h], 1
+            if rng.random() < 0.3:
+                prompt = prompts[int(rng.integers(3))][: int(rng.integers(2, 31))]
+                cols["allocate"] = [
+                    {"request_id": f"q{step}", "num_tokens": len(prompt), "token_ids": prompt}
+                ]
+            atomic = bool(rng.random() < 0.1)
+            seen = ms[True].last_event_seq
+            outs = {}
+            for batched, m in ms.items():
+                monkeypatch.setattr(
+                    columnar, "commit_batch", counted if batched else (lambda *_: False)
+                )
+                outs[batched] = m.step_columns(**cols, atomic=atomic)
+            a, b = outs[True], outs[False]
+            assert {s: v.tolist() for s, v in a.status.items()} == {
+                s: v.tolist() for s, v in b.status.items()
+            }, step
+            assert [(e.section, e.index, e.error.code) for e in a.errors] == [
+                (e.section, e.index, e.error.code) for e in b.errors
+            ]
+            assert _state(ms[True], seen) == _state(ms[False], seen), step
+            _keys_follow_commits(ms[True])
+            # the scheduler's view: new tokens of extends, drafts rewound, frees, new requests
+            m = ms[True]
+            for h in list(seqs):
+                row = h & 0xFFFFFFFF
+                if m._handle[row] != h:
+                    del seqs[h]
+                    stale.append(h)
+                    continue
+                n = int(m._coord.num_tokens[row])
+                seqs[h] = (seqs[h] + rng.integers(0, 20, n).tolist())[:n]
+            for i, h in enumerate(a.handles.tolist()):
+                if h:
+                    seqs[h] = list(cols["allocate"][i]["token_ids"])
+    finally:
+        native.use(True)
+    assert batches["ran"] > 100  # most steps' commits ran as a batch
