@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvcm import KVCacheManager, native
+from kvcm import KVCacheManager
 from kvcm_client.models import ExtendOp
 
 TPB = 16
@@ -199,6 +199,8 @@ TARGETS = {
 def compare_native(repeats: int, rounds: int) -> None:
     """Every row with the C core and without it (``kvcm.native.use``), alternating whole
     runs ``rounds`` times, each side's median per row (the VM's speed drifts in minutes)."""
+    from kvcm import native  # here: bench() also runs on trees without it (ab_columnar)
+
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for r in range(rounds):
         for on in (True, False):
@@ -227,6 +229,8 @@ def main() -> None:
         help="each row with the C core (kvcm._native) and with the numpy path, same run",
     )
     args = parser.parse_args()
+    from kvcm import native
+
     print(f"{platform.node()} {platform.processor() or platform.machine()}; {native.summary()}")
     if args.compare_native:
         if not native.available():
