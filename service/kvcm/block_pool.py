@@ -54,15 +54,27 @@ class BlockPool:
         return np.concatenate((self._ring[first:], self._ring[: first + n - cap]))
 
     def pop(self, k: int) -> np.ndarray:
-        """Take the k oldest free slots; the caller has checked that k <= num_free."""
+        """Take the k oldest free slots; the caller has checked that k <= num_free.
+
+        With tombstones in the ring, the entries read from the head grow (doubling) until k
+        are live: prefix hits leave tombstones anywhere in the queue, and reading past all of
+        them (thousands in a large pool) at each pop would cost more than the pop.
+        """
         if k == 0:
             return np.empty(0, dtype=np.int32)
         tombstones = self._len - self._count
-        window = self._entries(self._head, min(self._len, k + tombstones))
         if tombstones == 0:
-            out, used = window[:k].copy(), k
+            out, used = self._entries(self._head, k).copy(), k
         else:
-            live = np.flatnonzero(window >= 0)[:k]
+            span = k
+            while True:
+                span = min(self._len, span)
+                window = self._entries(self._head, span)
+                live = np.flatnonzero(window >= 0)
+                if live.size >= k or span == self._len:
+                    break
+                span = 2 * span + (k - live.size)
+            live = live[:k]
             out, used = window[live], int(live[-1]) + 1
         self._head += used
         self._len -= used
