@@ -70,7 +70,11 @@ def test_batched_commits_match_item_by_item(
                     elif r < 0.08:
                         tokens.append([-1])  # not a token id
                     else:
-                        tokens.append(seqs[h][done : done + int(rng.integers(0, pending + 1))])
+                        part = seqs[h][done : done + int(rng.integers(0, pending + 1))]
+                        kind = rng.random()  # what schedulers pass: lists, tuples, arrays
+                        tokens.append(
+                            tuple(part) if kind < 0.1 else np.array(part) if kind < 0.2 else part
+                        )
                 if stale and rng.random() < 0.1:
                     picked.append(stale[-1])
                     tokens.append([1])
@@ -88,8 +92,14 @@ def test_batched_commits_match_item_by_item(
                 cols["rewind"], cols["rewind_tokens"] = [h], 1
             if rng.random() < 0.3:
                 prompt = prompts[int(rng.integers(3))][: int(rng.integers(2, 31))]
+                salt = {"cache_salt": "tenant-b"} if rng.random() < 0.3 else {}
                 cols["allocate"] = [
-                    {"request_id": f"q{step}", "num_tokens": len(prompt), "token_ids": prompt}
+                    {
+                        "request_id": f"q{step}",
+                        "num_tokens": len(prompt),
+                        "token_ids": prompt,
+                        **salt,
+                    }
                 ]
             atomic = bool(rng.random() < 0.1)
             seen = ms[True].last_event_seq
@@ -107,7 +117,8 @@ def test_batched_commits_match_item_by_item(
                 (e.section, e.index, e.error.code) for e in b.errors
             ]
             assert _state(ms[True], seen) == _state(ms[False], seen), step
-            _keys_follow_commits(ms[True])
+            for m in ms.values():
+                _keys_follow_commits(m)
             # the scheduler's view: new tokens of extends, drafts rewound, frees, new requests
             m = ms[True]
             for h in list(seqs):
@@ -124,3 +135,42 @@ def test_batched_commits_match_item_by_item(
     finally:
         native.use(True)
     assert batches["ran"] > 100  # most steps' commits ran as a batch
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_step_stopped_by_a_failed_publish_applies_nothing_after_it(
+    atomic: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An internal error in the publish of the second commit stops the step (atomic or not):
+    the first commit (no block filled) is applied unless the step is atomic, the third (no
+    block filled either) is not, as item by item."""
+    from kvcm import commits
+
+    real = commits.publish
+    armed = {"on": False}
+
+    def failing(coord: Any, state: Any, row: int, *args: Any) -> None:
+        if armed["on"] and row == 1:
+            raise RuntimeError("a bug in publish")
+        real(coord, state, row, *args)
+
+    monkeypatch.setattr(commits, "publish", failing)
+    outs, tokens = {}, {}
+    for batched in (True, False):
+        monkeypatch.setattr(columnar, "commit_batch", real_batch if batched else lambda *_: False)
+        m = manager([layer(0)], num_blocks=16, max_seq_len=64)
+        handles = [m.allocate(r, 8).handle for r in "abc"]  # rows 0, 1, 2
+        for r in "abc":
+            m.commit(r, [1, 2])
+        armed["on"] = True
+        out = m.step_columns(commit=handles, commit_tokens=[[3], [3, 4], [3]], atomic=atomic)
+        armed["on"] = False
+        outs[batched] = [v.tolist() for v in out.status.values()]
+        tokens[batched] = [m.committed_tokens(r) for r in "abc"]
+    assert outs[True] == outs[False]
+    assert tokens[True] == tokens[False]
+    assert tokens[True][2] == [1, 2]  # after the stop: not applied
+    assert tokens[True][0] == ([1, 2] if atomic else [1, 2, 3])
+
+
+real_batch = columnar.commit_batch

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from itertools import compress
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -58,48 +57,53 @@ def commit_batch(
 ) -> bool:
     """A step's commits of distinct live rows as one batch, when every item passes its
     checks; False, with nothing changed, if one would not (the items then run one by one
-    and each names its error). Items run in order, as ``commit_row`` of each would: no
-    item's check depends on another's append.
+    and each names its error). Items run in order, as ``commit_row`` of each would (no
+    item's check depends on another's append), and stop where the step stops.
 
-    Most of a decode step's commits add a token and fill no block: those are appended here,
-    with no call per item, before the others (they touch nothing another item reads). An item
-    that fills a block publishes it through ``_append``, run by ``item(index, fn)`` (the
-    step's item runner: a failed publish is that item's error).
+    Most of a decode step's commits add a token and fill no block: each run of those is
+    appended here with no call per item. An item that fills a block (its committed tokens
+    reach a block past its keys: exactly when ``publish`` has work) runs ``_append`` through
+    ``item(index, fn)``, the step's item runner: a failed publish is that item's error, and
+    an error that stops the step raises before any later item is applied.
 
-    Example (tokens_per_block 4): requests at 5 and 7 committed tokens commit one token each;
-    the first reaches 6 (no block fills), the second 8 (block 1 fills and is published).
+    Example (tokens_per_block 4): requests at 5, 7 and 2 committed tokens commit one token
+    each: the first is appended (6 tokens, block 1 not full), the second publishes block 1
+    (8 tokens), then the third is appended.
     """
     core = native.core
     data = core.pack_token_lists(token_ids) if core is not None else None
     if data is None:  # no C core, or some list the Python checks must judge
         try:
             data = [token_data(t) for t in token_ids]
-        except InvalidArgument:
+        except Exception:  # any error is that item's own: the items then run one by one
             return False
-    tokens, ids = m._tokens, m._ids
+    tokens, ids, prefix = m._tokens, m._ids, m._prefix
     rids = list(map(ids.__getitem__, rows.tolist()))
     held = list(map(tokens.__getitem__, rids))
-    before = np.fromiter(map(len, held), dtype=np.int64, count=len(held))
-    total = before + np.fromiter(map(len, data), dtype=np.int64, count=len(data))
+    states = list(map(prefix.__getitem__, rids))
+    n = len(held)
+    total = np.fromiter(map(len, held), dtype=np.int64, count=n)
+    total += np.fromiter(map(len, data), dtype=np.int64, count=n)
     if (total > 4 * m._coord.num_tokens[rows]).any():
         return False
-    # A request's keys are those of its full committed blocks (len(keys) == committed //
-    # tokens_per_block, kept by allocate, publish and rewind), so an item publishes exactly
-    # when its tokens cross a block boundary. With state layers (checkpoints) or inside an
-    # all-or-nothing step (undo actions), every item takes the full path.
-    step = 4 * m.tokens_per_block
+    # With state layers (checkpoints) or inside an all-or-nothing step (undo actions), every
+    # item takes the full path.
     if m._state is None and m._undo is None:
-        full = total // step > before // step
+        keyed = np.fromiter((len(st.keys) for st in states), dtype=np.int64, count=n)
+        full = np.flatnonzero(total // (4 * m.tokens_per_block) > keyed).tolist()
     else:
-        full = np.ones(len(held), dtype=bool)
-    quiet = ~full
-    for done, chunk in compress(zip(held, data, strict=True), quiet.tolist()):
-        done += chunk  # no block fills: nothing to publish
-    m._committed[rows[quiet]] = total[quiet] // 4
-    prefix = m._prefix
-    for i in np.flatnonzero(full).tolist():
-        rid, row = rids[i], int(rows[i])
-        item(i, functools.partial(_append, m, rid, row, data[i], held[i], prefix[rid]))
+        full = list(range(n))
+    start = 0
+    for i in [*full, n]:
+        if i > start:  # the items before i fill no block: appended, nothing to publish
+            for done, chunk in zip(held[start:i], data[start:i], strict=True):
+                done += chunk
+            m._committed[rows[start:i]] = total[start:i] // 4
+        if i < n:
+            item(
+                i, functools.partial(_append, m, rids[i], int(rows[i]), data[i], held[i], states[i])
+            )
+        start = i + 1
     return True
 
 

@@ -94,7 +94,7 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
         raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
     try:
         data = struct.pack(f"<{len(token_ids)}i", *token_ids)
-    except (struct.error, TypeError) as exc:
+    except (struct.error, TypeError, OverflowError) as exc:
         raise InvalidArgument(f"token ids must be ints in [0, 2**31): {exc}") from None
     if data:
         # A decode-time commit has a few ids: min() beats a numpy call there.
