@@ -21,14 +21,20 @@ RUN apt-get update \
 ENV PATH=/opt/kvcm/bin:$PATH
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY service service
 COPY client client
 COPY kernels kernels
 COPY examples/engine/kvcm_engine examples/engine/kvcm_engine
 # kvcm-client (./client, its own distribution) first: kvcm depends on it and it is not on PyPI.
 # torch from PyPI is the CUDA 12 build (constraints.txt pins the CPU build for tests only).
-RUN pip install ./client && pip install ".[gpu]" && rm -rf /src
+# gcc and the Python headers build kvcm's C core (docs/native.md), then leave the image.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+    && pip install ./client && pip install ".[gpu]" \
+    && python -c "from kvcm import native; assert native.available(), 'no C core'" \
+    && apt-get purge -y --auto-remove gcc libc6-dev python3-dev \
+    && rm -rf /var/lib/apt/lists/* /src
 
 RUN useradd --system --uid 10001 --no-create-home kvcm \
     && mkdir -p /run/kvcm && chown kvcm /run/kvcm

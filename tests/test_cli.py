@@ -338,7 +338,7 @@ def test_setup_runs_pip_only_when_the_install_changed(tmp_path: Path) -> None:
         "scripts/setup",
         "pyproject.toml",
         "setup.py",
-        "service/kvcm/_native.c",
+        "service/kvcm/csrc/decode.c",
         "client/pyproject.toml",
         "constraints.txt",
     )
@@ -382,7 +382,7 @@ def test_setup_runs_pip_only_when_the_install_changed(tmp_path: Path) -> None:
         f.write("# changed\n")
     assert [c.split()[-1] for c in setup()] == ["./client", ".[gpu,test]"]
     assert setup() == []
-    with (tmp_path / "service/kvcm/_native.c").open("a") as f:
+    with (tmp_path / "service/kvcm/csrc/decode.c").open("a") as f:
         f.write("/* changed */\n")  # the C core is rebuilt by pip
     assert [c.split()[-1] for c in setup()] == ["./client", ".[gpu,test]"]
     assert setup() == []

@@ -130,6 +130,9 @@ def test_dockerfile_runs_the_service_with_the_gpu_extra_and_a_health_check() -> 
     text, env = _dockerfile()
     assert re.search(r"^FROM nvidia/cuda:12\.", text, re.M)
     assert 'pip install ".[gpu]"' in text
+    # the C core is built (setup.py and a compiler there), and checked
+    assert "COPY pyproject.toml setup.py" in text and "gcc" in text
+    assert "native.available()" in text
     assert 'ENTRYPOINT ["kvcm", "serve"]' in text
     health = next(ln for ln in text.splitlines() if ln.startswith("HEALTHCHECK"))
     port = re.search(r"127\.0\.0\.1:(\d+)/livez", health).group(1)  # type: ignore[union-attr]

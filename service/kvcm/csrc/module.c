@@ -1,0 +1,43 @@
+/* kvcm._native: the step path's inner loops in C (docs/native.md).
+ *
+ * Optional: kvcm runs the same logic in numpy when this module is not built (no compiler)
+ * or KVCM_NATIVE=0, and the tests compare the two (tests/test_native.py).
+ *
+ * - sha256_chain: the prefix-reuse key chain (kvcm.hashing.chain_keys), SHA-256 with the
+ *   x86 SHA extensions when the CPU has them, else a portable C implementation (sha256.c).
+ * - pack_tokens, pack_token_lists: a prompt's token ids, or a step's commits, as int32
+ *   little-endian bytes (tokens.c).
+ * - decode_plan, decode_commit: a batch of extends by handle (a decode step) planned in one
+ *   pass over the rows, and its counters written in one more (kvcm.native_step, decode.c).
+ *
+ * This file holds the module's method table; native.h the declarations the files share.
+ *
+ * Arrays come in through the buffer protocol (numpy arrays, C-contiguous, int64 unless
+ * named otherwise), so the module builds without numpy's headers.
+ */
+#include "native.h"
+
+static PyMethodDef methods[] = {
+    {"sha256_chain", kvcm_sha256_chain, METH_VARARGS, "Chained SHA-256 keys of full blocks."},
+    {"sha256", kvcm_sha256, METH_VARARGS, "SHA-256 of bytes (the selected implementation)."},
+    {"use_sha_extensions", kvcm_use_sha_extensions, METH_O, "Select the SHA extensions or not."},
+    {"pack_tokens", kvcm_pack_tokens, METH_O, "Token ids as int32 LE bytes, or None."},
+    {"pack_token_lists", kvcm_pack_token_lists, METH_O, "pack_tokens of each list, or None."},
+    {"decode_plan", kvcm_decode_plan, METH_VARARGS, "Plan a batch of extends by handle."},
+    {"decode_commit", kvcm_decode_commit, METH_VARARGS, "Write a planned batch's counters."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_native",
+    .m_doc = "kvcm's step path in C (docs/native.md).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    int have_ni = kvcm_sha_init();
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0) Py_CLEAR(m);
+    return m;
+}

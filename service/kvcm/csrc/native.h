@@ -1,0 +1,24 @@
+/* kvcm._native: the declarations its files share (docs/native.md). */
+#ifndef KVCM_NATIVE_H
+#define KVCM_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* sha256.c: block keys */
+int kvcm_sha_init(void); /* selects the SHA extensions if the CPU has them; returns whether */
+PyObject *kvcm_sha256_chain(PyObject *self, PyObject *args);
+PyObject *kvcm_sha256(PyObject *self, PyObject *args);
+PyObject *kvcm_use_sha_extensions(PyObject *self, PyObject *arg);
+
+/* tokens.c: token ids as int32 bytes */
+PyObject *kvcm_pack_tokens(PyObject *self, PyObject *seq);
+PyObject *kvcm_pack_token_lists(PyObject *self, PyObject *seq);
+
+/* decode.c: a decode step's batch of extends */
+PyObject *kvcm_decode_plan(PyObject *self, PyObject *args);
+PyObject *kvcm_decode_commit(PyObject *self, PyObject *args);
+
+#endif
