@@ -32,6 +32,8 @@ from kvcm_client.errors import InvalidRewind, OutOfBlocks
 from .attention import AttentionPolicy, policy_for
 from .block_pool import BlockPool
 from .context_parallel import ClassPools, class_counts, slot_classes
+from .coordinator_hits import PrefixHits
+from .coordinator_log import EditLog
 from .ids import LayerGroupId, PoolGroupId
 from .layout import Layout
 from .prefix_cache import PrefixCache
@@ -71,18 +73,7 @@ class _GroupPlan:
     """Table cells the op releases: (rows, positions, slots), gathered once by the plan."""
 
 
-@dataclass(slots=True)
-class _Checkpoint:
-    arrays: list[np.ndarray]
-    pools: list[Any]
-    refs: list[np.ndarray]
-    cache: Any
-    edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None
-    ops_since_take: int
-    takes: int
-
-
-class Coordinator:
+class Coordinator(PrefixHits, EditLog):
     """Owns the block pools, the per-row request state and the host page tables."""
 
     def __init__(
@@ -495,145 +486,6 @@ class Coordinator:
             if unique.size != free.size:  # a shared slot released twice in one op
                 free = free[np.sort(first)]
         self.pools[pg].push(free)
-
-    # -- prefix hits ---------------------------------------------------------------------------
-
-    def hit_need(self, hits: list[np.ndarray], capacity: int) -> tuple[list[int], list[np.ndarray]]:
-        """Free slots per pool group a new request with these hit blocks needs in all, and
-        per layer group the hit slots nobody holds (they come out of the queue).
-
-        ``hits[g]`` holds the slot of each of the first blocks (-1 where a window does not
-        need it); the blocks past the hit up to ``capacity`` tokens are new.
-        """
-        want = -(-capacity // self.tokens_per_block)
-        need = self._zeros()
-        idle = []
-        for g, slots in enumerate(hits):
-            pg = self.group_pool[g]
-            live = slots[slots >= 0] if self.windowed[g] else slots
-            unheld = live[self.refs[pg][live] == 0]
-            idle.append(unheld)
-            if self.cp == 1:
-                need[pg] += max(want - slots.size, 0) + unheld.size
-            else:
-                new = class_counts(slots.size, max(want, slots.size), self.cp)
-                need[pg] += new + slot_classes(unheld, self.cp)
-        return need, idle
-
-    def place_hits(
-        self,
-        row: int,
-        hits: list[np.ndarray],
-        idle: list[np.ndarray],
-        released_end: list[int],
-        num_tokens: int,
-    ) -> None:
-        """Give an empty row the hit blocks (shared, refs + 1) as its first ``num_tokens``;
-        ``idle`` (from ``hit_need``) are those in the free queue."""
-        for g, slots in enumerate(hits):
-            pg = self.group_pool[g]
-            live = slots[slots >= 0] if self.windowed[g] else slots
-            self.pools[pg].claim(idle[g])
-            self.refs[pg][live] += 1
-            n = slots.size
-            # Hits mark blocks a window does not need with -1; the table holds ``empty``
-            # there: max(-1, empty) is empty in both modes, and live slots are above it.
-            self._set(g, row, slice(0, n), np.maximum(slots, self.empty))
-            self.num_blocks[g][row] = n
-            self.released_end[g][row] = released_end[g]
-        self.num_tokens[row] = num_tokens
-        self.history[row] = num_tokens
-        self.ops_since_take += 1
-
-    def take_edits(self) -> np.ndarray:
-        """The table edits since the last call as int64 ``[E, 4]``, one per cell (the last).
-
-        A single op never edits a cell twice, so only several ops need the de-duplication.
-        """
-        records = self.edits or []
-        n = sum(len(r[1]) for r in records)
-        out = np.empty((n, 4), dtype=np.int64)
-        if n:
-            out[:, 0] = np.repeat([r[0] for r in records], [len(r[1]) for r in records])
-            out[:, 1] = np.concatenate([r[1] for r in records])
-            out[:, 2] = np.concatenate([r[2] for r in records])
-            out[:, 3] = np.concatenate(
-                [np.full(len(r[1]), self.empty) if r[3] is None else r[3] for r in records]
-            )
-        if self.ops_since_take > 1 and n > 1:
-            out = self.last_edits(out)
-        if self.edits is not None:
-            self.edits.clear()
-        self.ops_since_take = 0
-        self.takes += 1
-        return out
-
-    def last_edits(self, edits: np.ndarray) -> np.ndarray:
-        """Of ``edits`` in the order they were made, the last one of each cell: the table
-        kernels apply a batch in parallel, so a cell must appear once."""
-        _, rows, cols = self.tables.shape
-        key = (edits[:, 0] * rows + edits[:, 1]) * cols + edits[:, 2]
-        _, last = np.unique(key[::-1], return_index=True)
-        return edits[::-1][last]
-
-    # -- all-or-nothing batches ----------------------------------------------------------------
-
-    def checkpoint(self) -> _Checkpoint:
-        """Copy every piece of mutable state; ``restore`` puts it back exactly.
-
-        Costs one copy of the host tables and of each free list, so it is taken only for
-        all-or-nothing steps. Edits logged for the device tables are restored too: an edit
-        that was undone on the host never reaches the device.
-        """
-        return _Checkpoint(
-            arrays=[a.copy() for a in self._state_arrays()],
-            pools=[p.checkpoint() for p in self.pools],
-            refs=[r.copy() for r in self.refs],
-            cache=self.cache.checkpoint(),
-            edits=None if self.edits is None else list(self.edits),
-            ops_since_take=self.ops_since_take,
-            takes=self.takes,
-        )
-
-    def _state_arrays(self) -> tuple[np.ndarray, ...]:
-        """The per-row arrays and tables that a checkpoint copies."""
-        return (
-            self.num_tokens,
-            self.history,
-            self.lookahead,
-            *self.num_blocks,
-            *self.released_end,
-            self.tables,
-        )
-
-    def restore(self, saved: _Checkpoint) -> None:
-        """Put back what ``checkpoint`` copied. Edits logged since then are dropped, unless
-        some were taken meanwhile (a device table, or a rank's queue, already has them):
-        then every cell the undo changes back is logged as an edit of its own.
-
-        Example: a step allocates block 5 into row 2 of group 0, a read inside the step's
-        transaction takes that edit to the device, and the step is undone: the host cell
-        goes back to -1 and an edit (0, 2, 0, -1) follows, so the device cell does too.
-        """
-        edits, ops_since_take = saved.edits, saved.ops_since_take
-        if self.edits is not None and edits is not None and self.takes != saved.takes:
-            before = saved.arrays[-1]  # the tables
-            changed = np.argwhere(self.tables != before)
-            edits = list(self.edits)
-            for g in np.unique(changed[:, 0]).tolist():
-                cells = changed[changed[:, 0] == g]
-                edits.append((g, cells[:, 1], cells[:, 2], before[g, cells[:, 1], cells[:, 2]]))
-            ops_since_take = self.ops_since_take + 2  # several records: fold them by cell
-        for dst, src in zip(self._state_arrays(), saved.arrays, strict=True):
-            dst[...] = src
-        for pool, state in zip(self.pools, saved.pools, strict=True):
-            pool.restore(state)
-        for refs, old in zip(self.refs, saved.refs, strict=True):
-            refs[:] = old
-        self.cache.restore(saved.cache)
-        if self.edits is not None and edits is not None:
-            self.edits[:] = edits
-        self.ops_since_take = ops_since_take
 
     # -- queries -----------------------------------------------------------------------------
 

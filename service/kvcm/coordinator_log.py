@@ -1,0 +1,125 @@
+"""The coordinator's edit log (what device tables replay) and its checkpoints (what an
+all-or-nothing step restores): ``Coordinator`` inherits ``EditLog``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    arrays: list[np.ndarray]
+    pools: list[Any]
+    refs: list[np.ndarray]
+    cache: Any
+    edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None
+    ops_since_take: int
+    takes: int
+
+
+class EditLog:
+    """Mixin of ``Coordinator`` (its tables, per-row arrays, pools, references and cache)."""
+
+    tables: np.ndarray
+    edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None
+    takes: int
+    ops_since_take: int
+    num_tokens: np.ndarray
+    history: np.ndarray
+    lookahead: np.ndarray
+    num_blocks: list[np.ndarray]
+    released_end: list[np.ndarray]
+    pools: list[Any]
+    refs: list[np.ndarray]
+    cache: Any
+
+    def take_edits(self) -> np.ndarray:
+        """The table edits since the last call as int64 ``[E, 4]``, one per cell (the last).
+
+        A single op never edits a cell twice, so only several ops need the de-duplication.
+        """
+        records = self.edits or []
+        n = sum(len(r[1]) for r in records)
+        out = np.empty((n, 4), dtype=np.int64)
+        if n:
+            out[:, 0] = np.repeat([r[0] for r in records], [len(r[1]) for r in records])
+            out[:, 1] = np.concatenate([r[1] for r in records])
+            out[:, 2] = np.concatenate([r[2] for r in records])
+            out[:, 3] = np.concatenate(
+                [np.full(len(r[1]), self.empty) if r[3] is None else r[3] for r in records]
+            )
+        if self.ops_since_take > 1 and n > 1:
+            out = self.last_edits(out)
+        if self.edits is not None:
+            self.edits.clear()
+        self.ops_since_take = 0
+        self.takes += 1
+        return out
+
+    def last_edits(self, edits: np.ndarray) -> np.ndarray:
+        """Of ``edits`` in the order they were made, the last one of each cell: the table
+        kernels apply a batch in parallel, so a cell must appear once."""
+        _, rows, cols = self.tables.shape
+        key = (edits[:, 0] * rows + edits[:, 1]) * cols + edits[:, 2]
+        _, last = np.unique(key[::-1], return_index=True)
+        return edits[::-1][last]
+
+    def checkpoint(self) -> _Checkpoint:
+        """Copy every piece of mutable state; ``restore`` puts it back exactly.
+
+        Costs one copy of the host tables and of each free list, so it is taken only for
+        all-or-nothing steps. Edits logged for the device tables are restored too: an edit
+        that was undone on the host never reaches the device.
+        """
+        return _Checkpoint(
+            arrays=[a.copy() for a in self._state_arrays()],
+            pools=[p.checkpoint() for p in self.pools],
+            refs=[r.copy() for r in self.refs],
+            cache=self.cache.checkpoint(),
+            edits=None if self.edits is None else list(self.edits),
+            ops_since_take=self.ops_since_take,
+            takes=self.takes,
+        )
+
+    def _state_arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-row arrays and tables that a checkpoint copies."""
+        return (
+            self.num_tokens,
+            self.history,
+            self.lookahead,
+            *self.num_blocks,
+            *self.released_end,
+            self.tables,
+        )
+
+    def restore(self, saved: _Checkpoint) -> None:
+        """Put back what ``checkpoint`` copied. Edits logged since then are dropped, unless
+        some were taken meanwhile (a device table, or a rank's queue, already has them):
+        then every cell the undo changes back is logged as an edit of its own.
+
+        Example: a step allocates block 5 into row 2 of group 0, a read inside the step's
+        transaction takes that edit to the device, and the step is undone: the host cell
+        goes back to -1 and an edit (0, 2, 0, -1) follows, so the device cell does too.
+        """
+        edits, ops_since_take = saved.edits, saved.ops_since_take
+        if self.edits is not None and edits is not None and self.takes != saved.takes:
+            before = saved.arrays[-1]  # the tables
+            changed = np.argwhere(self.tables != before)
+            edits = list(self.edits)
+            for g in np.unique(changed[:, 0]).tolist():
+                cells = changed[changed[:, 0] == g]
+                edits.append((g, cells[:, 1], cells[:, 2], before[g, cells[:, 1], cells[:, 2]]))
+            ops_since_take = self.ops_since_take + 2  # several records: fold them by cell
+        for dst, src in zip(self._state_arrays(), saved.arrays, strict=True):
+            dst[...] = src
+        for pool, state in zip(self.pools, saved.pools, strict=True):
+            pool.restore(state)
+        for refs, old in zip(self.refs, saved.refs, strict=True):
+            refs[:] = old
+        self.cache.restore(saved.cache)
+        if self.edits is not None and edits is not None:
+            self.edits[:] = edits
+        self.ops_since_take = ops_since_take
