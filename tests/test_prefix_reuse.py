@@ -279,6 +279,13 @@ def test_idempotent_allocate_compares_the_prompt_too() -> None:
         m.allocate("a", 20, token_ids=list(range(1, 21)))
     with pytest.raises(InvalidArgument):
         m.allocate("z", 20, token_ids=list(range(19)))  # 19 ids for 20 tokens
+    # The prompt is kept as bytes: a scheduler that appends to its own list after the
+    # allocate still gets the first result for a retry with the prompt it sent.
+    prompt = list(range(5, 25))
+    second = m.allocate("b", 20, token_ids=prompt)
+    prompt.append(99)
+    assert m.allocate("b", 20, token_ids=list(range(5, 25))) == second
+    assert m.allocate("b", 20, token_ids=(*range(5, 25),)) == second  # a tuple of the same ids
 
 
 def test_random_sharing_keeps_reference_counts_and_the_free_list_consistent(

@@ -205,9 +205,9 @@ class KVCacheManager:
         tokens, data = prefix_reuse.read_prompt(self, token_ids, num_tokens, block_keys)
         items = multimodal_items(multimodal)
         root = root_key(lora_id, cache_salt)
-        # The prompt is compared by value on a retry; it is not copied (schedulers resend the
-        # same list, and copying 4k ids costs as much as the rest of an allocate).
-        args = (num_tokens, lookahead, tokens, lora_id, cache_salt, items)
+        # A retry is recognised by its prompt's int32 bytes (immutable: the caller's list,
+        # which ``tokens`` may be, can change after the call).
+        args = (num_tokens, lookahead, data, lora_id, cache_salt, items)
         first = self._first.get(request_id)
         if first is not None:
             if first.args == args:

@@ -87,7 +87,12 @@ class PrefixCache:
         index = self.index[group].setdefault(root, {})
         index.update(zip(keys, slots, strict=True))
         self.slot_key[pg].update(zip(slots, [(group, root, key) for key in keys], strict=True))
-        self.cached[pg][slots] = True
+        flags = self.cached[pg]
+        if len(slots) <= 4:  # a decode-time commit: scalar writes beat converting the list
+            for slot in slots:
+                flags[slot] = True
+        else:
+            flags[slots] = True
         self.stats.stored_blocks += len(keys)
         # A salted tenant asked for isolation: its prompts do not leave in events.
         self.log.stored(group, keys, parent, None if has_salt else token_bytes, lora_id, has_salt)

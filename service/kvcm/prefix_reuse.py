@@ -48,9 +48,10 @@ def read_prompt(
     if token_ids is None:
         return None, b""
     check_prompt(m, token_ids, num_tokens)
+    if type(token_ids) is list:  # the caller's list as is: no int made per token
+        return token_ids, token_bytes(token_ids)
     if block_keys is not None:
-        data = token_bytes(token_ids)
-        return (token_ids if type(token_ids) is list else list(token_ids)), data
+        return list(token_ids), token_bytes(token_ids)
     return token_ids_of(token_ids)
 
 
