@@ -148,6 +148,7 @@ class _Spy:
         self._core = core
         self.planned = 0
         self.deferred = 0  # left to the numpy plan
+        self.around = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._core, name)
@@ -155,6 +156,7 @@ class _Spy:
     def decode_plan(self, *args: Any) -> Any:
         out = self._core.decode_plan(*args)
         self.planned += type(out) is tuple
+        self.around += type(out) is tuple and bool(out[2])  # with failing items left out
         self.deferred += out is False
         return out
 
@@ -296,6 +298,7 @@ def test_decode_batches_match_the_numpy_path(
     # Every batch was planned in C or refused as the numpy plan refuses it (a stale, repeated
     # or unknown handle, a request at max_seq_len, a full pool): none needed the numpy plan.
     assert spy.planned > 30 and spy.deferred == 0
+    assert spy.around > 5  # batches run around a stale handle or a request at max_seq_len
 
 
 @built
@@ -362,12 +365,38 @@ def test_decode_plan_leaves_to_numpy_what_it_does_not_plan() -> None:
         assert core.decode_plan(handles, new, ahead, ctx, free, nd.out) is False, (new, ahead)
     assert (
         core.decode_plan(handles[::-1].copy(), 1, 0, ctx, free, nd.out)
-        == ((0,), (0,))  # 6 tokens fit 2 blocks
+        == ((0,), (0,), [])  # 6 tokens fit 2 blocks
     )
     assert core.decode_plan(np.append(handles, handles[0]), 1, 0, ctx, free, nd.out) is None
     assert core.decode_plan(handles, 60, 0, ctx, free, nd.out) is None  # past max_seq_len
     assert core.decode_plan(handles, 30, 0, ctx, (0,), nd.out) is None  # no room
     assert _same(_state(m), before)
+
+
+@built
+def test_decode_plan_can_leave_out_the_items_that_fail_on_their_own() -> None:
+    """With skip: a stale handle and a request that would pass max_seq_len are listed and
+    left out (row -1), the others planned; without it the batch is refused. More items than
+    rows: the numpy path decides."""
+    core = native._built
+    assert core is not None
+    m = manager([layer(0)], max_seq_len=64, max_requests=4, num_blocks=32)
+    a, b, c = (m.allocate(r, n).handle for r, n in (("a", 4), ("b", 60), ("c", 5)))
+    m.free("c")
+    nd = m._native_decode
+    ctx, free = nd.context(m), (m.num_free_blocks(),)
+    before = _state(m)
+    handles = np.array([a, c, b], dtype=np.int64)  # c is stale; b + 5 > 64
+    assert core.decode_plan(handles, 5, 0, ctx, free, nd.out) is None
+    assert core.decode_plan(handles, 5, 0, ctx, free, nd.out, True) == ((2,), (0,), [1, 2])
+    assert nd.rows[:3].tolist() == [0, -1, -1]
+    assert nd.out[1][0, :2].tolist() == [0, 0] and nd.out[2][0, :2].tolist() == [1, 2]  # a: 9
+    many = np.array([a, c, c, c, c], dtype=np.int64)
+    assert core.decode_plan(many, 1, 0, ctx, free, nd.out, True) is False
+    assert _same(_state(m), before)
+    out = m.step_columns(extend=handles, num_new_tokens=5)
+    assert out.status["extend"].tolist()[0] == 0 and [e.index for e in out.errors] == [1, 2]
+    assert m.request("a").num_tokens == 9 and m.request("b").num_tokens == 60
 
 
 @built

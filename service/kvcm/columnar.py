@@ -48,7 +48,7 @@ from kvcm_client.errors import (
     status_of,
 )
 
-from . import request_rows
+from . import native, request_rows
 from .columnar_types import SECTIONS, ItemError, StepColumns, StepOutcome
 from .commits import commit_batch, commit_row
 from .suspension import suspend_row
@@ -280,8 +280,20 @@ class _Run:
         Example: handles [h0, stale, h2, h3], h3 at max_seq_len: h0 and h2 extend as one
         batch, then items 1 and 3 fail (``unknown_request``, ``sequence_too_long``).
         """
-        cols = self.cols
-        bad = request_rows.failing_extends(self.m, cols.extend, cols.num_new_tokens, cols.lookahead)
+        cols, m = self.cols, self.m
+        core = native.core
+        if core is not None and m._coord.plain and not self.stop_on_error:
+            done = m._native_decode.extend_around_failures(
+                core, m, cols.extend, cols.num_new_tokens, cols.lookahead
+            )
+            if done is None:  # repeated rows, or no fit: item by item
+                return False
+            if done is not False:
+                kept, added, failing = done
+                self.out.new_blocks[kept] = added
+                self.extend_items(np.array(failing, dtype=np.int64))
+                return True
+        bad = request_rows.failing_extends(m, cols.extend, cols.num_new_tokens, cols.lookahead)
         if bad is None or not bad.size:
             return False
         good = np.ones(cols.extend.size, dtype=bool)

@@ -80,18 +80,56 @@ class NativeDecode:
         """``request_rows.extend_handles`` in C: (rows, new blocks per item); None, with
         nothing changed, when the numpy path would refuse the batch too (its items then run
         one by one); False, with nothing changed, when the numpy path must plan it."""
+        done = self._run(core, m, handles, new, ahead, False)
+        if done is None or done is False:
+            return done
+        rows, added, _ = done
+        return rows, added
+
+    def extend_around_failures(
+        self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any
+    ) -> tuple[np.ndarray, np.ndarray, list[int]] | bool | None:
+        """The batch without the items that fail on their own (a handle that is not live, a
+        capacity past max_seq_len), as ``columnar._Run.extends_around_failures`` runs it:
+        (the items extended, their new blocks, the failing items, which changed nothing);
+        None or False as ``extend``.
+
+        Example: handles [h0, stale, h2]: h0 and h2 are extended as one batch, and (array([0,
+        2]), their new blocks, [1]) is returned; item 1 is the caller's to report.
+        """
+        done = self._run(core, m, handles, new, ahead, True)
+        if done is None or done is False:
+            return done
+        rows, added, failing = done
+        if not failing:
+            return np.arange(handles.size), added, failing
+        return np.flatnonzero(rows >= 0), added, failing
+
+    def _run(
+        self,
+        core: ModuleType,
+        m: KVCacheManager,
+        handles: np.ndarray,
+        new: Any,
+        ahead: Any,
+        skip: bool,
+    ) -> tuple[np.ndarray, np.ndarray, list[int]] | bool | None:
+        """Plan in C and apply: (each item's row, -1 for a failing one; the extended items'
+        new blocks; the failing items), or the plan's None or False, with nothing changed."""
         c = m._coord
         context = self.context(m)
         free = tuple(p.num_free for p in c.pools)
-        planned = core.decode_plan(handles, new, ahead, context, free, self.out)
+        planned = core.decode_plan(handles, new, ahead, context, free, self.out, skip)
         if type(planned) is int:  # more cells than the arrays hold: grow them, plan again
             self._cells(self.out[1].shape[0], planned)
-            planned = core.decode_plan(handles, new, ahead, context, free, self.out)
+            planned = core.decode_plan(handles, new, ahead, context, free, self.out, skip)
         if planned is None or planned is False:
             return planned
-        added, released = planned
-        _, add_items, add_positions, release_items, release_positions = self.out
+        added, released, failing = planned
         rows = self.rows[: handles.size].copy()
+        if len(failing) == handles.size:  # nothing to extend (an op that changes nothing)
+            return rows, np.empty(0, dtype=np.int32), failing
+        _, add_items, add_positions, release_items, release_positions = self.out
         for g, k in enumerate(released):  # a window's stale blocks first, as the numpy plan
             if k:
                 r = rows[release_items[g, :k]]
@@ -103,7 +141,13 @@ class NativeDecode:
                 positions = add_positions[g, :k].copy()
                 slots = c._take(c.group_pool[g], k, positions)
                 c._set(g, rows[add_items[g, :k]], positions, slots)
-        out = np.empty(rows.size, dtype=np.int32)
-        core.decode_commit(rows, new, ahead, context, out)
+        kept = rows
+        if failing:  # the others' rows and counts
+            keep = rows >= 0
+            kept = rows[keep]
+            new = new[keep] if isinstance(new, np.ndarray) else new
+            ahead = ahead[keep] if isinstance(ahead, np.ndarray) else ahead
+        out = np.empty(kept.size, dtype=np.int32)
+        core.decode_commit(kept, new, ahead, context, out)
         c.ops_since_take += 1
-        return rows, out
+        return rows, out, failing

@@ -179,7 +179,8 @@ static PyObject *counts_tuple(const Py_ssize_t *k, int n) {
     return t;
 }
 
-/* decode_plan(handles, new, ahead, context, free, out) -> (added, released) | int | False | None
+/* decode_plan(handles, new, ahead, context, free, out, skip=False)
+ *     -> (added, released, failing) | int | False | None
  *
  * Plans extends of live, distinct handles as one batch, item after item, changing no state
  * (the scratch array is work space). ``free``: each pool group's free slots; ``out``:
@@ -187,32 +188,38 @@ static PyObject *counts_tuple(const Py_ssize_t *k, int n) {
  * [groups, cap]). Item i's row goes to rows[i]; layer group g's new blocks are its (item,
  * position) pairs add_*[g, :added[g]], and the table cells a sliding window releases are
  * release_*[g, :released[g]], both in item order (what the numpy plan gathers).
+ * ``failing``: with ``skip``, the items that fail on their own (a handle that is not live, a
+ * capacity past max_seq_len), left out of the plan (rows[i] = -1), as the numpy path's
+ * ``extends_around_failures`` leaves them out; without it, such an item refuses the batch,
+ * and ``failing`` is empty.
  *
  * An int (the cells some group needs) when the out arrays are too small: the caller grows
  * them and plans again. False when the numpy plan must decide (it plans what this one does
  * not): a released cell that holds no page, a count out of range, a strided or non-int64
- * column. None when the numpy plan would refuse
- * the batch as well (the items then run one by one, each naming its error): a handle that
- * is not live, a row named twice, a capacity past max_seq_len, or a batch that does not fit
- * item after item: per pool group, every prefix of the items must need at most ``free`` slots,
- * net of those it releases (a windowed row's released blocks serve later rows only).
+ * column. None when the numpy plan would refuse the batch as well (the items then run one
+ * by one, each naming its error): an item that fails on its own (without ``skip``), a row
+ * named twice, or a batch that does not fit item after item: per pool group, every prefix
+ * of the items must need at most ``free`` slots, net of those it releases (a windowed row's
+ * released blocks serve later rows only).
  *
  * Example (tokens_per_block 16, one full-attention group): row a holds 16 tokens in 1
  * block, row b 20 tokens in 2 blocks; +1 token each: a wants ceil(17 / 16) = 2 blocks, so
- * (item 0, position 1) is planned; b's 21 tokens fit its 2 blocks: returns ((1,), (0,)).
+ * (item 0, position 1) is planned; b's 21 tokens fit its 2 blocks: returns ((1,), (0,), []).
  * With a window of 32 tokens (no sinks), a row at 48 tokens that grows releases block 0:
  * floor((48 + 1 - 32) / 16) = 1, so its released run [0, 0) becomes [0, 1), and
  * (item, position 0) is a release_* pair.
  */
 PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
     PyObject *handles_o, *new_o, *ahead_o, *ctx_o, *free_o, *out_o;
-    if (!PyArg_ParseTuple(args, "OOOOOO", &handles_o, &new_o, &ahead_o, &ctx_o, &free_o, &out_o))
+    int skip = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOO|p", &handles_o, &new_o, &ahead_o, &ctx_o, &free_o, &out_o,
+                          &skip))
         return NULL;
     Ctx c;
     Buf handles = {0}, out[5];
     Column new = {0}, ahead = {0};
     memset(out, 0, sizeof out);
-    PyObject *result = NULL;
+    PyObject *result = NULL, *failing = NULL;
     int64_t room[MAX_GROUPS], net[MAX_GROUPS] = {0};
     Py_ssize_t kadd[MAX_GROUPS] = {0}, krel[MAX_GROUPS] = {0};
     if (ctx_get(ctx_o, &c) < 0) goto done;
@@ -242,20 +249,38 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
     const int64_t *h = I64P(handles), *live = I64P(c.row_handle), *tokens = I64P(c.num_tokens);
     int64_t *scratch = I64P(c.scratch);
     const int32_t *tables = I32P(c.tables);
-    if (n > c.nrows) goto none; /* cannot all be distinct rows */
+    if (n > c.nrows) { /* cannot all be distinct rows; rows[] has a cell per row */
+        if (!skip) goto none;
+        goto numpy;
+    }
+    failing = PyList_New(0);
+    if (!failing) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = h[i] & ROW_MASK;
-        if (row >= c.nrows || live[row] != h[i]) goto none;
+        int fails = row >= c.nrows || live[row] != h[i];
+        if (!fails) {
+            int64_t nt = COL(new, i), la = COL(ahead, i);
+            if (nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT) goto numpy; /* it names */
+            fails = tokens[row] + nt + la > c.max_seq_len; /* each term below 2**62 */
+        }
+        if (fails) { /* an item that fails on its own: refused, or left out with skip */
+            if (!skip) goto none;
+            PyObject *index = PyLong_FromSsize_t(i);
+            int bad = !index || PyList_Append(failing, index) < 0;
+            Py_XDECREF(index);
+            if (bad) goto done;
+            rows[i] = -1;
+            continue;
+        }
         rows[i] = row;
         scratch[row] = i;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = rows[i];
+        if (row < 0) continue; /* left out */
         if (scratch[row] != i) goto none; /* a later item names the same row */
         int64_t history = tokens[row], nt = COL(new, i), la = COL(ahead, i);
-        if (nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT) goto numpy; /* it names them */
-        int64_t capacity = history + nt + la; /* no overflow: each term below 2**62 */
-        if (capacity > c.max_seq_len) goto none;
+        int64_t capacity = history + nt + la;
         int64_t want = (capacity + c.tpb - 1) / c.tpb;
         for (int g = 0; g < c.groups; g++) {
             int p = c.group_pool[g];
@@ -302,7 +327,7 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
         goto done;
     }
     PyObject *added = counts_tuple(kadd, c.groups), *released = counts_tuple(krel, c.groups);
-    if (added && released) result = PyTuple_Pack(2, added, released);
+    if (added && released) result = PyTuple_Pack(3, added, released, failing);
     Py_XDECREF(added);
     Py_XDECREF(released);
     goto done;
@@ -317,6 +342,7 @@ numpy:
 none:
     result = Py_NewRef(Py_None);
 done:
+    Py_XDECREF(failing);
     ctx_release(&c);
     buf_release(&handles);
     buf_release(&new.arr);
