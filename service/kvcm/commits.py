@@ -94,16 +94,21 @@ def commit_batch(
     else:
         full = list(range(n))
     start = 0
-    for i in [*full, n]:
-        if i > start:  # the items before i fill no block: appended, nothing to publish
+    appended: list[int] = []  # their counts are written once, also when the step stops
+    try:
+        for i in [*full, n]:
+            # the items before i fill no block: appended, nothing to publish
             for done, chunk in zip(held[start:i], data[start:i], strict=True):
                 done += chunk
-            m._committed[rows[start:i]] = total[start:i] // 4
-        if i < n:
-            item(
-                i, functools.partial(_append, m, rids[i], int(rows[i]), data[i], held[i], states[i])
-            )
-        start = i + 1
+            appended.extend(range(start, i))
+            if i < n:
+                row, fn = int(rows[i]), _append
+                item(i, functools.partial(fn, m, rids[i], row, data[i], held[i], states[i]))
+            start = i + 1
+    finally:
+        if appended:
+            done_items = np.array(appended, dtype=np.int64)
+            m._committed[rows[done_items]] = total[done_items] // 4
     return True
 
 
