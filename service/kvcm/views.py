@@ -2,7 +2,8 @@
 
 The page tables on the manager's device, page indices and slot mappings of requests, the
 pointer tables of the pools, token copies between positions, the views aliasing the pools,
-the layout description and the descriptors a consumer of shared pools maps. ``KVCacheManager``
+the layout description and the descriptors a consumer of shared pools maps (those two in
+``views_layout``). ``KVCacheManager``
 owns one and delegates to it; it reads the coordinator's bookkeeping and never changes it (the
 device tables apply its edits).
 """
