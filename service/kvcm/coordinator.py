@@ -464,13 +464,14 @@ class Coordinator(PrefixHits, EditLog):
             return
         seg = self.tables[g][row, keep:count]
         live = seg[seg > self.empty][::-1]
-        if live.size:
-            self._unref(self.group_pool[g], live)
+        if live.size:  # one row's pages: distinct slots
+            self._unref(self.group_pool[g], live, distinct=True)
         self._set(g, row, slice(keep, count), None)
         self.num_blocks[g][row] = keep
 
-    def _unref(self, pg: int, slots: np.ndarray) -> None:
-        """Drop one reference from each slot; those nobody holds go to the queue, in order."""
+    def _unref(self, pg: int, slots: np.ndarray, distinct: bool = False) -> None:
+        """Drop one reference from each slot; those nobody holds go to the queue, in order.
+        ``distinct``: the caller knows no slot is listed twice (one row's pages)."""
         refs = self.refs[pg]
         held = refs[slots]
         if held.size and held.max() == 1:
@@ -478,6 +479,10 @@ class Coordinator(PrefixHits, EditLog):
             # listed twice would show 2 here, so these are distinct and all become free.
             refs[slots] = 0
             self.pools[pg].push(slots)
+            return
+        if distinct:  # a plain subtraction, and no slot can free twice
+            refs[slots] = held - 1
+            self.pools[pg].push(slots[held == 1])
             return
         np.subtract.at(refs, slots, 1)
         free = slots[refs[slots] == 0]
