@@ -116,6 +116,8 @@ class NativeDecode:
     ) -> tuple[np.ndarray, np.ndarray, list[int]] | bool | None:
         """Plan in C and apply: (each item's row, -1 for a failing one; the extended items'
         new blocks; the failing items), or the plan's None or False, with nothing changed."""
+        if not handles.size:  # callers batch two items or more; numpy decides otherwise
+            return False
         c = m._coord
         context = self.context(m)
         free = tuple(p.num_free for p in c.pools)

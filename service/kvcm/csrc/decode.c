@@ -190,8 +190,9 @@ static PyObject *counts_tuple(const Py_ssize_t *k, int n) {
  * release_*[g, :released[g]], both in item order (what the numpy plan gathers).
  * ``failing``: with ``skip``, the items that fail on their own (a handle that is not live, a
  * capacity past max_seq_len), left out of the plan (rows[i] = -1), as the numpy path's
- * ``extends_around_failures`` leaves them out; without it, such an item refuses the batch,
- * and ``failing`` is empty.
+ * ``extends_around_failures`` leaves them out (a live one still counts when rows repeat, as
+ * in ``request_rows.failing_extends``); without it, such an item refuses the batch, and
+ * ``failing`` is empty.
  *
  * An int (the cells some group needs) when the out arrays are too small: the caller grows
  * them and plans again. False when the numpy plan must decide (it plans what this one does
@@ -269,7 +270,9 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
             int bad = !index || PyList_Append(failing, index) < 0;
             Py_XDECREF(index);
             if (bad) goto done;
-            rows[i] = -1;
+            /* a live one still counts for the repeat check (failing_extends) */
+            rows[i] = (row < c.nrows && live[row] == h[i]) ? -2 - row : -1;
+            if (rows[i] != -1) scratch[row] = i;
             continue;
         }
         rows[i] = row;
@@ -277,7 +280,12 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = rows[i];
-        if (row < 0) continue; /* left out */
+        if (row == -1) continue; /* left out */
+        if (row < -1) {
+            if (scratch[-2 - row] != i) goto none; /* a live item repeats its row */
+            rows[i] = -1;
+            continue;
+        }
         if (scratch[row] != i) goto none; /* a later item names the same row */
         int64_t history = tokens[row], nt = COL(new, i), la = COL(ahead, i);
         int64_t capacity = history + nt + la;
@@ -287,7 +295,7 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
             if (c.window[g]) {
                 int64_t old = I64P(c.released[g])[row];
                 int64_t end = released_end(old, history, c.window[g], c.tpb);
-                if (end > c.width) goto numpy;
+                if (old < 0 || end > c.width) goto numpy; /* never from the coordinator */
                 const int32_t *cells = tables + (g * c.nrows + row) * c.width;
                 for (int64_t pos = old; pos < end; pos++) {
                     int64_t slot = cells[pos];
@@ -305,6 +313,7 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
                     net[p] -= I32P(c.refs[p])[slot] == 1;
                 }
             }
+            if (I64P(c.blocks[g])[row] < 0) goto numpy; /* never from the coordinator */
             for (int64_t pos = I64P(c.blocks[g])[row]; pos < want; pos++) {
                 if (kadd[g] < cap) {
                     add_items[g * cap + kadd[g]] = i;
@@ -333,7 +342,7 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
     goto done;
 soft: /* a column numpy's path takes (strided, another dtype) */
     if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
-        !PyErr_ExceptionMatches(PyExc_BufferError))
+        !PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_OverflowError))
         goto done;
     PyErr_Clear();
 numpy:
