@@ -19,8 +19,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from worktree import checked_out
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,24 +61,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.base],
-            check=True,
-        )
-        try:
-            _build(base)
-            variants = {f"base {args.base}": base, "this tree": ROOT}
-            runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
-            for r in range(args.rounds):
-                for name, tree in variants.items():
-                    runs[name].append(_run(tree, args.repeats))
-                print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        finally:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True
-            )
+    with checked_out(args.base) as base:
+        _build(base)
+        variants = {f"base {args.base}": base, "this tree": ROOT}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        for r in range(args.rounds):
+            for name, tree in variants.items():
+                runs[name].append(_run(tree, args.repeats))
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     base_runs, head_runs = runs.values()
     print(f"## bench_columnar A/B, median of {args.rounds} rounds (us)")
     print(f"| workload | base {args.base} | this tree | base / this |")

@@ -18,8 +18,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from worktree import checked_out
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,22 +68,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=40)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.base],
-            check=True,
-        )
-        try:
-            variants = {f"base {args.base}": base, "this tree": ROOT}
-            runs: dict[str, list[list[float]]] = {name: [] for name in variants}
-            for _ in range(args.rounds):
-                for name, tree in variants.items():
-                    runs[name].append(_run(tree, args.reps))
-        finally:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True
-            )
+    with checked_out(args.base) as base:
+        variants = {f"base {args.base}": base, "this tree": ROOT}
+        runs: dict[str, list[list[float]]] = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, tree in variants.items():
+                runs[name].append(_run(tree, args.reps))
     print(f"## publishing an 8192-token request, us per block, median of {args.rounds} rounds")
     print("| variant | allocate + commit | commit alone | allocate + commit / base |")
     print("|---|---|---|---|")

@@ -19,8 +19,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
+from contextlib import nullcontext
 from pathlib import Path
+
+from worktree import checked_out
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,31 +73,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:0 for the CUDA step")
     args = parser.parse_args()
     cuda = args.device != "cpu"
-    with tempfile.TemporaryDirectory() as tmp:
-        base = args.base_tree or Path(tmp) / "base"
-        if args.base_tree is None:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.base],
-                check=True,
-            )
-        try:
-            variants = {
-                f"base {args.base}": (base, {}),
-                "this tree": (ROOT, {}),
-            }
-            if not cuda:
-                variants["this tree, null page"] = (ROOT, {"null_page": True})
-            runs: dict[str, list[dict]] = {name: [] for name in variants}
-            for r in range(args.rounds):
-                for name, (tree, config) in variants.items():
-                    runs[name].append(_run(tree, args.sizes, args.steps, config, cuda))
-                print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        finally:
-            if args.base_tree is None:
-                subprocess.run(
-                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                    check=True,
-                )
+    tree_of_base = nullcontext(args.base_tree) if args.base_tree else checked_out(args.base)
+    with tree_of_base as base:
+        variants = {
+            f"base {args.base}": (base, {}),
+            "this tree": (ROOT, {}),
+        }
+        if not cuda:
+            variants["this tree, null page"] = (ROOT, {"null_page": True})
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        for r in range(args.rounds):
+            for name, (tree, config) in variants.items():
+                runs[name].append(_run(tree, args.sizes, args.steps, config, cuda))
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     first = next(iter(runs))
     cases = list(runs[first][0])
     print(f"## decode step A/B, median of {args.rounds} rounds")

@@ -13,70 +13,52 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_manager_quick_prints_every_table() -> None:
+def _bench(script: str, *args: str) -> str:
+    """Run ``bench/<script>`` with ``args`` (smoke sizes); its output, after a zero exit."""
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_manager.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert sum(line.startswith(("| full |", "| sliding+full |")) for line in rows) == 2
-    assert any(line.endswith("x |") and "M |" in line for line in rows)  # allocate + free
-    assert "construction" in run.stdout
-
-
-def test_bench_prefix_quick_prints_its_table() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_prefix.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    assert "hashing, ns per token" in run.stdout and "probe + allocate" in run.stdout
-    assert "publish an 8192-token request" in run.stdout and "commit_many" in run.stdout
-
-
-def test_loadtest_quick_runs_both_clients_and_leaks_nothing() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "loadtest.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr  # exit 1 on errors or leaks
-    assert "after the run: 0 leaked blocks, 0 requests left" in run.stdout
-    for client in ("httpx", "raw"):
-        assert re.search(rf"^{client} +step closed c=1 ", run.stdout, re.M), client
-
-
-def test_bench_step_channel_quick_prints_every_variant() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_step_channel.py"), "--quick"],
+        [sys.executable, str(ROOT / "bench" / script), *args],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+def test_bench_manager_quick_prints_every_table() -> None:
+    stdout = _bench("bench_manager.py", "--quick")
+    rows = [line for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert sum(line.startswith(("| full |", "| sliding+full |")) for line in rows) == 2
+    assert any(line.endswith("x |") and "M |" in line for line in rows)  # allocate + free
+    assert "construction" in stdout
+
+
+def test_bench_prefix_quick_prints_its_table() -> None:
+    stdout = _bench("bench_prefix.py", "--quick")
+    assert "hashing, ns per token" in stdout and "probe + allocate" in stdout
+    assert "publish an 8192-token request" in stdout and "commit_many" in stdout
+
+
+def test_loadtest_quick_runs_both_clients_and_leaks_nothing() -> None:
+    stdout = _bench("loadtest.py", "--quick")  # exit 1 on errors or leaks
+    assert "after the run: 0 leaked blocks, 0 requests left" in stdout
+    for client in ("httpx", "raw"):
+        assert re.search(rf"^{client} +step closed c=1 ", stdout, re.M), client
+
+
+def test_bench_step_channel_quick_prints_every_variant() -> None:
+    stdout = _bench("bench_step_channel.py", "--quick")
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_step_channel import NAMES
 
     for variant in NAMES:
-        assert f"| {variant} |" in run.stdout
+        assert f"| {variant} |" in stdout
 
 
 def test_bench_columnar_quick_prints_every_workload() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_columnar.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    stdout = _bench("bench_columnar.py", "--quick")
     for workload in ("decode: step_columns, N=256", "typed step(ops), per op", "single extend()"):
-        assert f"| {workload} |" in run.stdout
+        assert f"| {workload} |" in stdout
 
 
 def test_bench_columnar_compares_the_c_core_with_the_numpy_path() -> None:
@@ -84,15 +66,9 @@ def test_bench_columnar_compares_the_c_core_with_the_numpy_path() -> None:
 
     if not native.available():
         pytest.skip("kvcm._native is not built")
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_columnar.py"), "--quick", "--compare-native"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "| workload | C core us | numpy path us | numpy / C | target us |" in run.stdout
-    assert "| decode: step_columns, N=256 |" in run.stdout
+    stdout = _bench("bench_columnar.py", "--quick", "--compare-native")
+    assert "| workload | C core us | numpy path us | numpy / C | target us |" in stdout
+    assert "| decode: step_columns, N=256 |" in stdout
 
 
 def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> None:
@@ -106,14 +82,8 @@ def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> No
 
 
 def test_bench_engine_quick_runs_four_ways_with_equal_tokens() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_engine.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    stdout = _bench("bench_engine.py", "--quick")
+    rows = [line for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
     ways = [row.split("|")[1].strip() for row in rows[1:]]
     assert ways == [
         "transformers (dense cache, static batch)",
@@ -126,26 +96,14 @@ def test_bench_engine_quick_runs_four_ways_with_equal_tokens() -> None:
 
 
 def test_bench_host_tier_quick_compares_with_a_plain_copy() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_host_tier.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |")]
+    stdout = _bench("bench_host_tier.py", "--quick")
+    rows = [line for line in stdout.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and rows[0].count("%") == 2
 
 
 def test_bench_ranks_quick_prints_a_row_per_rank_count() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_ranks.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.splitlines()
+    stdout = _bench("bench_ranks.py", "--quick")
+    lines = stdout.splitlines()
     rows = [
         line.split("|")[1].strip() for line in lines if line[:3] in ("| 1", "| 2", "| 4", "| 8")
     ]
@@ -155,14 +113,8 @@ def test_bench_ranks_quick_prints_a_row_per_rank_count() -> None:
 def test_bench_router_quick_prints_its_table() -> None:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_router.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line.split(" | ")[0] for line in run.stdout.splitlines() if line.startswith("| ")]
+    stdout = _bench("bench_router.py", "--quick")
+    rows = [line.split(" | ")[0] for line in stdout.splitlines() if line.startswith("| ")]
     scores = [r for r in rows if r.startswith("| score")]
     assert len(scores) == 3 and scores[0].startswith("| score p50 / p99 ms, 20 req/s open loop")
     assert scores[1:] == [
@@ -174,17 +126,11 @@ def test_bench_router_quick_prints_its_table() -> None:
 
 
 def test_step_channel_timeline_quick_splits_every_frame() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "step_channel_timeline.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    stdout = _bench("step_channel_timeline.py", "--quick")
     for frame in ("bad op", "empty step", "decode 256"):
         for client in ("sleeps", "spins"):
-            row = re.search(rf"^\| {frame}, client {client} \|(.*)\|$", run.stdout, re.M)
-            assert row is not None, (frame, client, run.stdout)
+            row = re.search(rf"^\| {frame}, client {client} \|(.*)\|$", stdout, re.M)
+            assert row is not None, (frame, client, stdout)
             wake, handle, write, back, total, hot = (float(v) for v in row.group(1).split("|"))
             # The server's parts are positive and inside the round trip. The wakes are
             # differences of two processes' stamps: either may run before the other's

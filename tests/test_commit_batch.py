@@ -11,6 +11,9 @@ from helpers import layer, manager
 
 from kvcm import KVCacheManager, columnar, native
 
+#: The batch path (tests put item by item in its place on the other manager).
+_BATCH = columnar.commit_batch
+
 
 def _state(m: KVCacheManager, after: int) -> dict[str, Any]:
     """What commits change (the KV events since sequence number ``after``)."""
@@ -40,11 +43,10 @@ def test_batched_commits_match_item_by_item(
     several tokens or too many, bad token ids, stale and repeated handles, prompts that hit
     the cache, rewinds (rejected drafts) and frees, some steps all or nothing."""
     native.use(core)
-    real = columnar.commit_batch
     batches = {"ran": 0}
 
     def counted(*args: Any) -> bool:
-        ran = real(*args)
+        ran = _BATCH(*args)
         batches["ran"] += ran
         return ran
 
@@ -157,7 +159,7 @@ def test_a_step_stopped_by_a_failed_publish_applies_nothing_after_it(
     monkeypatch.setattr(commits, "publish", failing)
     outs, tokens = {}, {}
     for batched in (True, False):
-        monkeypatch.setattr(columnar, "commit_batch", real_batch if batched else lambda *_: False)
+        monkeypatch.setattr(columnar, "commit_batch", _BATCH if batched else lambda *_: False)
         m = manager([layer(0)], num_blocks=16, max_seq_len=64)
         handles = [m.allocate(r, 8).handle for r in "abc"]  # rows 0, 1, 2
         for r in "abc":
@@ -171,6 +173,3 @@ def test_a_step_stopped_by_a_failed_publish_applies_nothing_after_it(
     assert tokens[True] == tokens[False]
     assert tokens[True][2] == [1, 2]  # after the stop: not applied
     assert tokens[True][0] == ([1, 2] if atomic else [1, 2, 3])
-
-
-real_batch = columnar.commit_batch

@@ -34,20 +34,23 @@ def _restore_native() -> Iterator[None]:
 # -- SHA-256 and block keys ------------------------------------------------------------------
 
 
-@built
-@pytest.mark.parametrize("extensions", [True, False])
-def test_sha256_equals_hashlib(extensions: bool, rng: np.random.Generator) -> None:
+@pytest.fixture(params=[True, False], ids=["sha-extensions", "portable"])
+def sha_core(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The C core with its SHA-256 on the CPU's SHA extensions, or on portable C."""
     core = native._built
-    assert core is not None
-    if core.use_sha_extensions(extensions) != extensions:
+    if core is None:
+        pytest.skip("kvcm._native is not built")
+    if core.use_sha_extensions(request.param) != request.param:
         pytest.skip("this CPU has no SHA extensions")
-    try:
-        # every padding case (0-200 bytes: one, two and three blocks), then longer inputs
-        for n in [*range(201), 1000, 4096, 65537]:
-            data = rng.bytes(n)
-            assert core.sha256(data) == hashlib.sha256(data).digest(), n
-    finally:
-        core.use_sha_extensions(True)
+    yield core
+    core.use_sha_extensions(True)
+
+
+def test_sha256_equals_hashlib(sha_core: Any, rng: np.random.Generator) -> None:
+    # every padding case (0-200 bytes: one, two and three blocks), then longer inputs
+    for n in [*range(201), 1000, 4096, 65537]:
+        data = rng.bytes(n)
+        assert sha_core.sha256(data) == hashlib.sha256(data).digest(), n
 
 
 def _chain(parent: bytes, data: bytes, step: int) -> list[bytes]:
@@ -58,23 +61,14 @@ def _chain(parent: bytes, data: bytes, step: int) -> list[bytes]:
     return keys
 
 
-@built
-@pytest.mark.parametrize("extensions", [True, False])
-def test_key_chain_equals_hashlib(extensions: bool, rng: np.random.Generator) -> None:
-    core = native._built
-    assert core is not None
-    if core.use_sha_extensions(extensions) != extensions:
-        pytest.skip("this CPU has no SHA extensions")
-    try:
-        for tpb in (1, 2, 3, 16, 64, 257):
-            for n in (0, tpb - 1, tpb, 5 * tpb + 1, 40 * tpb):
-                parent = rng.bytes(32)
-                data = rng.integers(0, 2**31, n, dtype=np.int64).astype("<i4").tobytes()
-                assert core.sha256_chain(parent, data, 4 * tpb) == _chain(parent, data, 4 * tpb)
-    finally:
-        core.use_sha_extensions(True)
+def test_key_chain_equals_hashlib(sha_core: Any, rng: np.random.Generator) -> None:
+    for tpb in (1, 2, 3, 16, 64, 257):
+        for n in (0, tpb - 1, tpb, 5 * tpb + 1, 40 * tpb):
+            parent = rng.bytes(32)
+            data = rng.integers(0, 2**31, n, dtype=np.int64).astype("<i4").tobytes()
+            assert sha_core.sha256_chain(parent, data, 4 * tpb) == _chain(parent, data, 4 * tpb)
     with pytest.raises(ValueError):
-        core.sha256_chain(b"short", b"", 4)
+        sha_core.sha256_chain(b"short", b"", 4)
 
 
 @built

@@ -151,7 +151,7 @@ def chain_keys(
     """
     step = 4 * tokens_per_block
     core = native.core
-    if core is not None and native.fast_sha and not multimodal:
+    if core is not None and core.HAVE_SHA_EXTENSIONS and not multimodal:
         return core.sha256_chain(parent, tokens, step)
     count = len(tokens) // step
     tags = _multimodal_tags(multimodal, first_block + count, tokens_per_block) if multimodal else {}

@@ -202,7 +202,7 @@ class KVCacheManager:
             )
         num_tokens = _count("num_tokens", num_tokens, 1)
         lookahead = _count("lookahead", lookahead, 0)
-        tokens, data = prefix_reuse.read_prompt(self, token_ids, num_tokens, block_keys)
+        tokens, data = prefix_reuse.read_prompt(self, token_ids, num_tokens)
         items = multimodal_items(multimodal)
         root = root_key(lora_id, cache_salt)
         # A retry is recognised by its prompt's int32 bytes (immutable: the caller's list,

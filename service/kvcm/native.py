@@ -17,11 +17,10 @@ try:
 except ImportError:  # not built (no compiler): the numpy paths
     _built = None
 
-#: The C core, or None (not built, or switched off).
+#: The C core, or None (not built, or switched off). Block keys are hashed in C only where
+#: ``core.HAVE_SHA_EXTENSIONS``: portable C SHA-256 is slower than the OpenSSL that hashlib
+#: calls.
 core: ModuleType | None = None if os.environ.get("KVCM_NATIVE", "1") == "0" else _built
-#: Block keys in C only with the CPU's SHA extensions: portable C SHA-256 is slower than
-#: the OpenSSL that hashlib calls.
-fast_sha: bool = bool(core is not None and core.HAVE_SHA_EXTENSIONS)
 
 
 def available() -> bool:
@@ -31,9 +30,8 @@ def available() -> bool:
 
 def use(on: bool) -> bool:
     """Switch the C core on (if built) or off; returns whether it is now on."""
-    global core, fast_sha
+    global core
     core = _built if on else None
-    fast_sha = bool(core is not None and core.HAVE_SHA_EXTENSIONS)
     return core is not None
 
 
@@ -41,5 +39,5 @@ def summary() -> str:
     """What runs the step path, for ``kvcm serve``'s first line: "C (SHA extensions)", "C",
     "numpy (KVCM_NATIVE=0)" or "numpy (kvcm._native not built)"."""
     if core is not None:
-        return "C (SHA extensions)" if fast_sha else "C"
+        return "C (SHA extensions)" if core.HAVE_SHA_EXTENSIONS else "C"
     return "numpy (KVCM_NATIVE=0)" if available() else "numpy (kvcm._native not built)"

@@ -35,23 +35,16 @@ if TYPE_CHECKING:
 
 
 def read_prompt(
-    m: KVCacheManager,
-    token_ids: Sequence[int] | None,
-    num_tokens: int,
-    block_keys: Sequence[bytes | str] | None,
+    m: KVCacheManager, token_ids: Sequence[int] | None, num_tokens: int
 ) -> tuple[list[int] | None, bytes]:
-    """An allocate's prompt as ints and int32 bytes ((None, b"") without one), checked.
-
-    With ``block_keys`` the caller's keys save the hashing but not the check of the ids:
-    an id outside [0, 2**31) would make the request's later commits unhashable.
-    """
+    """An allocate's prompt as ints and int32 bytes ((None, b"") without one), checked, also
+    when the caller gives its ``block_keys`` (they save the hashing, not the check of the
+    ids: an id outside [0, 2**31) would make the request's later commits unhashable)."""
     if token_ids is None:
         return None, b""
     check_prompt(m, token_ids, num_tokens)
     if type(token_ids) is list:  # the caller's list as is: no int made per token
         return token_ids, token_bytes(token_ids)
-    if block_keys is not None:
-        return list(token_ids), token_bytes(token_ids)
     return token_ids_of(token_ids)
 
 
