@@ -240,6 +240,11 @@ _CONFIGS = [
         {"tokens_per_block": 1, "num_blocks": 320},
     ),
     ([layer(0), layer(1, owner="draft")], {"num_blocks": 1000, "max_seq_len": 1024}),
+    # a host tier: evicted cached blocks are offloaded, requests are suspended and resumed
+    (
+        [layer(0, sliding_window=6, sink_tokens=2), layer(1)],
+        {"tokens_per_block": 2, "num_blocks": 48, "host_memory_bytes": 1 << 14},
+    ),
 ]
 
 
@@ -249,10 +254,13 @@ _CONFIGS = [
 def test_decode_batches_match_the_numpy_path(
     layers: list[dict[str, Any]], kw: dict[str, Any], seed: int
 ) -> None:
-    """Random steps (frees, allocates with prompts that hit and evict cached blocks, commits,
-    then a batch of extends) on two managers, one with the C core and one without: same
-    statuses, block counts and state after every step, device-table edits included."""
+    """Random steps (frees, rewinds of rejected drafts, preemption to the host tier and back,
+    allocates with prompts that hit and evict cached blocks, commits, then a batch of
+    extends) on two managers, one with the C core and one without: same statuses, block
+    counts and state after every step, device-table edits included."""
     rng = np.random.default_rng(seed)
+    suspended: list[int] = []
+    preempted = {"suspend": 0, "resume": 0}
     cfg = {"num_blocks": 64, "max_requests": 12, "max_seq_len": 96, **kw}
     ms = {on: manager(layers, **cfg) for on in (True, False)}
     for m in ms.values():
@@ -276,7 +284,15 @@ def test_decode_batches_match_the_numpy_path(
             cols["allocate"] = [
                 {"request_id": f"q{step}", "num_tokens": len(prompt), "token_ids": prompt}
             ]
+        if live and rng.random() < 0.15:  # a verified draft's rejected tokens
+            cols["rewind"] = [live[int(rng.integers(len(live)))]]
+            cols["rewind_tokens"] = int(rng.integers(1, 4))
         atomic = bool(rng.random() < 0.1)
+        if "host_memory_bytes" in cfg and not atomic:  # preemption, and back
+            if live and rng.random() < 0.1:
+                cols["suspend"] = [live[int(rng.integers(len(live)))]]
+            if suspended and rng.random() < 0.3:
+                cols["resume"] = [suspended[int(rng.integers(len(suspended)))]]
         outs = {}
         for on, m in ms.items():
             native.use(on)
@@ -292,8 +308,17 @@ def test_decode_batches_match_the_numpy_path(
         states = _state(ms[True]), _state(ms[False])
         differ = [i for i, (x, y) in enumerate(zip(*states, strict=True)) if not _same(x, y)]
         assert not differ, (step, differ)
+        if "suspend" in cols and a.status["suspend"][0] == 0:
+            suspended.append(cols["suspend"][0])
+            preempted["suspend"] += 1
+        if "resume" in cols and a.status["resume"][0] == 0:
+            suspended.remove(cols["resume"][0])  # it has its handle back
+            live.append(cols["resume"][0])
+            preempted["resume"] += 1
         live = [h for h in live if ms[True]._handle[h & 0xFFFFFFFF] == h]
         live += [int(h) for h in a.handles if h]
+    if "host_memory_bytes" in cfg:
+        assert preempted["suspend"] > 3 and preempted["resume"] > 3
     # Every batch was planned in C or refused as the numpy plan refuses it (a stale, repeated
     # or unknown handle, a request at max_seq_len, a full pool): none needed the numpy plan.
     assert spy.planned > 20 and spy.deferred == 0
