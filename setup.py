@@ -14,7 +14,7 @@ setup(
             "kvcm._native",
             sorted(str(p) for p in Path("service/kvcm/csrc").glob("*.c")),
             include_dirs=["service/kvcm/csrc"],
-            depends=["service/kvcm/csrc/native.h"],
+            depends=sorted(str(p) for p in Path("service/kvcm/csrc").glob("*.h")),
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )

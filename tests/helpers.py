@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from oracle import Oracle, OracleGroup
 
@@ -124,3 +126,38 @@ def assert_matches(m: KVCacheManager, o: Oracle) -> None:
     assert m.num_free_blocks() == o.num_free()
     for pg, free in enumerate(o.free):
         assert m._coord.pools[pg].free_order().tolist() == list(free)
+
+
+def manager_state(m: KVCacheManager) -> list[Any]:
+    """What two managers given the same ops must agree on (the C core against numpy): tables,
+    counters, references, free order, the cache index, the edits since the last take."""
+    c = m._coord
+    ops = c.ops_since_take
+    edits = c.take_edits() if c.edits is not None else None
+    return [
+        c.tables.copy(),
+        c.num_tokens.copy(),
+        c.history.copy(),
+        c.lookahead.copy(),
+        [b.copy() for b in c.num_blocks],
+        [r.copy() for r in c.released_end],
+        [r.copy() for r in c.refs],
+        [p.free_order() for p in c.pools],
+        [dict(k) for k in c.cache.slot_key],
+        [f.copy() for f in c.cache.cached],
+        ops,
+        edits,
+        m._handle.copy(),
+        m._committed.copy(),
+    ]
+
+
+def same(a: Any, b: Any) -> bool:
+    """Deep equality of ``manager_state`` values (arrays by shape and contents)."""
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)

@@ -11,14 +11,15 @@ import os
 import struct
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import layer, manager
+from helpers import layer, manager, manager_state, same
 
-from kvcm import InvalidArgument, KVCacheManager, native
+from kvcm import InvalidArgument, native
 from kvcm.hashing import block_keys, token_bytes
 
 built = pytest.mark.skipif(not native.available(), reason="kvcm._native is not built")
@@ -143,6 +144,9 @@ class _Spy:
         self.planned = 0
         self.deferred = 0  # left to the numpy plan
         self.around = 0
+        #: Row ops by result type: int or NoneType (grow), tuple or int (release), bool (left
+        #: to numpy: never expected).
+        self.rows: Counter[str] = Counter()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._core, name)
@@ -157,37 +161,15 @@ class _Spy:
         self.deferred += out is False and handles.size <= context[2].size
         return out
 
+    def row_grow(self, *args: Any) -> Any:
+        out = self._core.row_grow(*args)
+        self.rows[f"grow {type(out).__name__}"] += 1
+        return out
 
-def _state(m: KVCacheManager) -> list[Any]:
-    c = m._coord
-    ops = c.ops_since_take
-    edits = c.take_edits() if c.edits is not None else None
-    return [
-        c.tables.copy(),
-        c.num_tokens.copy(),
-        c.history.copy(),
-        c.lookahead.copy(),
-        [b.copy() for b in c.num_blocks],
-        [r.copy() for r in c.released_end],
-        [r.copy() for r in c.refs],
-        [p.free_order() for p in c.pools],
-        [dict(k) for k in c.cache.slot_key],
-        [f.copy() for f in c.cache.cached],
-        ops,
-        edits,
-        m._handle.copy(),
-        m._committed.copy(),
-    ]
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.shape == b.shape and bool(np.array_equal(a, b))
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b)
+    def row_release(self, *args: Any) -> Any:
+        out = self._core.row_release(*args)
+        self.rows[f"release {type(out).__name__}"] += 1
+        return out
 
 
 def _columns(
@@ -272,9 +254,11 @@ def test_decode_batches_match_the_numpy_path(
     for step in range(300):
         cols = _columns(rng, live, stale, cfg["num_blocks"] >= 1000)
         if live and rng.random() < 0.3:
-            gone = live.pop(int(rng.integers(len(live))))
-            cols["free"] = [gone]
-            stale.append(gone)
+            gone = [live.pop(int(rng.integers(len(live))))]
+            if live and rng.random() < 0.3:
+                gone.append(live.pop(int(rng.integers(len(live)))))
+            cols["free"] = gone
+            stale += gone
         commit = [h for h in live if rng.random() < 0.2]
         if commit:
             cols["commit"] = commit
@@ -284,6 +268,11 @@ def test_decode_batches_match_the_numpy_path(
             cols["allocate"] = [
                 {"request_id": f"q{step}", "num_tokens": len(prompt), "token_ids": prompt}
             ]
+            if rng.random() < 0.5:  # no prompt: no hit, a new row's blocks in one call
+                n = int(rng.integers(1, 13))
+                ahead = int(rng.integers(0, 4))
+                new = {"request_id": f"n{step}", "num_tokens": n, "lookahead": ahead}
+                cols["allocate"].append(new)
         if live and rng.random() < 0.15:  # a verified draft's rejected tokens
             cols["rewind"] = [live[int(rng.integers(len(live)))]]
             cols["rewind_tokens"] = int(rng.integers(1, 4))
@@ -299,14 +288,14 @@ def test_decode_batches_match_the_numpy_path(
             native.core = spy if on else None
             outs[on] = m.step_columns(**cols, atomic=atomic)
         a, b = outs[True], outs[False]
-        assert _same(a.status, b.status), step
+        assert same(a.status, b.status), step
         for name in ("new_blocks", "handles", "hit_tokens", "allocate_new_blocks"):
-            assert _same(getattr(a, name), getattr(b, name)), (step, name)
+            assert same(getattr(a, name), getattr(b, name)), (step, name)
         assert [(e.section, e.index, e.error.code) for e in a.errors] == [
             (e.section, e.index, e.error.code) for e in b.errors
         ]
-        states = _state(ms[True]), _state(ms[False])
-        differ = [i for i, (x, y) in enumerate(zip(*states, strict=True)) if not _same(x, y)]
+        states = manager_state(ms[True]), manager_state(ms[False])
+        differ = [i for i, (x, y) in enumerate(zip(*states, strict=True)) if not same(x, y)]
         assert not differ, (step, differ)
         if "suspend" in cols and a.status["suspend"][0] == 0:
             suspended.append(cols["suspend"][0])
@@ -323,6 +312,9 @@ def test_decode_batches_match_the_numpy_path(
     # or unknown handle, a request at max_seq_len, a full pool): none needed the numpy plan.
     assert spy.planned > 20 and spy.deferred == 0
     assert spy.around > 5  # batches run around a stale handle or a request at max_seq_len
+    # New rows and frees ran in C, a full pool's allocate was left to numpy to name its error.
+    assert spy.rows["grow int"] > 10 and spy.rows["release tuple"] > 10, spy.rows
+    assert spy.rows["grow bool"] == spy.rows["release bool"] == 0, spy.rows
 
 
 @built
@@ -342,8 +334,8 @@ def test_a_row_named_twice_runs_item_by_item_even_with_an_item_past_max_seq_len(
         m._coord.edits = []
         a, b = m.allocate("a", 4).handle, m.allocate("b", 4).handle
         out = m.step_columns(extend=[a, b, a], num_new_tokens=new)
-        got.append((out.status["extend"].tolist(), out.new_blocks.tolist(), _state(m)))
-    assert _same(got[0], got[1])
+        got.append((out.status["extend"].tolist(), out.new_blocks.tolist(), manager_state(m)))
+    assert same(got[0], got[1])
 
 
 @built
@@ -397,7 +389,7 @@ def test_decode_plan_leaves_to_numpy_what_it_does_not_plan() -> None:
     handles = np.array([m.allocate(r, 5).handle for r in "ab"], dtype=np.int64)
     nd = m._native_decode
     ctx, free = nd.context(m), (m.num_free_blocks(),)
-    before = _state(m)
+    before = manager_state(m)
     for new, ahead in [
         (np.array([1, 9, 1, 9])[::2], 0),  # strided
         (np.array([1, 1], dtype=np.int32), 0),
@@ -415,7 +407,7 @@ def test_decode_plan_leaves_to_numpy_what_it_does_not_plan() -> None:
     assert core.decode_plan(np.append(handles, handles[0]), 1, 0, ctx, free, nd.out) is None
     assert core.decode_plan(handles, 60, 0, ctx, free, nd.out) is None  # past max_seq_len
     assert core.decode_plan(handles, 30, 0, ctx, (0,), nd.out) is None  # no room
-    assert _same(_state(m), before)
+    assert same(manager_state(m), before)
 
 
 @built
@@ -430,7 +422,7 @@ def test_decode_plan_can_leave_out_the_items_that_fail_on_their_own() -> None:
     m.free("c")
     nd = m._native_decode
     ctx, free = nd.context(m), (m.num_free_blocks(),)
-    before = _state(m)
+    before = manager_state(m)
     handles = np.array([a, c, b], dtype=np.int64)  # c is stale; b + 5 > 64
     assert core.decode_plan(handles, 5, 0, ctx, free, nd.out) is None
     assert core.decode_plan(handles, 5, 0, ctx, free, nd.out, True) == ((2,), (0,), [1, 2])
@@ -440,7 +432,7 @@ def test_decode_plan_can_leave_out_the_items_that_fail_on_their_own() -> None:
     assert core.decode_plan(many, 1, 0, ctx, free, nd.out, True) is False
     assert core.decode_plan(handles, 2**70, 0, ctx, free, nd.out, True) is False  # no int64
     assert core.decode_plan(np.array([a, a]), np.array([5, 60]), 0, ctx, free, nd.out, True) is None
-    assert _same(_state(m), before)
+    assert same(manager_state(m), before)
     out = m.step_columns(extend=handles, num_new_tokens=5)
     assert out.status["extend"].tolist()[0] == 0 and [e.index for e in out.errors] == [1, 2]
     assert m.request("a").num_tokens == 9 and m.request("b").num_tokens == 60
@@ -453,7 +445,7 @@ def test_decode_commit_checks_every_row_before_writing_any() -> None:
     m = manager([layer(0)])
     m.allocate("a", 5)
     ctx = m._native_decode.context(m)
-    before = _state(m)
+    before = manager_state(m)
     added = np.zeros(2, dtype=np.int32)
     for rows, new in [(np.array([0, 99]), 1), (np.array([0, -1]), 1), (np.array([0, 1]), 0)]:
         with pytest.raises(ValueError):
@@ -462,7 +454,7 @@ def test_decode_commit_checks_every_row_before_writing_any() -> None:
         core.decode_commit(np.array([0, 1]), 1, 0, ctx, np.zeros(2, dtype=np.float32))
     with pytest.raises(ValueError):
         core.decode_commit(np.array([0, 1]), 1, 0, ctx[:5], added)
-    assert _same(_state(m), before)
+    assert same(manager_state(m), before)
 
 
 def test_the_numpy_path_serves_context_parallel_ranks() -> None:

@@ -87,7 +87,7 @@ class BlockPool:
         if k == 0:
             return
         if self._len + k > self._ring.size:
-            self._compact()
+            self.compact()
         cap = self._ring.size
         start = self._head + self._len
         first = start % cap
@@ -107,7 +107,8 @@ class BlockPool:
             self._ring[self._pos[slots] % self._ring.size] = -1
             self._count -= len(slots)
 
-    def _compact(self) -> None:
+    def compact(self) -> None:
+        """Rewrite the ring as the live entries in order, from position 0 (no tombstones)."""
         order = self.free_order()
         self._ring[:] = -1
         self._ring[: order.size] = order

@@ -402,13 +402,18 @@ class Coordinator(PrefixHits, EditLog):
         else:
             slots = self.pools[pg].pop(k)
         self.refs[pg][slots] = 1
+        self.evict_taken(pg, slots)
+        return slots
+
+    def evict_taken(self, pg: int, slots: np.ndarray) -> None:
+        """Slots just taken off pool group pg's queue: the blocks they cached are evicted
+        (copied to the host tier first, if there is one, before anyone writes the slots)."""
         if self.host is not None and self.cache.slot_key[pg]:
             cached = slots[self.cache.cached[pg][slots]].tolist()
             if cached:
                 keys = self.cache.slot_key[pg]
                 self.host.offload(pg, [(s, keys[s]) for s in cached])
         self.cache.evict(pg, slots)
-        return slots
 
     def _set(
         self,

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvcm_client.errors import InvalidArgument, SequenceTooLong
 
-from . import state_requests
+from . import native_rows, state_requests
 from .hashing import (
     KEY_BYTES,
     MultimodalItem,
@@ -94,7 +94,7 @@ def reuse_prefix(
         c.grow_one(row, num_tokens - hit_tokens, lookahead)
     else:
         hit_tokens = 0
-        c.grow_one(row, num_tokens, lookahead)
+        native_rows.grow_new(m, row, num_tokens, lookahead)
     state_requests.start(m, row, root, keys, hit)
     if tokens is not None:
         stats = c.cache.stats

@@ -25,7 +25,7 @@ from kvcm_client.errors import (
 )
 from kvcm_client.models import RequestInfo
 
-from . import native, state_requests
+from . import native, native_rows, state_requests
 from .counts import MAX_COUNT, _count, _counts
 
 if TYPE_CHECKING:
@@ -327,7 +327,7 @@ def free_row(m: KVCacheManager, row: int) -> str:
     """Free a live row; returns its request id."""
     request_id = m._ids[row]
     assert request_id is not None
-    m._coord.release_row(row)
+    native_rows.release(m, row)
     state_requests.release(m, row)
     m._ids[row] = None
     m._handle[row] = -1

@@ -1,132 +1,7 @@
 /* A decode step's batch of extends, planned in one pass over the rows (kvcm.native_step). */
 #include "native.h"
 
-#define MAX_GROUPS 64
-#define ROW_MASK 0xFFFFFFFFLL
-#define MAX_COUNT 0x7FFFFFFFLL /* kvcm.counts.MAX_COUNT */
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-#define NATIVE_LITTLE 1
-#else
-#define NATIVE_LITTLE 0
-#endif
-
-typedef struct {
-    Py_buffer view;
-    void *p;
-    Py_ssize_t n;
-} Buf;
-
-/* A C-contiguous buffer of itemsize-byte signed ints, writable if asked; -1 with TypeError
- * (or numpy's ValueError for a strided array) if it is not one. */
-static int buf_get(PyObject *obj, Buf *a, Py_ssize_t itemsize, int writable) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, &a->view, flags) < 0) return -1;
-    const char *f = a->view.format ? a->view.format : "B";
-    /* native byte order only: no prefix, '@' or '=', or '<' on a little-endian host */
-    if (f[0] == '@' || f[0] == '=' || (f[0] == '<' && NATIVE_LITTLE)) f++;
-    int ok = a->view.itemsize == itemsize && strlen(f) == 1 &&
-             (itemsize == 8 ? (f[0] == 'q' || f[0] == 'l') : f[0] == 'i');
-    if (!ok) {
-        PyBuffer_Release(&a->view);
-        a->view.obj = NULL;
-        PyErr_Format(PyExc_TypeError, "expected a C-contiguous int%d array", (int)(8 * itemsize));
-        return -1;
-    }
-    a->p = a->view.buf;
-    a->n = a->view.len / itemsize;
-    return 0;
-}
-
-static void buf_release(Buf *a) {
-    if (a->view.obj) PyBuffer_Release(&a->view);
-    a->view.obj = NULL;
-}
-
-#define I64P(b) ((int64_t *)(b).p)
-#define I32P(b) ((int32_t *)(b).p)
-
-/* The coordinator's state a batch reads and writes (kvcm.native_step.NativeDecode.context):
- * (row_handle, scratch, num_tokens, history, lookahead, num_blocks, released_end, tables,
- *  refs, group_pool, windows, max_seq_len, tokens_per_block, empty), where num_blocks and
- * released_end are tuples of an int64 array per layer group, tables the int32 [groups,
- * rows, width] host page tables, refs a tuple of an int32 array per pool group, group_pool
- * and windows a tuple of ints per layer group (window 0: full attention). */
-typedef struct {
-    Buf row_handle, scratch, num_tokens, history, lookahead, tables;
-    Buf blocks[MAX_GROUPS], released[MAX_GROUPS], refs[MAX_GROUPS];
-    int64_t window[MAX_GROUPS];
-    int group_pool[MAX_GROUPS];
-    int groups, pools, got_blocks, got_released, got_refs;
-    int64_t max_seq_len, tpb, empty;
-    Py_ssize_t nrows, width;
-} Ctx;
-
-static void ctx_release(Ctx *c) {
-    buf_release(&c->row_handle);
-    buf_release(&c->scratch);
-    buf_release(&c->num_tokens);
-    buf_release(&c->history);
-    buf_release(&c->lookahead);
-    buf_release(&c->tables);
-    for (int g = 0; g < c->got_blocks; g++) buf_release(&c->blocks[g]);
-    for (int g = 0; g < c->got_released; g++) buf_release(&c->released[g]);
-    for (int p = 0; p < c->got_refs; p++) buf_release(&c->refs[p]);
-}
-
-static int ctx_fail(const char *what) {
-    PyErr_Format(PyExc_ValueError, "decode context: %s", what);
-    return -1;
-}
-
-static int ctx_get(PyObject *t, Ctx *c) {
-    memset(c, 0, sizeof *c);
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 14) return ctx_fail("a tuple of 14");
-    PyObject **it = &PyTuple_GET_ITEM(t, 0);
-    if (buf_get(it[0], &c->row_handle, 8, 0) < 0 || buf_get(it[1], &c->scratch, 8, 1) < 0 ||
-        buf_get(it[2], &c->num_tokens, 8, 1) < 0 || buf_get(it[3], &c->history, 8, 1) < 0 ||
-        buf_get(it[4], &c->lookahead, 8, 1) < 0 || buf_get(it[7], &c->tables, 4, 0) < 0)
-        return -1;
-    PyObject *blocks = it[5], *released = it[6], *refs = it[8], *pools = it[9], *wins = it[10];
-    if (!PyTuple_Check(blocks) || !PyTuple_Check(released) || !PyTuple_Check(refs) ||
-        !PyTuple_Check(pools) || !PyTuple_Check(wins))
-        return ctx_fail("num_blocks, released_end, refs, group_pool and windows are tuples");
-    c->groups = (int)PyTuple_GET_SIZE(blocks);
-    c->pools = (int)PyTuple_GET_SIZE(refs);
-    if (c->groups < 1 || c->groups > MAX_GROUPS || c->pools < 1 || c->pools > MAX_GROUPS ||
-        PyTuple_GET_SIZE(released) != c->groups || PyTuple_GET_SIZE(pools) != c->groups ||
-        PyTuple_GET_SIZE(wins) != c->groups)
-        return ctx_fail("1 to 64 layer groups and pool groups, a value per group");
-    c->max_seq_len = PyLong_AsLongLong(it[11]);
-    c->tpb = PyLong_AsLongLong(it[12]);
-    c->empty = PyLong_AsLongLong(it[13]);
-    if (PyErr_Occurred()) return -1;
-    c->nrows = c->num_tokens.n;
-    if (c->tpb < 1) return ctx_fail("tokens_per_block must be >= 1");
-    if (c->row_handle.n != c->nrows || c->scratch.n != c->nrows ||
-        c->history.n != c->nrows || c->lookahead.n != c->nrows ||
-        c->tables.view.ndim != 3 || c->tables.view.shape[0] != c->groups ||
-        c->tables.view.shape[1] != c->nrows)
-        return ctx_fail("arrays of mismatched sizes");
-    c->width = c->tables.view.shape[2];
-    for (int g = 0; g < c->groups; g++) {
-        if (buf_get(PyTuple_GET_ITEM(blocks, g), &c->blocks[g], 8, 1) < 0) return -1;
-        c->got_blocks = g + 1;
-        if (buf_get(PyTuple_GET_ITEM(released, g), &c->released[g], 8, 1) < 0) return -1;
-        c->got_released = g + 1;
-        if (c->blocks[g].n != c->nrows || c->released[g].n != c->nrows)
-            return ctx_fail("a per-group array without a cell per row");
-        long pg = PyLong_AsLong(PyTuple_GET_ITEM(pools, g));
-        c->window[g] = PyLong_AsLongLong(PyTuple_GET_ITEM(wins, g));
-        if (PyErr_Occurred()) return -1;
-        if (pg < 0 || pg >= c->pools || c->window[g] < 0) return ctx_fail("a group's pool or window");
-        c->group_pool[g] = (int)pg;
-    }
-    for (int p = 0; p < c->pools; p++) {
-        if (buf_get(PyTuple_GET_ITEM(refs, p), &c->refs[p], 4, 0) < 0) return -1;
-        c->got_refs = p + 1;
-    }
-    return 0;
-}
+#include "context.h"
 
 /* floor(a / b) for b > 0 (C's division truncates toward zero). */
 static inline int64_t floor_div(int64_t a, int64_t b) {
@@ -164,20 +39,6 @@ static int column_get(PyObject *obj, Py_ssize_t n, Column *col) {
 }
 
 #define COL(c, i) ((c).is_arr ? I64P((c).arr)[i] : (c).one)
-
-/* A tuple of Py_ssize_t counts. */
-static PyObject *counts_tuple(const Py_ssize_t *k, int n) {
-    PyObject *t = PyTuple_New(n);
-    for (int i = 0; t && i < n; i++) {
-        PyObject *v = PyLong_FromSsize_t(k[i]);
-        if (!v) {
-            Py_CLEAR(t);
-            break;
-        }
-        PyTuple_SET_ITEM(t, i, v);
-    }
-    return t;
-}
 
 /* decode_plan(handles, new, ahead, context, free, out, skip=False)
  *     -> (added, released, failing) | int | False | None
@@ -223,7 +84,7 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *failing = NULL;
     int64_t room[MAX_GROUPS], net[MAX_GROUPS] = {0};
     Py_ssize_t kadd[MAX_GROUPS] = {0}, krel[MAX_GROUPS] = {0};
-    if (ctx_get(ctx_o, &c) < 0) goto done;
+    if (ctx_get(ctx_o, &c, 0) < 0) goto done;
     /* a strided or non-int64 column: numpy's path takes any */
     if (buf_get(handles_o, &handles, 8, 0) < 0) goto soft;
     Py_ssize_t n = handles.n;
@@ -376,7 +237,7 @@ PyObject *kvcm_decode_commit(PyObject *self, PyObject *args) {
     Buf rows = {0}, added = {0};
     Column new = {0}, ahead = {0};
     PyObject *result = NULL;
-    if (ctx_get(ctx_o, &c) < 0 || buf_get(rows_o, &rows, 8, 0) < 0) goto done;
+    if (ctx_get(ctx_o, &c, 0) < 0 || buf_get(rows_o, &rows, 8, 0) < 0) goto done;
     Py_ssize_t n = rows.n;
     if (column_get(new_o, n, &new) < 0 || column_get(ahead_o, n, &ahead) < 0 ||
         buf_get(added_o, &added, 4, 1) < 0)

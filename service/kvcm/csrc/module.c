@@ -9,8 +9,11 @@
  *   little-endian bytes (tokens.c).
  * - decode_plan, decode_commit: a batch of extends by handle (a decode step) planned in one
  *   pass over the rows, and its counters written in one more (kvcm.native_step, decode.c).
+ * - row_grow, row_release: a new request's blocks and a freed request's, one call each
+ *   (kvcm.native_rows, rows.c).
  *
- * This file holds the module's method table; native.h the declarations the files share.
+ * This file holds the module's method table; native.h the declarations the files share,
+ * context.h (context.c) the coordinator's arrays and free queues as they read them.
  *
  * Arrays come in through the buffer protocol (numpy arrays, C-contiguous, int64 unless
  * named otherwise), so the module builds without numpy's headers.
@@ -25,6 +28,8 @@ static PyMethodDef methods[] = {
     {"pack_token_lists", kvcm_pack_token_lists, METH_O, "pack_tokens of each list, or None."},
     {"decode_plan", kvcm_decode_plan, METH_VARARGS, "Plan a batch of extends by handle."},
     {"decode_commit", kvcm_decode_commit, METH_VARARGS, "Write a planned batch's counters."},
+    {"row_grow", kvcm_row_grow, METH_VARARGS, "A free row's blocks for a new request."},
+    {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

@@ -1,0 +1,59 @@
+/* The coordinator's arrays as the C core reads them: int buffers, the decode context
+ * (kvcm.native_step.NativeDecode.context) and a free queue (kvcm.block_pool.BlockPool). */
+#ifndef KVCM_CONTEXT_H
+#define KVCM_CONTEXT_H
+
+#include "native.h"
+
+#define MAX_GROUPS 64
+#define ROW_MASK 0xFFFFFFFFLL
+#define MAX_COUNT 0x7FFFFFFFLL /* kvcm.counts.MAX_COUNT */
+
+typedef struct {
+    Py_buffer view;
+    void *p;
+    Py_ssize_t n;
+} Buf;
+
+#define I64P(b) ((int64_t *)(b).p)
+#define I32P(b) ((int32_t *)(b).p)
+
+int buf_get(PyObject *obj, Buf *a, Py_ssize_t itemsize, int writable);
+void buf_release(Buf *a);
+
+/* The coordinator's state a batch reads and writes (kvcm.native_step.NativeDecode.context):
+ * (row_handle, scratch, num_tokens, history, lookahead, num_blocks, released_end, tables,
+ *  refs, group_pool, windows, max_seq_len, tokens_per_block, empty), where num_blocks and
+ * released_end are tuples of an int64 array per layer group, tables the int32 [groups,
+ * rows, width] host page tables, refs a tuple of an int32 array per pool group, group_pool
+ * and windows a tuple of ints per layer group (window 0: full attention). */
+typedef struct {
+    Buf row_handle, scratch, num_tokens, history, lookahead, tables;
+    Buf blocks[MAX_GROUPS], released[MAX_GROUPS], refs[MAX_GROUPS];
+    int64_t window[MAX_GROUPS];
+    int group_pool[MAX_GROUPS];
+    int groups, pools, got_blocks, got_released, got_refs;
+    int64_t max_seq_len, tpb, empty;
+    Py_ssize_t nrows, width;
+} Ctx;
+
+/* Reads the context; ``writable``: the tables and refs too (the row ops write them). */
+int ctx_get(PyObject *t, Ctx *c, int writable);
+void ctx_release(Ctx *c);
+
+/* A BlockPool's ring, positions and counters (its _ring, _pos, _head, _len, _count), read by
+ * pool_get and written back by pool_put. */
+typedef struct {
+    PyObject *obj;
+    Buf ring, pos;
+    int64_t head, len, count;
+} Pool;
+
+/* A tuple of Py_ssize_t counts (a new reference, NULL with an error). */
+PyObject *counts_tuple(const Py_ssize_t *k, int n);
+
+int pool_get(PyObject *obj, Pool *p);
+int pool_put(Pool *p);
+void pool_release(Pool *p);
+
+#endif

@@ -1,0 +1,206 @@
+/* A new request's blocks and a freed request's blocks, one call each (kvcm.native_rows).
+ *
+ * Both do what the coordinator's numpy path does for one row (Coordinator.grow_one on a
+ * free row, Coordinator.release_row), in the same order: the same slots leave and join the
+ * free queues in the same order, and the same table cells, references and counters change.
+ * Evictions of cached slots, the host tier's copies and the device-table edits stay in
+ * Python (the caller's), which reads what changed from the tables. */
+#include "context.h"
+
+/* The sinks of each layer group (a tuple of ints), into out; -1 with an error. */
+static int sinks_get(PyObject *t, const Ctx *c, int64_t *out) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != c->groups) {
+        PyErr_SetString(PyExc_ValueError, "sinks: a tuple with an int per layer group");
+        return -1;
+    }
+    for (int g = 0; g < c->groups; g++) {
+        out[g] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, g));
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* Each pool group's free queue (a tuple of BlockPool), into p[]; *got counts those read
+ * (the caller releases them). -1 with an error. */
+static int pools_get(PyObject *t, const Ctx *c, Pool *p, int *got) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != c->pools) {
+        PyErr_SetString(PyExc_ValueError, "pools: a tuple with a BlockPool per pool group");
+        return -1;
+    }
+    for (int q = 0; q < c->pools; q++) {
+        if (pool_get(PyTuple_GET_ITEM(t, q), &p[q]) < 0) {
+            pool_release(&p[q]);
+            return -1;
+        }
+        *got = q + 1;
+    }
+    return 0;
+}
+
+/* BlockPool.pop: the k oldest free slots (k <= count), tombstones (-1) skipped. */
+static void pool_pop(Pool *p, int64_t k, int32_t *out) {
+    const int32_t *ring = I32P(p->ring);
+    Py_ssize_t cap = p->ring.n;
+    int64_t used = 0;
+    for (int64_t taken = 0; taken < k; used++) {
+        int32_t v = ring[(p->head + used) % cap];
+        if (v >= 0) out[taken++] = v;
+    }
+    p->head += used;
+    p->len -= used;
+    p->count -= k;
+}
+
+/* BlockPool.push of one slot at the tail (the caller checked len < capacity). */
+static void pool_push(Pool *p, int32_t slot) {
+    int64_t at = p->head + p->len;
+    I32P(p->ring)[at % p->ring.n] = slot;
+    I64P(p->pos)[slot] = at;
+    p->len++;
+    p->count++;
+}
+
+/* row_grow(row, num_tokens, lookahead, context, pools, sinks) -> int | None | False
+ *
+ * A free row (no tokens, no blocks, every released run at its sinks) gets k =
+ * ceil((num_tokens + lookahead) / tokens_per_block) blocks in every layer group, in group
+ * order, each group's from the head of its pool group's free queue: the slots are held once
+ * (refs 1) and written at tables[g][row, :k]; the row then holds num_tokens tokens (history
+ * 0) and lookahead draft slots. Returns k.
+ *
+ * None, with nothing changed, when a pool group has fewer free slots than its groups need
+ * (the numpy path then raises OutOfBlocks); False, with nothing changed, when the numpy
+ * path must run it (a row that is not free, counts out of range).
+ *
+ * Example (tokens_per_block 16, two layer groups in one pool group, free queue [7 3 9 4
+ * 2]): 20 tokens and 4 lookahead need 2 blocks per group: group 0 gets [7 3], group 1 [9 4];
+ * the queue is [2]; returns 2.
+ */
+PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
+    PyObject *ctx_o, *pools_o, *sinks_o;
+    long long row, nt, la;
+    if (!PyArg_ParseTuple(args, "LLLOOO", &row, &nt, &la, &ctx_o, &pools_o, &sinks_o))
+        return NULL;
+    Ctx c;
+    Pool p[MAX_GROUPS];
+    int got = 0;
+    int64_t sinks[MAX_GROUPS], need[MAX_GROUPS] = {0};
+    PyObject *result = NULL;
+    if (ctx_get(ctx_o, &c, 1) < 0 || sinks_get(sinks_o, &c, sinks) < 0 ||
+        pools_get(pools_o, &c, p, &got) < 0)
+        goto done;
+    if (row < 0 || row >= c.nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT ||
+        I64P(c.num_tokens)[row] != 0)
+        goto numpy;
+    int64_t k = (nt + la + c.tpb - 1) / c.tpb;
+    if (k > c.width) goto numpy;
+    for (int g = 0; g < c.groups; g++) {
+        if (I64P(c.blocks[g])[row] != 0 || I64P(c.released[g])[row] != sinks[g]) goto numpy;
+        need[c.group_pool[g]] += k;
+    }
+    for (int q = 0; q < c.pools; q++) {
+        if (need[q] > p[q].count) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    for (int g = 0; g < c.groups; g++) {
+        Pool *q = &p[c.group_pool[g]];
+        int32_t *cells = I32P(c.tables) + (g * c.nrows + row) * c.width;
+        int32_t *refs = I32P(c.refs[c.group_pool[g]]);
+        pool_pop(q, k, cells);
+        for (int64_t b = 0; b < k; b++) refs[cells[b]] = 1;
+        I64P(c.blocks[g])[row] = k;
+    }
+    I64P(c.num_tokens)[row] = nt;
+    I64P(c.history)[row] = 0;
+    I64P(c.lookahead)[row] = la;
+    for (int q = 0; q < c.pools; q++)
+        if (need[q] && pool_put(&p[q]) < 0) goto done;
+    result = PyLong_FromLongLong(k);
+    goto done;
+numpy:
+    result = Py_NewRef(Py_False);
+done:
+    for (int q = 0; q < got; q++) pool_release(&p[q]);
+    ctx_release(&c);
+    return result;
+}
+
+/* row_release(row, context, pools, sinks) -> tuple | int | False
+ *
+ * Frees every block of a row, each layer group's tail first (so that its head is evicted
+ * last): a slot the row held alone goes to the tail of its pool group's free queue, one a
+ * prefix hit shares loses a reference. Then the row's cells are empty, its released runs at
+ * their sinks and its counters 0. Returns the cells cleared per layer group (the blocks it
+ * had, released ones included).
+ *
+ * An int (a pool group), with nothing changed, when that pool group's queue has no room for
+ * what comes back until it is compacted: the caller compacts it and calls again. False,
+ * with nothing changed, when the numpy path must run it (a row or a cell out of shape,
+ * never from the coordinator).
+ *
+ * Example (empty -1): a row holding [5 8 -1 2] in group 0 (a window released position 2)
+ * and [6] in group 1, all held alone, one pool group: the queue gets 2, 8, 5, then 6;
+ * returns (4, 1).
+ */
+PyObject *kvcm_row_release(PyObject *self, PyObject *args) {
+    PyObject *ctx_o, *pools_o, *sinks_o;
+    long long row;
+    if (!PyArg_ParseTuple(args, "LOOO", &row, &ctx_o, &pools_o, &sinks_o)) return NULL;
+    Ctx c;
+    Pool p[MAX_GROUPS];
+    int got = 0;
+    int64_t sinks[MAX_GROUPS], back[MAX_GROUPS] = {0};
+    Py_ssize_t cleared[MAX_GROUPS] = {0};
+    PyObject *result = NULL;
+    if (ctx_get(ctx_o, &c, 1) < 0 || sinks_get(sinks_o, &c, sinks) < 0 ||
+        pools_get(pools_o, &c, p, &got) < 0)
+        goto done;
+    if (row < 0 || row >= c.nrows) goto numpy;
+    for (int g = 0; g < c.groups; g++) { /* check every cell, count what comes back */
+        int q = c.group_pool[g];
+        int64_t count = I64P(c.blocks[g])[row];
+        const int32_t *cells = I32P(c.tables) + (g * c.nrows + row) * c.width;
+        const int32_t *refs = I32P(c.refs[q]);
+        if (count < 0 || count > c.width) goto numpy;
+        for (int64_t b = 0; b < count; b++) {
+            int64_t slot = cells[b];
+            if (slot <= c.empty) continue;
+            if (slot >= c.refs[q].n || slot >= p[q].pos.n || refs[slot] < 1) goto numpy;
+            back[q] += refs[slot] == 1;
+        }
+        cleared[g] = (Py_ssize_t)count;
+    }
+    for (int q = 0; q < c.pools; q++) {
+        if (p[q].len + back[q] > p[q].ring.n) { /* BlockPool.push would compact first */
+            result = PyLong_FromLong(q);
+            goto done;
+        }
+    }
+    for (int g = 0; g < c.groups; g++) {
+        int q = c.group_pool[g];
+        int32_t *cells = I32P(c.tables) + (g * c.nrows + row) * c.width;
+        int32_t *refs = I32P(c.refs[q]);
+        for (int64_t b = cleared[g] - 1; b >= 0; b--) {
+            int32_t slot = cells[b];
+            if (slot > c.empty && --refs[slot] == 0) pool_push(&p[q], slot);
+            cells[b] = (int32_t)c.empty;
+        }
+        I64P(c.blocks[g])[row] = 0;
+        I64P(c.released[g])[row] = sinks[g];
+    }
+    I64P(c.num_tokens)[row] = 0;
+    I64P(c.history)[row] = 0;
+    I64P(c.lookahead)[row] = 0;
+    for (int q = 0; q < c.pools; q++)
+        if (back[q] && pool_put(&p[q]) < 0) goto done;
+    result = counts_tuple(cleared, c.groups);
+    goto done;
+numpy:
+    result = Py_NewRef(Py_False);
+done:
+    for (int q = 0; q < got; q++) pool_release(&p[q]);
+    ctx_release(&c);
+    return result;
+}

@@ -1,0 +1,228 @@
+"""A new request's blocks and a freed request's blocks in C (``kvcm.native_rows``) against the
+coordinator's numpy path: the same slots in the same order, tables, references, free order,
+cache index and device-table edits (``helpers.manager_state``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import layer, manager, manager_state, same
+
+from kvcm import KVCacheManager, KVCMError, OutOfBlocks, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="kvcm._native is not built")
+
+
+@pytest.fixture(autouse=True)
+def _restore_native() -> Iterator[None]:
+    on = native.core is not None
+    yield
+    native.use(on)
+
+
+class _Spy:
+    """The C core, counting its row ops by result type (so a test knows which path ran)."""
+
+    def __init__(self) -> None:
+        self._core = native._built
+        self.results: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+    def row_grow(self, *args: Any) -> Any:
+        out = self._core.row_grow(*args)
+        self.results[f"grow {type(out).__name__}"] += 1
+        return out
+
+    def row_release(self, *args: Any) -> Any:
+        out = self._core.row_release(*args)
+        self.results[f"release {type(out).__name__}"] += 1
+        return out
+
+
+def _both(
+    layers: list[dict[str, Any]], ops: list[Callable[[KVCacheManager], Any]], **kw: Any
+) -> tuple[dict[bool, KVCacheManager], _Spy]:
+    """Run ``ops`` on a manager with the C core and on one without, comparing results (or
+    error codes) and state after each op."""
+    ms = {on: manager(layers, **kw) for on in (True, False)}
+    for m in ms.values():
+        m._coord.edits = []  # as with a CUDA device
+    spy = _Spy()
+    for i, op in enumerate(ops):
+        got = {}
+        for on, m in ms.items():
+            native.use(on)
+            native.core = spy if on else None
+            try:
+                got[on] = op(m)
+            except OutOfBlocks as exc:
+                got[on] = exc.code
+        assert got[True] == got[False], i
+        assert same(manager_state(ms[True]), manager_state(ms[False])), i
+    return ms, spy
+
+
+def test_a_new_row_takes_each_group_s_blocks_from_the_head_and_gives_them_back_tail_first() -> None:
+    """The worked examples of row_grow and row_release: two layer groups in one pool group,
+    20 tokens and 4 lookahead (tokens_per_block 16) take 2 blocks each, group 0 first; the
+    free gives each group's back tail first, group 0 first."""
+    native.use(True)
+    m = manager(
+        [layer(0), layer(1, owner="draft")], num_blocks=12, max_seq_len=64, tokens_per_block=16
+    )
+    c = m._coord
+    assert c.group_pool == [0, 0]
+    m.allocate("x", 33)  # 3 blocks per group: the queue no longer starts at 0
+    m.free("x")
+    order = c.pools[0].free_order().tolist()
+    info = m.allocate("a", 20, lookahead=4)
+    assert info.capacity == 24 and m.block_table("a") == [order[:2], order[2:4]]
+    assert c.refs[0][order[:4]].tolist() == [1, 1, 1, 1]
+    assert c.pools[0].free_order().tolist() == order[4:]
+    m.free("a")
+    back = [order[1], order[0], order[3], order[2]]
+    assert c.pools[0].free_order().tolist() == order[4:] + back
+    assert c.refs[0][order[:4]].tolist() == [0, 0, 0, 0]
+    assert (c.tables[:, info.row] == c.empty).all()
+
+
+@pytest.mark.parametrize("null_page", [False, True])
+def test_a_freed_row_keeps_what_a_prefix_hit_shares_and_a_window_released(
+    null_page: bool,
+) -> None:
+    """b shares a's first two blocks; a 8-token window released b's block 0 already. Freeing
+    b gives back only its own blocks (the shared one loses a reference); then a's free gives
+    the shared ones back. Same on both paths, the null page (empty 0) or not (-1)."""
+    prompt = list(range(12))
+    ops: list[Callable[[KVCacheManager], Any]] = [
+        lambda m: m.allocate("a", 12, token_ids=prompt).num_hit_tokens,
+        lambda m: m.commit("a", prompt),
+        lambda m: m.allocate("b", 13, token_ids=[*prompt, 99]).num_hit_tokens,
+        lambda m: m.extend("b", 8).num_tokens,
+        lambda m: m.block_table("b"),
+        lambda m: m.free("b"),
+        lambda m: m.free("a"),
+        lambda m: m.allocate("c", 30, lookahead=2).capacity,
+        lambda m: m.free("c"),
+    ]
+    layers = [layer(0), layer(1, sliding_window=8)]
+    ms, spy = _both(layers, ops, num_blocks=24, max_seq_len=64, null_page=null_page)
+    assert spy.results["release tuple"] == 3 and spy.results["grow int"] == 2
+    pool = ms[True]._coord.pools
+    assert [p.num_free for p in pool] == [p.num_usable for p in pool]
+
+
+def test_a_full_pool_is_left_to_numpy_to_name_and_changes_nothing() -> None:
+    def fill(m: KVCacheManager) -> int:
+        return m.allocate("fill", 4 * (m.num_free_blocks() - 1)).capacity
+
+    ops: list[Callable[[KVCacheManager], Any]] = [
+        fill,
+        lambda m: m.allocate("big", 9).capacity,  # 3 blocks of 4, 1 free
+        lambda m: m.allocate("fits", 4).capacity,
+    ]
+    _, spy = _both([layer(0)], ops, tokens_per_block=4, num_blocks=8, max_seq_len=32)
+    assert spy.results == Counter({"grow int": 2, "grow NoneType": 1})
+
+
+def test_a_queue_full_of_tombstones_is_compacted_before_a_free() -> None:
+    """Prefix hits take cached slots out of the queue's tail (tombstones) while the one new
+    block of each request comes off its head: each hit-and-free cycle leaves two more, the
+    ring (twice the slots) fills, and a free then needs the queue compacted first:
+    row_release asks for it (an int), and the free order matches numpy's."""
+    prompt = list(range(9))
+    ops: list[Callable[[KVCacheManager], Any]] = [
+        lambda m: m.allocate("seed", 9, token_ids=prompt).capacity,
+        lambda m: m.commit("seed", prompt),
+        lambda m: m.free("seed"),
+    ]
+    for i in range(12):
+        ops += [
+            lambda m, i=i: m.allocate(f"r{i}", 9, token_ids=prompt).num_hit_tokens,
+            lambda m, i=i: m.free(f"r{i}"),
+        ]
+    _, spy = _both([layer(0)], ops, tokens_per_block=4, num_blocks=6, max_seq_len=32)
+    assert spy.results["release int"] >= 1, spy.results
+
+
+def test_row_ops_leave_to_numpy_what_they_do_not_run() -> None:
+    """False, changing nothing: a row that is not free (grow), a row or count out of range."""
+    core = native._built
+    assert core is not None
+    m = manager([layer(0)], num_blocks=8, max_seq_len=64)
+    row = m.allocate("a", 5).row
+    c = m._coord
+    args = (m._native_decode.context(m), tuple(c.pools), tuple(c.sinks))
+    before = manager_state(m)
+    assert core.row_grow(row, 4, 0, *args) is False  # holds tokens
+    assert core.row_grow(-1, 4, 0, *args) is False
+    assert core.row_grow(c.num_tokens.size, 4, 0, *args) is False
+    assert core.row_grow(row + 1, 0, 0, *args) is False  # no token
+    assert core.row_grow(row + 1, 4, -1, *args) is False
+    assert core.row_grow(row + 1, 2**31, 0, *args) is False
+    assert core.row_release(-1, *args) is False
+    assert core.row_release(c.num_tokens.size, *args) is False
+    with pytest.raises(ValueError):
+        core.row_release(row, args[0], args[1], ())  # a sink per layer group
+    with pytest.raises(ValueError):
+        core.row_release(row, args[0], (), args[2])  # a queue per pool group
+    assert same(manager_state(m), before)
+
+
+def test_random_allocates_and_frees_match_the_numpy_path() -> None:
+    """Allocates with and without prompts (hits, evictions), frees in any order, in three
+    layer groups over two pool groups with a window and the null page."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 5, 30).tolist() for _ in range(3)]
+    ops: list[Callable[[KVCacheManager], Any]] = []
+    live: list[str] = []
+    for i in range(400):
+        if live and rng.random() < 0.45:
+            rid = live.pop(int(rng.integers(len(live))))
+            ops.append(lambda m, rid=rid: m.free(rid))
+            continue
+        rid = f"r{i}"
+        n = int(rng.integers(1, 30))
+        ahead = int(rng.integers(0, 3))
+        if rng.random() < 0.5:
+            tokens = prompts[int(rng.integers(3))][:n]
+            ops.append(lambda m, rid=rid, t=tokens: m.allocate(rid, len(t), token_ids=t))
+            ops.append(lambda m, rid=rid, t=tokens: m.commit(rid, t))
+        else:
+            ops.append(lambda m, rid=rid, n=n, a=ahead: m.allocate(rid, n, lookahead=a).capacity)
+        live.append(rid)
+    layers = [  # layer groups: full and windowed in pool group 0, the draft's in 1
+        layer(0),
+        layer(1, sliding_window=6, sink_tokens=2),
+        layer(2, owner="draft"),
+        layer(3, head_dim=8, owner="draft"),
+    ]
+
+    def guarded(op: Callable[[KVCacheManager], Any]) -> Callable[[KVCacheManager], Any]:
+        """The op's result, or its error's code (a commit or free of a request whose
+        allocate did not fit: unknown_request on both paths)."""
+
+        def run(m: KVCacheManager) -> Any:
+            try:
+                return op(m)
+            except KVCMError as exc:
+                return exc.code
+
+        return run
+
+    _, spy = _both(
+        layers,
+        [guarded(op) for op in ops],
+        tokens_per_block=4,
+        num_blocks=40,
+        max_seq_len=64,
+        null_page=True,
+    )
+    assert spy.results["grow int"] > 30 and spy.results["release tuple"] > 30, spy.results
+    assert spy.results["grow bool"] == spy.results["release bool"] == 0
