@@ -32,6 +32,8 @@ _NO_HANDLES.flags.writeable = False
 def _handles(name: str, value: Any) -> np.ndarray:
     """Handles as a contiguous int64 array (what the C decode path reads): any sequence or
     1-d array of ints (not bools)."""
+    if (type(value) is tuple or type(value) is list) and not value:  # a section left out
+        return _NO_HANDLES
     if (
         type(value) is np.ndarray
         and value.dtype == np.int64
@@ -39,8 +41,6 @@ def _handles(name: str, value: Any) -> np.ndarray:
         and value.flags.c_contiguous
     ):
         return value
-    if (type(value) is tuple or type(value) is list) and not value:
-        return _NO_HANDLES
     if isinstance(value, np.ndarray):
         arr = value
     elif isinstance(value, array):  # the client's int64 arrays: no copy

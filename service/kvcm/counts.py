@@ -24,6 +24,8 @@ def _shown(value: int) -> int | str:
 
 
 def _count(name: str, value: Any, minimum: int, maximum: int = MAX_COUNT) -> int:
+    if type(value) is int and minimum <= value <= maximum:  # the usual case, checked first
+        return value
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}", **{name: None})
     if not minimum <= value <= maximum:

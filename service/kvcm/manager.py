@@ -443,7 +443,7 @@ class KVCacheManager:
         sizes = cols.sizes()
         total = sum(sizes.values())
         self._check_step_size(total, total - sizes["extend"])
-        return run_columns(self, cols, atomic)
+        return run_columns(self, cols, atomic, sizes)
 
     def _check_step_size(self, num_ops: int, others: int) -> None:
         if num_ops > MAX_STEP_OPS or others > MAX_STEP_OTHER_OPS:
