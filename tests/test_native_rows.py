@@ -226,3 +226,24 @@ def test_random_allocates_and_frees_match_the_numpy_path() -> None:
     )
     assert spy.results["grow int"] > 30 and spy.results["release tuple"] > 30, spy.results
     assert spy.results["grow bool"] == spy.results["release bool"] == 0
+
+
+def test_the_context_object_reads_the_arrays_once_and_checks_them() -> None:
+    """``core.context`` holds the context tuple's buffers: a call with it sees the arrays as
+    they are now (the coordinator changes them in place); a bad tuple or another capsule is
+    refused with an error."""
+    import datetime
+
+    core = native._built
+    assert core is not None
+    m = manager([layer(0)], num_blocks=8, max_seq_len=64)
+    c = m._coord
+    nd = m._native_decode
+    held = core.context(nd.context(m))
+    row = m.allocate("a", 5).row  # after the object was made: it reads the live arrays
+    assert core.row_release(row, held, tuple(c.pools), tuple(c.sinks)) == (2,)
+    assert m.num_free_blocks() == 8 and c.num_tokens[row] == 0
+    with pytest.raises(ValueError):
+        core.context(nd.context(m)[:5])
+    with pytest.raises(ValueError):  # a capsule that is not a context
+        core.row_release(row, datetime.datetime_CAPI, tuple(c.pools), tuple(c.sinks))

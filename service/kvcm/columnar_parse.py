@@ -32,8 +32,14 @@ _NO_HANDLES.flags.writeable = False
 def _handles(name: str, value: Any) -> np.ndarray:
     """Handles as a contiguous int64 array (what the C decode path reads): any sequence or
     1-d array of ints (not bools)."""
-    if (type(value) is tuple or type(value) is list) and not value:  # a section left out
-        return _NO_HANDLES
+    if type(value) is tuple or type(value) is list:
+        if not value:  # a section left out
+            return _NO_HANDLES
+        if all(type(v) is int for v in value):  # the usual list (no bools, no abc checks)
+            try:
+                return np.array(value, dtype=np.int64)
+            except OverflowError:  # past int64: the general path's rules below
+                pass
     if (
         type(value) is np.ndarray
         and value.dtype == np.int64
@@ -62,7 +68,9 @@ def _handles(name: str, value: Any) -> np.ndarray:
 
 
 def _allocates(value: Any) -> list[dict[str, Any]]:
-    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+    if (type(value) is not list and type(value) is not tuple) and (
+        isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence)
+    ):
         raise InvalidArgument("allocate must be a sequence of allocate ops", allocate=None)
     out = []
     for item in value:

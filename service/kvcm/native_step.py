@@ -37,13 +37,14 @@ class NativeDecode:
     """One manager's C decode path: its work arrays (no allocation per step) and the
     coordinator's arrays as the C core reads them."""
 
-    __slots__ = ("_context", "out", "rows")
+    __slots__ = ("_arrays", "_context", "out", "rows")
 
     def __init__(self, max_requests: int, num_groups: int) -> None:
         self.rows = np.zeros(max_requests, dtype=np.int64)
         self.out: tuple[np.ndarray, ...] = ()
         self._cells(num_groups, _PER_ROW * max_requests)
         self._context: tuple[Any, ...] | None = None
+        self._arrays: object | None = None
 
     def _cells(self, num_groups: int, cells: int) -> None:
         """Work arrays for ``cells`` new or released blocks per layer group: rows, then the
@@ -73,6 +74,13 @@ class NativeDecode:
                 c.empty,
             )
         return self._context
+
+    def arrays(self, core: ModuleType, m: KVCacheManager) -> object:
+        """``context`` as the C core's context object, which holds the arrays' buffers: a
+        call then reads none (reading its dozen buffers cost about 1 us a call)."""
+        if self._arrays is None:
+            self._arrays = core.context(self.context(m))
+        return self._arrays
 
     def extend(
         self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any
@@ -119,7 +127,7 @@ class NativeDecode:
         if not handles.size:  # callers batch two items or more; numpy decides otherwise
             return False
         c = m._coord
-        context = self.context(m)
+        context = self.arrays(core, m)
         free = tuple(p.num_free for p in c.pools)
         planned = core.decode_plan(handles, new, ahead, context, free, self.out, skip)
         if type(planned) is int:  # more cells than the arrays hold: grow them, plan again

@@ -163,3 +163,45 @@ PyObject *counts_tuple(const Py_ssize_t *k, int n) {
     }
     return t;
 }
+
+#define CAPSULE "kvcm._native.context"
+
+static void context_free(PyObject *capsule) {
+    Ctx *c = PyCapsule_GetPointer(capsule, CAPSULE);
+    if (!c) return;
+    ctx_release(c);
+    PyMem_Free(c);
+}
+
+/* context(t) -> object: the decode context tuple read once, its buffers held (writable: the
+ * row ops write the tables and refs) until the object is freed. The coordinator changes its
+ * arrays in place only, so the buffers stay its own; reading 10 or more buffers per call
+ * cost more than the row ops' work. */
+PyObject *kvcm_context(PyObject *self, PyObject *t) {
+    Ctx *c = PyMem_Malloc(sizeof *c);
+    if (!c) return PyErr_NoMemory();
+    if (ctx_get(t, c, 1) < 0) {
+        ctx_release(c);
+        PyMem_Free(c);
+        return NULL;
+    }
+    PyObject *capsule = PyCapsule_New(c, CAPSULE, context_free);
+    if (!capsule) {
+        ctx_release(c);
+        PyMem_Free(c);
+    }
+    return capsule;
+}
+
+Ctx *ctx_open(PyObject *o, Ctx *local, int writable) {
+    if (PyCapsule_CheckExact(o)) return PyCapsule_GetPointer(o, CAPSULE);
+    if (ctx_get(o, local, writable) < 0) {
+        ctx_release(local);
+        return NULL;
+    }
+    return local;
+}
+
+void ctx_close(Ctx *c, Ctx *local) {
+    if (c == local) ctx_release(local);
+}

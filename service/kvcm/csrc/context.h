@@ -41,6 +41,13 @@ typedef struct {
 int ctx_get(PyObject *t, Ctx *c, int writable);
 void ctx_release(Ctx *c);
 
+/* The context of a call: a context object's (kvcm_context, its buffers held while it
+ * lives), or the tuple's read into ``local``; NULL with an error. ctx_close releases what
+ * ctx_open read into ``local``. */
+Ctx *ctx_open(PyObject *o, Ctx *local, int writable);
+void ctx_close(Ctx *c, Ctx *local);
+PyObject *kvcm_context(PyObject *self, PyObject *t);
+
 /* A BlockPool's ring, positions and counters (its _ring, _pos, _head, _len, _count), read by
  * pool_get and written back by pool_put. */
 typedef struct {

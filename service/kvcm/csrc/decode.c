@@ -77,41 +77,41 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOO|p", &handles_o, &new_o, &ahead_o, &ctx_o, &free_o, &out_o,
                           &skip))
         return NULL;
-    Ctx c;
+    Ctx local, *c = NULL;
     Buf handles = {0}, out[5];
     Column new = {0}, ahead = {0};
     memset(out, 0, sizeof out);
     PyObject *result = NULL, *failing = NULL;
     int64_t room[MAX_GROUPS], net[MAX_GROUPS] = {0};
     Py_ssize_t kadd[MAX_GROUPS] = {0}, krel[MAX_GROUPS] = {0};
-    if (ctx_get(ctx_o, &c, 0) < 0) goto done;
+    if (!(c = ctx_open(ctx_o, &local, 0))) goto done;
     /* a strided or non-int64 column: numpy's path takes any */
     if (buf_get(handles_o, &handles, 8, 0) < 0) goto soft;
     Py_ssize_t n = handles.n;
     if (column_get(new_o, n, &new) < 0 || column_get(ahead_o, n, &ahead) < 0) goto soft;
-    if (!PyTuple_Check(free_o) || PyTuple_GET_SIZE(free_o) != c.pools || !PyTuple_Check(out_o) ||
+    if (!PyTuple_Check(free_o) || PyTuple_GET_SIZE(free_o) != c->pools || !PyTuple_Check(out_o) ||
         PyTuple_GET_SIZE(out_o) != 5) {
         PyErr_SetString(PyExc_ValueError, "decode_plan: free per pool group, 5 out arrays");
         goto done;
     }
-    for (int p = 0; p < c.pools; p++) {
+    for (int p = 0; p < c->pools; p++) {
         room[p] = PyLong_AsLongLong(PyTuple_GET_ITEM(free_o, p));
         if (PyErr_Occurred()) goto done;
     }
     for (int j = 0; j < 5; j++)
         if (buf_get(PyTuple_GET_ITEM(out_o, j), &out[j], 8, 1) < 0) goto done;
-    Py_ssize_t cap = out[1].n / c.groups;
-    if (out[0].n != c.nrows || out[2].n != out[1].n || out[3].n != out[1].n ||
+    Py_ssize_t cap = out[1].n / c->groups;
+    if (out[0].n != c->nrows || out[2].n != out[1].n || out[3].n != out[1].n ||
         out[4].n != out[1].n) {
         PyErr_SetString(PyExc_ValueError, "decode_plan: out arrays of mismatched sizes");
         goto done;
     }
     int64_t *rows = I64P(out[0]), *add_items = I64P(out[1]), *add_pos = I64P(out[2]);
     int64_t *rel_items = I64P(out[3]), *rel_pos = I64P(out[4]);
-    const int64_t *h = I64P(handles), *live = I64P(c.row_handle), *tokens = I64P(c.num_tokens);
-    int64_t *scratch = I64P(c.scratch);
-    const int32_t *tables = I32P(c.tables);
-    if (n > c.nrows) { /* cannot all be distinct rows; rows[] has a cell per row */
+    const int64_t *h = I64P(handles), *live = I64P(c->row_handle), *tokens = I64P(c->num_tokens);
+    int64_t *scratch = I64P(c->scratch);
+    const int32_t *tables = I32P(c->tables);
+    if (n > c->nrows) { /* cannot all be distinct rows; rows[] has a cell per row */
         if (!skip) goto none;
         goto numpy;
     }
@@ -119,11 +119,11 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
     if (!failing) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = h[i] & ROW_MASK;
-        int fails = row >= c.nrows || live[row] != h[i];
+        int fails = row >= c->nrows || live[row] != h[i];
         if (!fails) {
             int64_t nt = COL(new, i), la = COL(ahead, i);
             if (nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT) goto numpy; /* it names */
-            fails = tokens[row] + nt + la > c.max_seq_len; /* each term below 2**62 */
+            fails = tokens[row] + nt + la > c->max_seq_len; /* each term below 2**62 */
         }
         if (fails) { /* an item that fails on its own: refused, or left out with skip */
             if (!skip) goto none;
@@ -132,7 +132,7 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
             Py_XDECREF(index);
             if (bad) goto done;
             /* a live one still counts for the repeat check (failing_extends) */
-            rows[i] = (row < c.nrows && live[row] == h[i]) ? -2 - row : -1;
+            rows[i] = (row < c->nrows && live[row] == h[i]) ? -2 - row : -1;
             if (rows[i] != -1) scratch[row] = i;
             continue;
         }
@@ -150,17 +150,17 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
         if (scratch[row] != i) goto none; /* a later item names the same row */
         int64_t history = tokens[row], nt = COL(new, i), la = COL(ahead, i);
         int64_t capacity = history + nt + la;
-        int64_t want = (capacity + c.tpb - 1) / c.tpb;
-        for (int g = 0; g < c.groups; g++) {
-            int p = c.group_pool[g];
-            if (c.window[g]) {
-                int64_t old = I64P(c.released[g])[row];
-                int64_t end = released_end(old, history, c.window[g], c.tpb);
-                if (old < 0 || end > c.width) goto numpy; /* never from the coordinator */
-                const int32_t *cells = tables + (g * c.nrows + row) * c.width;
+        int64_t want = (capacity + c->tpb - 1) / c->tpb;
+        for (int g = 0; g < c->groups; g++) {
+            int p = c->group_pool[g];
+            if (c->window[g]) {
+                int64_t old = I64P(c->released[g])[row];
+                int64_t end = released_end(old, history, c->window[g], c->tpb);
+                if (old < 0 || end > c->width) goto numpy; /* never from the coordinator */
+                const int32_t *cells = tables + (g * c->nrows + row) * c->width;
                 for (int64_t pos = old; pos < end; pos++) {
                     int64_t slot = cells[pos];
-                    if (slot <= c.empty || slot >= c.refs[p].n || I32P(c.refs[p])[slot] < 1)
+                    if (slot <= c->empty || slot >= c->refs[p].n || I32P(c->refs[p])[slot] < 1)
                         goto numpy; /* a cell without a page: let the numpy plan judge */
                     if (krel[g] < cap) {
                         rel_items[g * cap + krel[g]] = i;
@@ -171,11 +171,11 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
                      * hit's page others hold frees nothing (if all its holders release it in
                      * this batch it does, at the last; like the numpy plan, the in-order rule
                      * does not count it, erring toward refusing). */
-                    net[p] -= I32P(c.refs[p])[slot] == 1;
+                    net[p] -= I32P(c->refs[p])[slot] == 1;
                 }
             }
-            if (I64P(c.blocks[g])[row] < 0) goto numpy; /* never from the coordinator */
-            for (int64_t pos = I64P(c.blocks[g])[row]; pos < want; pos++) {
+            if (I64P(c->blocks[g])[row] < 0) goto numpy; /* never from the coordinator */
+            for (int64_t pos = I64P(c->blocks[g])[row]; pos < want; pos++) {
                 if (kadd[g] < cap) {
                     add_items[g * cap + kadd[g]] = i;
                     add_pos[g * cap + kadd[g]] = pos;
@@ -184,11 +184,11 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
                 net[p]++;
             }
         }
-        for (int p = 0; p < c.pools; p++)
+        for (int p = 0; p < c->pools; p++)
             if (net[p] > room[p]) goto none; /* does not fit item after item */
     }
     Py_ssize_t most = 0;
-    for (int g = 0; g < c.groups; g++) {
+    for (int g = 0; g < c->groups; g++) {
         if (kadd[g] > most) most = kadd[g];
         if (krel[g] > most) most = krel[g];
     }
@@ -196,7 +196,7 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args) {
         result = PyLong_FromSsize_t(most);
         goto done;
     }
-    PyObject *added = counts_tuple(kadd, c.groups), *released = counts_tuple(krel, c.groups);
+    PyObject *added = counts_tuple(kadd, c->groups), *released = counts_tuple(krel, c->groups);
     if (added && released) result = PyTuple_Pack(3, added, released, failing);
     Py_XDECREF(added);
     Py_XDECREF(released);
@@ -213,7 +213,7 @@ none:
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(failing);
-    ctx_release(&c);
+    ctx_close(c, &local);
     buf_release(&handles);
     buf_release(&new.arr);
     buf_release(&ahead.arr);
@@ -233,11 +233,11 @@ PyObject *kvcm_decode_commit(PyObject *self, PyObject *args) {
     PyObject *rows_o, *new_o, *ahead_o, *ctx_o, *added_o;
     if (!PyArg_ParseTuple(args, "OOOOO", &rows_o, &new_o, &ahead_o, &ctx_o, &added_o))
         return NULL;
-    Ctx c;
+    Ctx local, *c = NULL;
     Buf rows = {0}, added = {0};
     Column new = {0}, ahead = {0};
     PyObject *result = NULL;
-    if (ctx_get(ctx_o, &c, 0) < 0 || buf_get(rows_o, &rows, 8, 0) < 0) goto done;
+    if (!(c = ctx_open(ctx_o, &local, 0)) || buf_get(rows_o, &rows, 8, 0) < 0) goto done;
     Py_ssize_t n = rows.n;
     if (column_get(new_o, n, &new) < 0 || column_get(ahead_o, n, &ahead) < 0 ||
         buf_get(added_o, &added, 4, 1) < 0)
@@ -246,10 +246,10 @@ PyObject *kvcm_decode_commit(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "decode_commit: out_added needs a cell per row");
         goto done;
     }
-    int64_t *tokens = I64P(c.num_tokens);
+    int64_t *tokens = I64P(c->num_tokens);
     for (Py_ssize_t i = 0; i < n; i++) { /* all rows checked before any is written */
         int64_t row = I64P(rows)[i], nt = COL(new, i), la = COL(ahead, i);
-        if (row < 0 || row >= c.nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT) {
+        if (row < 0 || row >= c->nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT) {
             PyErr_SetString(PyExc_ValueError, "decode_commit: a row or count out of range");
             goto done;
         }
@@ -257,27 +257,27 @@ PyObject *kvcm_decode_commit(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = I64P(rows)[i];
         int64_t history = tokens[row], nt = COL(new, i), la = COL(ahead, i);
-        int64_t want = (history + nt + la + c.tpb - 1) / c.tpb;
+        int64_t want = (history + nt + la + c->tpb - 1) / c->tpb;
         int64_t sum = 0;
-        for (int g = 0; g < c.groups; g++) {
-            int64_t *cell = &I64P(c.blocks[g])[row];
+        for (int g = 0; g < c->groups; g++) {
+            int64_t *cell = &I64P(c->blocks[g])[row];
             if (want > *cell) {
                 sum += want - *cell;
                 *cell = want;
             }
-            if (c.window[g]) {
-                int64_t *end = &I64P(c.released[g])[row];
-                *end = released_end(*end, history, c.window[g], c.tpb);
+            if (c->window[g]) {
+                int64_t *end = &I64P(c->released[g])[row];
+                *end = released_end(*end, history, c->window[g], c->tpb);
             }
         }
-        I64P(c.history)[row] = history;
+        I64P(c->history)[row] = history;
         tokens[row] = history + nt;
-        I64P(c.lookahead)[row] = la;
+        I64P(c->lookahead)[row] = la;
         I32P(added)[i] = (int32_t)sum;
     }
     result = Py_NewRef(Py_None);
 done:
-    ctx_release(&c);
+    ctx_close(c, &local);
     buf_release(&rows);
     buf_release(&added);
     buf_release(&new.arr);

@@ -28,6 +28,7 @@ static PyMethodDef methods[] = {
     {"pack_token_lists", kvcm_pack_token_lists, METH_O, "pack_tokens of each list, or None."},
     {"decode_plan", kvcm_decode_plan, METH_VARARGS, "Plan a batch of extends by handle."},
     {"decode_commit", kvcm_decode_commit, METH_VARARGS, "Write a planned batch's counters."},
+    {"context", kvcm_context, METH_O, "The decode context's arrays, read once."},
     {"row_grow", kvcm_row_grow, METH_VARARGS, "A free row's blocks for a new request."},
     {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
     {NULL, NULL, 0, NULL}};

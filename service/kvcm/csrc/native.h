@@ -21,6 +21,9 @@ PyObject *kvcm_pack_token_lists(PyObject *self, PyObject *seq);
 PyObject *kvcm_decode_plan(PyObject *self, PyObject *args);
 PyObject *kvcm_decode_commit(PyObject *self, PyObject *args);
 
+/* context.c: the coordinator's arrays read once */
+PyObject *kvcm_context(PyObject *self, PyObject *t);
+
 /* rows.c: a new request's blocks, a freed request's blocks */
 PyObject *kvcm_row_grow(PyObject *self, PyObject *args);
 PyObject *kvcm_row_release(PyObject *self, PyObject *args);

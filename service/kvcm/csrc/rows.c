@@ -81,41 +81,41 @@ PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
     long long row, nt, la;
     if (!PyArg_ParseTuple(args, "LLLOOO", &row, &nt, &la, &ctx_o, &pools_o, &sinks_o))
         return NULL;
-    Ctx c;
+    Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
     int got = 0;
     int64_t sinks[MAX_GROUPS], need[MAX_GROUPS] = {0};
     PyObject *result = NULL;
-    if (ctx_get(ctx_o, &c, 1) < 0 || sinks_get(sinks_o, &c, sinks) < 0 ||
-        pools_get(pools_o, &c, p, &got) < 0)
+    if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
+        pools_get(pools_o, c, p, &got) < 0)
         goto done;
-    if (row < 0 || row >= c.nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT ||
-        I64P(c.num_tokens)[row] != 0)
+    if (row < 0 || row >= c->nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT ||
+        I64P(c->num_tokens)[row] != 0)
         goto numpy;
-    int64_t k = (nt + la + c.tpb - 1) / c.tpb;
-    if (k > c.width) goto numpy;
-    for (int g = 0; g < c.groups; g++) {
-        if (I64P(c.blocks[g])[row] != 0 || I64P(c.released[g])[row] != sinks[g]) goto numpy;
-        need[c.group_pool[g]] += k;
+    int64_t k = (nt + la + c->tpb - 1) / c->tpb;
+    if (k > c->width) goto numpy;
+    for (int g = 0; g < c->groups; g++) {
+        if (I64P(c->blocks[g])[row] != 0 || I64P(c->released[g])[row] != sinks[g]) goto numpy;
+        need[c->group_pool[g]] += k;
     }
-    for (int q = 0; q < c.pools; q++) {
+    for (int q = 0; q < c->pools; q++) {
         if (need[q] > p[q].count) {
             result = Py_NewRef(Py_None);
             goto done;
         }
     }
-    for (int g = 0; g < c.groups; g++) {
-        Pool *q = &p[c.group_pool[g]];
-        int32_t *cells = I32P(c.tables) + (g * c.nrows + row) * c.width;
-        int32_t *refs = I32P(c.refs[c.group_pool[g]]);
+    for (int g = 0; g < c->groups; g++) {
+        Pool *q = &p[c->group_pool[g]];
+        int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
+        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
         pool_pop(q, k, cells);
         for (int64_t b = 0; b < k; b++) refs[cells[b]] = 1;
-        I64P(c.blocks[g])[row] = k;
+        I64P(c->blocks[g])[row] = k;
     }
-    I64P(c.num_tokens)[row] = nt;
-    I64P(c.history)[row] = 0;
-    I64P(c.lookahead)[row] = la;
-    for (int q = 0; q < c.pools; q++)
+    I64P(c->num_tokens)[row] = nt;
+    I64P(c->history)[row] = 0;
+    I64P(c->lookahead)[row] = la;
+    for (int q = 0; q < c->pools; q++)
         if (need[q] && pool_put(&p[q]) < 0) goto done;
     result = PyLong_FromLongLong(k);
     goto done;
@@ -123,7 +123,7 @@ numpy:
     result = Py_NewRef(Py_False);
 done:
     for (int q = 0; q < got; q++) pool_release(&p[q]);
-    ctx_release(&c);
+    ctx_close(c, &local);
     return result;
 }
 
@@ -148,59 +148,59 @@ PyObject *kvcm_row_release(PyObject *self, PyObject *args) {
     PyObject *ctx_o, *pools_o, *sinks_o;
     long long row;
     if (!PyArg_ParseTuple(args, "LOOO", &row, &ctx_o, &pools_o, &sinks_o)) return NULL;
-    Ctx c;
+    Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
     int got = 0;
     int64_t sinks[MAX_GROUPS], back[MAX_GROUPS] = {0};
     Py_ssize_t cleared[MAX_GROUPS] = {0};
     PyObject *result = NULL;
-    if (ctx_get(ctx_o, &c, 1) < 0 || sinks_get(sinks_o, &c, sinks) < 0 ||
-        pools_get(pools_o, &c, p, &got) < 0)
+    if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
+        pools_get(pools_o, c, p, &got) < 0)
         goto done;
-    if (row < 0 || row >= c.nrows) goto numpy;
-    for (int g = 0; g < c.groups; g++) { /* check every cell, count what comes back */
-        int q = c.group_pool[g];
-        int64_t count = I64P(c.blocks[g])[row];
-        const int32_t *cells = I32P(c.tables) + (g * c.nrows + row) * c.width;
-        const int32_t *refs = I32P(c.refs[q]);
-        if (count < 0 || count > c.width) goto numpy;
+    if (row < 0 || row >= c->nrows) goto numpy;
+    for (int g = 0; g < c->groups; g++) { /* check every cell, count what comes back */
+        int q = c->group_pool[g];
+        int64_t count = I64P(c->blocks[g])[row];
+        const int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
+        const int32_t *refs = I32P(c->refs[q]);
+        if (count < 0 || count > c->width) goto numpy;
         for (int64_t b = 0; b < count; b++) {
             int64_t slot = cells[b];
-            if (slot <= c.empty) continue;
-            if (slot >= c.refs[q].n || slot >= p[q].pos.n || refs[slot] < 1) goto numpy;
+            if (slot <= c->empty) continue;
+            if (slot >= c->refs[q].n || slot >= p[q].pos.n || refs[slot] < 1) goto numpy;
             back[q] += refs[slot] == 1;
         }
         cleared[g] = (Py_ssize_t)count;
     }
-    for (int q = 0; q < c.pools; q++) {
+    for (int q = 0; q < c->pools; q++) {
         if (p[q].len + back[q] > p[q].ring.n) { /* BlockPool.push would compact first */
             result = PyLong_FromLong(q);
             goto done;
         }
     }
-    for (int g = 0; g < c.groups; g++) {
-        int q = c.group_pool[g];
-        int32_t *cells = I32P(c.tables) + (g * c.nrows + row) * c.width;
-        int32_t *refs = I32P(c.refs[q]);
+    for (int g = 0; g < c->groups; g++) {
+        int q = c->group_pool[g];
+        int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
+        int32_t *refs = I32P(c->refs[q]);
         for (int64_t b = cleared[g] - 1; b >= 0; b--) {
             int32_t slot = cells[b];
-            if (slot > c.empty && --refs[slot] == 0) pool_push(&p[q], slot);
-            cells[b] = (int32_t)c.empty;
+            if (slot > c->empty && --refs[slot] == 0) pool_push(&p[q], slot);
+            cells[b] = (int32_t)c->empty;
         }
-        I64P(c.blocks[g])[row] = 0;
-        I64P(c.released[g])[row] = sinks[g];
+        I64P(c->blocks[g])[row] = 0;
+        I64P(c->released[g])[row] = sinks[g];
     }
-    I64P(c.num_tokens)[row] = 0;
-    I64P(c.history)[row] = 0;
-    I64P(c.lookahead)[row] = 0;
-    for (int q = 0; q < c.pools; q++)
+    I64P(c->num_tokens)[row] = 0;
+    I64P(c->history)[row] = 0;
+    I64P(c->lookahead)[row] = 0;
+    for (int q = 0; q < c->pools; q++)
         if (back[q] && pool_put(&p[q]) < 0) goto done;
-    result = counts_tuple(cleared, c.groups);
+    result = counts_tuple(cleared, c->groups);
     goto done;
 numpy:
     result = Py_NewRef(Py_False);
 done:
     for (int q = 0; q < got; q++) pool_release(&p[q]);
-    ctx_release(&c);
+    ctx_close(c, &local);
     return result;
 }
