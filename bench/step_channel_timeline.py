@@ -13,7 +13,9 @@ Each wake is the difference of two processes' stamps taken after a call returns,
 negative one means the other side ran before that call returned.
 
 Kinds: ``bad op`` (an unknown op: the channel's floor, no manager call), ``empty step``
-(``step_columns`` with no items) and ``decode 256`` (+1 token for 256 requests), each with a
+(``step_columns`` with no items), ``decode 256`` (+1 token for 256 requests) and ``decode
+256 + 2 replacements`` (the same, plus frees of the two requests the last such frame
+allocated and two allocates of 300 tokens: the load test's step), each with a
 client that sleeps in ``recv`` and one that polls for its answer as ``KVCacheClient`` does
 (it spins up to 2 ms while its call is in flight). Medians in microseconds. The in-process
 cost of the same ``handle`` call, in a hot loop, is printed beside it: the gap is what
@@ -100,12 +102,35 @@ def _serve(path: Path, out: Path) -> None:
     uvloop.run(main())
 
 
+REPLACE = "decode 256 + 2 replacements"
+
+
 def _frames(handles: array) -> dict[str, bytes]:
     return {
         "bad op": pack({"op": "no_such_op", "args": {}}),
         "empty step": pack({"op": "step_columns", "args": {}}),
         "decode 256": pack({"op": "step_columns", "args": wire_columns(extend=handles)}),
     }
+
+
+class _Replacements:
+    """``REPLACE`` frames: each frees the two requests the previous one allocated (read from
+    its answer) and allocates two new ones."""
+
+    def __init__(self, handles: array) -> None:
+        self.handles = handles
+        self.count = 0
+        self.last: list[int] = []
+
+    def frame(self) -> bytes:
+        self.count += 1
+        allocate = [{"request_id": f"x{self.count}-{j}", "num_tokens": 300} for j in (0, 1)]
+        columns = wire_columns(extend=self.handles, free=self.last, allocate=allocate)
+        return pack({"op": "step_columns", "args": columns})
+
+    def answered(self, body: bytes) -> None:
+        result = unpack(body)["result"]
+        self.last = array("q", result["handles"]).tolist()
 
 
 def _hot_handle_us(frames: dict[str, bytes], count: int) -> dict[str, float]:
@@ -123,6 +148,15 @@ def _hot_handle_us(frames: dict[str, bytes], count: int) -> dict[str, float]:
             channel.handle(body)
             times.append(time.perf_counter_ns() - t0)
         out[name] = statistics.median(times[50:]) / 1000
+    turnover = _Replacements(handles)
+    times = []
+    for _ in range(min(count, 300)):
+        body = turnover.frame()[HEADER.size :]
+        t0 = time.perf_counter_ns()
+        answer, _ = channel.handle(body)
+        times.append(time.perf_counter_ns() - t0)
+        turnover.answered(pack(answer)[HEADER.size :])
+    out[REPLACE] = statistics.median(times[50:]) / 1000
     return out
 
 
@@ -150,15 +184,18 @@ def main() -> None:
             return client.recv(size, socket.MSG_WAITALL)
 
         answer = unpack(call(pack({"op": "step_columns", "args": {"allocate": _allocates()}})))
-        frames = _frames(array("q", answer["result"]["handles"]))
+        handles = array("q", answer["result"]["handles"])
+        frames = _frames(handles)
+        turnover = _Replacements(handles)
         sent: dict[str, list[tuple[int, int, int]]] = {}
         peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
         for spin in (False, True):
-            for name, frame in frames.items():
+            for name in [*frames, REPLACE]:
                 calls = sent[f"{name}, client {'spins' if spin else 'sleeps'}"] = []
-                # Decodes stay below max_seq_len: at most 700 steps, rewound after.
-                steps = min(count, 350) if name == "decode 256" else count
+                # Decodes stay below max_seq_len (1024 tokens from 32): 4 x 225 steps.
+                steps = count if name in ("bad op", "empty step") else min(count, 225)
                 for _ in range(steps):
+                    frame = turnover.frame() if name == REPLACE else frames[name]
                     t0 = time.perf_counter_ns()
                     client.sendall(frame)
                     t1 = time.perf_counter_ns()
@@ -169,8 +206,10 @@ def main() -> None:
                         except BlockingIOError:
                             pass
                     (size,) = HEADER.unpack(client.recv(HEADER.size, socket.MSG_WAITALL))
-                    client.recv(size, socket.MSG_WAITALL)
+                    body = client.recv(size, socket.MSG_WAITALL)
                     calls.append((t0, t1, time.perf_counter_ns()))
+                    if name == REPLACE:
+                        turnover.answered(body)
         client.close()
         os.kill(child.pid, signal.SIGTERM)
         child.join()

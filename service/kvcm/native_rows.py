@@ -19,7 +19,6 @@ tail first, so the queue is [2 9 4].
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,12 +29,6 @@ if TYPE_CHECKING:
     from .manager import KVCacheManager
 
 
-def _args(core: ModuleType, m: KVCacheManager) -> tuple[object, ...]:
-    """(context, pools, sinks) as ``row_grow`` and ``row_release`` read them."""
-    c = m._coord
-    return m._native_decode.arrays(core, m), tuple(c.pools), tuple(c.sinks)
-
-
 def grow_new(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> int:
     """``Coordinator.grow_one`` of a free row (a new request without a prefix hit): the
     block positions added, summed over layer groups. Raises ``OutOfBlocks`` (from the numpy
@@ -44,7 +37,7 @@ def grow_new(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> in
     core = native.core
     if core is None or not c.plain:
         return c.grow_one(row, num_tokens, lookahead)
-    context, pools, sinks = _args(core, m)
+    context, pools, sinks = m._native_decode.row_args(core, m)
     k = core.row_grow(row, num_tokens, lookahead, context, pools, sinks)
     if type(k) is not int:  # None: it does not fit (numpy names it); False: numpy's to run
         return c.grow_one(row, num_tokens, lookahead)
@@ -65,7 +58,7 @@ def release(m: KVCacheManager, row: int) -> None:
     if core is None or not c.plain:
         c.release_row(row)
         return
-    context, pools, sinks = _args(core, m)
+    context, pools, sinks = m._native_decode.row_args(core, m)
     cleared = core.row_release(row, context, pools, sinks)
     while type(cleared) is int:  # that pool group's queue needs compacting first
         pools[cleared].compact()

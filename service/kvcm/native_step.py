@@ -37,7 +37,7 @@ class NativeDecode:
     """One manager's C decode path: its work arrays (no allocation per step) and the
     coordinator's arrays as the C core reads them."""
 
-    __slots__ = ("_arrays", "_context", "out", "rows")
+    __slots__ = ("_arrays", "_context", "_row_args", "out", "rows")
 
     def __init__(self, max_requests: int, num_groups: int) -> None:
         self.rows = np.zeros(max_requests, dtype=np.int64)
@@ -45,6 +45,7 @@ class NativeDecode:
         self._cells(num_groups, _PER_ROW * max_requests)
         self._context: tuple[Any, ...] | None = None
         self._arrays: object | None = None
+        self._row_args: tuple[object, tuple[Any, ...], tuple[int, ...]] | None = None
 
     def _cells(self, num_groups: int, cells: int) -> None:
         """Work arrays for ``cells`` new or released blocks per layer group: rows, then the
@@ -81,6 +82,16 @@ class NativeDecode:
         if self._arrays is None:
             self._arrays = core.context(self.context(m))
         return self._arrays
+
+    def row_args(
+        self, core: ModuleType, m: KVCacheManager
+    ) -> tuple[object, tuple[Any, ...], tuple[int, ...]]:
+        """(context object, free queues, sinks): what ``row_grow`` and ``row_release`` read
+        besides the row (``kvcm.native_rows``); the queues are restored in place, too."""
+        if self._row_args is None:
+            c = m._coord
+            self._row_args = (self.arrays(core, m), tuple(c.pools), tuple(c.sinks))
+        return self._row_args
 
     def extend(
         self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any
