@@ -130,10 +130,12 @@ def assert_matches(m: KVCacheManager, o: Oracle) -> None:
 
 def manager_state(m: KVCacheManager) -> list[Any]:
     """What two managers given the same ops must agree on (the C core against numpy): tables,
-    counters, references, free order, the cache index, the edits since the last take."""
+    counters, references, the free queues (order and ring), the cache index, the KV event
+    log, the host tier's LRU and free slots, the edits since the last take."""
     c = m._coord
     ops = c.ops_since_take
     edits = c.take_edits() if c.edits is not None else None
+    host = m._host
     return [
         c.tables.copy(),
         c.num_tokens.copy(),
@@ -143,8 +145,12 @@ def manager_state(m: KVCacheManager) -> list[Any]:
         [r.copy() for r in c.released_end],
         [r.copy() for r in c.refs],
         [p.free_order() for p in c.pools],
+        [p.checkpoint() for p in c.pools],  # the ring itself: where compactions happened
         [dict(k) for k in c.cache.slot_key],
         [f.copy() for f in c.cache.cached],
+        (c.cache.log.last_seq, list(c.cache.log.events)),
+        None if host is None else ({pg: list(lru.items()) for pg, lru in host.lru.items()}),
+        None if host is None else ({pg: list(free) for pg, free in host.free.items()}),
         ops,
         edits,
         m._handle.copy(),

@@ -70,6 +70,20 @@ def test_handles_that_were_never_issued_are_unknown(bad: int) -> None:
     assert out.status["extend"].tolist() == [UNKNOWN]
 
 
+@pytest.mark.parametrize("section", ["free", "rewind", "commit"])
+def test_a_few_handles_past_the_rows_are_unknown(section: str) -> None:
+    """A short section runs in Python ints (``_Run.each_of_few``): a handle whose row bits are
+    max_requests or more, or that is negative, names nothing; the live one still runs."""
+    m = manager([layer(0)], num_blocks=8)
+    a = m.allocate("a", 2).handle
+    rows = m.config.max_requests
+    handles = [(1 << 32) | rows, rows, (5 << 32) | (rows + 3), 2**63 - 1, -1, a]
+    extra = {"commit_tokens": [[1]] * len(handles)} if section == "commit" else {}
+    out = m.step_columns(**{section: handles}, **extra)
+    assert out.status[section].tolist() == [UNKNOWN] * 5 + [OK]
+    assert [e.index for e in out.errors] == [0, 1, 2, 3, 4]
+
+
 def test_sections_run_commit_free_rewind_extend_allocate() -> None:
     """Frees serve the same step's extends and allocates; a commit serves its allocate's hit;
     a request that finished commits its last tokens in the step that frees it."""

@@ -131,7 +131,14 @@ def test_a_full_pool_is_left_to_numpy_to_name_and_changes_nothing() -> None:
     assert spy.results == Counter({"grow int": 2, "grow NoneType": 1})
 
 
-def test_a_queue_full_of_tombstones_is_compacted_before_a_free() -> None:
+@pytest.mark.parametrize(
+    "layers",
+    [[layer(0)], [layer(0), layer(1), layer(2, owner="draft")]],
+    ids=["one pool group", "two pool groups"],
+)
+def test_a_queue_full_of_tombstones_is_compacted_before_a_free(
+    layers: list[dict[str, Any]],
+) -> None:
     """Prefix hits take cached slots out of the queue's tail (tombstones) while the one new
     block of each request comes off its head: each hit-and-free cycle leaves two more, the
     ring (twice the slots) fills, and a free then needs the queue compacted first:
@@ -147,8 +154,10 @@ def test_a_queue_full_of_tombstones_is_compacted_before_a_free() -> None:
             lambda m, i=i: m.allocate(f"r{i}", 9, token_ids=prompt).num_hit_tokens,
             lambda m, i=i: m.free(f"r{i}"),
         ]
-    _, spy = _both([layer(0)], ops, tokens_per_block=4, num_blocks=6, max_seq_len=32)
-    assert spy.results["release int"] >= 1, spy.results
+    ms, spy = _both(layers, ops, tokens_per_block=4, num_blocks=6, max_seq_len=32)
+    pools = len(ms[True]._coord.pools)
+    assert spy.results["release int"] >= pools, spy.results  # each pool group compacted
+    assert spy.results["release tuple"] == 13, spy.results  # every free ran in C at last
 
 
 def test_row_ops_leave_to_numpy_what_they_do_not_run() -> None:
@@ -166,8 +175,21 @@ def test_row_ops_leave_to_numpy_what_they_do_not_run() -> None:
     assert core.row_grow(row + 1, 0, 0, *args) is False  # no token
     assert core.row_grow(row + 1, 4, -1, *args) is False
     assert core.row_grow(row + 1, 2**31, 0, *args) is False
+    assert core.row_grow(row + 1, 10**6, 0, *args) is False  # more blocks than a row holds
     assert core.row_release(-1, *args) is False
     assert core.row_release(c.num_tokens.size, *args) is False
+    slot = int(c.tables[0][row, 0])
+    c.tables[0][row, 0] = c.refs[0].size  # a cell past the slots (never from the coordinator)
+    assert core.row_release(row, *args) is False
+    c.tables[0][row, 0] = slot
+    c.refs[0][slot] = 0  # a cell nobody holds
+    assert core.row_release(row, *args) is False
+    c.refs[0][slot] = 1
+    ring = c.pools[0]._ring
+    head = int(ring[c.pools[0]._head % ring.size])
+    ring[c.pools[0]._head % ring.size] = c.refs[0].size  # a queue entry past the slots
+    assert core.row_grow(row + 1, 4, 0, *args) is False
+    ring[c.pools[0]._head % ring.size] = head
     with pytest.raises(ValueError):
         core.row_release(row, args[0], args[1], ())  # a sink per layer group
     with pytest.raises(ValueError):

@@ -60,10 +60,12 @@ def release(m: KVCacheManager, row: int) -> None:
         return
     context, pools, sinks = m._native_decode.row_args(core, m)
     cleared = core.row_release(row, context, pools, sinks)
-    while type(cleared) is int:  # that pool group's queue needs compacting first
+    for _ in pools:  # an int: that pool group's queue needs compacting first (once each)
+        if type(cleared) is not int:
+            break
         pools[cleared].compact()
         cleared = core.row_release(row, context, pools, sinks)
-    if cleared is False:
+    if type(cleared) is not tuple:  # False, or still asking: the numpy path's to run
         c.release_row(row)
         return
     if c.edits is not None:

@@ -100,21 +100,12 @@ int ctx_get(PyObject *t, Ctx *c, int writable) {
     return 0;
 }
 
-
 static int64_t attr_int(PyObject *obj, const char *name) {
     PyObject *v = PyObject_GetAttrString(obj, name);
     if (!v) return -1;
     int64_t x = PyLong_AsLongLong(v);
     Py_DECREF(v);
     return x;
-}
-
-static int attr_set(PyObject *obj, const char *name, int64_t x) {
-    PyObject *v = PyLong_FromLongLong(x);
-    if (!v) return -1;
-    int r = PyObject_SetAttrString(obj, name, v);
-    Py_DECREF(v);
-    return r;
 }
 
 int pool_get(PyObject *obj, Pool *p) {
@@ -138,16 +129,26 @@ int pool_get(PyObject *obj, Pool *p) {
     return 0;
 }
 
-int pool_put(Pool *p) {
-    if (attr_set(p->obj, "_head", p->head) < 0 || attr_set(p->obj, "_len", p->len) < 0 ||
-        attr_set(p->obj, "_count", p->count) < 0)
-        return -1;
+int pool_stage(Pool *p, int64_t head, int64_t len, int64_t count) {
+    int64_t v[3] = {head, len, count};
+    for (int i = 0; i < 3; i++) {
+        p->staged[i] = PyLong_FromLongLong(v[i]);
+        if (!p->staged[i]) return -1;
+    }
+    return 0;
+}
+
+int pool_commit(Pool *p) {
+    static const char *names[3] = {"_head", "_len", "_count"};
+    for (int i = 0; i < 3; i++)
+        if (p->staged[i] && PyObject_SetAttrString(p->obj, names[i], p->staged[i]) < 0) return -1;
     return 0;
 }
 
 void pool_release(Pool *p) {
     buf_release(&p->ring);
     buf_release(&p->pos);
+    for (int i = 0; i < 3; i++) Py_CLEAR(p->staged[i]);
 }
 
 /* A tuple of Py_ssize_t counts. */

@@ -48,19 +48,23 @@ Ctx *ctx_open(PyObject *o, Ctx *local, int writable);
 void ctx_close(Ctx *c, Ctx *local);
 PyObject *kvcm_context(PyObject *self, PyObject *t);
 
+/* A tuple of Py_ssize_t counts (a new reference, NULL with an error). */
+PyObject *counts_tuple(const Py_ssize_t *k, int n);
+
 /* A BlockPool's ring, positions and counters (its _ring, _pos, _head, _len, _count), read by
- * pool_get and written back by pool_put. */
+ * pool_get. A call that changes the queue stages the new counters first (pool_stage: the
+ * only step that can fail, taken before any write) and sets them once it has written
+ * (pool_commit). */
 typedef struct {
     PyObject *obj;
     Buf ring, pos;
     int64_t head, len, count;
+    PyObject *staged[3];
 } Pool;
 
-/* A tuple of Py_ssize_t counts (a new reference, NULL with an error). */
-PyObject *counts_tuple(const Py_ssize_t *k, int n);
-
 int pool_get(PyObject *obj, Pool *p);
-int pool_put(Pool *p);
+int pool_stage(Pool *p, int64_t head, int64_t len, int64_t count);
+int pool_commit(Pool *p);
 void pool_release(Pool *p);
 
 #endif

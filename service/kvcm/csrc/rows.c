@@ -37,17 +37,28 @@ static int pools_get(PyObject *t, const Ctx *c, Pool *p, int *got) {
     return 0;
 }
 
-/* BlockPool.pop: the k oldest free slots (k <= count), tombstones (-1) skipped. */
-static void pool_pop(Pool *p, int64_t k, int32_t *out) {
+/* How many ring entries from the head hold the k oldest free slots (tombstones, -1,
+ * skipped), each checked to be a slot below ``slots``: -1 if the queue ends first or holds
+ * another value (never from BlockPool). Reads only. */
+static int64_t pool_span(const Pool *p, int64_t k, Py_ssize_t slots) {
     const int32_t *ring = I32P(p->ring);
-    Py_ssize_t cap = p->ring.n;
     int64_t used = 0;
     for (int64_t taken = 0; taken < k; used++) {
-        int32_t v = ring[(p->head + used) % cap];
+        if (used >= p->len) return -1;
+        int32_t v = ring[(p->head + used) % p->ring.n];
+        if (v >= slots) return -1;
+        taken += v >= 0;
+    }
+    return used;
+}
+
+/* BlockPool.pop of k slots into out, once pool_span has measured them. */
+static void pool_pop(Pool *p, int64_t k, int32_t *out) {
+    const int32_t *ring = I32P(p->ring);
+    for (int64_t taken = 0; taken < k; p->head++, p->len--) {
+        int32_t v = ring[p->head % p->ring.n];
         if (v >= 0) out[taken++] = v;
     }
-    p->head += used;
-    p->len -= used;
     p->count -= k;
 }
 
@@ -70,7 +81,8 @@ static void pool_push(Pool *p, int32_t slot) {
  *
  * None, with nothing changed, when a pool group has fewer free slots than its groups need
  * (the numpy path then raises OutOfBlocks); False, with nothing changed, when the numpy
- * path must run it (a row that is not free, counts out of range).
+ * path must run it (a row that is not free, counts out of range, more blocks than a row
+ * holds, a queue out of shape).
  *
  * Example (tokens_per_block 16, two layer groups in one pool group, free queue [7 3 9 4
  * 2]): 20 tokens and 4 lookahead need 2 blocks per group: group 0 gets [7 3], group 1 [9 4];
@@ -104,6 +116,17 @@ PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    /* Everything that can fail comes before the first write: the spans read, the result
+     * and the queues' new counters made. */
+    for (int q = 0; q < c->pools; q++) {
+        if (!need[q]) continue;
+        int64_t used = pool_span(&p[q], need[q], c->refs[q].n);
+        if (used < 0) goto numpy;
+        if (pool_stage(&p[q], p[q].head + used, p[q].len - used, p[q].count - need[q]) < 0)
+            goto done;
+    }
+    result = PyLong_FromLongLong(k);
+    if (!result) goto done;
     for (int g = 0; g < c->groups; g++) {
         Pool *q = &p[c->group_pool[g]];
         int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
@@ -116,8 +139,7 @@ PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
     I64P(c->history)[row] = 0;
     I64P(c->lookahead)[row] = la;
     for (int q = 0; q < c->pools; q++)
-        if (need[q] && pool_put(&p[q]) < 0) goto done;
-    result = PyLong_FromLongLong(k);
+        if (pool_commit(&p[q]) < 0) Py_CLEAR(result); /* setattr of an int on a slot */
     goto done;
 numpy:
     result = Py_NewRef(Py_False);
@@ -178,6 +200,12 @@ PyObject *kvcm_row_release(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    /* Everything that can fail comes before the first write. */
+    for (int q = 0; q < c->pools; q++)
+        if (back[q] && pool_stage(&p[q], p[q].head, p[q].len + back[q], p[q].count + back[q]) < 0)
+            goto done;
+    result = counts_tuple(cleared, c->groups);
+    if (!result) goto done;
     for (int g = 0; g < c->groups; g++) {
         int q = c->group_pool[g];
         int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
@@ -194,8 +222,7 @@ PyObject *kvcm_row_release(PyObject *self, PyObject *args) {
     I64P(c->history)[row] = 0;
     I64P(c->lookahead)[row] = 0;
     for (int q = 0; q < c->pools; q++)
-        if (back[q] && pool_put(&p[q]) < 0) goto done;
-    result = counts_tuple(cleared, c->groups);
+        if (pool_commit(&p[q]) < 0) Py_CLEAR(result); /* setattr of an int on a slot */
     goto done;
 numpy:
     result = Py_NewRef(Py_False);
