@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -167,3 +168,53 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return bool(a == b)
+
+
+class CoreSpy:
+    """The C core (``kvcm.native.core``) of one manager, counting what its calls returned,
+    so that a test knows which path ran (``native.core = CoreSpy(m)``).
+
+    ``results`` counts row ops by outcome: ``grow tuple`` / ``release tuple`` (ran in C),
+    ``grow NoneType`` (did not fit: numpy names the error), ``release int`` (a queue to
+    compact first), ``grow released`` (left to numpy because a sliding window releases
+    blocks: its rule), and ``grow bool`` / ``release bool`` (left to numpy otherwise: never
+    expected). Decode batches: ``planned`` in C, ``around`` failing items, ``deferred`` to
+    the numpy plan (only a batch with more items than rows may be)."""
+
+    def __init__(self, m: KVCacheManager) -> None:
+        from kvcm import native
+
+        self._core = native._built
+        self._coord = m._coord
+        self.planned = 0
+        self.deferred = 0
+        self.around = 0
+        self.results: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+    def decode_plan(self, *args: Any) -> Any:
+        out = self._core.decode_plan(*args)
+        self.planned += type(out) is tuple
+        self.around += type(out) is tuple and bool(out[2])
+        self.deferred += out is False and args[0].size <= self._coord.num_tokens.size
+        return out
+
+    def row_grow(self, *args: Any) -> Any:
+        row = args[0]
+        c = self._coord
+        releases = 0 <= row < c.num_tokens.size and any(
+            policy.released_end(c.num_tokens[row : row + 1], c.released_end[g][row : row + 1])[0]
+            > c.released_end[g][row]
+            for g, policy in enumerate(c.policies)
+        )
+        out = self._core.row_grow(*args)
+        kind = type(out).__name__
+        self.results["grow released" if out is False and releases else f"grow {kind}"] += 1
+        return out
+
+    def row_release(self, *args: Any) -> Any:
+        out = self._core.row_release(*args)
+        self.results[f"release {type(out).__name__}"] += 1
+        return out

@@ -11,13 +11,12 @@ import os
 import struct
 import subprocess
 import sys
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import layer, manager, manager_state, same
+from helpers import CoreSpy, layer, manager, manager_state, same
 
 from kvcm import InvalidArgument, native
 from kvcm.hashing import block_keys, token_bytes
@@ -136,42 +135,6 @@ def test_token_bytes_is_the_same_with_and_without_the_core() -> None:
 # -- a decode step's batch of extends --------------------------------------------------------
 
 
-class _Spy:
-    """The C core, counting the batches it planned (so a test knows the path ran)."""
-
-    def __init__(self, core: Any) -> None:
-        self._core = core
-        self.planned = 0
-        self.deferred = 0  # left to the numpy plan
-        self.around = 0
-        #: Row ops by result type: int or NoneType (grow), tuple or int (release), bool (left
-        #: to numpy: never expected).
-        self.rows: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._core, name)
-
-    def decode_plan(self, *args: Any) -> Any:
-        out = self._core.decode_plan(*args)
-        self.planned += type(out) is tuple
-        self.around += type(out) is tuple and bool(out[2])  # with failing items left out
-        # Left to numpy: only a batch with more items than rows may be (a stale handle
-        # beside every row live), whose rows the work arrays cannot hold.
-        handles, context = args[0], args[3]
-        self.deferred += out is False and handles.size <= context[2].size
-        return out
-
-    def row_grow(self, *args: Any) -> Any:
-        out = self._core.row_grow(*args)
-        self.rows[f"grow {type(out).__name__}"] += 1
-        return out
-
-    def row_release(self, *args: Any) -> Any:
-        out = self._core.row_release(*args)
-        self.rows[f"release {type(out).__name__}"] += 1
-        return out
-
-
 def _columns(
     rng: np.random.Generator, live: list[int], stale: list[int], big: bool
 ) -> dict[str, Any]:
@@ -247,7 +210,7 @@ def test_decode_batches_match_the_numpy_path(
     ms = {on: manager(layers, **cfg) for on in (True, False)}
     for m in ms.values():
         m._coord.edits = []  # as with a CUDA device
-    spy = _Spy(native._built)
+    spy = CoreSpy(ms[True])
     prompts = [rng.integers(0, 9, 24).tolist() for _ in range(3)]
     live: list[int] = []
     stale: list[int] = []
@@ -313,8 +276,9 @@ def test_decode_batches_match_the_numpy_path(
     assert spy.planned > 20 and spy.deferred == 0
     assert spy.around > 5  # batches run around a stale handle or a request at max_seq_len
     # New rows and frees ran in C, a full pool's allocate was left to numpy to name its error.
-    assert spy.rows["grow int"] > 10 and spy.rows["release tuple"] > 10, spy.rows
-    assert spy.rows["grow bool"] == spy.rows["release bool"] == 0, spy.rows
+    assert spy.results["grow tuple"] > 10 and spy.results["release tuple"] > 10, spy.results
+    assert spy.results["grow bool"] == spy.results["release bool"] == 0, spy.results
+    assert spy.results["grow released"] == 0  # an allocate's window releases nothing
 
 
 @built

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import layer, manager, manager_state, same
+from helpers import CoreSpy, layer, manager, manager_state, same
 
 from kvcm import KVCacheManager, KVCMError, OutOfBlocks, native
 
@@ -24,36 +24,15 @@ def _restore_native() -> Iterator[None]:
     native.use(on)
 
 
-class _Spy:
-    """The C core, counting its row ops by result type (so a test knows which path ran)."""
-
-    def __init__(self) -> None:
-        self._core = native._built
-        self.results: Counter[str] = Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._core, name)
-
-    def row_grow(self, *args: Any) -> Any:
-        out = self._core.row_grow(*args)
-        self.results[f"grow {type(out).__name__}"] += 1
-        return out
-
-    def row_release(self, *args: Any) -> Any:
-        out = self._core.row_release(*args)
-        self.results[f"release {type(out).__name__}"] += 1
-        return out
-
-
 def _both(
     layers: list[dict[str, Any]], ops: list[Callable[[KVCacheManager], Any]], **kw: Any
-) -> tuple[dict[bool, KVCacheManager], _Spy]:
+) -> tuple[dict[bool, KVCacheManager], CoreSpy]:
     """Run ``ops`` on a manager with the C core and on one without, comparing results (or
     error codes) and state after each op."""
     ms = {on: manager(layers, **kw) for on in (True, False)}
     for m in ms.values():
         m._coord.edits = []  # as with a CUDA device
-    spy = _Spy()
+    spy = CoreSpy(ms[True])
     for i, op in enumerate(ops):
         got = {}
         for on, m in ms.items():
@@ -96,14 +75,16 @@ def test_a_new_row_takes_each_group_s_blocks_from_the_head_and_gives_them_back_t
 def test_a_freed_row_keeps_what_a_prefix_hit_shares_and_a_window_released(
     null_page: bool,
 ) -> None:
-    """b shares a's first two blocks; a 8-token window released b's block 0 already. Freeing
-    b gives back only its own blocks (the shared one loses a reference); then a's free gives
-    the shared ones back. Same on both paths, the null page (empty 0) or not (-1)."""
+    """b shares a's first two blocks; its 8-token window released b's block 0 already, and
+    its extends release more. Freeing b gives back only its own blocks (the shared one loses
+    a reference); then a's free gives the shared ones back. Same on both paths, the null
+    page (empty 0) or not (-1)."""
     prompt = list(range(12))
     ops: list[Callable[[KVCacheManager], Any]] = [
         lambda m: m.allocate("a", 12, token_ids=prompt).num_hit_tokens,
         lambda m: m.commit("a", prompt),
         lambda m: m.allocate("b", 13, token_ids=[*prompt, 99]).num_hit_tokens,
+        lambda m: m.extend("b", 8).num_tokens,
         lambda m: m.extend("b", 8).num_tokens,
         lambda m: m.block_table("b"),
         lambda m: m.free("b"),
@@ -113,7 +94,8 @@ def test_a_freed_row_keeps_what_a_prefix_hit_shares_and_a_window_released(
     ]
     layers = [layer(0), layer(1, sliding_window=8)]
     ms, spy = _both(layers, ops, num_blocks=24, max_seq_len=64, null_page=null_page)
-    assert spy.results["release tuple"] == 3 and spy.results["grow int"] == 2
+    # a's blocks, b's past its hit and c's in C (extends keep grow_one), and the three frees
+    assert spy.results == Counter({"grow tuple": 3, "release tuple": 3})
     pool = ms[True]._coord.pools
     assert [p.num_free for p in pool] == [p.num_usable for p in pool]
 
@@ -128,7 +110,7 @@ def test_a_full_pool_is_left_to_numpy_to_name_and_changes_nothing() -> None:
         lambda m: m.allocate("fits", 4).capacity,
     ]
     _, spy = _both([layer(0)], ops, tokens_per_block=4, num_blocks=8, max_seq_len=32)
-    assert spy.results == Counter({"grow int": 2, "grow NoneType": 1})
+    assert spy.results == Counter({"grow tuple": 2, "grow NoneType": 1})
 
 
 @pytest.mark.parametrize(
@@ -161,21 +143,23 @@ def test_a_queue_full_of_tombstones_is_compacted_before_a_free(
 
 
 def test_row_ops_leave_to_numpy_what_they_do_not_run() -> None:
-    """False, changing nothing: a row that is not free (grow), a row or count out of range."""
+    """False, changing nothing: a window that would release blocks (grow), a row, count,
+    cell or queue entry out of range."""
     core = native._built
     assert core is not None
-    m = manager([layer(0)], num_blocks=8, max_seq_len=64)
-    row = m.allocate("a", 5).row
+    m = manager([layer(0), layer(1, sliding_window=4)], num_blocks=16, max_seq_len=64)
+    row = m.allocate("a", 13).row
     c = m._coord
     args = (m._native_decode.context(m), tuple(c.pools), tuple(c.sinks))
+    grow = args[:2]
     before = manager_state(m)
-    assert core.row_grow(row, 4, 0, *args) is False  # holds tokens
-    assert core.row_grow(-1, 4, 0, *args) is False
-    assert core.row_grow(c.num_tokens.size, 4, 0, *args) is False
-    assert core.row_grow(row + 1, 0, 0, *args) is False  # no token
-    assert core.row_grow(row + 1, 4, -1, *args) is False
-    assert core.row_grow(row + 1, 2**31, 0, *args) is False
-    assert core.row_grow(row + 1, 10**6, 0, *args) is False  # more blocks than a row holds
+    assert core.row_grow(row, 4, 0, *grow) is False  # from 13 tokens: the window releases
+    assert core.row_grow(-1, 4, 0, *grow) is False
+    assert core.row_grow(c.num_tokens.size, 4, 0, *grow) is False
+    assert core.row_grow(row + 1, 0, 0, *grow) is False  # no token
+    assert core.row_grow(row + 1, 4, -1, *grow) is False
+    assert core.row_grow(row + 1, 2**31, 0, *grow) is False
+    assert core.row_grow(row + 1, 10**6, 0, *grow) is False  # more blocks than a row holds
     assert core.row_release(-1, *args) is False
     assert core.row_release(c.num_tokens.size, *args) is False
     slot = int(c.tables[0][row, 0])
@@ -188,7 +172,7 @@ def test_row_ops_leave_to_numpy_what_they_do_not_run() -> None:
     ring = c.pools[0]._ring
     head = int(ring[c.pools[0]._head % ring.size])
     ring[c.pools[0]._head % ring.size] = c.refs[0].size  # a queue entry past the slots
-    assert core.row_grow(row + 1, 4, 0, *args) is False
+    assert core.row_grow(row + 1, 4, 0, *grow) is False
     ring[c.pools[0]._head % ring.size] = head
     with pytest.raises(ValueError):
         core.row_release(row, args[0], args[1], ())  # a sink per layer group
@@ -246,8 +230,9 @@ def test_random_allocates_and_frees_match_the_numpy_path() -> None:
         max_seq_len=64,
         null_page=True,
     )
-    assert spy.results["grow int"] > 30 and spy.results["release tuple"] > 30, spy.results
+    assert spy.results["grow tuple"] > 30 and spy.results["release tuple"] > 30, spy.results
     assert spy.results["grow bool"] == spy.results["release bool"] == 0
+    assert spy.results["grow released"] == 0  # an allocate's window releases nothing
 
 
 def test_the_context_object_reads_the_arrays_once_and_checks_them() -> None:

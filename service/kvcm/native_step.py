@@ -86,8 +86,9 @@ class NativeDecode:
     def row_args(
         self, core: ModuleType, m: KVCacheManager
     ) -> tuple[object, tuple[Any, ...], tuple[int, ...]]:
-        """(context object, free queues, sinks): what ``row_grow`` and ``row_release`` read
-        besides the row (``kvcm.native_rows``); the queues are restored in place, too."""
+        """(context object, free queues, sinks): what ``row_grow`` (the first two) and
+        ``row_release`` read besides the row (``kvcm.native_rows``); the queues are restored
+        in place, too."""
         if self._row_args is None:
             c = m._coord
             self._row_args = (self.arrays(core, m), tuple(c.pools), tuple(c.sinks))

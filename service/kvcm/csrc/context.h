@@ -18,6 +18,19 @@ typedef struct {
 #define I64P(b) ((int64_t *)(b).p)
 #define I32P(b) ((int32_t *)(b).p)
 
+/* floor(a / b) for b > 0 (C's division truncates toward zero). */
+static inline int64_t floor_div(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+/* The end of a windowed group's released run after an op from `history` tokens
+ * (kvcm.attention.SlidingWindow.released_end). */
+static inline int64_t released_end(int64_t old, int64_t history, int64_t window, int64_t tpb) {
+    int64_t stale = floor_div(history + 1 - window, tpb);
+    return stale > old ? stale : old;
+}
+
 int buf_get(PyObject *obj, Buf *a, Py_ssize_t itemsize, int writable);
 void buf_release(Buf *a);
 

@@ -1,20 +1,5 @@
 /* A decode step's batch of extends, planned in one pass over the rows (kvcm.native_step). */
-#include "native.h"
-
 #include "context.h"
-
-/* floor(a / b) for b > 0 (C's division truncates toward zero). */
-static inline int64_t floor_div(int64_t a, int64_t b) {
-    int64_t q = a / b;
-    return (a % b != 0 && a < 0) ? q - 1 : q;
-}
-
-/* The end of a windowed group's released run after an op from `history` tokens
- * (kvcm.attention.SlidingWindow.released_end). */
-static inline int64_t released_end(int64_t old, int64_t history, int64_t window, int64_t tpb) {
-    int64_t stale = floor_div(history + 1 - window, tpb);
-    return stale > old ? stale : old;
-}
 
 /* An int for every item, or an int64 array of one per item. */
 typedef struct {

@@ -9,8 +9,8 @@
  *   little-endian bytes (tokens.c).
  * - decode_plan, decode_commit: a batch of extends by handle (a decode step) planned in one
  *   pass over the rows, and its counters written in one more (kvcm.native_step, decode.c).
- * - row_grow, row_release: a new request's blocks and a freed request's, one call each
- *   (kvcm.native_rows, rows.c).
+ * - row_grow, row_release: one row's new blocks (a new request, the blocks past a prefix
+ *   hit) and a freed row's, one call each (kvcm.native_rows, rows.c).
  *
  * This file holds the module's method table; native.h the declarations the files share,
  * context.h (context.c) the coordinator's arrays and free queues as they read them.
@@ -29,7 +29,7 @@ static PyMethodDef methods[] = {
     {"decode_plan", kvcm_decode_plan, METH_VARARGS, "Plan a batch of extends by handle."},
     {"decode_commit", kvcm_decode_commit, METH_VARARGS, "Write a planned batch's counters."},
     {"context", kvcm_context, METH_O, "The decode context's arrays, read once."},
-    {"row_grow", kvcm_row_grow, METH_VARARGS, "A free row's blocks for a new request."},
+    {"row_grow", kvcm_row_grow, METH_VARARGS, "One row's new blocks (no window releasing)."},
     {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
     {NULL, NULL, 0, NULL}};
 

@@ -1,7 +1,7 @@
-/* A new request's blocks and a freed request's blocks, one call each (kvcm.native_rows).
+/* One row's new blocks and a freed row's blocks, one call each (kvcm.native_rows).
  *
- * Both do what the coordinator's numpy path does for one row (Coordinator.grow_one on a
- * free row, Coordinator.release_row), in the same order: the same slots leave and join the
+ * Both do what the coordinator's numpy path does for one row (Coordinator.grow_one where
+ * no window releases anything, Coordinator.release_row), in the same order: the same slots leave and join the
  * free queues in the same order, and the same table cells, references and counters change.
  * Evictions of cached slots, the host tier's copies and the device-table edits stay in
  * Python (the caller's), which reads what changed from the tables. */
@@ -71,44 +71,51 @@ static void pool_push(Pool *p, int32_t slot) {
     p->count++;
 }
 
-/* row_grow(row, num_tokens, lookahead, context, pools, sinks) -> int | None | False
+/* row_grow(row, num_tokens, lookahead, context, pools) -> tuple | None | False
  *
- * A free row (no tokens, no blocks, every released run at its sinks) gets k =
- * ceil((num_tokens + lookahead) / tokens_per_block) blocks in every layer group, in group
- * order, each group's from the head of its pool group's free queue: the slots are held once
- * (refs 1) and written at tables[g][row, :k]; the row then holds num_tokens tokens (history
- * 0) and lookahead draft slots. Returns k.
+ * Coordinator.grow_one of a row whose sliding windows release nothing (a new request, the
+ * blocks past a prefix hit): the row's capacity becomes history +
+ * num_tokens + lookahead tokens, history being its tokens before the call; each layer group
+ * in turn takes the blocks from its count up to ceil(capacity / tokens_per_block) from the
+ * head of its pool group's free queue: the slots are held once (refs 1) and written at
+ * tables[g][row, count:]. Returns the blocks each layer group added.
  *
  * None, with nothing changed, when a pool group has fewer free slots than its groups need
  * (the numpy path then raises OutOfBlocks); False, with nothing changed, when the numpy
- * path must run it (a row that is not free, counts out of range, more blocks than a row
- * holds, a queue out of shape).
+ * path must run it: a window that would release blocks, a row or count out of range, more
+ * blocks than a row holds, a queue out of shape.
  *
  * Example (tokens_per_block 16, two layer groups in one pool group, free queue [7 3 9 4
- * 2]): 20 tokens and 4 lookahead need 2 blocks per group: group 0 gets [7 3], group 1 [9 4];
- * the queue is [2]; returns 2.
+ * 2]): a free row, 20 tokens and 4 lookahead: 2 blocks per group, group 0 gets [7 3],
+ * group 1 [9 4]; the queue is [2]; returns (2, 2). The same row +10 tokens (34 with the
+ * lookahead) needs block 2 in each group, 2 slots, and 1 is free: None.
  */
 PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
-    PyObject *ctx_o, *pools_o, *sinks_o;
+    PyObject *ctx_o, *pools_o;
     long long row, nt, la;
-    if (!PyArg_ParseTuple(args, "LLLOOO", &row, &nt, &la, &ctx_o, &pools_o, &sinks_o))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "LLLOO", &row, &nt, &la, &ctx_o, &pools_o)) return NULL;
     Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
     int got = 0;
-    int64_t sinks[MAX_GROUPS], need[MAX_GROUPS] = {0};
+    int64_t need[MAX_GROUPS] = {0};
+    Py_ssize_t add[MAX_GROUPS] = {0};
     PyObject *result = NULL;
-    if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
-        pools_get(pools_o, c, p, &got) < 0)
-        goto done;
-    if (row < 0 || row >= c->nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT ||
-        I64P(c->num_tokens)[row] != 0)
+    if (!(c = ctx_open(ctx_o, &local, 1)) || pools_get(pools_o, c, p, &got) < 0) goto done;
+    if (row < 0 || row >= c->nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT)
         goto numpy;
-    int64_t k = (nt + la + c->tpb - 1) / c->tpb;
-    if (k > c->width) goto numpy;
+    int64_t history = I64P(c->num_tokens)[row];
+    if (history < 0 || history > MAX_COUNT) goto numpy; /* never from the coordinator */
+    int64_t want = (history + nt + la + c->tpb - 1) / c->tpb;
+    if (want > c->width) goto numpy;
     for (int g = 0; g < c->groups; g++) {
-        if (I64P(c->blocks[g])[row] != 0 || I64P(c->released[g])[row] != sinks[g]) goto numpy;
-        need[c->group_pool[g]] += k;
+        int64_t current = I64P(c->blocks[g])[row];
+        if (current < 0 || current > c->width) goto numpy; /* never from the coordinator */
+        if (c->window[g]) {
+            int64_t old = I64P(c->released[g])[row];
+            if (released_end(old, history, c->window[g], c->tpb) != old) goto numpy;
+        }
+        add[g] = want > current ? (Py_ssize_t)(want - current) : 0;
+        need[c->group_pool[g]] += add[g];
     }
     for (int q = 0; q < c->pools; q++) {
         if (need[q] > p[q].count) {
@@ -125,18 +132,19 @@ PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
         if (pool_stage(&p[q], p[q].head + used, p[q].len - used, p[q].count - need[q]) < 0)
             goto done;
     }
-    result = PyLong_FromLongLong(k);
+    result = counts_tuple(add, c->groups);
     if (!result) goto done;
     for (int g = 0; g < c->groups; g++) {
-        Pool *q = &p[c->group_pool[g]];
-        int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
+        if (!add[g]) continue;
+        int64_t current = I64P(c->blocks[g])[row];
+        int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width + current;
         int32_t *refs = I32P(c->refs[c->group_pool[g]]);
-        pool_pop(q, k, cells);
-        for (int64_t b = 0; b < k; b++) refs[cells[b]] = 1;
-        I64P(c->blocks[g])[row] = k;
+        pool_pop(&p[c->group_pool[g]], add[g], cells);
+        for (Py_ssize_t b = 0; b < add[g]; b++) refs[cells[b]] = 1;
+        I64P(c->blocks[g])[row] = current + add[g];
     }
-    I64P(c->num_tokens)[row] = nt;
-    I64P(c->history)[row] = 0;
+    I64P(c->num_tokens)[row] = history + nt;
+    I64P(c->history)[row] = history;
     I64P(c->lookahead)[row] = la;
     for (int q = 0; q < c->pools; q++)
         if (pool_commit(&p[q]) < 0) Py_CLEAR(result); /* setattr of an int on a slot */
