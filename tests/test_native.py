@@ -120,6 +120,35 @@ def test_pack_token_lists_packs_each_or_none() -> None:
 
 
 @built
+def test_a_step_s_handle_lists_parse_the_same_with_and_without_the_core(
+    rng: np.random.Generator,
+) -> None:
+    """``pack_handles`` takes lists and tuples of ints in int64's range; anything else
+    (bools, numpy ints, floats, ints past int64) is left to the numpy path, whose error or
+    value the step gets either way."""
+    from kvcm.columnar_parse import _handles
+
+    core = native._built
+    assert core is not None
+    edges = [0, -1, 2**63 - 1, -(2**63), (3 << 32) | 7]
+    lists: list[Any] = [edges, tuple(edges), rng.integers(-(2**62), 2**62, 300).tolist()]
+    for values in lists:
+        assert core.pack_handles(values) == struct.pack(f"={len(values)}q", *values)
+    odd: list[Any] = [[1, True], [np.int64(3)], [1.0], [2**63], [-(2**63) - 1], "ab", {1: 2}]
+    for bad in odd:
+        assert core.pack_handles(bad) is None, bad
+    for values in [*lists, *odd, [2**64 - 1, 5]]:
+        got = []
+        for on in (True, False):
+            native.use(on)
+            try:
+                got.append(_handles("free", values).tolist())
+            except InvalidArgument as exc:
+                got.append(exc.code)
+        assert got[0] == got[1], values
+
+
+@built
 def test_token_bytes_is_the_same_with_and_without_the_core() -> None:
     cases: list[Any] = [[1, 2, 3], (4, 5), [], np.arange(6), [np.int32(9), 2], [True, 3]]
     bad: list[Any] = [[-1], [2**31], [2**64], ["x"], [1.5], "abc", b"\x00"]

@@ -16,6 +16,7 @@ import numpy as np
 from kvcm_client.errors import InvalidArgument
 from kvcm_client.models import AllocateOp
 
+from . import native
 from .columnar_types import StepColumns
 from .counts import MAX_COUNT, _count, _counts
 from .ops import OP_FIELDS
@@ -32,14 +33,14 @@ _NO_HANDLES.flags.writeable = False
 def _handles(name: str, value: Any) -> np.ndarray:
     """Handles as a contiguous int64 array (what the C decode path reads): any sequence or
     1-d array of ints (not bools)."""
-    if type(value) is tuple or type(value) is list:
+    plain = type(value) is tuple or type(value) is list  # no abc checks for these
+    if plain:
         if not value:  # a section left out
             return _NO_HANDLES
-        if all(type(v) is int for v in value):  # the usual list (no bools, no abc checks)
-            try:
-                return np.array(value, dtype=np.int64)
-            except OverflowError:  # past int64: the general path's rules below
-                pass
+        core = native.core
+        packed = core.pack_handles(value) if core is not None else None
+        if packed is not None:  # ints in int64's range (no bool): numpy infers nothing
+            return np.frombuffer(packed, dtype=np.int64)
     if (
         type(value) is np.ndarray
         and value.dtype == np.int64
@@ -51,7 +52,7 @@ def _handles(name: str, value: Any) -> np.ndarray:
         arr = value
     elif isinstance(value, array):  # the client's int64 arrays: no copy
         arr = np.frombuffer(value, dtype=np.int64) if value.typecode == "q" else np.asarray(value)
-    elif isinstance(value, str | bytes) or not isinstance(value, Sequence):
+    elif not plain and (isinstance(value, str | bytes) or not isinstance(value, Sequence)):
         raise InvalidArgument(f"{name} must be a sequence of handles", **{name: None})
     else:
         if bool in map(type, value):

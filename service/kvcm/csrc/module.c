@@ -6,7 +6,7 @@
  * - sha256_chain: the prefix-reuse key chain (kvcm.hashing.chain_keys), SHA-256 with the
  *   x86 SHA extensions when the CPU has them, else a portable C implementation (sha256.c).
  * - pack_tokens, pack_token_lists: a prompt's token ids, or a step's commits, as int32
- *   little-endian bytes (tokens.c).
+ *   little-endian bytes; pack_handles: a step's handle list as int64 bytes (tokens.c).
  * - decode_plan, decode_commit: a batch of extends by handle (a decode step) planned in one
  *   pass over the rows, and its counters written in one more (kvcm.native_step, decode.c).
  * - row_grow, row_release: one row's new blocks (a new request, the blocks past a prefix
@@ -26,6 +26,7 @@ static PyMethodDef methods[] = {
     {"use_sha_extensions", kvcm_use_sha_extensions, METH_O, "Select the SHA extensions or not."},
     {"pack_tokens", kvcm_pack_tokens, METH_O, "Token ids as int32 LE bytes, or None."},
     {"pack_token_lists", kvcm_pack_token_lists, METH_O, "pack_tokens of each list, or None."},
+    {"pack_handles", kvcm_pack_handles, METH_O, "Handles as int64 bytes, or None."},
     {"decode_plan", kvcm_decode_plan, METH_VARARGS, "Plan a batch of extends by handle."},
     {"decode_commit", kvcm_decode_commit, METH_VARARGS, "Write a planned batch's counters."},
     {"context", kvcm_context, METH_O, "The decode context's arrays, read once."},

@@ -13,9 +13,10 @@ PyObject *kvcm_sha256_chain(PyObject *self, PyObject *args);
 PyObject *kvcm_sha256(PyObject *self, PyObject *args);
 PyObject *kvcm_use_sha_extensions(PyObject *self, PyObject *arg);
 
-/* tokens.c: token ids as int32 bytes */
+/* tokens.c: token ids as int32 bytes, handles as int64 bytes */
 PyObject *kvcm_pack_tokens(PyObject *self, PyObject *seq);
 PyObject *kvcm_pack_token_lists(PyObject *self, PyObject *seq);
+PyObject *kvcm_pack_handles(PyObject *self, PyObject *seq);
 
 /* decode.c: a decode step's batch of extends */
 PyObject *kvcm_decode_plan(PyObject *self, PyObject *args);

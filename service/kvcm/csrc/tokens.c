@@ -1,4 +1,5 @@
-/* Token ids as int32 little-endian bytes, range checked (kvcm.hashing.token_bytes). */
+/* Token ids as int32 little-endian bytes, range checked (kvcm.hashing.token_bytes), and a
+ * step's handles as int64 bytes (kvcm.columnar_parse). */
 #include "native.h"
 
 /* ids (a list or tuple) as int32 LE bytes; a new reference, NULL with an error set, or
@@ -52,4 +53,27 @@ PyObject *kvcm_pack_token_lists(PyObject *self, PyObject *seq) {
         PyList_SET_ITEM(out, i, one);
     }
     return out;
+}
+
+/* pack_handles(handles) -> int64 bytes (native order) for a list or tuple of ints (exactly
+ * int: no bool) in int64's range, or None for anything else (the caller's numpy path then
+ * judges it): a step's handle list without numpy inferring a dtype per item. */
+PyObject *kvcm_pack_handles(PyObject *self, PyObject *seq) {
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (!out) return NULL;
+    int64_t *p = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int overflow;
+        if (!PyLong_CheckExact(items[i])) goto refuse;
+        long long x = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow) goto refuse;
+        p[i] = (int64_t)x;
+    }
+    return out;
+refuse:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
 }
