@@ -236,7 +236,7 @@ class _Run:
         m, cols = self.m, self.cols
         if cols.commit.size > 1:
             rows, live = request_rows.handle_rows(m, cols.commit)
-            distinct = live is None and np.unique(rows).size == rows.size
+            distinct = live is None and request_rows.distinct_rows(m, rows)
             if distinct and commit_batch(m, rows, cols.commit_tokens, self.commit_item):
                 return
         tokens = cols.commit_tokens
