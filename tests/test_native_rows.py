@@ -4,6 +4,7 @@ cache index and device-table edits (``helpers.manager_state``)."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -254,3 +255,47 @@ def test_the_context_object_reads_the_arrays_once_and_checks_them() -> None:
         core.context(nd.context(m)[:5])
     with pytest.raises(ValueError):  # a capsule that is not a context
         core.row_release(row, datetime.datetime_CAPI, tuple(c.pools), tuple(c.sinks))
+
+
+def test_a_copied_manager_makes_its_own_context_object() -> None:
+    """``copy.deepcopy`` of a manager whose C core has run (tests twin managers so): the copy
+    does not share the original's context object (whose buffers are the original's), so its
+    row ops change only the copy."""
+    native.use(True)
+    m = manager([layer(0), layer(1, owner="draft")], num_blocks=12, max_seq_len=64)
+    m.allocate("a", 9)
+    m.free("a")
+    m.allocate("b", 5)
+    twin = copy.deepcopy(m)
+    before = manager_state(m)
+    table = m.block_table("b")
+    twin.allocate("c", 8)
+    twin.free("b")
+    assert same(manager_state(m), before) and twin.request_ids() == ["c"]
+    assert m.block_table("b") == table
+    m.free("b")  # the original's own object still serves it
+    pool = m._coord.pools[0]
+    assert pool.num_free == pool.num_usable
+
+
+def test_a_slot_named_twice_in_a_row_comes_back_once_as_in_numpy() -> None:
+    """A hand-made row whose two layer groups (one pool group) name the same slot, held
+    twice (never from the coordinator): the C free drops both references and gives the slot
+    back once, as the numpy path does."""
+    native.use(True)
+    m = manager([layer(0), layer(1, owner="draft")], num_blocks=12, max_seq_len=64)
+    row = m.allocate("a", 4).row
+    c = m._coord
+    c.refs[0][c.tables[1][row, 0]] = 0  # group 1's own slot goes back to nobody...
+    c.pools[0].push(c.tables[1][row, :1].copy())
+    c.tables[1][row, 0] = c.tables[0][row, 0]  # ...and it names group 0's slot instead
+    c.refs[0][c.tables[0][row, 0]] = 2
+    twin = copy.deepcopy(m)
+    native.use(False)
+    twin._coord.release_row(row)
+    native.use(True)
+    context, pools, sinks = m._native_decode.row_args(native._built, m)
+    assert native._built.row_release(row, context, pools, sinks) == (1, 1)
+    assert same(manager_state(m)[:9], manager_state(twin)[:9])  # tables, counters, queues
+    pool = m._coord.pools[0]
+    assert pool.num_free == pool.num_usable

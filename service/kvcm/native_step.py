@@ -18,6 +18,7 @@ become 17 and 21 tokens, with 2 blocks each; the items' new blocks are [1, 0].
 
 from __future__ import annotations
 
+import copy
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,18 @@ class NativeDecode:
         self._context: tuple[Any, ...] | None = None
         self._arrays: object | None = None
         self._row_args: tuple[object, tuple[Any, ...], tuple[int, ...]] | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NativeDecode:
+        """A copy (of a copied manager) over the copy's arrays: the context object is not
+        copied, since its buffers are the original's; the copy makes its own when used."""
+        twin = NativeDecode.__new__(NativeDecode)
+        memo[id(self)] = twin
+        twin.rows = copy.deepcopy(self.rows, memo)
+        twin.out = copy.deepcopy(self.out, memo)
+        twin._context = copy.deepcopy(self._context, memo)
+        twin._arrays = None
+        twin._row_args = None
+        return twin
 
     def _cells(self, num_groups: int, cells: int) -> None:
         """Work arrays for ``cells`` new or released blocks per layer group: rows, then the

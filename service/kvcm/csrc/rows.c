@@ -188,20 +188,44 @@ PyObject *kvcm_row_release(PyObject *self, PyObject *args) {
         pools_get(pools_o, c, p, &got) < 0)
         goto done;
     if (row < 0 || row >= c->nrows) goto numpy;
-    for (int g = 0; g < c->groups; g++) { /* check every cell, count what comes back */
+    for (int g = 0; g < c->groups; g++) { /* check every cell */
         int q = c->group_pool[g];
         int64_t count = I64P(c->blocks[g])[row];
         const int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
-        const int32_t *refs = I32P(c->refs[q]);
         if (count < 0 || count > c->width) goto numpy;
         for (int64_t b = 0; b < count; b++) {
             int64_t slot = cells[b];
-            if (slot <= c->empty) continue;
-            if (slot >= c->refs[q].n || slot >= p[q].pos.n || refs[slot] < 1) goto numpy;
-            back[q] += refs[slot] == 1;
+            if (slot > c->empty && (slot >= c->refs[q].n || slot >= p[q].pos.n)) goto numpy;
         }
         cleared[g] = (Py_ssize_t)count;
     }
+    /* What comes back, counted as the writes will drop the references (a slot named twice,
+     * never from the coordinator, comes back once), then the references put back. */
+    int bad = 0;
+    Py_ssize_t dropped = 0, undone = 0;
+    for (int g = 0; g < c->groups && !bad; g++) {
+        const int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
+        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+        for (int64_t b = cleared[g] - 1; b >= 0; b--) {
+            if (cells[b] <= c->empty) continue;
+            if (refs[cells[b]] < 1) { /* a cell nobody holds */
+                bad = 1;
+                break;
+            }
+            back[c->group_pool[g]] += --refs[cells[b]] == 0;
+            dropped++;
+        }
+    }
+    for (int g = 0; g < c->groups && undone < dropped; g++) {
+        const int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
+        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+        for (int64_t b = cleared[g] - 1; b >= 0 && undone < dropped; b--) {
+            if (cells[b] <= c->empty) continue;
+            refs[cells[b]]++;
+            undone++;
+        }
+    }
+    if (bad) goto numpy;
     for (int q = 0; q < c->pools; q++) {
         if (p[q].len + back[q] > p[q].ring.n) { /* BlockPool.push would compact first */
             result = PyLong_FromLong(q);
