@@ -472,3 +472,22 @@ def test_kvcm_native_0_turns_the_core_off() -> None:
     )
     expected = "numpy (KVCM_NATIVE=0)" if native.available() else "numpy (kvcm._native not built)"
     assert out.stdout.strip() == f"True {expected}"
+
+
+def test_a_stale_build_is_left_unused() -> None:
+    """An extension built from older sources (another ``API``) is not called: its functions
+    may take other arguments. kvcm runs numpy and says why."""
+    code = (
+        "import sys, types\n"
+        "fake = types.ModuleType('kvcm._native')\n"
+        "fake.API, fake.HAVE_SHA_EXTENSIONS = -1, 1\n"
+        "sys.modules['kvcm._native'] = fake\n"
+        "from kvcm import native\n"
+        "print(native.core is None, native.stale, native.available(), native.summary())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (
+        "True True False numpy (kvcm._native is stale: rebuild it, e.g. bash scripts/setup)"
+    )
+    if native.available():
+        assert native._built is not None and native._built.API == native.API

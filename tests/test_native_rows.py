@@ -163,17 +163,21 @@ def test_row_ops_leave_to_numpy_what_they_do_not_run() -> None:
     assert core.row_grow(row + 1, 10**6, 0, *grow) is False  # more blocks than a row holds
     assert core.row_release(-1, *args) is False
     assert core.row_release(c.num_tokens.size, *args) is False
+    # State the coordinator never makes, each checked unchanged before it is put back.
     slot = int(c.tables[0][row, 0])
-    c.tables[0][row, 0] = c.refs[0].size  # a cell past the slots (never from the coordinator)
-    assert core.row_release(row, *args) is False
+    c.tables[0][row, 0] = c.refs[0].size  # a cell past the slots
+    corrupt = manager_state(m)
+    assert core.row_release(row, *args) is False and same(manager_state(m), corrupt)
     c.tables[0][row, 0] = slot
-    c.refs[0][slot] = 0  # a cell nobody holds
-    assert core.row_release(row, *args) is False
+    c.refs[0][slot] = 0  # a cell nobody holds, after cells whose references are dropped
+    corrupt = manager_state(m)
+    assert core.row_release(row, *args) is False and same(manager_state(m), corrupt)
     c.refs[0][slot] = 1
     ring = c.pools[0]._ring
     head = int(ring[c.pools[0]._head % ring.size])
     ring[c.pools[0]._head % ring.size] = c.refs[0].size  # a queue entry past the slots
-    assert core.row_grow(row + 1, 4, 0, *grow) is False
+    corrupt = manager_state(m)
+    assert core.row_grow(row + 1, 4, 0, *grow) is False and same(manager_state(m), corrupt)
     ring[c.pools[0]._head % ring.size] = head
     with pytest.raises(ValueError):
         core.row_release(row, args[0], args[1], ())  # a sink per layer group

@@ -12,10 +12,18 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+#: The C core's interface version this Python code calls (``kvcm._native.API``): bumped when
+#: a function's arguments or results change, so that an extension built from older sources
+#: (a checkout pulled without rebuilding) is not called with new arguments.
+API = 2
+
 try:
-    from . import _native as _built
+    from . import _native as _loaded
 except ImportError:  # not built (no compiler): the numpy paths
-    _built = None
+    _loaded = None
+#: The built core if its interface is this code's, else None (``stale`` says which).
+_built = _loaded if getattr(_loaded, "API", None) == API else None
+stale = _loaded is not None and _built is None
 
 #: The C core, or None (not built, or switched off). Block keys are hashed in C only where
 #: ``core.HAVE_SHA_EXTENSIONS``: portable C SHA-256 is slower than the OpenSSL that hashlib
@@ -37,7 +45,10 @@ def use(on: bool) -> bool:
 
 def summary() -> str:
     """What runs the step path, for ``kvcm serve``'s first line: "C (SHA extensions)", "C",
-    "numpy (KVCM_NATIVE=0)" or "numpy (kvcm._native not built)"."""
+    "numpy (KVCM_NATIVE=0)", "numpy (kvcm._native is stale: ...)" or "numpy (kvcm._native
+    not built)"."""
     if core is not None:
         return "C (SHA extensions)" if core.HAVE_SHA_EXTENSIONS else "C"
+    if stale:
+        return "numpy (kvcm._native is stale: rebuild it, e.g. bash scripts/setup)"
     return "numpy (KVCM_NATIVE=0)" if available() else "numpy (kvcm._native not built)"

@@ -18,8 +18,8 @@ it takes (an allocate's never does: a prefix hit's row starts at the window's fi
 block).
 
 Example (tokens_per_block 16, one layer group, free queue [4 9 2]): ``grow(m, row, 20, 0)``
-on a free row takes [4 9] for table[0][row, :2] and returns 2; ``release(m, row)`` gives
-them back tail first, so the queue is [2 9 4].
+on a free row takes [4 9] for table[0][row, :2]; ``release(m, row)`` gives them back tail
+first, so the queue is [2 9 4].
 """
 
 from __future__ import annotations
@@ -34,19 +34,22 @@ if TYPE_CHECKING:
     from .manager import KVCacheManager
 
 
-def grow(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> int:
-    """``Coordinator.grow_one``: the block positions added, summed over layer groups. In C
-    unless a sliding window would release blocks (the numpy path then runs). Raises
+def grow(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> None:
+    """``Coordinator.grow_one`` (its callers here read the row's blocks, not the count it
+    returns). In C unless a sliding window would release blocks (the numpy path then runs).
+    Raises
     ``OutOfBlocks`` (from the numpy path, which the C core defers to) with nothing changed
     when the pools cannot hold it."""
     c = m._coord
     core = native.core
     if core is None or not c.plain:
-        return c.grow_one(row, num_tokens, lookahead)
+        c.grow_one(row, num_tokens, lookahead)
+        return
     context, pools, _ = m._native_decode.row_args(core, m)
     added = core.row_grow(row, num_tokens, lookahead, context, pools)
     if type(added) is not tuple:  # None: it does not fit (numpy names it); False: numpy's
-        return c.grow_one(row, num_tokens, lookahead)
+        c.grow_one(row, num_tokens, lookahead)
+        return
     edits = c.edits
     for g, k in enumerate(added):
         if k:
@@ -56,7 +59,6 @@ def grow(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> int:
             if edits is not None:
                 edits.append((g, np.full(k, row), np.arange(end - k, end), slots))
     c.ops_since_take += 1
-    return sum(added)
 
 
 def release(m: KVCacheManager, row: int) -> None:

@@ -45,6 +45,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
     int have_ni = kvcm_sha_init();
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0) Py_CLEAR(m);
+    /* API: the interface version kvcm.native expects (bumped when a function's arguments or
+     * results change; a stale build is then left unused, not called wrongly). */
+    if (m && (PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0 ||
+              PyModule_AddIntConstant(m, "API", 2) < 0))
+        Py_CLEAR(m);
     return m;
 }
