@@ -24,11 +24,7 @@ from kvcm.hashing import block_keys, token_bytes
 built = pytest.mark.skipif(not native.available(), reason="kvcm._native is not built")
 
 
-@pytest.fixture(autouse=True)
-def _restore_native() -> Iterator[None]:
-    on = native.core is not None
-    yield
-    native.use(on)
+pytestmark = pytest.mark.usefixtures("restore_native")
 
 
 # -- SHA-256 and block keys ------------------------------------------------------------------

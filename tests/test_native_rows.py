@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,14 +15,10 @@ from helpers import CoreSpy, layer, manager, manager_state, same
 
 from kvcm import KVCacheManager, KVCMError, OutOfBlocks, native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="kvcm._native is not built")
-
-
-@pytest.fixture(autouse=True)
-def _restore_native() -> Iterator[None]:
-    on = native.core is not None
-    yield
-    native.use(on)
+pytestmark = [
+    pytest.mark.skipif(not native.available(), reason="kvcm._native is not built"),
+    pytest.mark.usefixtures("restore_native"),
+]
 
 
 def _both(

@@ -91,10 +91,9 @@ def reuse_prefix(
         c.check_fits(need)
         hit_tokens = hit * tpb
         c.place_hits(row, hits, idle, ends, hit_tokens)
-        native_rows.grow(m, row, num_tokens - hit_tokens, lookahead)
     else:
         hit_tokens = 0
-        native_rows.grow(m, row, num_tokens, lookahead)
+    native_rows.grow(m, row, num_tokens - hit_tokens, lookahead)
     state_requests.start(m, row, root, keys, hit)
     if tokens is not None:
         stats = c.cache.stats
