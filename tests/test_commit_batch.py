@@ -139,25 +139,28 @@ def test_batched_commits_match_item_by_item(
     assert batches["ran"] > 100  # most steps' commits ran as a batch
 
 
+@pytest.mark.parametrize("core", [True, False])
 @pytest.mark.parametrize("atomic", [False, True])
 def test_a_step_stopped_by_a_failed_publish_applies_nothing_after_it(
-    atomic: bool, monkeypatch: pytest.MonkeyPatch
+    atomic: bool, core: bool, monkeypatch: pytest.MonkeyPatch, restore_native: None
 ) -> None:
-    """An internal error in the publish of the second commit stops the step (atomic or not):
-    the first commit (no block filled) is applied unless the step is atomic, the third (no
-    block filled either) is not, as item by item."""
-    from kvcm import commits
+    """An internal error in the publish of the second commit (its KV event) stops the step
+    (atomic or not): the first commit (no block filled) is applied unless the step is
+    atomic, the third (no block filled either) is not, as item by item; the failed commit
+    keeps none of its tokens or keys. With the C core the batch is ``commit_run``'s."""
+    from kvcm.events import EventLog
 
-    real = commits.publish
+    real = EventLog.stored
     armed = {"on": False}
 
-    def failing(coord: Any, state: Any, row: int, *args: Any) -> None:
-        if armed["on"] and row == 1:
+    def failing(log: EventLog, *args: Any) -> None:
+        if armed["on"]:
             raise RuntimeError("a bug in publish")
-        real(coord, state, row, *args)
+        real(log, *args)
 
-    monkeypatch.setattr(commits, "publish", failing)
-    outs, tokens = {}, {}
+    monkeypatch.setattr(EventLog, "stored", failing)
+    native.use(core)
+    outs, tokens, keys = {}, {}, {}
     for batched in (True, False):
         monkeypatch.setattr(columnar, "commit_batch", _BATCH if batched else lambda *_: False)
         m = manager([layer(0)], num_blocks=16, max_seq_len=64)
@@ -168,8 +171,12 @@ def test_a_step_stopped_by_a_failed_publish_applies_nothing_after_it(
         out = m.step_columns(commit=handles, commit_tokens=[[3], [3, 4], [3]], atomic=atomic)
         armed["on"] = False
         outs[batched] = [v.tolist() for v in out.status.values()]
+        assert [e.error.code for e in out.errors] == ["internal_error"]
         tokens[batched] = [m.committed_tokens(r) for r in "abc"]
+        keys[batched] = [len(m._prefix[r].keys) for r in "abc"]
     assert outs[True] == outs[False]
     assert tokens[True] == tokens[False]
+    assert keys[True] == keys[False] == [0, 0, 0]
+    assert tokens[True][1] == [1, 2]  # the failed commit: nothing kept
     assert tokens[True][2] == [1, 2]  # after the stop: not applied
     assert tokens[True][0] == ([1, 2] if atomic else [1, 2, 3])

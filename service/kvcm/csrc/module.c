@@ -32,6 +32,7 @@ static PyMethodDef methods[] = {
     {"context", kvcm_context, METH_O, "The decode context's arrays, read once."},
     {"row_grow", kvcm_row_grow, METH_VARARGS, "One row's new blocks (no window releasing)."},
     {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
+    {"commit_run", kvcm_commit_run, METH_VARARGS, "A step's commits and their publishing."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -48,7 +49,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* API: the interface version kvcm.native expects (bumped when a function's arguments or
      * results change; a stale build is then left unused, not called wrongly). */
     if (m && (PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0 ||
-              PyModule_AddIntConstant(m, "API", 2) < 0))
+              PyModule_AddIntConstant(m, "API", 3) < 0))
         Py_CLEAR(m);
     return m;
 }

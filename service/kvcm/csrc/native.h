@@ -12,6 +12,11 @@ int kvcm_sha_init(void); /* selects the SHA extensions if the CPU has them; retu
 PyObject *kvcm_sha256_chain(PyObject *self, PyObject *args);
 PyObject *kvcm_sha256(PyObject *self, PyObject *args);
 PyObject *kvcm_use_sha_extensions(PyObject *self, PyObject *arg);
+/* The chained keys of `count` blocks of `step` bytes at `data` (key_{-1}: the 32 bytes at
+ * `parent`) into list[at:at + count], whose items there are unset (NULL); 0, or -1 with an
+ * error (the items set stay owned by the list). */
+int kvcm_chain_into(const uint8_t *parent, const uint8_t *data, Py_ssize_t step,
+                    Py_ssize_t count, PyObject *list, Py_ssize_t at);
 
 /* tokens.c: token ids as int32 bytes, handles as int64 bytes */
 PyObject *kvcm_pack_tokens(PyObject *self, PyObject *seq);
@@ -28,5 +33,8 @@ PyObject *kvcm_context(PyObject *self, PyObject *t);
 /* rows.c: a new request's blocks, a freed request's blocks */
 PyObject *kvcm_row_grow(PyObject *self, PyObject *args);
 PyObject *kvcm_row_release(PyObject *self, PyObject *args);
+
+/* commits.c: a step's commits and the blocks they fill */
+PyObject *kvcm_commit_run(PyObject *self, PyObject *args);
 
 #endif

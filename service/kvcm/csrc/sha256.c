@@ -124,6 +124,32 @@ static void sha256_padded(uint8_t *buf, size_t len, uint8_t out[32]) {
     }
 }
 
+int kvcm_chain_into(const uint8_t *parent, const uint8_t *data, Py_ssize_t step,
+                    Py_ssize_t count, PyObject *list, Py_ssize_t at) {
+    if (!count) return 0;
+    uint8_t *buf = PyMem_Malloc((size_t)step + 32 + 72);
+    if (!buf) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(buf, parent, 32);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        /* the previous key is already in buf[0:32]; the padding overwrote only what follows */
+        memcpy(buf + 32, data + i * step, (size_t)step);
+        PyObject *key = PyBytes_FromStringAndSize(NULL, 32);
+        if (!key) {
+            PyMem_Free(buf);
+            return -1;
+        }
+        uint8_t *out = (uint8_t *)PyBytes_AS_STRING(key);
+        sha256_padded(buf, (size_t)step + 32, out);
+        memcpy(buf, out, 32);
+        PyList_SET_ITEM(list, at + i, key);
+    }
+    PyMem_Free(buf);
+    return 0;
+}
+
 /* sha256_chain(parent, data, block_bytes) -> list of the 32-byte keys of data's full blocks:
  * key_i = SHA-256(key_{i-1} || block_i), key_{-1} = parent. */
 PyObject *kvcm_sha256_chain(PyObject *self, PyObject *args) {
@@ -131,36 +157,14 @@ PyObject *kvcm_sha256_chain(PyObject *self, PyObject *args) {
     Py_ssize_t step;
     if (!PyArg_ParseTuple(args, "y*y*n", &parent, &data, &step)) return NULL;
     PyObject *keys = NULL;
-    uint8_t *buf = NULL;
     if (parent.len != 32 || step < 1) {
         PyErr_SetString(PyExc_ValueError, "parent must be 32 bytes and block_bytes >= 1");
         goto done;
     }
     Py_ssize_t count = data.len / step;
     keys = PyList_New(count);
-    if (!keys || !count) goto done;
-    buf = PyMem_Malloc((size_t)step + 32 + 72);
-    if (!buf) {
-        Py_CLEAR(keys);
-        PyErr_NoMemory();
-        goto done;
-    }
-    memcpy(buf, parent.buf, 32);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        /* the previous key is already in buf[0:32]; the padding overwrote only what follows */
-        memcpy(buf + 32, (const uint8_t *)data.buf + i * step, (size_t)step);
-        PyObject *key = PyBytes_FromStringAndSize(NULL, 32);
-        if (!key) {
-            Py_CLEAR(keys);
-            goto done;
-        }
-        uint8_t *out = (uint8_t *)PyBytes_AS_STRING(key);
-        sha256_padded(buf, (size_t)step + 32, out);
-        memcpy(buf, out, 32);
-        PyList_SET_ITEM(keys, i, key);
-    }
+    if (keys && kvcm_chain_into(parent.buf, data.buf, step, count, keys, 0) < 0) Py_CLEAR(keys);
 done:
-    PyMem_Free(buf);
     PyBuffer_Release(&parent);
     PyBuffer_Release(&data);
     return keys;
