@@ -381,42 +381,45 @@ PyObject *kvcm_commit_run(PyObject *self, PyObject *args) {
         return NULL;
     Ctx local, *c = NULL;
     Buf rows = {0}, committed = {0};
-    PyObject *result = NULL;
+    PyObject *result = NULL, **held_of = NULL;
+    Py_ssize_t n = 0;
     if (!(c = ctx_open(ctx_o, &local, 0)) || buf_get(rows_o, &rows, 8, 0) < 0 ||
         buf_get(committed_o, &committed, 8, 1) < 0)
         goto done;
-    Py_ssize_t n = rows.n;
+    n = rows.n;
     if (PyList_GET_SIZE(data) != n || committed.n != c->nrows || start < 0 || start > n) {
         PyErr_SetString(PyExc_ValueError, "commit_run: mismatched sizes");
         goto done;
     }
     const int64_t *row_of = I64P(rows);
-    for (Py_ssize_t i = start; i < n && start == 0; i++) {
+    /* Each item's request (its committed bytes and prefix state), looked up once and held
+     * while the call runs: an event's Python call cannot drop them under it. */
+    if (n > start && !(held_of = PyMem_Calloc((size_t)(2 * (n - start)), sizeof(PyObject *)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject **state_of = held_of + (n - start);
+    for (Py_ssize_t i = start; i < n; i++) {
         PyObject *held, *state, *d = PyList_GET_ITEM(data, i);
         int64_t row = row_of[i];
         int found = request_of(ids, tokens, prefix, row, &held, &state);
         if (found < 0) goto done;
         if (!found || row >= c->nrows || !PyBytes_CheckExact(d) || PyBytes_GET_SIZE(d) % 4 ||
             PyByteArray_GET_SIZE(held) + PyBytes_GET_SIZE(d) > 4 * I64P(c->num_tokens)[row]) {
+            if (start) { /* checked when the call started at 0: never after */
+                PyErr_SetString(PyExc_ValueError, "commit_run: an item changed between calls");
+                goto done;
+            }
             result = Py_NewRef(Py_None);
             goto done;
         }
+        held_of[i - start] = Py_NewRef(held);
+        state_of[i - start] = Py_NewRef(state);
     }
     Py_ssize_t i = start;
     for (; i < n; i++) {
-        PyObject *held = NULL, *state = NULL;
-        int found = request_of(ids, tokens, prefix, row_of[i], &held, &state);
-        int ok = found <= 0 ? -1 : 0;
-        if (!found)
-            PyErr_SetString(PyExc_ValueError, "commit_run: an item's request went away");
-        if (found > 0) {
-            Py_INCREF(held); /* an event's call could drop the dicts' references */
-            Py_INCREF(state);
-            ok = commit_item(c, &k, held, state, PyList_GET_ITEM(data, i), row_of[i],
-                             I64P(committed));
-            Py_DECREF(held);
-            Py_DECREF(state);
-        }
+        int ok = commit_item(c, &k, held_of[i - start], state_of[i - start],
+                             PyList_GET_ITEM(data, i), row_of[i], I64P(committed));
         if (ok == 0) break;
         if (ok < 0) {
             PyObject *type, *value, *tb;
@@ -432,6 +435,9 @@ PyObject *kvcm_commit_run(PyObject *self, PyObject *args) {
     }
     result = PyLong_FromSsize_t(i);
 done:
+    if (held_of)
+        for (Py_ssize_t j = 0; j < 2 * (n - start); j++) Py_XDECREF(held_of[j]);
+    PyMem_Free(held_of);
     cache_release(&k);
     buf_release(&rows);
     buf_release(&committed);
