@@ -178,8 +178,10 @@ class CoreSpy:
     ``grow NoneType`` (did not fit: numpy names the error), ``release int`` (a queue to
     compact first), ``grow released`` (left to numpy because a sliding window releases
     blocks: its rule), and ``grow bool`` / ``release bool`` (left to numpy otherwise: never
-    expected). Decode batches: ``planned`` in C, ``around`` failing items, ``deferred`` to
-    the numpy plan (only a batch with more items than rows may be)."""
+    expected); prefix hits: ``hit int`` (placed in C), ``hit miss`` (none), ``hit NoneType``
+    (did not fit), ``hit bool`` (left to numpy). Decode batches: ``planned`` in C,
+    ``around`` failing items, ``deferred`` to the numpy plan (only a batch with more items
+    than rows may be)."""
 
     def __init__(self, m: KVCacheManager) -> None:
         from kvcm import native
@@ -217,4 +219,10 @@ class CoreSpy:
     def row_release(self, *args: Any) -> Any:
         out = self._core.row_release(*args)
         self.results[f"release {type(out).__name__}"] += 1
+        return out
+
+    def row_hit(self, *args: Any) -> Any:
+        out = self._core.row_hit(*args)
+        kind = "miss" if out == 0 and type(out) is int else type(out).__name__
+        self.results[f"hit {kind}"] += 1
         return out

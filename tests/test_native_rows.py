@@ -299,3 +299,125 @@ def test_a_slot_named_twice_in_a_row_comes_back_once_as_in_numpy() -> None:
     assert same(manager_state(m)[:9], manager_state(twin)[:9])  # tables, counters, queues
     pool = m._coord.pools[0]
     assert pool.num_free == pool.num_usable
+
+
+def test_a_prefix_hit_takes_the_cached_slots_and_only_the_free_ones_leave_the_queue() -> None:
+    """row_hit's worked example: cached k0 (held by another request) and k1 (free), a prompt
+    whose third block differs: the hit is 2 blocks, the row gets both slots (refs 2 and 1),
+    only k1's slot leaves the queue, and the request needs 1 + 3 free slots (20 tokens)."""
+    native.use(True)
+    m = manager([layer(0)], num_blocks=16, max_seq_len=64)
+    prompt = list(range(13))
+    m.allocate("a", 13, token_ids=prompt)
+    m.commit("a", prompt)
+    m.free("a")
+    m.allocate("holder", 5, token_ids=prompt[:5])  # holds k0's slot
+    c = m._coord
+    keys = m._prefix["holder"].prompt_keys
+    s0 = c.cache.scope(0, m._prefix["holder"].root)[keys[0]]
+    assert c.refs[0][s0] == 1
+    queue = c.pools[0].free_order().tolist()
+    info = m.allocate("b", 16, token_ids=[*prompt[:8], 50, 51, 52, 53, 54, 55, 56, 57], lookahead=4)
+    s1 = m.block_table("b")[0][1]
+    assert info.num_hit_tokens == 8 and m.block_table("b")[0][:2] == [s0, s1]
+    assert c.refs[0][[s0, s1]].tolist() == [2, 1]
+    rest = [s for s in queue if s != s1]
+    assert m.block_table("b")[0][2:] == rest[:3]  # the blocks past the hit, off the head
+    assert c.pools[0].free_order().tolist() == rest[3:]
+
+
+def _hits_ops(rng: np.random.Generator, n: int) -> list[Callable[[KVCacheManager], Any]]:
+    """Allocates with prompts sharing prefixes (hits on held and on free cached blocks, some
+    too big for the pool), their commits, extends and frees (at most 4 requests live), in
+    random order."""
+    prompts = [rng.integers(0, 4, 40).tolist() for _ in range(3)]
+    ops: list[Callable[[KVCacheManager], Any]] = []
+    live: list[str] = []
+    for i in range(n):
+        r = rng.random()
+        if live and (r < 0.3 or len(live) >= 4):
+            rid = live.pop(int(rng.integers(len(live))))
+            ops.append(lambda m, rid=rid: m.free(rid))
+            continue
+        if live and r < 0.5:
+            rid = live[int(rng.integers(len(live)))]
+            ops.append(lambda m, rid=rid: m.extend(rid, 3).num_tokens)
+            continue
+        rid = f"r{i}"
+        tokens = prompts[int(rng.integers(3))][: int(rng.integers(1, 40))]
+        ahead = int(rng.integers(0, 9))
+        salt = "t" if rng.random() < 0.2 else None
+        ops.append(
+            lambda m, rid=rid, t=tokens, a=ahead, s=salt: (
+                m.allocate(rid, len(t), token_ids=t, lookahead=a, cache_salt=s).num_hit_tokens
+            )
+        )
+        ops.append(lambda m, rid=rid, t=tokens: m.commit(rid, t).num_tokens)
+        live.append(rid)
+    return ops
+
+
+@pytest.mark.parametrize(
+    ("layers", "kw", "fills"),
+    [
+        ([layer(0)], {"tokens_per_block": 4, "num_blocks": 40}, False),
+        (
+            [layer(0), layer(1, owner="draft")],
+            {"tokens_per_block": 1, "null_page": True, "num_blocks": 100},
+            True,
+        ),
+        (
+            [layer(0), layer(1), layer(2, head_dim=8)],
+            {"tokens_per_block": 3, "num_blocks": 60},
+            False,
+        ),
+    ],
+    ids=["one group", "two pool groups, null page, a pool that fills", "three groups"],
+)
+def test_random_prefix_hits_match_the_numpy_path(
+    layers: list[dict[str, Any]], kw: dict[str, Any], fills: bool
+) -> None:
+    """500 random ops whose allocates hit the cache (row_hit) on two managers, C and numpy:
+    the same hits, tables, references, free queues (tombstones included), cache index,
+    events and edits after every op; allocates that do not fit are named by numpy."""
+
+    def guarded(op: Callable[[KVCacheManager], Any]) -> Callable[[KVCacheManager], Any]:
+        def run(m: KVCacheManager) -> Any:
+            try:
+                return op(m)
+            except KVCMError as exc:
+                return exc.code
+
+        return run
+
+    ops = [guarded(op) for op in _hits_ops(np.random.default_rng(3), 500)]
+    _, spy = _both(layers, ops, max_seq_len=64, **kw)
+    assert spy.results["hit int"] > 80, spy.results
+    assert (spy.results["hit NoneType"] > 0) == fills, spy.results  # left to numpy to name
+    assert spy.results["hit bool"] == 0, spy.results
+
+
+def test_a_hit_is_left_to_python_where_c_does_not_place_it() -> None:
+    """A window, a layer group without reuse, a host tier, or caller-given block keys: the
+    Python path finds and places the hit (no row_hit call), with the same result."""
+    prompt = list(range(12))
+    ops: list[Callable[[KVCacheManager], Any]] = [
+        lambda m: m.allocate("a", 12, token_ids=prompt).num_hit_tokens,
+        lambda m: m.commit("a", prompt),
+        lambda m: m.allocate("b", 12, token_ids=prompt).num_hit_tokens,
+    ]
+    for layers in ([layer(0), layer(1, sliding_window=8)], [layer(0), layer(1, reuse="none")]):
+        _, spy = _both(layers, ops, num_blocks=24, max_seq_len=64)
+        assert not any(k.startswith("hit") for k in spy.results), spy.results
+    from kvcm.hashing import block_keys
+
+    keyed = [
+        *ops[:2],
+        lambda m: (
+            m.allocate("b", 12, token_ids=prompt, block_keys=block_keys(prompt, 4)).num_hit_tokens
+        ),
+    ]
+    _, spy = _both([layer(0)], keyed, num_blocks=24, max_seq_len=64)
+    assert spy.results["hit miss"] == 1 and spy.results["hit int"] == 0, spy.results  # a's
+    _, spy = _both([layer(0)], ops, num_blocks=24, max_seq_len=64)
+    assert spy.results["hit int"] == 1 and spy.results["hit miss"] == 1, spy.results

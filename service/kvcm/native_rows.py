@@ -61,6 +61,41 @@ def grow(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> None:
     c.ops_since_take += 1
 
 
+def place_hit(
+    m: KVCacheManager, row: int, root: bytes, keys: list[bytes], num_tokens: int, lookahead: int
+) -> int | None:
+    """``find_hit``, ``hit_need``, ``check_fits`` and ``place_hits`` of a new request in C
+    (``row_hit``): the blocks of its prompt's longest cached prefix (at most num_tokens - 1
+    tokens) placed in its free ``row``; returns the hit in blocks. None, with nothing
+    changed, when the Python path must find and place it: layer groups with a window or
+    without reuse, context-parallel ranks, a host tier (onboarding) or state layers
+    (checkpoints cut hits), no C core, or a hit that does not fit (Python names the
+    error)."""
+    c = m._coord
+    core = native.core
+    if core is None or not c.plain or m._host is not None or m._state is not None:
+        return None
+    cache = c.cache
+    if not all(cache.reusable) or any(window is not None for window, _ in m._windows):
+        return None
+    tpb = c.tokens_per_block
+    cap = min(len(keys), (num_tokens - 1) // tpb)
+    if cap <= 0:
+        return 0
+    scopes = tuple(index.get(root) for index in cache.index)
+    context, pools, sinks = m._native_decode.row_args(core, m)
+    hit = core.row_hit(row, keys, scopes, cap, num_tokens + lookahead, context, pools, sinks)
+    if type(hit) is not int:  # None: it does not fit; False: numpy's to run
+        return None
+    if hit:
+        if c.edits is not None:
+            for g in range(len(c.tables)):
+                slots = c.tables[g][row, :hit].copy()  # the edit log keeps it
+                c.edits.append((g, np.full(hit, row), np.arange(hit), slots))
+        c.ops_since_take += 1
+    return hit
+
+
 def release(m: KVCacheManager, row: int) -> None:
     """``Coordinator.release_row``: every block of the row back, tail first."""
     c = m._coord

@@ -68,8 +68,14 @@ def reuse_prefix(
     hit = 0
     tpb = m.tokens_per_block
     c = m._coord
+    placed = None  # the hit, when the C core found and placed it
     if tokens is not None:
         keys = _keys_of(m, tokens, data, root, items, block_keys)
+        if block_keys is None:  # caller-given keys are checked past the hit below
+            placed = native_rows.place_hit(m, row, root, keys, num_tokens, lookahead)
+    if placed is not None:
+        hit = placed
+    elif tokens is not None:
         # Not inside an all-or-nothing step: onboarding writes pages into device slots,
         # and an undo would give those slots back to the cache entries they had.
         if m._host is not None and m._undo is None:
@@ -86,13 +92,11 @@ def reuse_prefix(
         )
         if block_keys is not None:
             _check_key_sizes(keys[hit:])
-    if hit:
+    hit_tokens = hit * tpb
+    if hit and placed is None:
         need, idle = c.hit_need(hits, num_tokens + lookahead)
         c.check_fits(need)
-        hit_tokens = hit * tpb
         c.place_hits(row, hits, idle, ends, hit_tokens)
-    else:
-        hit_tokens = 0
     native_rows.grow(m, row, num_tokens - hit_tokens, lookahead)
     state_requests.start(m, row, root, keys, hit)
     if tokens is not None:

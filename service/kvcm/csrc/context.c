@@ -206,3 +206,33 @@ Ctx *ctx_open(PyObject *o, Ctx *local, int writable) {
 void ctx_close(Ctx *c, Ctx *local) {
     if (c == local) ctx_release(local);
 }
+
+/* The sinks of each layer group (a tuple of ints), into out; -1 with an error. */
+int sinks_get(PyObject *t, const Ctx *c, int64_t *out) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != c->groups) {
+        PyErr_SetString(PyExc_ValueError, "sinks: a tuple with an int per layer group");
+        return -1;
+    }
+    for (int g = 0; g < c->groups; g++) {
+        out[g] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, g));
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* Each pool group's free queue (a tuple of BlockPool), into p[]; *got counts those read
+ * (the caller releases them). -1 with an error. */
+int pools_get(PyObject *t, const Ctx *c, Pool *p, int *got) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != c->pools) {
+        PyErr_SetString(PyExc_ValueError, "pools: a tuple with a BlockPool per pool group");
+        return -1;
+    }
+    for (int q = 0; q < c->pools; q++) {
+        if (pool_get(PyTuple_GET_ITEM(t, q), &p[q]) < 0) {
+            pool_release(&p[q]);
+            return -1;
+        }
+        *got = q + 1;
+    }
+    return 0;
+}

@@ -80,4 +80,10 @@ int pool_stage(Pool *p, int64_t head, int64_t len, int64_t count);
 int pool_commit(Pool *p);
 void pool_release(Pool *p);
 
+/* Each pool group's free queue (a tuple of BlockPool) into p[], *got counting those read
+ * (the caller releases them); each layer group's sinks (a tuple of ints) into out. -1 with
+ * an error. */
+int pools_get(PyObject *t, const Ctx *c, Pool *p, int *got);
+int sinks_get(PyObject *t, const Ctx *c, int64_t *out);
+
 #endif

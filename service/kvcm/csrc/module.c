@@ -33,6 +33,7 @@ static PyMethodDef methods[] = {
     {"row_grow", kvcm_row_grow, METH_VARARGS, "One row's new blocks (no window releasing)."},
     {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
     {"commit_run", kvcm_commit_run, METH_VARARGS, "A step's commits and their publishing."},
+    {"row_hit", kvcm_row_hit, METH_VARARGS, "A new row's prefix hit (full attention)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -49,7 +50,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* API: the interface version kvcm.native expects (bumped when a function's arguments or
      * results change; a stale build is then left unused, not called wrongly). */
     if (m && (PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0 ||
-              PyModule_AddIntConstant(m, "API", 3) < 0))
+              PyModule_AddIntConstant(m, "API", 4) < 0))
         Py_CLEAR(m);
     return m;
 }
