@@ -71,18 +71,15 @@ def place_hit(
     without reuse, context-parallel ranks, a host tier (onboarding) or state layers
     (checkpoints cut hits), no C core, or a hit that does not fit (Python names the
     error)."""
-    c = m._coord
     core = native.core
-    if core is None or not c.plain or m._host is not None or m._state is not None:
+    if core is None or not m._native_decode.hits_in_c(m):
         return None
-    cache = c.cache
-    if not all(cache.reusable) or any(window is not None for window, _ in m._windows):
-        return None
+    c = m._coord
     tpb = c.tokens_per_block
     cap = min(len(keys), (num_tokens - 1) // tpb)
     if cap <= 0:
         return 0
-    scopes = tuple(index.get(root) for index in cache.index)
+    scopes = tuple(index.get(root) for index in c.cache.index)
     context, pools, sinks = m._native_decode.row_args(core, m)
     hit = core.row_hit(row, keys, scopes, cap, num_tokens + lookahead, context, pools, sinks)
     if type(hit) is not int:  # None: it does not fit; False: numpy's to run

@@ -38,7 +38,7 @@ class NativeDecode:
     """One manager's C decode path: its work arrays (no allocation per step) and the
     coordinator's arrays as the C core reads them."""
 
-    __slots__ = ("_arrays", "_context", "_row_args", "out", "rows")
+    __slots__ = ("_arrays", "_context", "_hits", "_row_args", "out", "rows")
 
     def __init__(self, max_requests: int, num_groups: int) -> None:
         self.rows = np.zeros(max_requests, dtype=np.int64)
@@ -47,6 +47,7 @@ class NativeDecode:
         self._context: tuple[Any, ...] | None = None
         self._arrays: object | None = None
         self._row_args: tuple[object, tuple[Any, ...], tuple[int, ...]] | None = None
+        self._hits: bool | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NativeDecode:
         """A copy (of a copied manager) over the copy's arrays: the context object is not
@@ -58,6 +59,7 @@ class NativeDecode:
         twin._context = copy.deepcopy(self._context, memo)
         twin._arrays = None
         twin._row_args = None
+        twin._hits = self._hits
         return twin
 
     def _cells(self, num_groups: int, cells: int) -> None:
@@ -106,6 +108,21 @@ class NativeDecode:
             c = m._coord
             self._row_args = (self.arrays(core, m), tuple(c.pools), tuple(c.sinks))
         return self._row_args
+
+    def hits_in_c(self, m: KVCacheManager) -> bool:
+        """Whether ``row_hit`` can place this manager's prefix hits (``native_rows.place_hit``):
+        every layer group full attention and reusable, no context parallelism, host tier or
+        state layers. Fixed for the manager's life, so decided once."""
+        if self._hits is None:
+            c = m._coord
+            self._hits = (
+                c.plain
+                and m._host is None
+                and m._state is None
+                and all(c.cache.reusable)
+                and all(window is None for window, _ in m._windows)
+            )
+        return self._hits
 
     def extend(
         self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any
