@@ -2,10 +2,12 @@
 
 ``allocate`` with ``token_ids`` keys every full block of the prompt (to look up the prefix
 cache); the request keeps those keys with the prompt's int32 bytes. Keys a caller gave
-(``block_keys``) are kept only up to the prefix hit (keys found in the cache): past it they
-are untrusted input, since a client could pass keys of another scope or other tokens, so the
-commit hashes those blocks itself. A commit that fills blocks with the prompt's own tokens
-takes the kept keys instead of hashing again. Block b's kept key is reused only when both hold:
+(``block_keys``) are never kept: they are untrusted input (a client could pass keys of other
+tokens), and even those that hit prove only that the key is cached, not that it is the key of
+these tokens; a commit after a rewind below the hit would then publish the request's own
+tokens under another prompt's key. Commits of such a request hash their blocks. A commit that
+fills blocks with the prompt's own tokens takes the kept keys instead of hashing again.
+Block b's kept key is reused only when both hold:
 
 - its parent, the key of block b - 1 of the committed tokens (the root for block 0), is the
   prompt's key of block b - 1: the chain then proves that every earlier committed token is the

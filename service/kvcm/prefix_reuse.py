@@ -104,9 +104,10 @@ def reuse_prefix(
         stats.queries += 1
         stats.query_tokens += num_tokens
         stats.hit_tokens += hit_tokens
-    # Only keys kvcm hashed itself are kept for commits: caller-given keys are untrusted
-    # past the hit (a client could pass another scope's keys), so commits hash those.
-    kept = keys if block_keys is None else keys[:hit]
+    # Only keys kvcm hashed itself are kept for commits. Caller-given keys are not, even
+    # those that hit: a hit proves a key is cached, not that it is these tokens' key, and a
+    # commit after a rewind below the hit would publish the request's own tokens under it.
+    kept = keys if block_keys is None else []
     return hit_tokens, PrefixState(root, lora_id, has_salt, items, keys[:hit], data, kept)
 
 
@@ -209,7 +210,7 @@ def _keys_of(
     # reuse_prefix checks the size of the keys past the hit, which commits may publish. Hex
     # strings (the wire form) are converted.
     keys = given if type(given) is list else list(given)
-    if keys and type(keys[0]) is not bytes:
+    if any(type(k) is not bytes for k in keys):  # hex strings, bytes subclasses, views
         try:
             keys = [bytes.fromhex(k) if isinstance(k, str) else bytes(k) for k in keys]
         except (TypeError, ValueError):

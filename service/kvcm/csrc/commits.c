@@ -341,9 +341,9 @@ static int commit_item(const Ctx *c, Cache *k, PyObject *held, PyObject *state, 
         } else { /* a refused commit changes nothing: its bytes and keys are cut */
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
-            if (PyByteArray_Resize(held, old) < 0 ||
-                PyList_SetSlice(keys, have, PyList_GET_SIZE(keys), NULL) < 0)
-                PyErr_Clear(); /* shrinking does not fail */
+            /* each cut on its own: a shrink can fail only where memory has run out */
+            if (PyByteArray_Resize(held, old) < 0) PyErr_Clear();
+            if (PyList_SetSlice(keys, have, PyList_GET_SIZE(keys), NULL) < 0) PyErr_Clear();
             PyErr_Restore(type, value, tb);
         }
     }
