@@ -327,9 +327,10 @@ def test_a_prefix_hit_takes_the_cached_slots_and_only_the_free_ones_leave_the_qu
 
 
 def _hits_ops(rng: np.random.Generator, n: int) -> list[Callable[[KVCacheManager], Any]]:
-    """Allocates with prompts sharing prefixes (hits on held and on free cached blocks, some
-    too big for the pool), their commits, extends and frees (at most 4 requests live), in
-    random order."""
+    """Allocates with prompts sharing prefixes (hits on held and on free cached blocks,
+    LoRA and salt scopes, identical retries, some too big for the pool), their commits,
+    extends, rewinds, frees and all-or-nothing steps whose last allocate fails (undone), at
+    most 4 requests live, in random order."""
     prompts = [rng.integers(0, 4, 40).tolist() for _ in range(3)]
     ops: list[Callable[[KVCacheManager], Any]] = []
     live: list[str] = []
@@ -339,43 +340,74 @@ def _hits_ops(rng: np.random.Generator, n: int) -> list[Callable[[KVCacheManager
             rid = live.pop(int(rng.integers(len(live))))
             ops.append(lambda m, rid=rid: m.free(rid))
             continue
-        if live and r < 0.5:
+        if live and r < 0.4:
             rid = live[int(rng.integers(len(live)))]
             ops.append(lambda m, rid=rid: m.extend(rid, 3).num_tokens)
+            continue
+        if live and r < 0.45:
+            rid = live[int(rng.integers(len(live)))]
+            ops.append(lambda m, rid=rid: m.rewind(rid, 2).num_tokens)
             continue
         rid = f"r{i}"
         tokens = prompts[int(rng.integers(3))][: int(rng.integers(1, 40))]
         ahead = int(rng.integers(0, 9))
-        salt = "t" if rng.random() < 0.2 else None
+        extra = [{}, {}, {}, {"cache_salt": "t"}, {"lora_id": 3}][int(rng.integers(5))]
+        if rng.random() < 0.1:  # an all-or-nothing step whose second allocate fails: undone
+            ops.append(
+                lambda m, rid=rid, t=tokens, e=extra: (
+                    m.step_columns(
+                        allocate=[
+                            {"request_id": rid, "num_tokens": len(t), "token_ids": t, **e},
+                            {"request_id": rid + "x", "num_tokens": 10_000},
+                        ],
+                        atomic=True,
+                    )
+                    .status["allocate"]
+                    .tolist()
+                )
+            )
+            continue
         ops.append(
-            lambda m, rid=rid, t=tokens, a=ahead, s=salt: (
-                m.allocate(rid, len(t), token_ids=t, lookahead=a, cache_salt=s).num_hit_tokens
+            lambda m, rid=rid, t=tokens, a=ahead, e=extra: (
+                m.allocate(rid, len(t), token_ids=t, lookahead=a, **e).num_hit_tokens
             )
         )
+        if rng.random() < 0.1:  # the same allocate again: its first result, nothing placed
+            ops.append(
+                lambda m, rid=rid, t=tokens, a=ahead, e=extra: (
+                    m.allocate(rid, len(t), token_ids=t, lookahead=a, **e).num_hit_tokens
+                )
+            )
         ops.append(lambda m, rid=rid, t=tokens: m.commit(rid, t).num_tokens)
         live.append(rid)
     return ops
 
 
 @pytest.mark.parametrize(
-    ("layers", "kw", "fills"),
+    ("layers", "kw", "fills", "group_pool"),
     [
-        ([layer(0)], {"tokens_per_block": 4, "num_blocks": 40}, False),
+        ([layer(0)], {"tokens_per_block": 4, "num_blocks": 40}, False, [0]),
         (
             [layer(0), layer(1, owner="draft")],
             {"tokens_per_block": 1, "null_page": True, "num_blocks": 100},
             True,
+            [0, 0],
         ),
         (
-            [layer(0), layer(1), layer(2, head_dim=8)],
-            {"tokens_per_block": 3, "num_blocks": 60},
-            False,
+            [layer(0), layer(1, owner="draft", head_dim=8)],
+            {"tokens_per_block": 3, "num_blocks": 44},
+            True,
+            [0, 1],
         ),
     ],
-    ids=["one group", "two pool groups, null page, a pool that fills", "three groups"],
+    ids=[
+        "one layer group",
+        "two layer groups in one pool group, null page",
+        "two layer groups in two pool groups",
+    ],
 )
 def test_random_prefix_hits_match_the_numpy_path(
-    layers: list[dict[str, Any]], kw: dict[str, Any], fills: bool
+    layers: list[dict[str, Any]], kw: dict[str, Any], fills: bool, group_pool: list[int]
 ) -> None:
     """500 random ops whose allocates hit the cache (row_hit) on two managers, C and numpy:
     the same hits, tables, references, free queues (tombstones included), cache index,
@@ -391,10 +423,27 @@ def test_random_prefix_hits_match_the_numpy_path(
         return run
 
     ops = [guarded(op) for op in _hits_ops(np.random.default_rng(3), 500)]
-    _, spy = _both(layers, ops, max_seq_len=64, **kw)
-    assert spy.results["hit int"] > 80, spy.results
+    ms, spy = _both(layers, ops, max_seq_len=64, **kw)
+    assert ms[True]._coord.group_pool == group_pool
+    assert spy.results["hit int"] > 50, spy.results
     assert (spy.results["hit NoneType"] > 0) == fills, spy.results  # left to numpy to name
     assert spy.results["hit bool"] == 0, spy.results
+
+
+def test_a_hit_that_fits_exactly_is_placed_in_c() -> None:
+    """A request whose hit's unheld slots plus its new blocks are exactly the free slots:
+    placed in C (the check is need > free), and the pool is then empty."""
+    native.use(True)
+    m = manager([layer(0)], num_blocks=8, max_seq_len=64)
+    prompt = list(range(9))
+    m.allocate("a", 9, token_ids=prompt)
+    m.commit("a", prompt)
+    m.free("a")  # its 3 blocks are free and cached: the queue holds all 8
+    spy = CoreSpy(m)
+    native.core = spy
+    info = m.allocate("b", 9 + 4 * 6 - 1, token_ids=[*prompt[:8], *range(50, 74)])
+    assert info.num_hit_tokens == 8 and m.num_free_blocks() == 0
+    assert spy.results["hit int"] == 1, spy.results
 
 
 def test_a_hit_is_left_to_python_where_c_does_not_place_it() -> None:
@@ -421,3 +470,31 @@ def test_a_hit_is_left_to_python_where_c_does_not_place_it() -> None:
     assert spy.results["hit miss"] == 1 and spy.results["hit int"] == 0, spy.results  # a's
     _, spy = _both([layer(0)], ops, num_blocks=24, max_seq_len=64)
     assert spy.results["hit int"] == 1 and spy.results["hit miss"] == 1, spy.results
+
+
+def test_row_hit_leaves_keys_that_are_not_bytes_to_numpy() -> None:
+    """A key of a bytes subclass (whose comparison could run Python code that changes the
+    list under the call) or a scope slot that is not an int: False, nothing changed."""
+
+    class Key(bytes):
+        pass
+
+    native.use(True)
+    m = manager([layer(0)], num_blocks=16, max_seq_len=64)
+    prompt = list(range(13))
+    m.allocate("a", 13, token_ids=prompt)
+    m.commit("a", prompt)
+    m.free("a")
+    core = native._built
+    c = m._coord
+    root = next(iter(c.cache.index[0]))
+    scopes = (c.cache.index[0][root],)
+    keys = list(scopes[0])  # published in block order
+    context, pools, sinks = m._native_decode.row_args(core, m)
+    row = m._free_rows[-1]
+    before = manager_state(m)
+    assert core.row_hit(row, [keys[0], Key(keys[1])], scopes, 2, 9, context, pools, sinks) is False
+    odd = {keys[0]: np.int64(c.cache.index[0][root][keys[0]])}
+    assert core.row_hit(row, keys[:1], (odd,), 1, 9, context, pools, sinks) is False
+    assert same(manager_state(m), before)
+    assert core.row_hit(row, keys[:2], scopes, 2, 9, context, pools, sinks) == 2

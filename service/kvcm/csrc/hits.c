@@ -20,7 +20,10 @@
  * None, with nothing changed, when the request with this hit does not fit: its pool groups
  * need the hit's unheld slots plus the blocks past the hit up to `capacity` (the numpy path
  * then names the error); False, with nothing changed, when the numpy path must run it (a
- * row that is not free, a slot or queue out of shape, never from the coordinator).
+ * row that is not free, a key that is not bytes, a slot or queue out of shape, never from
+ * the coordinator). History and the released runs are written as place_hits writes them
+ * (row_grow, which always follows, sets history again; a full-attention group's sinks are
+ * 0).
  *
  * Example (tokens_per_block 4, one group, cached keys k0 -> 7, k1 -> 3, k2 -> 9, slot 3
  * held by another request): keys [k0 k1 k5], cap 3, capacity 20: b = 2; the row gets [7 3],
@@ -47,9 +50,12 @@ PyObject *kvcm_row_hit(PyObject *self, PyObject *args) {
     if (row < 0 || row >= c->nrows || capacity < 1 || capacity > MAX_COUNT) goto numpy;
     for (int g = 0; g < c->groups; g++)
         if (c->window[g] || I64P(c->blocks[g])[row] != 0) goto numpy;
-    /* b: the leading keys every group holds */
+    /* b: the leading keys every group holds. Keys are exact bytes (chain_keys'), so the
+     * dicts' lookups run no Python code that could change the list under us. */
     Py_ssize_t b = PyList_GET_SIZE(keys);
     if (cap < b) b = cap > 0 ? (Py_ssize_t)cap : 0;
+    for (Py_ssize_t j = 0; j < b; j++)
+        if (!PyBytes_CheckExact(PyList_GET_ITEM(keys, j))) goto numpy;
     for (int g = 0; g < c->groups && b; g++) {
         PyObject *scope = PyTuple_GET_ITEM(scopes, g);
         if (scope == Py_None) {
@@ -84,6 +90,8 @@ PyObject *kvcm_row_hit(PyObject *self, PyObject *args) {
         const int32_t *refs = I32P(c->refs[q]);
         for (Py_ssize_t j = 0; j < b; j++) {
             PyObject *v = PyDict_GetItemWithError(scope, PyList_GET_ITEM(keys, j));
+            if (!v && PyErr_Occurred()) goto done;
+            if (v && !PyLong_CheckExact(v)) goto numpy;
             long slot = v ? PyLong_AsLong(v) : -1;
             if (slot == -1 && PyErr_Occurred()) goto done;
             if (!v || slot <= c->empty || slot >= c->refs[q].n || slot >= p[q].pos.n)
