@@ -2,12 +2,13 @@
 
 The manager owns an engine's state (pools and page tables per rank, the requests'
 bookkeeping, shared by every rank: ``kvcm.ranks``), validates arguments and turns state into
-results; each concept is a component module that takes the
-manager, as ``kvcm.columnar`` does: request rows and handles (``kvcm.request_rows``), prefix
-reuse (``kvcm.prefix_reuse``), commits (``kvcm.commits``), suspension (``kvcm.suspension``),
-transactions (``kvcm.transactions``), capacity and stats (``kvcm.capacity``); tables and views
-are ``kvcm.views``' component. Block bookkeeping is the coordinator's, memory the pools', index
-math kvcm_kernels'. Every op is atomic: it raises before anything changes, or it completes.
+results; each concept is a component module that takes the manager, as ``kvcm.columnar``
+does: starting a request (``kvcm.allocation``), request rows and handles
+(``kvcm.request_rows``), prefix reuse (``kvcm.prefix_reuse``), commits (``kvcm.commits``),
+suspension (``kvcm.suspension``), transactions (``kvcm.transactions``), capacity and stats
+(``kvcm.capacity``); tables and views are ``kvcm.views``' component. Block bookkeeping is
+the coordinator's, memory the pools', index math kvcm_kernels'. Every op is atomic: it
+raises before anything changes, or it completes.
 """
 
 from __future__ import annotations
@@ -15,18 +16,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 
 from kvcm_client.errors import (
-    DuplicateRequest,
     InvalidArgument,
     KVEventsDisabled,
     PrefixCacheInUse,
-    RequestLimitReached,
     RequestsLive,
     UnknownLayer,
 )
@@ -48,6 +46,7 @@ from kvcm_client.models import (
 from kvcm_client.models import Layout as LayoutInfo
 
 from . import (
+    allocation,
     assembly,
     capacity,
     commits,
@@ -55,16 +54,17 @@ from . import (
     prefix_reuse,
     registration,
     request_rows,
-    state_requests,
     suspension,
     transactions,
 )
+from .allocation import MAX_REQUEST_ID as MAX_REQUEST_ID  # re-exported: tests read it
+from .allocation import FirstAllocation
 from .columnar import run_columns
 from .columnar_parse import parse_columns
 from .columnar_types import StepOutcome
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
 from .counts import _count
-from .hashing import MultimodalItem, multimodal_items, root_key
+from .hashing import MultimodalItem
 from .ids import LayerGroupId
 from .layout import BufferPlacement
 from .op_steps import OpResults, execute_ops
@@ -76,8 +76,6 @@ from .shared_memory import CudaSegments, SharedSegments
 from .suspension import Suspended
 from .views import TablesAndViews
 
-#: Longest request id: ids are echoed in results and kept per request.
-MAX_REQUEST_ID = 256
 #: Most ops in one step, and most of them that are not extends: bounds the work (and the
 #: event-loop time) of one service call to tens of ms (bench/loop_latency.py). Extends run
 #: batched at well under a microsecond each; allocates, frees, commits and rewinds cost about
@@ -127,14 +125,6 @@ def _settles(method: _F) -> _F:
     return call  # type: ignore[return-value]
 
 
-@dataclass(frozen=True, slots=True)
-class _FirstAllocation:
-    """What an allocate was called with and returned, so an identical retry returns it again."""
-
-    args: tuple[Any, ...]
-    result: RequestInfo
-
-
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of an engine's ranks."""
 
@@ -143,7 +133,7 @@ class KVCacheManager:
     _segments: SharedSegments | CudaSegments | None
     _rows: dict[str, int]
     _ids: list[str | None]
-    _first: dict[str, _FirstAllocation]
+    _first: dict[str, FirstAllocation]
     _prefix: dict[str, PrefixState]
     _tokens: dict[str, bytearray]
     _undo: list[Callable[[], None]] | None
@@ -195,58 +185,17 @@ class KVCacheManager:
         returns the first result and allocates nothing, so a scheduler can retry an allocate
         whose answer it lost. Other arguments for a live id raise ``DuplicateRequest``.
         """
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
-            raise InvalidArgument(
-                f"request_id must be a string of 1 to {MAX_REQUEST_ID} characters",
-                request_id=None,
-            )
-        num_tokens = _count("num_tokens", num_tokens, 1)
-        lookahead = _count("lookahead", lookahead, 0)
-        tokens, data = prefix_reuse.read_prompt(self, token_ids, num_tokens)
-        items = multimodal_items(multimodal)
-        root = root_key(lora_id, cache_salt)
-        # A retry is recognised by its prompt's int32 bytes (immutable: the caller's list,
-        # which ``tokens`` may be, can change after the call).
-        args = (num_tokens, lookahead, data, lora_id, cache_salt, items)
-        first = self._first.get(request_id)
-        if first is not None:
-            if first.args == args:
-                return first.result
-            raise DuplicateRequest(
-                f"request {request_id!r} is already allocated with other arguments "
-                f"(num_tokens={first.args[0]}, lookahead={first.args[1]})",
-                request_id=request_id,
-                num_tokens=first.args[0],
-                lookahead=first.args[1],
-            )
-        request_rows.check_len(self, request_id, num_tokens + lookahead)
-        if not self._free_rows:
-            raise RequestLimitReached(
-                f"all {self.config.max_requests} page-table rows are in use",
-                max_requests=self.config.max_requests,
-            )
-        state_requests.check_room(self, request_id)
-        hit_tokens, state = prefix_reuse.reuse_prefix(
+        return allocation.allocate(
             self,
-            self._free_rows[-1],
+            request_id,
             num_tokens,
+            token_ids,
             lookahead,
-            tokens,
-            data,
-            root,
-            items,
             lora_id,
-            cache_salt is not None,
+            cache_salt,
+            multimodal,
             block_keys,
         )
-        row = request_rows.claim(self, request_id)
-        self._tokens[request_id] = bytearray(data[: 4 * hit_tokens])
-        self._committed[row] = hit_tokens
-        self._hits[row] = hit_tokens
-        self._prefix[request_id] = state
-        info = request_rows.info(self, request_id, row)
-        self._first[request_id] = _FirstAllocation(args, info)
-        return info
 
     @_doc(prefix_reuse.probe_tiers)
     def probe_tiers(

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager, _FirstAllocation
+    from .allocation import FirstAllocation
+    from .manager import KVCacheManager
     from .publish import PrefixState
 
 
@@ -27,7 +28,7 @@ class _Checkpoint:
     coordinator: Any
     rows: dict[str, int]
     free_rows: list[int]
-    first: dict[str, _FirstAllocation]
+    first: dict[str, FirstAllocation]
     prefix: dict[str, PrefixState]
     hits: np.ndarray
     tokens: dict[str, bytearray]
