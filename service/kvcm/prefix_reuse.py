@@ -206,9 +206,9 @@ def _keys_of(
         return chain_keys(root, data, m.tokens_per_block, 0, items)
     if isinstance(given, str | bytes) or not isinstance(given, Sequence):
         raise InvalidArgument("block_keys must be a list of keys", block_keys=None)
-    # Only the count is checked here: a malformed key is in no index, so it can never hit.
-    # reuse_prefix checks the size of the keys past the hit, which commits may publish. Hex
-    # strings (the wire form) are converted.
+    # Only the count is checked here: a malformed key is in no index, so it can never hit;
+    # reuse_prefix names one past the hit as the client's error. Hex strings (the wire form)
+    # and other bytes types are converted, so the keys the request keeps are plain bytes.
     keys = given if type(given) is list else list(given)
     if any(type(k) is not bytes for k in keys):  # hex strings, bytes subclasses, views
         try:
