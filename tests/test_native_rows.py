@@ -44,6 +44,19 @@ def _both(
     return ms, spy
 
 
+def _guarded(op: Callable[[KVCacheManager], Any]) -> Callable[[KVCacheManager], Any]:
+    """The op's result, or its error's code (a commit or free of a request whose allocate did
+    not fit: unknown_request on both paths)."""
+
+    def run(m: KVCacheManager) -> Any:
+        try:
+            return op(m)
+        except KVCMError as exc:
+            return exc.code
+
+    return run
+
+
 def test_a_new_row_takes_each_group_s_blocks_from_the_head_and_gives_them_back_tail_first() -> None:
     """The worked examples of row_grow and row_release: two layer groups in one pool group,
     20 tokens and 4 lookahead (tokens_per_block 16) take 2 blocks each, group 0 first; the
@@ -211,21 +224,9 @@ def test_random_allocates_and_frees_match_the_numpy_path() -> None:
         layer(3, head_dim=8, owner="draft"),
     ]
 
-    def guarded(op: Callable[[KVCacheManager], Any]) -> Callable[[KVCacheManager], Any]:
-        """The op's result, or its error's code (a commit or free of a request whose
-        allocate did not fit: unknown_request on both paths)."""
-
-        def run(m: KVCacheManager) -> Any:
-            try:
-                return op(m)
-            except KVCMError as exc:
-                return exc.code
-
-        return run
-
     _, spy = _both(
         layers,
-        [guarded(op) for op in ops],
+        [_guarded(op) for op in ops],
         tokens_per_block=4,
         num_blocks=40,
         max_seq_len=64,
@@ -413,16 +414,7 @@ def test_random_prefix_hits_match_the_numpy_path(
     the same hits, tables, references, free queues (tombstones included), cache index,
     events and edits after every op; allocates that do not fit are named by numpy."""
 
-    def guarded(op: Callable[[KVCacheManager], Any]) -> Callable[[KVCacheManager], Any]:
-        def run(m: KVCacheManager) -> Any:
-            try:
-                return op(m)
-            except KVCMError as exc:
-                return exc.code
-
-        return run
-
-    ops = [guarded(op) for op in _hits_ops(np.random.default_rng(3), 500)]
+    ops = [_guarded(op) for op in _hits_ops(np.random.default_rng(3), 500)]
     ms, spy = _both(layers, ops, max_seq_len=64, **kw)
     assert ms[True]._coord.group_pool == group_pool
     assert spy.results["hit int"] > 50, spy.results

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import native
+from .prefix_cache import hit_cap
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -76,7 +77,7 @@ def place_hit(
         return None
     c = m._coord
     tpb = c.tokens_per_block
-    cap = min(len(keys), (num_tokens - 1) // tpb)
+    cap = hit_cap(len(keys), num_tokens, tpb)
     if cap <= 0:
         return 0
     scopes = tuple(index.get(root) for index in c.cache.index)

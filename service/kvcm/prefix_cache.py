@@ -167,6 +167,14 @@ def needed_blocks(b: int, windows: list[tuple[int | None, int]], tpb: int) -> li
     return out
 
 
+def hit_cap(num_keys: int, num_tokens: int, tokens_per_block: int) -> int:
+    """The most blocks a prompt of ``num_tokens`` tokens with ``num_keys`` block keys can
+    reuse: its full blocks before its last token (which is always computed), so at most
+    num_tokens - 1 tokens. Example: tpb 4, 12 tokens (3 keys): 2 blocks, since block 2 holds
+    the last token; 13 tokens: 3. At most 0 means no hit."""
+    return min(num_keys, (num_tokens - 1) // tokens_per_block)
+
+
 def find_hit(
     cache: PrefixCache,
     root: bytes,
@@ -190,7 +198,7 @@ def find_hit(
     at 1.
     """
     tpb = tokens_per_block
-    cap = min(len(keys), (num_tokens - 1) // tpb)
+    cap = hit_cap(len(keys), num_tokens, tpb)
     if cap <= 0 or not all(cache.reusable):
         return 0, [], []
     index = [cache.scope(g, root) for g in range(len(windows))]

@@ -27,7 +27,7 @@ from .hashing import (
     token_ids_of,
 )
 from .host_tier import onboard_prefix, tier_hit
-from .prefix_cache import find_hit
+from .prefix_cache import find_hit, hit_cap
 from .publish import PrefixState
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def reuse_prefix(
         # Not inside an all-or-nothing step: onboarding writes pages into device slots,
         # and an undo would give those slots back to the cache entries they had.
         if m._host is not None and m._undo is None:
-            cap = min(len(keys), (num_tokens - 1) // tpb)
+            cap = hit_cap(len(keys), num_tokens, tpb)
             # Nothing past the last state checkpoint can be a hit: not worth a copy in.
             cap = state_requests.checkpointed_hit(m, root, keys, cap)
             onboard_prefix(c, m._host, root, keys, cap, data, lora_id, has_salt, m._windows)
@@ -157,7 +157,7 @@ def probe_tiers(
     keys = chain_keys(root, data, m.tokens_per_block, 0, ())
     cache = m._coord.cache
     tpb = m.tokens_per_block
-    cap = min(len(keys), (len(tokens) - 1) // tpb) if tokens else 0
+    cap = hit_cap(len(keys), len(tokens), tpb)
     if cap <= 0 or not all(cache.reusable):
         return 0, 0
 

@@ -187,9 +187,13 @@ static int store_run(Cache *k, const Prefix *p, PyObject *keys, PyObject *gobj, 
         cache_fail("index and slot keys are dicts");
         goto done;
     }
-    if (!(run = PyList_GetSlice(keys, have + b, have + e)) || !(fresh = PyDict_New())) goto done;
-    scope = PyDict_SetDefault(groups, p->root, fresh); /* borrowed */
-    if (!scope) goto done;
+    if (!(run = PyList_GetSlice(keys, have + b, have + e))) goto done;
+    scope = PyDict_GetItemWithError(groups, p->root); /* borrowed */
+    if (!scope) { /* the scope's first block in this group: index.setdefault(root, {}) */
+        if (PyErr_Occurred() || !(fresh = PyDict_New())) goto done;
+        scope = PyDict_SetDefault(groups, p->root, fresh);
+        if (!scope) goto done;
+    }
     uint8_t *flags = k->cached[q].buf;
     for (Py_ssize_t j = b; j < e; j++) {
         PyObject *key = PyList_GET_ITEM(run, j - b);

@@ -236,3 +236,14 @@ int pools_get(PyObject *t, const Ctx *c, Pool *p, int *got) {
     }
     return 0;
 }
+
+int pools_commit(Pool *p, int n) {
+    int ok = 0; /* every queue's counters set, even after one failed (setattr on a slot) */
+    for (int q = 0; q < n; q++)
+        if (pool_commit(&p[q]) < 0) ok = -1;
+    return ok;
+}
+
+void pools_release(Pool *p, int n) {
+    for (int q = 0; q < n; q++) pool_release(&p[q]);
+}

@@ -84,6 +84,10 @@ void pool_release(Pool *p);
  * (the caller releases them); each layer group's sinks (a tuple of ints) into out. -1 with
  * an error. */
 int pools_get(PyObject *t, const Ctx *c, Pool *p, int *got);
+/* pool_commit of the first n queues, each tried (-1 if one failed); pool_release of the
+ * first n. */
+int pools_commit(Pool *p, int n);
+void pools_release(Pool *p, int n);
 int sinks_get(PyObject *t, const Ctx *c, int64_t *out);
 
 #endif

@@ -39,7 +39,7 @@ PyObject *kvcm_row_hit(PyObject *self, PyObject *args) {
     int got = 0;
     int64_t sinks[MAX_GROUPS], need[MAX_GROUPS] = {0}, unheld[MAX_GROUPS] = {0};
     int32_t *slots = NULL;
-    PyObject *result = NULL;
+    PyObject *result = NULL, **found = NULL;
     if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
         pools_get(pools_o, c, p, &got) < 0)
         goto done;
@@ -56,6 +56,13 @@ PyObject *kvcm_row_hit(PyObject *self, PyObject *args) {
     if (cap < b) b = cap > 0 ? (Py_ssize_t)cap : 0;
     for (Py_ssize_t j = 0; j < b; j++)
         if (!PyBytes_CheckExact(PyList_GET_ITEM(keys, j))) goto numpy;
+    /* Each group's slot objects are kept as they are found (borrowed: no Python code runs
+     * until they are read below), so every key is looked up once per group. */
+    Py_ssize_t stride = b;
+    if (b && !(found = PyMem_Malloc((size_t)(c->groups * stride) * sizeof *found))) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (int g = 0; g < c->groups && b; g++) {
         PyObject *scope = PyTuple_GET_ITEM(scopes, g);
         if (scope == Py_None) {
@@ -68,9 +75,12 @@ PyObject *kvcm_row_hit(PyObject *self, PyObject *args) {
         }
         Py_ssize_t j = 0;
         for (; j < b; j++) {
-            int in = PyDict_Contains(scope, PyList_GET_ITEM(keys, j));
-            if (in < 0) goto done;
-            if (!in) break;
+            PyObject *v = PyDict_GetItemWithError(scope, PyList_GET_ITEM(keys, j));
+            if (!v) {
+                if (PyErr_Occurred()) goto done;
+                break;
+            }
+            found[g * stride + j] = v;
         }
         b = j;
     }
@@ -86,16 +96,14 @@ PyObject *kvcm_row_hit(PyObject *self, PyObject *args) {
     int64_t want = (capacity + c->tpb - 1) / c->tpb;
     for (int g = 0; g < c->groups; g++) {
         int q = c->group_pool[g];
-        PyObject *scope = PyTuple_GET_ITEM(scopes, g);
         const int32_t *refs = I32P(c->refs[q]);
         for (Py_ssize_t j = 0; j < b; j++) {
-            PyObject *v = PyDict_GetItemWithError(scope, PyList_GET_ITEM(keys, j));
-            if (!v && PyErr_Occurred()) goto done;
-            if (v && !PyLong_CheckExact(v)) goto numpy;
-            long slot = v ? PyLong_AsLong(v) : -1;
+            PyObject *v = found[g * stride + j];
+            if (!PyLong_CheckExact(v)) goto numpy;
+            long slot = PyLong_AsLong(v);
             if (slot == -1 && PyErr_Occurred()) goto done;
-            if (!v || slot <= c->empty || slot >= c->refs[q].n || slot >= p[q].pos.n)
-                goto numpy; /* a scope that changed under us, or a slot out of range */
+            if (slot <= c->empty || slot >= c->refs[q].n || slot >= p[q].pos.n)
+                goto numpy; /* a slot out of range */
             int64_t at = I64P(p[q].pos)[slot] % p[q].ring.n;
             if (refs[slot] == 0 && (at < 0 || I32P(p[q].ring)[at] != slot))
                 goto numpy; /* a free slot that is not where its queue says */
@@ -132,14 +140,14 @@ PyObject *kvcm_row_hit(PyObject *self, PyObject *args) {
     }
     I64P(c->num_tokens)[row] = b * c->tpb;
     I64P(c->history)[row] = b * c->tpb;
-    for (int q = 0; q < c->pools; q++)
-        if (pool_commit(&p[q]) < 0) Py_CLEAR(result); /* setattr of an int on a slot */
+    if (pools_commit(p, c->pools) < 0) Py_CLEAR(result);
     goto done;
 numpy:
     result = Py_NewRef(Py_False);
 done:
+    PyMem_Free(found);
     PyMem_Free(slots);
-    for (int q = 0; q < got; q++) pool_release(&p[q]);
+    pools_release(p, got);
     if (c) ctx_close(c, &local);
     return result;
 }

@@ -116,13 +116,12 @@ PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
     I64P(c->num_tokens)[row] = history + nt;
     I64P(c->history)[row] = history;
     I64P(c->lookahead)[row] = la;
-    for (int q = 0; q < c->pools; q++)
-        if (pool_commit(&p[q]) < 0) Py_CLEAR(result); /* setattr of an int on a slot */
+    if (pools_commit(p, c->pools) < 0) Py_CLEAR(result);
     goto done;
 numpy:
     result = Py_NewRef(Py_False);
 done:
-    for (int q = 0; q < got; q++) pool_release(&p[q]);
+    pools_release(p, got);
     ctx_close(c, &local);
     return result;
 }
@@ -223,13 +222,12 @@ PyObject *kvcm_row_release(PyObject *self, PyObject *args) {
     I64P(c->num_tokens)[row] = 0;
     I64P(c->history)[row] = 0;
     I64P(c->lookahead)[row] = 0;
-    for (int q = 0; q < c->pools; q++)
-        if (pool_commit(&p[q]) < 0) Py_CLEAR(result); /* setattr of an int on a slot */
+    if (pools_commit(p, c->pools) < 0) Py_CLEAR(result);
     goto done;
 numpy:
     result = Py_NewRef(Py_False);
 done:
-    for (int q = 0; q < got; q++) pool_release(&p[q]);
+    pools_release(p, got);
     ctx_close(c, &local);
     return result;
 }
