@@ -221,8 +221,8 @@ class CoreSpy:
         self.results[f"release {type(out).__name__}"] += 1
         return out
 
-    def row_hit(self, *args: Any) -> Any:
-        out = self._core.row_hit(*args)
-        kind = "miss" if out == 0 and type(out) is int else type(out).__name__
-        self.results[f"hit {kind}"] += 1
+    def row_start(self, *args: Any) -> Any:
+        out = self._core.row_start(*args)
+        kind = type(out).__name__ if type(out) is not tuple else "hit" if out[0] else "grow"
+        self.results[f"start {kind}"] += 1
         return out

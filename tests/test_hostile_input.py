@@ -261,14 +261,16 @@ def test_a_bug_inside_a_step_reports_exactly_what_was_applied(
             b'{"ops": [{"op": "allocate", "request_id": "%s", "num_tokens": 2}]}' % rid.encode(),
             session,
         )
-    real = m.allocate
+    from kvcm import allocation
 
-    def broken(request_id: str, *args: object, **kwargs: object) -> object:
+    real = allocation.start
+
+    def broken(m: KVCacheManager, request_id: str, *args: object, **kwargs: object) -> object:
         if request_id == "boom":
             raise ZeroDivisionError("a bug")
-        return real(request_id, *args, **kwargs)  # type: ignore[arg-type]
+        return real(m, request_id, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(m, "allocate", broken)
+    monkeypatch.setattr(allocation, "start", broken)  # what a step's allocates call
     body = {
         "ops": [
             {"op": "free", "request_id": "y"},

@@ -104,8 +104,9 @@ def test_a_freed_row_keeps_what_a_prefix_hit_shares_and_a_window_released(
     ]
     layers = [layer(0), layer(1, sliding_window=8)]
     ms, spy = _both(layers, ops, num_blocks=24, max_seq_len=64, null_page=null_page)
-    # a's blocks, b's past its hit and c's in C (extends keep grow_one), and the three frees
-    assert spy.results == Counter({"grow tuple": 3, "release tuple": 3})
+    # a's blocks and b's past its hit (the window's hit is Python's), c's in one call
+    # (extends keep grow_one), and the three frees
+    assert spy.results == Counter({"grow tuple": 2, "start grow": 1, "release tuple": 3})
     pool = ms[True]._coord.pools
     assert [p.num_free for p in pool] == [p.num_usable for p in pool]
 
@@ -120,7 +121,8 @@ def test_a_full_pool_is_left_to_numpy_to_name_and_changes_nothing() -> None:
         lambda m: m.allocate("fits", 4).capacity,
     ]
     _, spy = _both([layer(0)], ops, tokens_per_block=4, num_blocks=8, max_seq_len=32)
-    assert spy.results == Counter({"grow tuple": 2, "grow NoneType": 1})
+    # "big" does not fit in C, then not in the Python path's row_grow: numpy names it
+    assert spy.results == Counter({"start grow": 2, "start NoneType": 1, "grow NoneType": 1})
 
 
 @pytest.mark.parametrize(
@@ -232,8 +234,11 @@ def test_random_allocates_and_frees_match_the_numpy_path() -> None:
         max_seq_len=64,
         null_page=True,
     )
-    assert spy.results["grow tuple"] > 30 and spy.results["release tuple"] > 30, spy.results
-    assert spy.results["grow bool"] == spy.results["release bool"] == 0
+    # Prompts' blocks: the window's hits are Python's, then row_grow; the others row_start.
+    assert spy.results["grow tuple"] > 10 and spy.results["start grow"] > 20, spy.results
+    assert spy.results["release tuple"] > 30, spy.results
+    assert spy.results["grow bool"] == spy.results["start bool"] == 0, spy.results
+    assert spy.results["release bool"] == 0, spy.results
     assert spy.results["grow released"] == 0  # an allocate's window releases nothing
 
 
@@ -303,7 +308,7 @@ def test_a_slot_named_twice_in_a_row_comes_back_once_as_in_numpy() -> None:
 
 
 def test_a_prefix_hit_takes_the_cached_slots_and_only_the_free_ones_leave_the_queue() -> None:
-    """row_hit's worked example: cached k0 (held by another request) and k1 (free), a prompt
+    """A hit's worked example: cached k0 (held by another request) and k1 (free), a prompt
     whose third block differs: the hit is 2 blocks, the row gets both slots (refs 2 and 1),
     only k1's slot leaves the queue, and the request needs 1 + 3 free slots (20 tokens)."""
     native.use(True)
@@ -410,16 +415,16 @@ def _hits_ops(rng: np.random.Generator, n: int) -> list[Callable[[KVCacheManager
 def test_random_prefix_hits_match_the_numpy_path(
     layers: list[dict[str, Any]], kw: dict[str, Any], fills: bool, group_pool: list[int]
 ) -> None:
-    """500 random ops whose allocates hit the cache (row_hit) on two managers, C and numpy:
+    """500 random ops whose allocates hit the cache (row_start) on two managers, C and numpy:
     the same hits, tables, references, free queues (tombstones included), cache index,
     events and edits after every op; allocates that do not fit are named by numpy."""
 
     ops = [_guarded(op) for op in _hits_ops(np.random.default_rng(3), 500)]
     ms, spy = _both(layers, ops, max_seq_len=64, **kw)
     assert ms[True]._coord.group_pool == group_pool
-    assert spy.results["hit int"] > 50, spy.results
-    assert (spy.results["hit NoneType"] > 0) == fills, spy.results  # left to numpy to name
-    assert spy.results["hit bool"] == 0, spy.results
+    assert spy.results["start hit"] > 50, spy.results
+    assert (spy.results["start NoneType"] > 0) == fills, spy.results  # left to numpy to name
+    assert spy.results["start bool"] == 0, spy.results
 
 
 def test_a_hit_that_fits_exactly_is_placed_in_c() -> None:
@@ -435,12 +440,12 @@ def test_a_hit_that_fits_exactly_is_placed_in_c() -> None:
     native.core = spy
     info = m.allocate("b", 9 + 4 * 6 - 1, token_ids=[*prompt[:8], *range(50, 74)])
     assert info.num_hit_tokens == 8 and m.num_free_blocks() == 0
-    assert spy.results["hit int"] == 1, spy.results
+    assert spy.results["start hit"] == 1, spy.results
 
 
 def test_a_hit_is_left_to_python_where_c_does_not_place_it() -> None:
     """A window, a layer group without reuse, a host tier, or caller-given block keys: the
-    Python path finds and places the hit (no row_hit call), with the same result."""
+    Python path finds and places the hit (no row_start call), with the same result."""
     prompt = list(range(12))
     ops: list[Callable[[KVCacheManager], Any]] = [
         lambda m: m.allocate("a", 12, token_ids=prompt).num_hit_tokens,
@@ -449,7 +454,7 @@ def test_a_hit_is_left_to_python_where_c_does_not_place_it() -> None:
     ]
     for layers in ([layer(0), layer(1, sliding_window=8)], [layer(0), layer(1, reuse="none")]):
         _, spy = _both(layers, ops, num_blocks=24, max_seq_len=64)
-        assert not any(k.startswith("hit") for k in spy.results), spy.results
+        assert not any(k.startswith("start") for k in spy.results), spy.results
     from kvcm.hashing import block_keys
 
     keyed = [
@@ -459,12 +464,12 @@ def test_a_hit_is_left_to_python_where_c_does_not_place_it() -> None:
         ),
     ]
     _, spy = _both([layer(0)], keyed, num_blocks=24, max_seq_len=64)
-    assert spy.results["hit miss"] == 1 and spy.results["hit int"] == 0, spy.results  # a's
+    assert spy.results["start grow"] == 1 and spy.results["start hit"] == 0, spy.results  # a's
     _, spy = _both([layer(0)], ops, num_blocks=24, max_seq_len=64)
-    assert spy.results["hit int"] == 1 and spy.results["hit miss"] == 1, spy.results
+    assert spy.results["start hit"] == 1 and spy.results["start grow"] == 1, spy.results
 
 
-def test_row_hit_leaves_keys_that_are_not_bytes_to_numpy() -> None:
+def test_row_start_leaves_keys_that_are_not_bytes_to_numpy() -> None:
     """A key of a bytes subclass (whose comparison could run Python code that changes the
     list under the call) or a scope slot that is not an int: False, nothing changed."""
 
@@ -485,8 +490,60 @@ def test_row_hit_leaves_keys_that_are_not_bytes_to_numpy() -> None:
     context, pools, sinks = m._native_decode.row_args(core, m)
     row = m._free_rows[-1]
     before = manager_state(m)
-    assert core.row_hit(row, [keys[0], Key(keys[1])], scopes, 2, 9, context, pools, sinks) is False
+    args = (context, pools, sinks)
+    assert core.row_start(row, [keys[0], Key(keys[1])], scopes, 2, 9, 0, *args) is False
     odd = {keys[0]: np.int64(c.cache.index[0][root][keys[0]])}
-    assert core.row_hit(row, keys[:1], (odd,), 1, 9, context, pools, sinks) is False
+    assert core.row_start(row, keys[:1], (odd,), 1, 9, 0, *args) is False
     assert same(manager_state(m), before)
-    assert core.row_hit(row, keys[:2], scopes, 2, 9, context, pools, sinks) == 2
+    assert core.row_start(row, keys[:2], scopes, 2, 9, 0, *args) == (2, (1,))
+
+
+def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> None:
+    """A hit on free cached slots takes their queue entries out (tombstones) before the
+    grow's spans are read. A queue entry past the slots at the head (never from the
+    coordinator) leaves the grow to numpy: False, and the queue is as it was, each tombstone
+    put back. A row that is not free, a window where there is a hit to look for, and counts
+    out of range: False too, nothing changed."""
+    native.use(True)
+    m = manager([layer(0)], num_blocks=16, max_seq_len=64)
+    prompt = list(range(13))
+    m.allocate("a", 13, token_ids=prompt)
+    m.commit("a", prompt)
+    m.free("a")  # its 3 blocks are free and cached, at the queue's tail
+    live = m.allocate("b", 5).row
+    core = native._built
+    c = m._coord
+    root = next(iter(c.cache.index[0]))
+    scopes = (c.cache.index[0][root],)
+    keys = list(scopes[0])[:2]  # published in block order
+    args = m._native_decode.row_args(core, m)
+    row = m._free_rows[-1]
+    before = manager_state(m)
+    assert core.row_start(live, keys, scopes, 2, 9, 0, *args) is False  # not a free row
+    assert core.row_start(row, keys, scopes, 2, 0, 0, *args) is False  # no token
+    assert core.row_start(row, keys, scopes, 2, 9, -1, *args) is False
+    assert core.row_start(row, keys, scopes, 2, 2**31, 0, *args) is False
+    assert core.row_start(row, keys, scopes, 2, 8, 0, *args) is False  # a hit of every token
+    assert same(manager_state(m), before)
+    pool = c.pools[0]
+    head = pool._head % pool._ring.size
+    slot = int(pool._ring[head])
+    pool._ring[head] = c.refs[0].size  # a queue entry past the slots
+    corrupt = manager_state(m)
+    assert core.row_start(row, keys, scopes, 2, 9, 0, *args) is False
+    assert same(manager_state(m), corrupt)  # the hit's two entries are back in the ring
+    pool._ring[head] = slot
+    assert core.row_start(row, keys, scopes, 2, 9, 0, *args) == (2, (1,))
+    assert c.tables[0][row, :3].tolist() == [scopes[0][keys[0]], scopes[0][keys[1]], slot]
+
+    w = manager([layer(0), layer(1, sliding_window=8)], num_blocks=16, max_seq_len=64)
+    w.allocate("a", 13, token_ids=prompt)
+    w.commit("a", prompt)
+    wc = w._coord
+    wroot = next(iter(wc.cache.index[0]))
+    wscopes = tuple(index[wroot] for index in wc.cache.index)
+    wkeys = list(wscopes[0])[:2]
+    wargs = w._native_decode.row_args(core, w)
+    before = manager_state(w)
+    assert core.row_start(w._free_rows[-1], wkeys, wscopes, 2, 9, 0, *wargs) is False
+    assert same(manager_state(w), before)

@@ -284,7 +284,7 @@ def test_random_ops_match_the_brute_force_model_hybrid(
 
 def test_request_infos_the_manager_builds_behave_as_validated_ones() -> None:
     """The manager builds a RequestInfo without validating its own ints again
-    (``request_rows._trusted_info``): it must be the same model in every way a caller uses."""
+    (``request_rows.trusted_info``): it must be the same model in every way a caller uses."""
     import copy
     import pickle
 

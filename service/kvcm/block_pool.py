@@ -62,9 +62,11 @@ class BlockPool:
         """
         if k == 0:
             return np.empty(0, dtype=np.int32)
-        tombstones = self._len - self._count
-        if tombstones == 0:
-            out, used = self._entries(self._head, k).copy(), k
+        first = self._entries(self._head, k)
+        # Tombstones anywhere, but none of them among the first k entries (the usual case:
+        # a hit's tombstone sits where its slot was freed, far from the head).
+        if self._len == self._count or first.min() >= 0:
+            out, used = first.copy(), k
         else:
             span = k
             while True:

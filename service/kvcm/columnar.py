@@ -48,7 +48,7 @@ from kvcm_client.errors import (
     status_of,
 )
 
-from . import native, request_rows
+from . import allocation, native, request_rows
 from .columnar_types import SECTIONS, ItemError, StepColumns, StepOutcome
 from .commits import commit_batch, commit_row
 from .suspension import suspend_row
@@ -184,7 +184,7 @@ class _Run:
         self.out.allocate_new_blocks[:] = 0
         self.out.freed_ids.clear()
         self.out.allocated_ids.clear()
-        self.out.infos = [None] * len(self.out.infos)
+        self.out.firsts = [None] * len(self.out.firsts)
 
     # -- sections ------------------------------------------------------------------------------
 
@@ -352,19 +352,20 @@ class _Run:
     def allocates(self) -> None:
         m = self.m
         out = self.out
-        out.infos = [None] * len(self.cols.allocate)
+        firsts = out.firsts = [None] * len(self.cols.allocate)
         for i, op in enumerate(self.cols.allocate):
             rid = op["request_id"]
             retry = isinstance(rid, str) and rid in m._rows  # the same allocate again, or a dup
-            info = self.item("allocate", i, lambda op=op: m.allocate(**op))
-            if info is None:
+            # The step settles its copies once, at its end (``step_columns``).
+            first = self.item("allocate", i, lambda op=op: allocation.start(m, **op))
+            if first is None:
                 continue
-            out.infos[i] = info
-            out.handles[i] = info.handle
-            out.hit_tokens[i] = info.num_hit_tokens
+            firsts[i] = first
+            out.handles[i] = first.handle
+            out.hit_tokens[i] = first.hit_tokens
             if not retry:  # a retry allocates nothing
-                out.allocate_new_blocks[i] = request_rows.blocks_of(m, info.row)
-                out.allocated_ids.append(info.request_id)
+                out.allocate_new_blocks[i] = request_rows.blocks_of(m, first.row)
+                out.allocated_ids.append(rid)
 
 
 def execute(

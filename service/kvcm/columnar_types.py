@@ -83,9 +83,15 @@ class StepOutcome:
     failed: tuple[str, int] | None = None
     freed_ids: list[str] = field(default_factory=list)
     allocated_ids: list[str] = field(default_factory=list)
-    infos: list[Any] = field(default_factory=list)
-    """Per allocate, the ``RequestInfo`` it returned (None where it failed): for a retry,
-    the first allocation's result, as ``allocate`` answers it."""
+    firsts: list[Any] = field(default_factory=list)
+    """Per allocate, its ``kvcm.allocation.FirstAllocation`` (None where it failed): what
+    ``infos`` are built from when someone reads them."""
+
+    @property
+    def infos(self) -> list[Any]:
+        """Per allocate, the ``RequestInfo`` it returned (None where it failed): for a retry,
+        the first allocation's result, as ``allocate`` answers it."""
+        return [None if f is None else f.result for f in self.firsts]
 
     @property
     def ok(self) -> bool:

@@ -185,7 +185,7 @@ class KVCacheManager:
         returns the first result and allocates nothing, so a scheduler can retry an allocate
         whose answer it lost. Other arguments for a live id raise ``DuplicateRequest``.
         """
-        return allocation.allocate(
+        return allocation.start(
             self,
             request_id,
             num_tokens,
@@ -195,7 +195,7 @@ class KVCacheManager:
             cache_salt,
             multimodal,
             block_keys,
-        )
+        ).result
 
     @_doc(prefix_reuse.probe_tiers)
     def probe_tiers(

@@ -1,6 +1,6 @@
-"""One row's new blocks and a freed row's blocks in C (``kvcm._native``'s ``row_grow`` and
-``row_release``), with the numpy path's effects in the numpy path's order
-(tests/test_native_rows.py compares the two).
+"""A new request's blocks, one row's new blocks and a freed row's blocks in C
+(``kvcm._native``'s ``row_start``, ``row_grow`` and ``row_release``), with the numpy path's
+effects in the numpy path's order (tests/test_native_rows.py compares the two).
 
 An allocate gives its row blocks (past its prefix hit, if any), and a free gives every
 block back: each is one C call instead of some twenty numpy calls (the load test's step with
@@ -62,35 +62,48 @@ def grow(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> None:
     c.ops_since_take += 1
 
 
-def place_hit(
+def start(
     m: KVCacheManager, row: int, root: bytes, keys: list[bytes], num_tokens: int, lookahead: int
 ) -> int | None:
-    """``find_hit``, ``hit_need``, ``check_fits`` and ``place_hits`` of a new request in C
-    (``row_hit``): the blocks of its prompt's longest cached prefix (at most num_tokens - 1
-    tokens) placed in its free ``row``; returns the hit in blocks. None, with nothing
-    changed, when the Python path must find and place it: layer groups with a window or
-    without reuse, context-parallel ranks, a host tier (onboarding) or state layers
-    (checkpoints cut hits), no C core, or a hit that does not fit (Python names the
-    error)."""
+    """A new request's blocks in its free ``row``, in C (``row_start``): the longest cached
+    prefix of its prompt's ``keys`` (at most num_tokens - 1 tokens), then new blocks for the
+    rest and ``lookahead``; the coordinator evicts what the taken slots cached and logs the
+    table edits. Returns the hit in blocks. None, with nothing changed, when the Python path
+    must place them: a prompt whose hit the C core cannot find (layer groups with a window or
+    without reuse, a host tier, whose onboarding comes first, or state layers, whose
+    checkpoints cut hits), context-parallel ranks, no C core, or a request that does not fit
+    (Python names the error).
+
+    Example (tokens_per_block 16, one layer group, blocks k0 and k1 cached in slots 7 and 3,
+    free queue [8 2 5]): a 40-token prompt with keys [k0 k1] and lookahead 8 gets [7 3] as
+    its first two blocks and [8] as its third (48 tokens); returns 2.
+    """
     core = native.core
-    if core is None or not m._native_decode.hits_in_c(m):
-        return None
     c = m._coord
-    tpb = c.tokens_per_block
-    cap = hit_cap(len(keys), num_tokens, tpb)
-    if cap <= 0:
-        return 0
-    scopes = tuple(index.get(root) for index in c.cache.index)
-    context, pools, sinks = m._native_decode.row_args(core, m)
-    hit = core.row_hit(row, keys, scopes, cap, num_tokens + lookahead, context, pools, sinks)
-    if type(hit) is not int:  # None: it does not fit; False: numpy's to run
+    decode = m._native_decode
+    if core is None or not c.plain or (keys and not decode.hits_in_c(m)):
         return None
-    if hit:
-        if c.edits is not None:
-            for g in range(len(c.tables)):
-                slots = c.tables[g][row, :hit].copy()  # the edit log keeps it
-                c.edits.append((g, np.full(hit, row), np.arange(hit), slots))
-        c.ops_since_take += 1
+    cap = hit_cap(len(keys), num_tokens, c.tokens_per_block) if keys else 0
+    scopes = tuple([index.get(root) for index in c.cache.index]) if cap > 0 else ()
+    context, pools, sinks = decode.row_args(core, m)
+    done = core.row_start(row, keys, scopes, cap, num_tokens, lookahead, context, pools, sinks)
+    if type(done) is not tuple:  # None: it does not fit; False: numpy's to run
+        return None
+    hit, added = done
+    edits = c.edits
+    if hit and edits is not None:
+        for g in range(len(c.tables)):
+            slots = c.tables[g][row, :hit].copy()  # the edit log keeps it
+            edits.append((g, np.full(hit, row), np.arange(hit), slots))
+    for g, k in enumerate(added):
+        pg = c.group_pool[g]
+        # Nothing cached in the pool group, no host tier and no log: nothing to do.
+        if k and (edits is not None or c.host is not None or c.cache.slot_key[pg]):
+            slots = c.tables[g][row, hit : hit + k].copy()
+            c.evict_taken(pg, slots)
+            if edits is not None:
+                edits.append((g, np.full(k, row), np.arange(hit, hit + k), slots))
+    c.ops_since_take += 2 if hit else 1  # the hit and the grow, as the Python path counts
     return hit
 
 

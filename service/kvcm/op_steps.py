@@ -137,9 +137,8 @@ def piece_results(
                 results[j] = {"ok": True, "request": None, "error": None}
             else:
                 # An allocate answers what it returned (a retry: the first result).
-                info = out.infos[k] if section == "allocate" else None
-                if info is None:
-                    info = request_rows.info(m, rid, m._rows[rid])
+                first = out.firsts[k] if section == "allocate" else None
+                info = request_rows.info(m, rid, m._rows[rid]) if first is None else first.result
                 results[j] = {"ok": True, "request": info.model_dump(), "error": None}
     for e in out.errors:
         j = where[e.section][e.index]

@@ -65,17 +65,54 @@ def reuse_prefix(
     (none without ``tokens``), then new blocks for the rest and ``lookahead``. Returns the
     tokens reused and the request's prefix state; raises before anything changes."""
     keys: list[bytes] = []
+    tpb = m.tokens_per_block
+    c = m._coord
+    if tokens is not None:
+        keys = _keys_of(m, tokens, data, root, items, block_keys)
+    # Caller-given keys are checked past the hit, which only the Python path does.
+    hit = (
+        None
+        if block_keys is not None
+        else native_rows.start(m, row, root, keys, num_tokens, lookahead)
+    )
+    if hit is None:
+        hit = _place_in_python(
+            m, row, num_tokens, lookahead, keys, tokens, data, root, lora_id, has_salt, block_keys
+        )
+    hit_tokens = hit * tpb
+    state_requests.start(m, row, root, keys, hit)
+    if tokens is not None:
+        stats = c.cache.stats
+        stats.queries += 1
+        stats.query_tokens += num_tokens
+        stats.hit_tokens += hit_tokens
+    # Only keys kvcm hashed itself are kept for commits. Caller-given keys are not, even
+    # those that hit: a hit proves a key is cached, not that it is these tokens' key, and a
+    # commit after a rewind below the hit would publish the request's own tokens under it.
+    kept = keys if block_keys is None else []
+    return hit_tokens, PrefixState(root, lora_id, has_salt, items, keys[:hit], data, kept)
+
+
+def _place_in_python(
+    m: KVCacheManager,
+    row: int,
+    num_tokens: int,
+    lookahead: int,
+    keys: list[bytes],
+    tokens: list[int] | None,
+    data: bytes,
+    root: bytes,
+    lora_id: int | str | None,
+    has_salt: bool,
+    block_keys: Sequence[bytes | str] | None,
+) -> int:
+    """``native_rows.start``'s work where the C core leaves it (windows, a host tier, state
+    layers, caller-given keys, no core): the hit found and placed by the coordinator, then
+    the blocks past it. Returns the hit in blocks; raises before anything changes."""
     hit = 0
     tpb = m.tokens_per_block
     c = m._coord
-    placed = None  # the hit, when the C core found and placed it
     if tokens is not None:
-        keys = _keys_of(m, tokens, data, root, items, block_keys)
-        if block_keys is None:  # caller-given keys are checked past the hit below
-            placed = native_rows.place_hit(m, row, root, keys, num_tokens, lookahead)
-    if placed is not None:
-        hit = placed
-    elif tokens is not None:
         # Not inside an all-or-nothing step: onboarding writes pages into device slots,
         # and an undo would give those slots back to the cache entries they had.
         if m._host is not None and m._undo is None:
@@ -92,23 +129,12 @@ def reuse_prefix(
         )
         if block_keys is not None:
             _check_key_sizes(keys[hit:])
-    hit_tokens = hit * tpb
-    if hit and placed is None:
+    if hit:
         need, idle = c.hit_need(hits, num_tokens + lookahead)
         c.check_fits(need)
-        c.place_hits(row, hits, idle, ends, hit_tokens)
-    native_rows.grow(m, row, num_tokens - hit_tokens, lookahead)
-    state_requests.start(m, row, root, keys, hit)
-    if tokens is not None:
-        stats = c.cache.stats
-        stats.queries += 1
-        stats.query_tokens += num_tokens
-        stats.hit_tokens += hit_tokens
-    # Only keys kvcm hashed itself are kept for commits. Caller-given keys are not, even
-    # those that hit: a hit proves a key is cached, not that it is these tokens' key, and a
-    # commit after a rewind below the hit would publish the request's own tokens under it.
-    kept = keys if block_keys is None else []
-    return hit_tokens, PrefixState(root, lora_id, has_salt, items, keys[:hit], data, kept)
+        c.place_hits(row, hits, idle, ends, hit * tpb)
+    native_rows.grow(m, row, num_tokens - hit * tpb, lookahead)
+    return hit
 
 
 def probe(
@@ -175,7 +201,9 @@ def check_prompt(m: KVCacheManager, token_ids: Any, num_tokens: int | None) -> N
     """Refuse a prompt of the wrong length before any work on it (hashing a prompt is the
     costliest thing an allocate or probe does): ``num_tokens`` ids, or at most
     ``max_seq_len`` for a probe (a longer one can never be a request)."""
-    if not isinstance(token_ids, Sequence | np.ndarray) or isinstance(token_ids, str | bytes):
+    if type(token_ids) is not list and (  # a list, the usual case, is checked first
+        not isinstance(token_ids, Sequence | np.ndarray) or isinstance(token_ids, str | bytes)
+    ):
         raise InvalidArgument("token_ids must be a sequence of ints", token_ids=None)
     n = len(token_ids)
     if num_tokens is not None and n != num_tokens:

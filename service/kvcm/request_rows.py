@@ -88,15 +88,17 @@ def handle_rows(m: KVCacheManager, handles: np.ndarray) -> tuple[np.ndarray, np.
     return rows, (None if live.all() else live)
 
 
-def claim(m: KVCacheManager, request_id: str) -> int:
+def claim(m: KVCacheManager, request_id: str) -> tuple[int, int]:
     """Give ``request_id`` the last free row (the one allocate grew) and a new handle for
-    it; returns the row."""
+    it; returns the row and the handle."""
     taken = m._free_rows.pop()
     m._rows[request_id] = taken
     m._ids[taken] = request_id
-    m._serial[taken] += 1
-    m._handle[taken] = (int(m._serial[taken]) << 32) | taken
-    return taken
+    serial = m._serial.item(taken) + 1
+    m._serial[taken] = serial
+    handle = (serial << 32) | taken
+    m._handle[taken] = handle
+    return taken, handle
 
 
 def check_len(m: KVCacheManager, request_id: str, total: int) -> None:
@@ -111,7 +113,7 @@ def check_len(m: KVCacheManager, request_id: str, total: int) -> None:
         )
 
 
-#: Every field of ``RequestInfo``: what ``_trusted_info`` marks as set.
+#: Every field of ``RequestInfo``: what ``trusted_info`` marks as set.
 _INFO_FIELDS = frozenset(RequestInfo.model_fields)
 _set_dict = BaseModel.__dict__["__dict__"].__set__
 _set_fields = BaseModel.__dict__["__pydantic_fields_set__"].__set__
@@ -119,7 +121,7 @@ _set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
 _set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
-def _trusted_info(fields: dict[str, object]) -> RequestInfo:
+def trusted_info(fields: dict[str, object]) -> RequestInfo:
     """A ``RequestInfo`` of fields the manager computed itself (ints of its own arrays and a
     checked id), without validating them again: validation is 1.6 us of a single op's
     3 us budget (issue 13). The instance is the same as a validated one (equal, frozen, the
@@ -137,7 +139,7 @@ def info(m: KVCacheManager, request_id: str, row: int) -> RequestInfo:
     c = m._coord
     n = c.num_tokens.item(row)  # .item: a Python int at half the cost of int(a[row])
     saved = m._suspended.get(request_id)
-    return _trusted_info(
+    return trusted_info(
         {
             "request_id": request_id,
             "row": row,

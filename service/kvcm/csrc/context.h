@@ -90,4 +90,18 @@ int pools_commit(Pool *p, int n);
 void pools_release(Pool *p, int n);
 int sinks_get(PyObject *t, const Ctx *c, int64_t *out);
 
+/* rows.c: a row's new blocks, in steps that row_grow and row_start share. grow_plan: the
+ * blocks each layer group adds (add) and each pool group needs (need, added to) for a row
+ * of `history` tokens holding current[g] blocks per group to hold history + nt + la; 1
+ * when the numpy path must run it. grow_stage: each queue's new counters, after the spans
+ * the pops will read and `claimed` slots a hit took out of the middle (0; 1 for a queue
+ * out of shape; -1 with an error). grow_write: the pops, cells, references and counters. */
+int64_t pool_span(const Pool *p, int64_t k, Py_ssize_t slots);
+void pool_pop(Pool *p, int64_t k, int32_t *out);
+int grow_plan(const Ctx *c, int64_t row, int64_t history, const int64_t *current, int64_t nt,
+              int64_t la, Py_ssize_t *add, int64_t *need);
+int grow_stage(Pool *p, int pools, const int64_t *need, const int64_t *claimed, const Ctx *c);
+void grow_write(Ctx *c, Pool *p, int64_t row, int64_t history, const int64_t *current,
+                const Py_ssize_t *add, int64_t nt, int64_t la);
+
 #endif

@@ -9,8 +9,10 @@
  *   little-endian bytes; pack_handles: a step's handle list as int64 bytes (tokens.c).
  * - decode_plan, decode_commit: a batch of extends by handle (a decode step) planned in one
  *   pass over the rows, and its counters written in one more (kvcm.native_step, decode.c).
- * - row_grow, row_release: one row's new blocks (a new request, the blocks past a prefix
- *   hit) and a freed row's, one call each (kvcm.native_rows, rows.c).
+ * - row_grow, row_release: one row's new blocks (those past a prefix hit the Python path
+ *   placed) and a freed row's, one call each (kvcm.native_rows, rows.c).
+ * - row_start: a new request's prefix hit and the blocks past it, in one call (hits.c).
+ * - commit_run: a step's commits and the blocks they fill (commits.c).
  *
  * This file holds the module's method table; native.h the declarations the files share,
  * context.h (context.c) the coordinator's arrays and free queues as they read them.
@@ -33,7 +35,7 @@ static PyMethodDef methods[] = {
     {"row_grow", kvcm_row_grow, METH_VARARGS, "One row's new blocks (no window releasing)."},
     {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
     {"commit_run", kvcm_commit_run, METH_VARARGS, "A step's commits and their publishing."},
-    {"row_hit", kvcm_row_hit, METH_VARARGS, "A new row's prefix hit (full attention)."},
+    {"row_start", kvcm_row_start, METH_VARARGS, "A new row's prefix hit and blocks."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -50,7 +52,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* API: the interface version kvcm.native expects (bumped when a function's arguments or
      * results change; a stale build is then left unused, not called wrongly). */
     if (m && (PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0 ||
-              PyModule_AddIntConstant(m, "API", 4) < 0))
+              PyModule_AddIntConstant(m, "API", 5) < 0))
         Py_CLEAR(m);
     return m;
 }

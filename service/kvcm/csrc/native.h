@@ -34,8 +34,8 @@ PyObject *kvcm_context(PyObject *self, PyObject *t);
 PyObject *kvcm_row_grow(PyObject *self, PyObject *args);
 PyObject *kvcm_row_release(PyObject *self, PyObject *args);
 
-/* hits.c: a new request's prefix hit */
-PyObject *kvcm_row_hit(PyObject *self, PyObject *args);
+/* hits.c: a new request's prefix hit and the blocks past it */
+PyObject *kvcm_row_start(PyObject *self, PyObject *args);
 
 /* commits.c: a step's commits and the blocks they fill */
 PyObject *kvcm_commit_run(PyObject *self, PyObject *args);

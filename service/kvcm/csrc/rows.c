@@ -10,7 +10,7 @@
 /* How many ring entries from the head hold the k oldest free slots (tombstones, -1,
  * skipped), each checked to be a slot below ``slots``: -1 if the queue ends first or holds
  * another value (never from BlockPool). Reads only. */
-static int64_t pool_span(const Pool *p, int64_t k, Py_ssize_t slots) {
+int64_t pool_span(const Pool *p, int64_t k, Py_ssize_t slots) {
     const int32_t *ring = I32P(p->ring);
     int64_t used = 0;
     for (int64_t taken = 0; taken < k; used++) {
@@ -23,7 +23,7 @@ static int64_t pool_span(const Pool *p, int64_t k, Py_ssize_t slots) {
 }
 
 /* BlockPool.pop of k slots into out, once pool_span has measured them. */
-static void pool_pop(Pool *p, int64_t k, int32_t *out) {
+void pool_pop(Pool *p, int64_t k, int32_t *out) {
     const int32_t *ring = I32P(p->ring);
     for (int64_t taken = 0; taken < k; p->head++, p->len--) {
         int32_t v = ring[p->head % p->ring.n];
@@ -41,13 +41,59 @@ static void pool_push(Pool *p, int32_t slot) {
     p->count++;
 }
 
+int grow_plan(const Ctx *c, int64_t row, int64_t history, const int64_t *current, int64_t nt,
+              int64_t la, Py_ssize_t *add, int64_t *need) {
+    if (nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT) return 1;
+    if (history < 0 || history > MAX_COUNT) return 1; /* never from the coordinator */
+    int64_t want = (history + nt + la + c->tpb - 1) / c->tpb;
+    if (want > c->width) return 1;
+    for (int g = 0; g < c->groups; g++) {
+        if (current[g] < 0 || current[g] > c->width) return 1; /* never from the coordinator */
+        if (c->window[g]) {
+            int64_t old = I64P(c->released[g])[row];
+            if (released_end(old, history, c->window[g], c->tpb) != old) return 1;
+        }
+        add[g] = want > current[g] ? (Py_ssize_t)(want - current[g]) : 0;
+        need[c->group_pool[g]] += add[g];
+    }
+    return 0;
+}
+
+int grow_stage(Pool *p, int pools, const int64_t *need, const int64_t *claimed,
+               const Ctx *c) {
+    for (int q = 0; q < pools; q++) {
+        int64_t used = need[q] ? pool_span(&p[q], need[q], c->refs[q].n) : 0;
+        if (used < 0) return 1;
+        if ((need[q] || claimed[q]) &&
+            pool_stage(&p[q], p[q].head + used, p[q].len - used,
+                       p[q].count - claimed[q] - need[q]) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+void grow_write(Ctx *c, Pool *p, int64_t row, int64_t history, const int64_t *current,
+                const Py_ssize_t *add, int64_t nt, int64_t la) {
+    for (int g = 0; g < c->groups; g++) {
+        if (!add[g]) continue;
+        int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width + current[g];
+        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+        pool_pop(&p[c->group_pool[g]], add[g], cells);
+        for (Py_ssize_t b = 0; b < add[g]; b++) refs[cells[b]] = 1;
+        I64P(c->blocks[g])[row] = current[g] + add[g];
+    }
+    I64P(c->num_tokens)[row] = history + nt;
+    I64P(c->history)[row] = history;
+    I64P(c->lookahead)[row] = la;
+}
+
 /* row_grow(row, num_tokens, lookahead, context, pools) -> tuple | None | False
  *
- * Coordinator.grow_one of a row whose sliding windows release nothing (a new request, the
- * blocks past a prefix hit): the row's capacity becomes history +
- * num_tokens + lookahead tokens, history being its tokens before the call; each layer group
- * in turn takes the blocks from its count up to ceil(capacity / tokens_per_block) from the
- * head of its pool group's free queue: the slots are held once (refs 1) and written at
+ * Coordinator.grow_one of a row whose sliding windows release nothing (the blocks past a
+ * prefix hit the Python path placed): the row's capacity becomes history + num_tokens +
+ * lookahead tokens, history being its tokens before the call; each layer group in turn
+ * takes the blocks from its count up to ceil(capacity / tokens_per_block) from the head of
+ * its pool group's free queue: the slots are held once (refs 1) and written at
  * tables[g][row, count:]. Returns the blocks each layer group added.
  *
  * None, with nothing changed, when a pool group has fewer free slots than its groups need
@@ -67,26 +113,14 @@ PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
     Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
     int got = 0;
-    int64_t need[MAX_GROUPS] = {0};
+    int64_t need[MAX_GROUPS] = {0}, current[MAX_GROUPS], none[MAX_GROUPS] = {0};
     Py_ssize_t add[MAX_GROUPS] = {0};
     PyObject *result = NULL;
     if (!(c = ctx_open(ctx_o, &local, 1)) || pools_get(pools_o, c, p, &got) < 0) goto done;
-    if (row < 0 || row >= c->nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT)
-        goto numpy;
+    if (row < 0 || row >= c->nrows) goto numpy;
+    for (int g = 0; g < c->groups; g++) current[g] = I64P(c->blocks[g])[row];
     int64_t history = I64P(c->num_tokens)[row];
-    if (history < 0 || history > MAX_COUNT) goto numpy; /* never from the coordinator */
-    int64_t want = (history + nt + la + c->tpb - 1) / c->tpb;
-    if (want > c->width) goto numpy;
-    for (int g = 0; g < c->groups; g++) {
-        int64_t current = I64P(c->blocks[g])[row];
-        if (current < 0 || current > c->width) goto numpy; /* never from the coordinator */
-        if (c->window[g]) {
-            int64_t old = I64P(c->released[g])[row];
-            if (released_end(old, history, c->window[g], c->tpb) != old) goto numpy;
-        }
-        add[g] = want > current ? (Py_ssize_t)(want - current) : 0;
-        need[c->group_pool[g]] += add[g];
-    }
+    if (grow_plan(c, row, history, current, nt, la, add, need)) goto numpy;
     for (int q = 0; q < c->pools; q++) {
         if (need[q] > p[q].count) {
             result = Py_NewRef(Py_None);
@@ -95,27 +129,12 @@ PyObject *kvcm_row_grow(PyObject *self, PyObject *args) {
     }
     /* Everything that can fail comes before the first write: the spans read, the result
      * and the queues' new counters made. */
-    for (int q = 0; q < c->pools; q++) {
-        if (!need[q]) continue;
-        int64_t used = pool_span(&p[q], need[q], c->refs[q].n);
-        if (used < 0) goto numpy;
-        if (pool_stage(&p[q], p[q].head + used, p[q].len - used, p[q].count - need[q]) < 0)
-            goto done;
-    }
+    int staged = grow_stage(p, c->pools, need, none, c);
+    if (staged < 0) goto done;
+    if (staged) goto numpy;
     result = counts_tuple(add, c->groups);
     if (!result) goto done;
-    for (int g = 0; g < c->groups; g++) {
-        if (!add[g]) continue;
-        int64_t current = I64P(c->blocks[g])[row];
-        int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width + current;
-        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
-        pool_pop(&p[c->group_pool[g]], add[g], cells);
-        for (Py_ssize_t b = 0; b < add[g]; b++) refs[cells[b]] = 1;
-        I64P(c->blocks[g])[row] = current + add[g];
-    }
-    I64P(c->num_tokens)[row] = history + nt;
-    I64P(c->history)[row] = history;
-    I64P(c->lookahead)[row] = la;
+    grow_write(c, p, row, history, current, add, nt, la);
     if (pools_commit(p, c->pools) < 0) Py_CLEAR(result);
     goto done;
 numpy:
