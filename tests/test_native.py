@@ -489,3 +489,41 @@ def test_a_stale_build_is_left_unused() -> None:
     )
     if native.available():
         assert native._built is not None and native._built.API == native.API
+
+
+@built
+def test_live_rows_says_whether_a_batch_of_handles_is_live_and_distinct() -> None:
+    """The worked example, then random batches against ``handle_rows`` and ``distinct_rows``
+    (the numpy path): stale handles, repeated rows, rows past the table, negative and huge
+    handles, more items than rows."""
+    from kvcm import request_rows
+
+    core = native._built
+    m = manager([layer(0)], max_requests=8, num_blocks=32)
+    handles = [m.allocate(f"r{i}", 3).handle for i in range(6)]
+    stale = handles[5]
+    m.free("r5")
+    fresh = m.allocate("r6", 3).handle  # row 5 again, a new handle
+    assert fresh & 0xFFFFFFFF == stale & 0xFFFFFFFF and fresh != stale
+    context, out = m._native_decode.arrays(core, m), np.full(16, -7, dtype=np.int64)
+
+    def live_rows(batch: list[int]) -> bool:
+        return bool(core.live_rows(np.array(batch, dtype=np.int64), context, out))
+
+    assert live_rows([handles[2], handles[0]]) and out[:2].tolist() == [2, 0]
+    assert not live_rows([handles[2], handles[2]])  # a row twice
+    assert not live_rows([handles[1], stale])  # a freed request's handle
+    assert live_rows([]) and live_rows([fresh])
+    pool = [*handles[:5], fresh, stale, -1, 0, 8, 1 << 40 | 2, -(1 << 63), (1 << 63) - 1]
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        batch = np.array(rng.choice(pool, int(rng.integers(0, 10))), dtype=np.int64)
+        rows, live = request_rows.handle_rows(m, batch)
+        expected = live is None and request_rows.distinct_rows(m, rows)
+        assert core.live_rows(batch, context, out) is expected, batch
+        if expected:
+            assert out[: batch.size].tolist() == rows.tolist()
+    many = np.array(handles[:5] * 2, dtype=np.int64)  # more items than rows
+    assert core.live_rows(many, context, out[:4]) is False
+    with pytest.raises(ValueError):
+        core.live_rows(np.array(handles[:3], dtype=np.int64), context, out[:2])

@@ -235,9 +235,8 @@ class _Run:
         decode step commits each running request's new token), else item by item."""
         m, cols = self.m, self.cols
         if cols.commit.size > 1:
-            rows, live = request_rows.handle_rows(m, cols.commit)
-            distinct = live is None and request_rows.distinct_rows(m, rows)
-            if distinct and commit_batch(m, rows, cols.commit_tokens, self.commit_item):
+            rows = request_rows.live_distinct_rows(m, cols.commit)
+            if rows is not None and commit_batch(m, rows, cols.commit_tokens, self.commit_item):
                 return
         tokens = cols.commit_tokens
         self.each_row("commit", lambda i, row: commit_row(m, row, tokens[i]))

@@ -245,6 +245,20 @@ def distinct_rows(m: KVCacheManager, rows: np.ndarray) -> bool:
     return bool((scratch[rows] == index).all())
 
 
+def live_distinct_rows(m: KVCacheManager, handles: np.ndarray) -> np.ndarray | None:
+    """The rows of ``handles`` if every one is live and no row repeats (a batch of a step's
+    commits), else None: one C call (``live_rows``) with the core, ``handle_rows`` and
+    ``distinct_rows`` without (some five numpy calls, 5 us of a 16-commit step)."""
+    core = native.core
+    if core is not None and m._coord.plain:
+        decode = m._native_decode
+        if core.live_rows(handles, decode.arrays(core, m), decode.rows):
+            return decode.rows[: handles.size].copy()  # the decode batch's work array
+        return None
+    rows, live = handle_rows(m, handles)
+    return rows if live is None and distinct_rows(m, rows) else None
+
+
 def failing_extends(
     m: KVCacheManager, handles: np.ndarray, new: np.ndarray | int, ahead: np.ndarray | int
 ) -> np.ndarray | None:

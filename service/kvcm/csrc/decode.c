@@ -269,3 +269,46 @@ done:
     buf_release(&ahead.arr);
     return result;
 }
+
+/* live_rows(handles, context, rows) -> bool
+ *
+ * Whether every handle names a live request and no two name the same row: a step's batch
+ * of commits (kvcm.columnar._Run.commits) runs as one only then. Each handle's row (its low
+ * 32 bits) goes to rows[i] (int64, at least as long as handles unless there are more
+ * handles than rows: False); the scratch array is work space, as in decode_plan. False
+ * leaves rows' content unspecified and changes no state.
+ *
+ * Example: handles [2 << 32 | 5, 1 << 32 | 3] with rows 5 and 3 live under those handles:
+ * rows [5 3], True; [2 << 32 | 5, 2 << 32 | 5]: False (row 5 twice); a handle of a freed
+ * request (row 5's handle is now 3 << 32 | 5): False. */
+PyObject *kvcm_live_rows(PyObject *self, PyObject *args) {
+    PyObject *handles_o, *ctx_o, *rows_o;
+    if (!PyArg_ParseTuple(args, "OOO", &handles_o, &ctx_o, &rows_o)) return NULL;
+    Ctx local, *c = NULL;
+    Buf handles = {0}, rows = {0};
+    PyObject *result = NULL;
+    if (!(c = ctx_open(ctx_o, &local, 0)) || buf_get(handles_o, &handles, 8, 0) < 0 ||
+        buf_get(rows_o, &rows, 8, 1) < 0)
+        goto done;
+    Py_ssize_t n = handles.n;
+    int ok = n <= c->nrows; /* more items than rows cannot be distinct */
+    if (ok && rows.n < n) {
+        PyErr_SetString(PyExc_ValueError, "live_rows: rows shorter than handles");
+        goto done;
+    }
+    const int64_t *h = I64P(handles), *live = I64P(c->row_handle);
+    int64_t *out = I64P(rows), *scratch = I64P(c->scratch);
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        int64_t row = h[i] & ROW_MASK;
+        ok = row < c->nrows && live[row] == h[i];
+        out[i] = row;
+        if (ok) scratch[row] = i;
+    }
+    for (Py_ssize_t i = 0; ok && i < n; i++) ok = scratch[out[i]] == i;
+    result = Py_NewRef(ok ? Py_True : Py_False);
+done:
+    buf_release(&handles);
+    buf_release(&rows);
+    if (c) ctx_close(c, &local);
+    return result;
+}
