@@ -225,4 +225,5 @@ class CoreSpy:
         out = self._core.row_start(*args)
         kind = type(out).__name__ if type(out) is not tuple else "hit" if out[0] else "grow"
         self.results[f"start {kind}"] += 1
+        self.results["start evict"] += type(out) is tuple and out[2]
         return out

@@ -425,6 +425,8 @@ def test_random_prefix_hits_match_the_numpy_path(
     assert spy.results["start hit"] > 50, spy.results
     assert (spy.results["start NoneType"] > 0) == fills, spy.results  # left to numpy to name
     assert spy.results["start bool"] == 0, spy.results
+    # Grows that took cached slots (then evicted in Python), and grows that took none.
+    assert 0 < spy.results["start evict"] < spy.results["start hit"] + spy.results["start grow"]
 
 
 def test_a_hit_that_fits_exactly_is_placed_in_c() -> None:
@@ -490,12 +492,12 @@ def test_row_start_leaves_keys_that_are_not_bytes_to_numpy() -> None:
     context, pools, sinks = m._native_decode.row_args(core, m)
     row = m._free_rows[-1]
     before = manager_state(m)
-    args = (context, pools, sinks)
+    args = (context, pools, sinks, m._native_decode.cached(m))
     assert core.row_start(row, [keys[0], Key(keys[1])], scopes, 2, 9, 0, *args) is False
     odd = {keys[0]: np.int64(c.cache.index[0][root][keys[0]])}
     assert core.row_start(row, keys[:1], (odd,), 1, 9, 0, *args) is False
     assert same(manager_state(m), before)
-    assert core.row_start(row, keys[:2], scopes, 2, 9, 0, *args) == (2, (1,))
+    assert core.row_start(row, keys[:2], scopes, 2, 9, 0, *args) == (2, (1,), False)
 
 
 def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> None:
@@ -516,7 +518,7 @@ def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> 
     root = next(iter(c.cache.index[0]))
     scopes = (c.cache.index[0][root],)
     keys = list(scopes[0])[:2]  # published in block order
-    args = m._native_decode.row_args(core, m)
+    args = (*m._native_decode.row_args(core, m), m._native_decode.cached(m))
     row = m._free_rows[-1]
     before = manager_state(m)
     assert core.row_start(live, keys, scopes, 2, 9, 0, *args) is False  # not a free row
@@ -533,7 +535,7 @@ def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> 
     assert core.row_start(row, keys, scopes, 2, 9, 0, *args) is False
     assert same(manager_state(m), corrupt)  # the hit's two entries are back in the ring
     pool._ring[head] = slot
-    assert core.row_start(row, keys, scopes, 2, 9, 0, *args) == (2, (1,))
+    assert core.row_start(row, keys, scopes, 2, 9, 0, *args) == (2, (1,), False)
     assert c.tables[0][row, :3].tolist() == [scopes[0][keys[0]], scopes[0][keys[1]], slot]
 
     w = manager([layer(0), layer(1, sliding_window=8)], num_blocks=16, max_seq_len=64)
@@ -543,7 +545,7 @@ def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> 
     wroot = next(iter(wc.cache.index[0]))
     wscopes = tuple(index[wroot] for index in wc.cache.index)
     wkeys = list(wscopes[0])[:2]
-    wargs = w._native_decode.row_args(core, w)
+    wargs = (*w._native_decode.row_args(core, w), w._native_decode.cached(w))
     before = manager_state(w)
     assert core.row_start(w._free_rows[-1], wkeys, wscopes, 2, 9, 0, *wargs) is False
     assert same(manager_state(w), before)

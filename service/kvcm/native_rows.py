@@ -32,6 +32,7 @@ from . import native
 from .prefix_cache import hit_cap
 
 if TYPE_CHECKING:
+    from .coordinator import Coordinator
     from .manager import KVCacheManager
 
 
@@ -86,25 +87,34 @@ def start(
     cap = hit_cap(len(keys), num_tokens, c.tokens_per_block) if keys else 0
     scopes = tuple([index.get(root) for index in c.cache.index]) if cap > 0 else ()
     context, pools, sinks = decode.row_args(core, m)
-    done = core.row_start(row, keys, scopes, cap, num_tokens, lookahead, context, pools, sinks)
+    done = core.row_start(
+        row, keys, scopes, cap, num_tokens, lookahead, context, pools, sinks, decode.cached(m)
+    )
     if type(done) is not tuple:  # None: it does not fit; False: numpy's to run
         return None
-    hit, added = done
+    hit, added, evict = done
     edits = c.edits
     if hit and edits is not None:
         for g in range(len(c.tables)):
             slots = c.tables[g][row, :hit].copy()  # the edit log keeps it
             edits.append((g, np.full(hit, row), np.arange(hit), slots))
+    if evict or edits is not None or c.host is not None:  # else nothing to evict or log
+        _taken(c, row, hit, added)
+    c.ops_since_take += 2 if hit else 1  # the hit and the grow, as the Python path counts
+    return hit
+
+
+def _taken(c: Coordinator, row: int, hit: int, added: tuple[int, ...]) -> None:
+    """The slots ``row_start`` took past a hit of ``hit`` blocks: what they cached evicted (to
+    the host tier first, if there is one) and their table cells logged."""
+    edits = c.edits
     for g, k in enumerate(added):
-        pg = c.group_pool[g]
-        # Nothing cached in the pool group, no host tier and no log: nothing to do.
-        if k and (edits is not None or c.host is not None or c.cache.slot_key[pg]):
+        if k:
+            pg = c.group_pool[g]
             slots = c.tables[g][row, hit : hit + k].copy()
             c.evict_taken(pg, slots)
             if edits is not None:
                 edits.append((g, np.full(k, row), np.arange(hit, hit + k), slots))
-    c.ops_since_take += 2 if hit else 1  # the hit and the grow, as the Python path counts
-    return hit
 
 
 def release(m: KVCacheManager, row: int) -> None:

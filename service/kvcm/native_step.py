@@ -38,7 +38,7 @@ class NativeDecode:
     """One manager's C decode path: its work arrays (no allocation per step) and the
     coordinator's arrays as the C core reads them."""
 
-    __slots__ = ("_arrays", "_context", "_hits", "_row_args", "out", "rows")
+    __slots__ = ("_arrays", "_cached", "_context", "_hits", "_row_args", "out", "rows")
 
     def __init__(self, max_requests: int, num_groups: int) -> None:
         self.rows = np.zeros(max_requests, dtype=np.int64)
@@ -47,6 +47,7 @@ class NativeDecode:
         self._context: tuple[Any, ...] | None = None
         self._arrays: object | None = None
         self._row_args: tuple[object, tuple[Any, ...], tuple[int, ...]] | None = None
+        self._cached: tuple[np.ndarray, ...] | None = None
         self._hits: bool | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NativeDecode:
@@ -59,6 +60,7 @@ class NativeDecode:
         twin._context = copy.deepcopy(self._context, memo)
         twin._arrays = None
         twin._row_args = None
+        twin._cached = None
         twin._hits = self._hits
         return twin
 
@@ -108,6 +110,13 @@ class NativeDecode:
             c = m._coord
             self._row_args = (self.arrays(core, m), tuple(c.pools), tuple(c.sinks))
         return self._row_args
+
+    def cached(self, m: KVCacheManager) -> tuple[np.ndarray, ...]:
+        """Each pool group's cached flags, as ``row_start`` reads them (restored in place,
+        so kept)."""
+        if self._cached is None:
+            self._cached = tuple(m._coord.cache.cached)
+        return self._cached
 
     def hits_in_c(self, m: KVCacheManager) -> bool:
         """Whether ``row_hit`` can place this manager's prefix hits (``native_rows.place_hit``):

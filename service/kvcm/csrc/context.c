@@ -7,8 +7,8 @@
 #define NATIVE_LITTLE 0
 #endif
 
-/* A C-contiguous buffer of itemsize-byte signed ints, writable if asked; -1 with TypeError
- * (or numpy's ValueError for a strided array) if it is not one. */
+/* A C-contiguous buffer of itemsize-byte signed ints (itemsize 1: bools), writable if asked;
+ * -1 with TypeError (or numpy's ValueError for a strided array) if it is not one. */
 int buf_get(PyObject *obj, Buf *a, Py_ssize_t itemsize, int writable) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &a->view, flags) < 0) return -1;
@@ -16,11 +16,12 @@ int buf_get(PyObject *obj, Buf *a, Py_ssize_t itemsize, int writable) {
     /* native byte order only: no prefix, '@' or '=', or '<' on a little-endian host */
     if (f[0] == '@' || f[0] == '=' || (f[0] == '<' && NATIVE_LITTLE)) f++;
     int ok = a->view.itemsize == itemsize && strlen(f) == 1 &&
-             (itemsize == 8 ? (f[0] == 'q' || f[0] == 'l') : f[0] == 'i');
+             (itemsize == 8 ? (f[0] == 'q' || f[0] == 'l') : f[0] == (itemsize == 1 ? '?' : 'i'));
     if (!ok) {
         PyBuffer_Release(&a->view);
         a->view.obj = NULL;
-        PyErr_Format(PyExc_TypeError, "expected a C-contiguous int%d array", (int)(8 * itemsize));
+        PyErr_Format(PyExc_TypeError, "expected a C-contiguous %s%d array",
+                     itemsize == 1 ? "bool" : "int", (int)(8 * itemsize));
         return -1;
     }
     a->p = a->view.buf;

@@ -8,8 +8,8 @@
  * there in a dozen numpy and dict calls, then two calls into this module. */
 #include "context.h"
 
-/* row_start(row, keys, scopes, cap, num_tokens, lookahead, context, pools, sinks)
- *     -> (hit, added) | None | False
+/* row_start(row, keys, scopes, cap, num_tokens, lookahead, context, pools, sinks, cached)
+ *     -> (hit, added, evict) | None | False
  *
  * `keys`: the prompt's block keys (a list, empty without a prompt); `scopes`: per layer
  * group, the dict key -> slot of the request's scope (None: nothing cached there); `cap`:
@@ -19,8 +19,10 @@
  * leaves its pool group's free queue (a tombstone in its place), its released run at the
  * group's sinks. Then row_grow's blocks for num_tokens + lookahead tokens in all: blocks
  * [b, ceil((num_tokens + lookahead) / tokens_per_block)) of each group from the head of its
- * queue. The row holds num_tokens tokens, b * tokens_per_block of them history. Returns b
- * and the blocks each layer group added past it.
+ * queue. The row holds num_tokens tokens, b * tokens_per_block of them history. Returns b,
+ * the blocks each layer group added past it, and whether a slot they took holds a cached
+ * block (`cached`: each pool group's flags, a bool array per slot), which the caller then
+ * evicts.
  *
  * None, with nothing changed, when the request does not fit: its pool groups need the hit's
  * unheld slots plus the blocks past the hit (the numpy path then names the error); False,
@@ -31,16 +33,19 @@
  * Example (tokens_per_block 4, one group, free queue [7 8 2 5], cached keys k0 -> 7,
  * k1 -> 3, k2 -> 9, slot 3 held by another request): keys [k0 k1 k5], cap 3, 10 tokens and
  * 6 lookahead: b = 2; the row gets [7 3] (refs 1 and 2; 7 leaves the queue: [-1 8 2 5]),
- * then blocks 2 and 3 from the head, [8 2]; returns (2, (2,)), and the queue is [5]. */
+ * then blocks 2 and 3 from the head, [8 2]; returns (2, (2,), False) if neither 8 nor 2
+ * caches a block, and the queue is [5]. */
 PyObject *kvcm_row_start(PyObject *self, PyObject *args) {
-    PyObject *keys, *scopes, *ctx_o, *pools_o, *sinks_o;
+    PyObject *keys, *scopes, *ctx_o, *pools_o, *sinks_o, *cached_o;
     long long row, cap, nt, la;
-    if (!PyArg_ParseTuple(args, "LO!O!LLLOOO", &row, &PyList_Type, &keys, &PyTuple_Type,
-                          &scopes, &cap, &nt, &la, &ctx_o, &pools_o, &sinks_o))
+    if (!PyArg_ParseTuple(args, "LO!O!LLLOOOO!", &row, &PyList_Type, &keys, &PyTuple_Type,
+                          &scopes, &cap, &nt, &la, &ctx_o, &pools_o, &sinks_o, &PyTuple_Type,
+                          &cached_o))
         return NULL;
     Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
-    int got = 0;
+    Buf cached[MAX_GROUPS];
+    int got = 0, got_cached = 0;
     int64_t sinks[MAX_GROUPS], need[MAX_GROUPS] = {0}, claimed[MAX_GROUPS] = {0};
     int64_t current[MAX_GROUPS] = {0};
     Py_ssize_t add[MAX_GROUPS] = {0};
@@ -51,6 +56,20 @@ PyObject *kvcm_row_start(PyObject *self, PyObject *args) {
     if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
         pools_get(pools_o, c, p, &got) < 0)
         goto done;
+    if (PyTuple_GET_SIZE(cached_o) != c->pools) {
+        PyErr_SetString(PyExc_ValueError, "cached: a bool array per pool group");
+        goto done;
+    }
+    for (; got_cached < c->pools; got_cached++) {
+        Buf *f = &cached[got_cached];
+        memset(f, 0, sizeof *f);
+        if (buf_get(PyTuple_GET_ITEM(cached_o, got_cached), f, 1, 0) < 0) goto done;
+        if (f->n != c->refs[got_cached].n) {
+            PyErr_SetString(PyExc_ValueError, "cached: a flag per slot");
+            got_cached++;
+            goto done;
+        }
+    }
     if (row < 0 || row >= c->nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT)
         goto numpy;
     for (int g = 0; g < c->groups; g++)
@@ -149,7 +168,21 @@ PyObject *kvcm_row_start(PyObject *self, PyObject *args) {
     }
     /* Everything that can fail comes before the first write but those tombstones. */
     int staged = grow_stage(p, c->pools, need, claimed, c);
-    if (!staged) result = Py_BuildValue("(nN)", b, counts_tuple(add, c->groups));
+    /* Whether a slot the grow will take caches a block: the same slots pool_pop takes. */
+    int evict = 0;
+    for (int q = 0; !staged && q < c->pools && !evict; q++) {
+        const int32_t *ring = I32P(p[q].ring);
+        const uint8_t *flags = (const uint8_t *)cached[q].p;
+        int64_t taken = 0;
+        for (int64_t at = p[q].head; taken < need[q]; at++) {
+            int32_t v = ring[at % p[q].ring.n];
+            if (v < 0) continue;
+            evict |= flags[v] != 0;
+            taken++;
+        }
+    }
+    if (!staged)
+        result = Py_BuildValue("(nNO)", b, counts_tuple(add, c->groups), evict ? Py_True : Py_False);
     if (!result) {
         for (Py_ssize_t i = 0; i < nmarked; i++) { /* the tombstones put back */
             int g = (int)(marked[i] >> 32);
@@ -180,6 +213,7 @@ done:
     PyMem_Free(found);
     PyMem_Free(slots);
     PyMem_Free(marked);
+    for (int q = 0; q < got_cached; q++) buf_release(&cached[q]);
     pools_release(p, got);
     if (c) ctx_close(c, &local);
     return result;
