@@ -221,6 +221,12 @@ class CoreSpy:
         self.results[f"release {type(out).__name__}"] += 1
         return out
 
+    def allocate_one(self, *args: Any) -> Any:
+        out = self._core.allocate_one(*args)
+        kind = "python" if out is None else "hit" if out[1] else "no hit"
+        self.results[f"allocate {kind}"] += 1
+        return out
+
     def row_start(self, *args: Any) -> Any:
         out = self._core.row_start(*args)
         kind = type(out).__name__ if type(out) is not tuple else "hit" if out[0] else "grow"

@@ -263,14 +263,14 @@ def test_a_bug_inside_a_step_reports_exactly_what_was_applied(
         )
     from kvcm import allocation
 
-    real = allocation.start
+    real = allocation.start_op
 
-    def broken(m: KVCacheManager, request_id: str, *args: object, **kwargs: object) -> object:
-        if request_id == "boom":
+    def broken(m: KVCacheManager, op: dict[str, object], fast: object) -> object:
+        if op["request_id"] == "boom":
             raise ZeroDivisionError("a bug")
-        return real(m, request_id, *args, **kwargs)  # type: ignore[arg-type]
+        return real(m, op, fast)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(allocation, "start", broken)  # what a step's allocates call
+    monkeypatch.setattr(allocation, "start_op", broken)  # what a step's allocates call
     body = {
         "ops": [
             {"op": "free", "request_id": "y"},

@@ -549,3 +549,26 @@ def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> 
     before = manager_state(w)
     assert core.row_start(w._free_rows[-1], wkeys, wscopes, 2, 9, 0, *wargs) is False
     assert same(manager_state(w), before)
+
+
+def test_a_hit_that_does_not_fit_only_for_its_claimed_slots_is_none() -> None:
+    """The fit counts the hit's unheld slots with the blocks past it: 2 claimed + 7 new of 8
+    free is None (numpy names it), though 7 alone would fit; nothing changed."""
+    native.use(True)
+    m = manager([layer(0)], num_blocks=8, max_seq_len=64)
+    prompt = list(range(9))
+    m.allocate("a", 9, token_ids=prompt)
+    m.commit("a", prompt)
+    m.free("a")  # blocks 0 and 1 cached and free: all 8 slots free
+    core = native._built
+    c = m._coord
+    root = next(iter(c.cache.index[0]))
+    scopes = (c.cache.index[0][root],)
+    keys = list(scopes[0])
+    args = (*m._native_decode.row_args(core, m), m._native_decode.cached(m))
+    before = manager_state(m)
+    assert core.row_start(m._free_rows[-1], keys, scopes, 2, 36, 0, *args) is None
+    assert same(manager_state(m), before)
+    with pytest.raises(OutOfBlocks):
+        m.allocate("b", 36, token_ids=[*prompt[:8], *range(50, 78)])
+    assert same(manager_state(m), before)

@@ -758,3 +758,29 @@ def test_the_toy_recurrence_survives_a_suspend_while_others_fill_the_device(wher
             serve(run)
     finally:
         m.close()
+
+
+def test_an_allocate_in_a_step_zeroes_a_suspended_request_s_slot_after_its_copy_out() -> None:
+    """One op step: a suspend of x (its live slot's copy out queued, deferred as on CUDA),
+    an allocate that takes x's slot (its zeroing queued), then a resume in a later piece
+    (whose state flush would make the zeroing first). The allocate settles as the single op
+    does, so x comes back with its state."""
+    m = _suspending(state_live_slots=2)
+    m._host.copier.immediate = False  # as on CUDA: the tier's copies wait for a settle
+    ssm = m.state_view(1, "ssm")
+    m.allocate("x", 5)
+    m.allocate("z", 5)
+    m.suspend("z")
+    ssm[0] = 7.0  # x's state, in live slot 0
+    results = m.step(
+        [
+            {"op": "suspend", "request_id": "x"},
+            {"op": "allocate", "request_id": "y", "num_tokens": 5},
+            {"op": "resume", "request_id": "z"},
+        ]
+    )
+    assert [r.ok for r in results] == [True, True, True] and m.request("y").state_slot == 0
+    m.free("y")
+    m.free("z")
+    slot = m.resume("x").state_slot
+    assert float(ssm[slot].flatten()[0]) == 7.0

@@ -12,15 +12,19 @@ from typing import TYPE_CHECKING, Any
 from kvcm_client.errors import DuplicateRequest, InvalidArgument, RequestLimitReached
 from kvcm_client.models import RequestInfo
 
-from . import prefix_reuse, request_rows, state_requests
+from . import native, native_rows, prefix_reuse, request_rows, state_requests
 from .counts import _count
 from .hashing import MultimodalItem, multimodal_items, root_key
+from .publish import PrefixState
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
 
-#: Longest request id: ids are echoed in results and kept per request.
+#: Longest request id: ids are echoed in results and kept per request (also in allocate.c).
 MAX_REQUEST_ID = 256
+
+#: The root key of requests without a LoRA or a salt: the C core keys only those.
+_ROOT = root_key()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,56 @@ class FirstAllocation:
                 "state_slot": self.state_slot,
             }
         )
+
+
+def c_args(m: KVCacheManager) -> tuple[Any, ...] | None:
+    """What the C core's ``allocate_one`` takes besides the op and the manager, read once
+    per step; None where every allocate takes the Python path: no C core, context-parallel
+    ranks, a host tier (whose onboarding and offloading are Python's) or state layers."""
+    core = native.core
+    c = m._coord
+    if core is None or not c.plain or m._host is not None or m._state is not None:
+        return None
+    decode = m._native_decode
+    context, pools, sinks = decode.row_args(core, m)
+    # Prompts: keyed with the SHA extensions (else hashlib, in Python, is as fast) and hit
+    # where every layer group is full attention and reusable.
+    prompts = decode.hits_in_c(m) and bool(core.HAVE_SHA_EXTENSIONS)
+    classes = (PrefixState, FirstAllocation)
+    return (
+        c.cache,
+        context,
+        pools,
+        sinks,
+        decode.cached(m),
+        classes,
+        _ROOT,
+        m.config.max_seq_len,
+        prompts,
+    )
+
+
+def start_op(
+    m: KVCacheManager, op: dict[str, Any], fast: tuple[Any, ...] | None
+) -> FirstAllocation:
+    """``start`` of a step's allocate op (``kvcm.columnar_parse``'s dict, every field set):
+    in C (``allocate_one``, with ``fast``: ``c_args``) when the op is of the usual kind (an
+    id, counts, maybe a prompt's ids; no LoRA, salt, multimodal items or given keys), not a
+    retry, and fits; else in Python, which also names every error."""
+    if fast is not None:
+        done = native.core.allocate_one(op, m, *fast)
+        if done is not None:
+            first, hit, added, evict = done
+            native_rows.placed(m._coord, first.row, hit, added, evict)
+            return first
+    first = start(m, **op)
+    if m._state is not None and m._host is not None:
+        # The new request's live slot may be one a suspend of this step gave up: its zeroing
+        # is made after that suspend's copy out, as ``KVCacheManager.allocate`` settles
+        # (kvcm.suspension). Other managers' steps settle once, at their end.
+        m._host.copier.finish()
+        m._state.flush()
+    return first
 
 
 def start(

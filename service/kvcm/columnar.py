@@ -352,11 +352,12 @@ class _Run:
         m = self.m
         out = self.out
         firsts = out.firsts = [None] * len(self.cols.allocate)
+        fast = allocation.c_args(m)
         for i, op in enumerate(self.cols.allocate):
             rid = op["request_id"]
             retry = isinstance(rid, str) and rid in m._rows  # the same allocate again, or a dup
             # The step settles its copies once, at its end (``step_columns``).
-            first = self.item("allocate", i, lambda op=op: allocation.start(m, **op))
+            first = self.item("allocate", i, lambda op=op: allocation.start_op(m, op, fast))
             if first is None:
                 continue
             firsts[i] = first

@@ -93,6 +93,15 @@ def start(
     if type(done) is not tuple:  # None: it does not fit; False: numpy's to run
         return None
     hit, added, evict = done
+    placed(c, row, hit, added, evict)
+    return hit
+
+
+def placed(c: Coordinator, row: int, hit: int, added: tuple[int, ...], evict: bool) -> None:
+    """After the C core placed a new request's hit of ``hit`` blocks and ``added`` blocks
+    past it in ``row`` (``row_start``, ``allocate_one``): the table edits logged and, where
+    a taken slot cached a block (``evict``) or a host tier keeps evicted blocks, the
+    evictions, as the coordinator's own path does."""
     edits = c.edits
     if hit and edits is not None:
         for g in range(len(c.tables)):
@@ -101,7 +110,6 @@ def start(
     if evict or edits is not None or c.host is not None:  # else nothing to evict or log
         _taken(c, row, hit, added)
     c.ops_since_take += 2 if hit else 1  # the hit and the grow, as the Python path counts
-    return hit
 
 
 def _taken(c: Coordinator, row: int, hit: int, added: tuple[int, ...]) -> None:

@@ -12,7 +12,8 @@ State copies the op queued before them are made first (a rewind's restore into t
 suspend copies out, a commit's checkpoint of a slot a free gave up and a resume copies into):
 ``StatePools.flush``. Those queued after them (a new request's zeroing of the slot a suspend
 gave up) are made when the op settles, after the tier's copies have completed
-(``kvcm.manager._settle``; an allocate settles itself).
+(``kvcm.manager._settle``; an allocate settles itself, also inside a step:
+``kvcm.allocation.start_op``).
 """
 
 from __future__ import annotations

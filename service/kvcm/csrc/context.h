@@ -104,4 +104,30 @@ int grow_stage(Pool *p, int pools, const int64_t *need, const int64_t *claimed, 
 void grow_write(Ctx *c, Pool *p, int64_t row, int64_t history, const int64_t *current,
                 const Py_ssize_t *add, int64_t nt, int64_t la);
 
+/* hits.c: a new request's hit and the blocks past it, in steps that row_start and
+ * allocate_one share. start_plan: the hit found (the leading keys every group's scope
+ * holds, at most cap), the request's fit checked, the hit's unheld slots tombstoned in
+ * their queues and the queues' new counters staged, and whether a slot the grow will take
+ * caches a block (`cached`: each pool group's flags); 0, or 1 for the numpy path's to run,
+ * 2 for a request that does not fit (nothing changed, nothing held), -1 with an error.
+ * start_undo puts the tombstones back (before start_write only); start_write writes the
+ * hit and the grow; start_free frees what a planned start holds. cached_get reads the
+ * flags (*got counts those read, for buf_release). */
+typedef struct {
+    Py_ssize_t b, nmarked;
+    int32_t *slots;
+    int64_t *marked;
+    int64_t claimed[MAX_GROUPS], need[MAX_GROUPS], current[MAX_GROUPS], history;
+    Py_ssize_t add[MAX_GROUPS];
+    int evict;
+} Start;
+
+int cached_get(PyObject *t, const Ctx *c, Buf *out, int *got);
+int start_plan(const Ctx *c, Pool *p, const Buf *cached, int64_t row, PyObject *keys,
+               PyObject *scopes, int64_t cap, int64_t nt, int64_t la, Start *s);
+void start_undo(const Ctx *c, Pool *p, Start *s);
+void start_write(Ctx *c, Pool *p, const int64_t *sinks, int64_t row, int64_t nt, int64_t la,
+                 const Start *s);
+void start_free(Start *s);
+
 #endif

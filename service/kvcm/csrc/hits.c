@@ -35,41 +35,45 @@
  * 6 lookahead: b = 2; the row gets [7 3] (refs 1 and 2; 7 leaves the queue: [-1 8 2 5]),
  * then blocks 2 and 3 from the head, [8 2]; returns (2, (2,), False) if neither 8 nor 2
  * caches a block, and the queue is [5]. */
-PyObject *kvcm_row_start(PyObject *self, PyObject *args) {
-    PyObject *keys, *scopes, *ctx_o, *pools_o, *sinks_o, *cached_o;
-    long long row, cap, nt, la;
-    if (!PyArg_ParseTuple(args, "LO!O!LLLOOOO!", &row, &PyList_Type, &keys, &PyTuple_Type,
-                          &scopes, &cap, &nt, &la, &ctx_o, &pools_o, &sinks_o, &PyTuple_Type,
-                          &cached_o))
-        return NULL;
-    Ctx local, *c = NULL;
-    Pool p[MAX_GROUPS];
-    Buf cached[MAX_GROUPS];
-    int got = 0, got_cached = 0;
-    int64_t sinks[MAX_GROUPS], need[MAX_GROUPS] = {0}, claimed[MAX_GROUPS] = {0};
-    int64_t current[MAX_GROUPS] = {0};
-    Py_ssize_t add[MAX_GROUPS] = {0};
-    int32_t *slots = NULL;
-    int64_t *marked = NULL; /* ring positions tombstoned ahead of the grow's spans */
-    Py_ssize_t nmarked = 0;
-    PyObject *result = NULL, **found = NULL;
-    if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
-        pools_get(pools_o, c, p, &got) < 0)
-        goto done;
-    if (PyTuple_GET_SIZE(cached_o) != c->pools) {
+int cached_get(PyObject *t, const Ctx *c, Buf *out, int *got) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != c->pools) {
         PyErr_SetString(PyExc_ValueError, "cached: a bool array per pool group");
-        goto done;
+        return -1;
     }
-    for (; got_cached < c->pools; got_cached++) {
-        Buf *f = &cached[got_cached];
-        memset(f, 0, sizeof *f);
-        if (buf_get(PyTuple_GET_ITEM(cached_o, got_cached), f, 1, 0) < 0) goto done;
-        if (f->n != c->refs[got_cached].n) {
+    for (int q = 0; q < c->pools; q++) {
+        memset(&out[q], 0, sizeof out[q]);
+        if (buf_get(PyTuple_GET_ITEM(t, q), &out[q], 1, 0) < 0) return -1;
+        *got = q + 1;
+        if (out[q].n != c->refs[q].n) {
             PyErr_SetString(PyExc_ValueError, "cached: a flag per slot");
-            got_cached++;
-            goto done;
+            return -1;
         }
     }
+    return 0;
+}
+
+void start_free(Start *s) {
+    PyMem_Free(s->slots);
+    PyMem_Free(s->marked);
+    s->slots = NULL;
+    s->marked = NULL;
+}
+
+void start_undo(const Ctx *c, Pool *p, Start *s) {
+    for (Py_ssize_t i = 0; i < s->nmarked; i++) {
+        int g = (int)(s->marked[i] >> 32);
+        int q = c->group_pool[g];
+        int32_t slot = s->slots[g * s->b + (s->marked[i] & 0xFFFFFFFF)];
+        I32P(p[q].ring)[I64P(p[q].pos)[slot] % p[q].ring.n] = slot;
+    }
+    s->nmarked = 0;
+}
+
+int start_plan(const Ctx *c, Pool *p, const Buf *cached, int64_t row, PyObject *keys,
+               PyObject *scopes, int64_t cap, int64_t nt, int64_t la, Start *s) {
+    memset(s, 0, sizeof *s);
+    PyObject **found = NULL;
+    int status = -1;
     if (row < 0 || row >= c->nrows || nt < 1 || nt > MAX_COUNT || la < 0 || la > MAX_COUNT)
         goto numpy;
     for (int g = 0; g < c->groups; g++)
@@ -115,7 +119,8 @@ PyObject *kvcm_row_start(PyObject *self, PyObject *args) {
         b = j;
     }
     if (b > c->width) goto numpy;
-    if (b && !(slots = PyMem_Malloc((size_t)(c->groups * b) * sizeof *slots))) {
+    s->b = b;
+    if (b && !(s->slots = PyMem_Malloc((size_t)(c->groups * b) * sizeof *s->slots))) {
         PyErr_NoMemory();
         goto done;
     }
@@ -132,25 +137,25 @@ PyObject *kvcm_row_start(PyObject *self, PyObject *args) {
             int64_t at = I64P(p[q].pos)[slot] % p[q].ring.n;
             if (refs[slot] == 0 && (at < 0 || I32P(p[q].ring)[at] != slot))
                 goto numpy; /* a free slot that is not where its queue says */
-            slots[g * b + j] = (int32_t)slot;
-            claimed[q] += refs[slot] == 0;
+            s->slots[g * b + j] = (int32_t)slot;
+            s->claimed[q] += refs[slot] == 0;
         }
-        current[g] = b;
+        s->current[g] = b;
     }
-    int64_t history = b * c->tpb;
-    if (grow_plan(c, row, history, current, nt - history, la, add, need)) goto numpy;
+    s->history = b * c->tpb;
+    if (grow_plan(c, row, s->history, s->current, nt - s->history, la, s->add, s->need))
+        goto numpy;
     for (int q = 0; q < c->pools; q++) {
-        if (need[q] + claimed[q] > p[q].count) {
-            result = Py_NewRef(Py_None);
+        if (s->need[q] + s->claimed[q] > p[q].count) {
+            status = 2;
             goto done;
         }
     }
     /* The hit's unheld slots leave their queues first (tombstones), so that the grow's
-     * spans skip them, as the numpy path's pops do after place_hits; put back if the grow
-     * cannot run. */
+     * spans skip them, as the numpy path's pops do after place_hits. */
     Py_ssize_t total = 0;
-    for (int q = 0; q < c->pools; q++) total += (Py_ssize_t)claimed[q];
-    if (total && !(marked = PyMem_Malloc((size_t)total * sizeof *marked))) {
+    for (int q = 0; q < c->pools; q++) total += (Py_ssize_t)s->claimed[q];
+    if (total && !(s->marked = PyMem_Malloc((size_t)total * sizeof *s->marked))) {
         PyErr_NoMemory();
         goto done;
     }
@@ -158,61 +163,91 @@ PyObject *kvcm_row_start(PyObject *self, PyObject *args) {
         int q = c->group_pool[g];
         const int32_t *refs = I32P(c->refs[q]);
         for (Py_ssize_t j = 0; j < b; j++) {
-            int32_t slot = slots[g * b + j];
+            int32_t slot = s->slots[g * b + j];
             int64_t at = I64P(p[q].pos)[slot] % p[q].ring.n;
             if (refs[slot] == 0 && I32P(p[q].ring)[at] == slot) {
-                marked[nmarked++] = (int64_t)g << 32 | j;
+                s->marked[s->nmarked++] = (int64_t)g << 32 | j;
                 I32P(p[q].ring)[at] = -1;
             }
         }
     }
-    /* Everything that can fail comes before the first write but those tombstones. */
-    int staged = grow_stage(p, c->pools, need, claimed, c);
-    /* Whether a slot the grow will take caches a block: the same slots pool_pop takes. */
-    int evict = 0;
-    for (int q = 0; !staged && q < c->pools && !evict; q++) {
-        const int32_t *ring = I32P(p[q].ring);
-        const uint8_t *flags = (const uint8_t *)cached[q].p;
-        int64_t taken = 0;
-        for (int64_t at = p[q].head; taken < need[q]; at++) {
-            int32_t v = ring[at % p[q].ring.n];
-            if (v < 0) continue;
-            evict |= flags[v] != 0;
-            taken++;
-        }
-    }
-    if (!staged)
-        result = Py_BuildValue("(nNO)", b, counts_tuple(add, c->groups), evict ? Py_True : Py_False);
-    if (!result) {
-        for (Py_ssize_t i = 0; i < nmarked; i++) { /* the tombstones put back */
-            int g = (int)(marked[i] >> 32);
-            int q = c->group_pool[g];
-            int32_t slot = slots[g * b + (marked[i] & 0xFFFFFFFF)];
-            I32P(p[q].ring)[I64P(p[q].pos)[slot] % p[q].ring.n] = slot;
-        }
+    int staged = grow_stage(p, c->pools, s->need, s->claimed, c);
+    if (staged) {
+        start_undo(c, p, s);
         if (staged > 0) goto numpy;
         goto done;
     }
-    for (int g = 0; g < c->groups && b; g++) {
+    /* Whether a slot the grow will take caches a block: the same slots pool_pop takes. */
+    for (int q = 0; q < c->pools && !s->evict; q++) {
+        const int32_t *ring = I32P(p[q].ring);
+        const uint8_t *flags = (const uint8_t *)cached[q].p;
+        int64_t taken = 0;
+        for (int64_t at = p[q].head; taken < s->need[q]; at++) {
+            int32_t v = ring[at % p[q].ring.n];
+            if (v < 0) continue;
+            s->evict |= flags[v] != 0;
+            taken++;
+        }
+    }
+    status = 0;
+    goto done;
+numpy:
+    status = 1;
+done:
+    PyMem_Free(found);
+    if (status) start_free(s);
+    return status;
+}
+
+void start_write(Ctx *c, Pool *p, const int64_t *sinks, int64_t row, int64_t nt, int64_t la,
+                 const Start *s) {
+    for (int g = 0; g < c->groups && s->b; g++) {
         int q = c->group_pool[g];
         int32_t *refs = I32P(c->refs[q]);
         int32_t *cells = I32P(c->tables) + (g * c->nrows + row) * c->width;
-        for (Py_ssize_t j = 0; j < b; j++) {
-            refs[slots[g * b + j]]++;
-            cells[j] = slots[g * b + j];
+        for (Py_ssize_t j = 0; j < s->b; j++) {
+            refs[s->slots[g * s->b + j]]++;
+            cells[j] = s->slots[g * s->b + j];
         }
-        I64P(c->blocks[g])[row] = b;
+        I64P(c->blocks[g])[row] = s->b;
         I64P(c->released[g])[row] = sinks[g];
     }
-    grow_write(c, p, row, history, current, add, nt - history, la);
+    grow_write(c, p, row, s->history, s->current, s->add, nt - s->history, la);
+}
+
+PyObject *kvcm_row_start(PyObject *self, PyObject *args) {
+    PyObject *keys, *scopes, *ctx_o, *pools_o, *sinks_o, *cached_o;
+    long long row, cap, nt, la;
+    if (!PyArg_ParseTuple(args, "LO!O!LLLOOOO", &row, &PyList_Type, &keys, &PyTuple_Type,
+                          &scopes, &cap, &nt, &la, &ctx_o, &pools_o, &sinks_o, &cached_o))
+        return NULL;
+    Ctx local, *c = NULL;
+    Pool p[MAX_GROUPS];
+    Buf cached[MAX_GROUPS];
+    int got = 0, got_cached = 0;
+    int64_t sinks[MAX_GROUPS];
+    Start s;
+    PyObject *result = NULL;
+    if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
+        pools_get(pools_o, c, p, &got) < 0 || cached_get(cached_o, c, cached, &got_cached) < 0)
+        goto done;
+    int planned = start_plan(c, p, cached, row, keys, scopes, cap, nt, la, &s);
+    if (planned < 0) goto done;
+    if (planned) {
+        result = Py_NewRef(planned == 2 ? Py_None : Py_False);
+        goto done;
+    }
+    result = Py_BuildValue("(nNO)", s.b, counts_tuple(s.add, c->groups),
+                           s.evict ? Py_True : Py_False);
+    if (!result) {
+        start_undo(c, p, &s);
+        start_free(&s);
+        goto done;
+    }
+    start_write(c, p, sinks, row, nt, la, &s);
+    start_free(&s);
     if (pools_commit(p, c->pools) < 0) Py_CLEAR(result);
-    goto done;
-numpy:
-    result = Py_NewRef(Py_False);
 done:
-    PyMem_Free(found);
-    PyMem_Free(slots);
-    PyMem_Free(marked);
     for (int q = 0; q < got_cached; q++) buf_release(&cached[q]);
     pools_release(p, got);
     if (c) ctx_close(c, &local);

@@ -13,6 +13,7 @@
  * - row_grow, row_release: one row's new blocks (those past a prefix hit the Python path
  *   placed) and a freed row's, one call each (kvcm.native_rows, rows.c).
  * - row_start: a new request's prefix hit and the blocks past it, in one call (hits.c).
+ * - allocate_one: a step's allocate of the usual kind, its records included (allocate.c).
  * - commit_run: a step's commits and the blocks they fill (commits.c).
  *
  * This file holds the module's method table; native.h the declarations the files share,
@@ -38,6 +39,7 @@ static PyMethodDef methods[] = {
     {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
     {"commit_run", kvcm_commit_run, METH_VARARGS, "A step's commits and their publishing."},
     {"row_start", kvcm_row_start, METH_VARARGS, "A new row's prefix hit and blocks."},
+    {"allocate_one", kvcm_allocate_one, METH_VARARGS, "A step's allocate of the usual kind."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

@@ -18,7 +18,10 @@ PyObject *kvcm_use_sha_extensions(PyObject *self, PyObject *arg);
 int kvcm_chain_into(const uint8_t *parent, const uint8_t *data, Py_ssize_t step,
                     Py_ssize_t count, PyObject *list, Py_ssize_t at);
 
-/* tokens.c: token ids as int32 bytes, handles as int64 bytes */
+/* tokens.c: token ids as int32 bytes, handles as int64 bytes. kvcm_packed: a list or tuple
+ * of ints in [0, 2**31) as int32 LE bytes (a new reference), Py_None (borrowed) for anything
+ * else, NULL with an error. */
+PyObject *kvcm_packed(PyObject *seq);
 PyObject *kvcm_pack_tokens(PyObject *self, PyObject *seq);
 PyObject *kvcm_pack_token_lists(PyObject *self, PyObject *seq);
 PyObject *kvcm_pack_handles(PyObject *self, PyObject *seq);
@@ -37,6 +40,9 @@ PyObject *kvcm_row_release(PyObject *self, PyObject *args);
 
 /* hits.c: a new request's prefix hit and the blocks past it */
 PyObject *kvcm_row_start(PyObject *self, PyObject *args);
+
+/* allocate.c: a step's allocate of the usual kind */
+PyObject *kvcm_allocate_one(PyObject *self, PyObject *args);
 
 /* commits.c: a step's commits and the blocks they fill */
 PyObject *kvcm_commit_run(PyObject *self, PyObject *args);

@@ -4,7 +4,7 @@
 
 /* ids (a list or tuple) as int32 LE bytes; a new reference, NULL with an error set, or
  * Py_None (borrowed, not incremented) when ids is not a list or tuple of ints in [0, 2**31). */
-static PyObject *packed(PyObject *seq) {
+PyObject *kvcm_packed(PyObject *seq) {
     if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return Py_None;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -32,7 +32,7 @@ refuse:
 /* pack_tokens(ids) -> int32 LE bytes, or None when ids is not a list or tuple of ints in
  * [0, 2**31) (the caller's checks then name what is wrong). */
 PyObject *kvcm_pack_tokens(PyObject *self, PyObject *seq) {
-    PyObject *out = packed(seq);
+    PyObject *out = kvcm_packed(seq);
     return out == Py_None ? Py_NewRef(Py_None) : out;
 }
 
@@ -45,7 +45,7 @@ PyObject *kvcm_pack_token_lists(PyObject *self, PyObject *seq) {
     PyObject *out = PyList_New(n);
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *one = packed(items[i]);
+        PyObject *one = kvcm_packed(items[i]);
         if (one == NULL || one == Py_None) {
             Py_DECREF(out);
             return one == NULL ? NULL : Py_NewRef(Py_None);

@@ -1,0 +1,290 @@
+/* A step's allocate in one call (kvcm.allocation.start_op with the C core).
+ *
+ * What kvcm.allocation.start does for the usual request (an id, a token count, lookahead,
+ * maybe its prompt's ids; no LoRA, salt, multimodal items or caller-given keys): the prompt
+ * packed and keyed, the longest cached prefix placed and the blocks past it taken (hits.c),
+ * then the request's row, handle, committed bytes, prefix state and retry record. In Python
+ * that bookkeeping was some twenty calls, about 6 us of every allocate. */
+#include "context.h"
+
+/* The manager's attributes an allocate reads and writes (kvcm.assembly sets them up). */
+enum { A_FIRST, A_FREE_ROWS, A_ROWS, A_IDS, A_TOKENS, A_PREFIX, A_SERIAL, A_HANDLE,
+       A_COMMITTED, A_HITS, A_INDEX, A_STATS, A_QUERIES, A_QUERY_TOKENS, A_HIT_TOKENS,
+       A_COUNT };
+static const char *const ATTR_TEXT[A_COUNT] = {
+    "_first", "_free_rows", "_rows", "_ids", "_tokens", "_prefix", "_serial", "_handle",
+    "_committed", "_hits", "index", "stats", "queries", "query_tokens", "hit_tokens"};
+static PyObject *ATTR[A_COUNT];
+/* An allocate op's keys (kvcm.columnar_parse fills every one). */
+enum { K_ID, K_TOKENS, K_IDS, K_LOOKAHEAD, K_LORA, K_SALT, K_MULTIMODAL, K_KEYS, K_COUNT };
+static const char *const KEY_TEXT[K_COUNT] = {
+    "request_id", "num_tokens", "token_ids", "lookahead", "lora_id", "cache_salt",
+    "multimodal", "block_keys"};
+static PyObject *KEY[K_COUNT];
+
+static int names_init(void) {
+    for (int i = 0; i < A_COUNT; i++)
+        if (!ATTR[i] && !(ATTR[i] = PyUnicode_InternFromString(ATTR_TEXT[i]))) return -1;
+    for (int i = 0; i < K_COUNT; i++)
+        if (!KEY[i] && !(KEY[i] = PyUnicode_InternFromString(KEY_TEXT[i]))) return -1;
+    return 0;
+}
+
+/* The manager's parts (new references), each checked for its type. */
+typedef struct {
+    PyObject *first, *free_rows, *rows, *ids, *tokens, *prefix;
+    Buf serial, handle, committed, hits;
+} Book;
+
+static void book_release(Book *k) {
+    Py_CLEAR(k->first);
+    Py_CLEAR(k->free_rows);
+    Py_CLEAR(k->rows);
+    Py_CLEAR(k->ids);
+    Py_CLEAR(k->tokens);
+    Py_CLEAR(k->prefix);
+    buf_release(&k->serial);
+    buf_release(&k->handle);
+    buf_release(&k->committed);
+    buf_release(&k->hits);
+}
+
+/* 0, or -1 with an error (a manager out of shape: never from kvcm.assembly). */
+static int book_get(PyObject *m, const Ctx *c, Book *k) {
+    memset(k, 0, sizeof *k);
+    PyObject *arr[4] = {NULL};
+    int bad = !(k->first = PyObject_GetAttr(m, ATTR[A_FIRST])) ||
+              !(k->free_rows = PyObject_GetAttr(m, ATTR[A_FREE_ROWS])) ||
+              !(k->rows = PyObject_GetAttr(m, ATTR[A_ROWS])) ||
+              !(k->ids = PyObject_GetAttr(m, ATTR[A_IDS])) ||
+              !(k->tokens = PyObject_GetAttr(m, ATTR[A_TOKENS])) ||
+              !(k->prefix = PyObject_GetAttr(m, ATTR[A_PREFIX]));
+    for (int i = 0; i < 4 && !bad; i++) bad = !(arr[i] = PyObject_GetAttr(m, ATTR[A_SERIAL + i]));
+    if (!bad)
+        bad = buf_get(arr[0], &k->serial, 8, 1) < 0 || buf_get(arr[1], &k->handle, 8, 1) < 0 ||
+              buf_get(arr[2], &k->committed, 8, 1) < 0 || buf_get(arr[3], &k->hits, 8, 1) < 0;
+    for (int i = 0; i < 4; i++) Py_XDECREF(arr[i]);
+    if (bad) return -1;
+    if (!PyDict_CheckExact(k->first) || !PyList_CheckExact(k->free_rows) ||
+        !PyDict_CheckExact(k->rows) || !PyList_CheckExact(k->ids) ||
+        PyList_GET_SIZE(k->ids) != c->nrows || !PyDict_CheckExact(k->tokens) ||
+        !PyDict_CheckExact(k->prefix) || k->serial.n != c->nrows || k->handle.n != c->nrows ||
+        k->committed.n != c->nrows || k->hits.n != c->nrows) {
+        PyErr_SetString(PyExc_ValueError, "allocate_one: a manager out of shape");
+        return -1;
+    }
+    return 0;
+}
+
+/* op[key] (borrowed), or NULL if it is absent. */
+static PyObject *field(PyObject *op, int key) { return PyDict_GetItemWithError(op, KEY[key]); }
+
+/* An exact int in [lo, MAX_COUNT] into *out; 0 if it is not one (or absent). */
+static int count_of(PyObject *v, long long lo, long long *out) {
+    if (!v || !PyLong_CheckExact(v)) return 0;
+    int overflow;
+    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+    return !overflow && *out >= lo && *out <= MAX_COUNT;
+}
+
+/* attr += by on `obj` (the prefix cache's stats). */
+static int add_to(PyObject *obj, PyObject *name, long long by) {
+    PyObject *old = PyObject_GetAttr(obj, name);
+    if (!old) return -1;
+    PyObject *step = PyLong_FromLongLong(by);
+    PyObject *sum = step ? PyNumber_Add(old, step) : NULL;
+    int r = sum ? PyObject_SetAttr(obj, name, sum) : -1;
+    Py_DECREF(old);
+    Py_XDECREF(step);
+    Py_XDECREF(sum);
+    return r;
+}
+
+/* allocate_one(op, m, cache, context, pools, sinks, cached, classes, root, max_seq_len,
+ *              prompts) -> (first, hit, added, evict) | None
+ *
+ * `op`: an allocate of kvcm.columnar_parse (a dict with every field); `m`: the manager,
+ * `cache` its prefix cache; `classes`: (PrefixState, FirstAllocation); `root`: the key of
+ * requests without LoRA or salt; `prompts`: whether prompts are keyed and hit here (the
+ * SHA extensions, and every layer group full attention and reusable). Starts the request
+ * in the last free row as kvcm.allocation.start does: returns its FirstAllocation, the
+ * hit in blocks, the blocks each layer group added past it and whether a slot taken caches
+ * a block (the caller logs the table edits and evicts: kvcm.native_rows.placed).
+ *
+ * None, with nothing changed, when Python must run the op: another field set, a value not
+ * of the usual type or range (Python names the error), a retry or a duplicate id, no free
+ * row, a prompt here without `prompts`, a request that does not fit (hits.c's None or
+ * False). Nothing that can fail comes after the first write but dict and list inserts,
+ * which fail only without memory (as in Python).
+ *
+ * Example (tokens_per_block 4, root r, an empty cache, a new manager: free rows [.., 0]):
+ * {"request_id": "a", "num_tokens": 9, "token_ids": [1..9], "lookahead": 3, ...None} keys
+ * the 2 full blocks (SHA-256 of r || ids 1-4, then of that key || ids 5-8), finds no hit,
+ * takes 3 blocks for 12 tokens, and gives "a" row 0 with handle 1 << 32 | 0 (the row's
+ * first request); returns (FirstAllocation(args=(9, 3, ids' bytes, None, None, ()), "a",
+ * 0, 1 << 32, 0, -1), 0, (3,), False). After "a" commits its 9 ids, the same prompt for
+ * "b" hits both blocks (8 tokens) and takes one new block (tests/test_native_allocate.py). */
+PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
+    PyObject *op, *m, *cache, *ctx_o, *pools_o, *sinks_o, *cached_o, *classes, *root;
+    long long max_seq_len;
+    int prompts;
+    if (!PyArg_ParseTuple(args, "O!OOOOOOO!SLp", &PyDict_Type, &op, &m, &cache, &ctx_o, &pools_o,
+                          &sinks_o, &cached_o, &PyTuple_Type, &classes, &root, &max_seq_len,
+                          &prompts))
+        return NULL;
+    if (names_init() < 0) return NULL;
+    if (PyTuple_GET_SIZE(classes) != 2 || PyBytes_GET_SIZE(root) != 32) {
+        PyErr_SetString(PyExc_ValueError, "allocate_one: (PrefixState, FirstAllocation), a key");
+        return NULL;
+    }
+    /* The op: the usual fields only, each of its usual type (else Python names it). */
+    PyObject *rid = field(op, K_ID), *nt_o = field(op, K_TOKENS), *ids = field(op, K_IDS);
+    PyObject *la_o = field(op, K_LOOKAHEAD);
+    if (PyErr_Occurred()) return NULL;
+    long long nt, la = 0;
+    if (!rid || !PyUnicode_CheckExact(rid) || PyUnicode_GET_LENGTH(rid) < 1 ||
+        PyUnicode_GET_LENGTH(rid) > 256 || !count_of(nt_o, 1, &nt) || !count_of(la_o, 0, &la) ||
+        nt + la > max_seq_len)
+        Py_RETURN_NONE;
+    for (int key = K_LORA; key < K_COUNT; key++) {
+        PyObject *v = field(op, key);
+        if (v && v != Py_None) Py_RETURN_NONE;
+        if (PyErr_Occurred()) return NULL;
+    }
+    if (ids == Py_None) ids = NULL;
+    if (ids && (!prompts || !PyList_CheckExact(ids) || PyList_GET_SIZE(ids) != nt))
+        Py_RETURN_NONE;
+
+    Ctx local, *c = NULL;
+    Pool p[MAX_GROUPS];
+    Buf cached[MAX_GROUPS];
+    int got = 0, got_cached = 0, planned = -1;
+    int64_t sinks[MAX_GROUPS];
+    Book k;
+    Start s;
+    PyObject *result = NULL, *data = NULL, *keys = NULL, *scopes = NULL, *index = NULL;
+    PyObject *stats = NULL, *hit_keys = NULL, *state = NULL, *held = NULL, *call = NULL;
+    PyObject *first = NULL, *row_o = NULL, *handle_o = NULL, *hit_o = NULL, *added = NULL;
+    memset(&k, 0, sizeof k);
+    if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
+        pools_get(pools_o, c, p, &got) < 0 || cached_get(cached_o, c, cached, &got_cached) < 0 ||
+        book_get(m, c, &k) < 0)
+        goto done;
+    int known = PyDict_Contains(k.first, rid); /* a retry or a duplicate: Python's */
+    Py_ssize_t free_rows = PyList_GET_SIZE(k.free_rows);
+    if (known < 0) goto done;
+    if (known || !free_rows) goto python;
+    long row = PyLong_AsLong(PyList_GET_ITEM(k.free_rows, free_rows - 1));
+    if (row == -1 && PyErr_Occurred()) goto done;
+
+    /* The prompt's bytes and keys, and the cap on its hit. */
+    int64_t cap = 0;
+    if (ids) {
+        data = kvcm_packed(ids);
+        if (data == Py_None) { /* not ids in [0, 2**31): Python names it */
+            data = NULL;
+            goto python;
+        }
+        if (!data) goto done;
+        Py_ssize_t full = (Py_ssize_t)(nt / c->tpb);
+        if (!(keys = PyList_New(full)) ||
+            kvcm_chain_into((const uint8_t *)PyBytes_AS_STRING(root),
+                            (const uint8_t *)PyBytes_AS_STRING(data), 4 * c->tpb, full, keys,
+                            0) < 0)
+            goto done;
+        cap = (nt - 1) / c->tpb < full ? (nt - 1) / c->tpb : full; /* prefix_cache.hit_cap */
+        if (!(index = PyObject_GetAttr(cache, ATTR[A_INDEX])) ||
+            !(stats = PyObject_GetAttr(cache, ATTR[A_STATS])))
+            goto done;
+        if (!PyList_CheckExact(index) || PyList_GET_SIZE(index) != c->groups) {
+            PyErr_SetString(PyExc_ValueError, "allocate_one: an index per layer group");
+            goto done;
+        }
+        if (!(scopes = PyTuple_New(c->groups))) goto done;
+        for (int g = 0; g < c->groups; g++) {
+            PyObject *scope = PyList_GET_ITEM(index, g);
+            if (!PyDict_CheckExact(scope)) {
+                PyErr_SetString(PyExc_ValueError, "allocate_one: an index that is not a dict");
+                goto done;
+            }
+            PyObject *found = PyDict_GetItemWithError(scope, root);
+            if (!found && PyErr_Occurred()) goto done;
+            PyTuple_SET_ITEM(scopes, g, Py_NewRef(found ? found : Py_None));
+        }
+    } else {
+        if (!(data = PyBytes_FromStringAndSize(NULL, 0)) || !(keys = PyList_New(0))) goto done;
+    }
+    /* scopes: read only when there are keys to look up (none without a prompt) */
+    planned = start_plan(c, p, cached, row, keys, scopes, cap, nt, la, &s);
+    if (planned < 0) goto done;
+    if (planned) goto python; /* it does not fit, or numpy's: Python names or runs it */
+
+    /* Every object the request keeps, made before the first write. */
+    int64_t hit_tokens = s.b * c->tpb;
+    int64_t serial = I64P(k.serial)[row] + 1;
+    int64_t handle = (int64_t)((uint64_t)serial << 32 | (uint64_t)row);
+    PyObject *none_args = NULL;
+    if (!(hit_keys = PyList_GetSlice(keys, 0, s.b)) ||
+        !(state = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(classes, 0), root, Py_None,
+                                               Py_False, (none_args = PyTuple_New(0)), hit_keys,
+                                               data, keys, NULL)) ||
+        !(held = PyByteArray_FromStringAndSize(PyBytes_AS_STRING(data), 4 * hit_tokens)) ||
+        !(call = Py_BuildValue("(OOOOOO)", nt_o, la_o, data, Py_None, Py_None, none_args)) ||
+        !(row_o = PyLong_FromLong(row)) || !(handle_o = PyLong_FromLongLong(handle)) ||
+        !(hit_o = PyLong_FromLongLong(hit_tokens)) ||
+        !(first = PyObject_CallFunction(PyTuple_GET_ITEM(classes, 1), "OOOOOi", call, rid, row_o,
+                                        handle_o, hit_o, -1)) ||
+        !(added = counts_tuple(s.add, c->groups)) ||
+        !(result = Py_BuildValue("(OnOO)", first, s.b, added, s.evict ? Py_True : Py_False))) {
+        Py_XDECREF(none_args);
+        start_undo(c, p, &s);
+        goto done;
+    }
+    Py_DECREF(none_args);
+
+    /* The writes: the blocks, then the request's row and records (kvcm.allocation.start). */
+    start_write(c, p, sinks, row, nt, la, &s);
+    int bad = pools_commit(p, c->pools) < 0;
+    if (ids && !bad)
+        bad = add_to(stats, ATTR[A_QUERIES], 1) < 0 || add_to(stats, ATTR[A_QUERY_TOKENS], nt) < 0 ||
+              add_to(stats, ATTR[A_HIT_TOKENS], hit_tokens) < 0;
+    if (!bad)
+        bad = PyList_SetSlice(k.free_rows, free_rows - 1, free_rows, NULL) < 0 ||
+              PyDict_SetItem(k.rows, rid, row_o) < 0;
+    if (!bad) {
+        PyList_SetItem(k.ids, row, Py_NewRef(rid)); /* in range: checked by book_get */
+        I64P(k.serial)[row] = serial;
+        I64P(k.handle)[row] = handle;
+        bad = PyDict_SetItem(k.tokens, rid, held) < 0;
+    }
+    if (!bad) {
+        I64P(k.committed)[row] = hit_tokens;
+        I64P(k.hits)[row] = hit_tokens;
+        bad = PyDict_SetItem(k.prefix, rid, state) < 0 || PyDict_SetItem(k.first, rid, first) < 0;
+    }
+    if (bad) Py_CLEAR(result);
+    goto done;
+python:
+    result = Py_NewRef(Py_None);
+done:
+    if (planned == 0) start_free(&s);
+    Py_XDECREF(data);
+    Py_XDECREF(keys);
+    Py_XDECREF(scopes);
+    Py_XDECREF(index);
+    Py_XDECREF(stats);
+    Py_XDECREF(hit_keys);
+    Py_XDECREF(state);
+    Py_XDECREF(held);
+    Py_XDECREF(call);
+    Py_XDECREF(first);
+    Py_XDECREF(row_o);
+    Py_XDECREF(handle_o);
+    Py_XDECREF(hit_o);
+    Py_XDECREF(added);
+    book_release(&k);
+    for (int q = 0; q < got_cached; q++) buf_release(&cached[q]);
+    pools_release(p, got);
+    if (c) ctx_close(c, &local);
+    return result;
+}

@@ -1,0 +1,263 @@
+"""A step's allocates in C (``allocate_one``, ``kvcm.allocation.start_op``) against the
+Python path: the same results, blocks, rows, handles, committed bytes, prefix states,
+retry records, stats and events, under the allocates engines send (prompts that share
+prefixes, retries, duplicates, chunked prompts' commits, frees, pools that fill) and the
+ones the C core leaves to Python (LoRA, salts, given keys, odd types, bad ids)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import CoreSpy, layer, manager, manager_state, same
+
+from kvcm import KVCacheManager, native
+from kvcm.allocation import FirstAllocation
+from kvcm.hashing import block_keys, root_key
+from kvcm.publish import PrefixState
+
+pytestmark = [
+    pytest.mark.skipif(not native.available(), reason="kvcm._native is not built"),
+    pytest.mark.usefixtures("restore_native"),
+]
+
+
+def requests_state(m: KVCacheManager) -> list[Any]:
+    """The per-request bookkeeping ``manager_state`` leaves out."""
+    stats = m._coord.cache.stats
+    return [
+        dict(m._rows),
+        list(m._ids),
+        list(m._free_rows),
+        m._serial.copy(),
+        m._hits.copy(),
+        {rid: bytes(t) for rid, t in m._tokens.items()},
+        dict(m._prefix),
+        dict(m._first),
+        (stats.queries, stats.query_tokens, stats.hit_tokens, stats.evictions),
+        [{root: dict(keys) for root, keys in index.items()} for index in m._coord.cache.index],
+    ]
+
+
+def test_the_worked_example_of_allocate_one() -> None:
+    """allocate.c's example: 9 prompt tokens with 3 lookahead, tokens_per_block 4, an empty
+    cache: 2 keys (the chain from the plain root), no hit, 3 blocks, row 0, then a request
+    with the same first 8 tokens hits both blocks."""
+    native.use(True)
+    m = manager([layer(0)], num_blocks=16)
+    spy = CoreSpy(m)
+    native.core = spy
+    prompt = list(range(1, 10))
+    out = m.step_columns(
+        allocate=[{"request_id": "a", "num_tokens": 9, "token_ids": prompt, "lookahead": 3}]
+    )
+    first = m._first["a"]
+    data = np.array(prompt, dtype="<i4").tobytes()
+    assert first == FirstAllocation((9, 3, data, None, None, ()), "a", 0, 1 << 32, 0, -1)
+    assert out.handles.tolist() == [1 << 32] and out.allocate_new_blocks.tolist() == [3]
+    keys = block_keys(prompt, 4)
+    assert m._prefix["a"] == PrefixState(root_key(), None, False, (), [], data, keys)
+    assert m.block_table("a") == [[0, 1, 2]] and bytes(m._tokens["a"]) == b""
+    m.commit("a", prompt)
+    out = m.step_columns(allocate=[{"request_id": "b", "num_tokens": 9, "token_ids": prompt}])
+    assert out.hit_tokens.tolist() == [8] and m.block_table("b") == [[0, 1, 3]]
+    assert bytes(m._tokens["b"]) == data[:32] and m._committed[1] == 8
+    assert m._prefix["b"].keys == keys and m._coord.refs[0][[0, 1]].tolist() == [2, 2]
+    assert spy.results == {"allocate no hit": 1, "allocate hit": 1}
+    assert out.infos[0] == m.request("b")
+
+
+class _Steps:
+    """Random step_columns calls, each made from the requests live now: allocates of every
+    kind (most of the usual kind), frees, commits of a prompt's next ids or of a token,
+    extends; sometimes all or nothing."""
+
+    ODD: tuple[dict[str, Any], ...] = (
+        {"lora_id": 7},
+        {"cache_salt": "t"},
+        {"token_ids": "given keys"},
+        {"num_tokens": np.int64(5)},
+        {"token_ids": [True, 2, 3, 4, 5]},
+        {"token_ids": [1, 2, -3, 4, 5]},
+        {"token_ids": [1, 2, 2**31, 4, 5]},
+        {"token_ids": (1, 2, 3, 4, 5)},
+        {"token_ids": [1, 2, 3]},  # not num_tokens ids
+        {"num_tokens": 0},
+        {"num_tokens": 10**6},  # past max_seq_len
+        {"lookahead": -1},
+        {"multimodal": [{"digest": "d", "start": 0, "length": 2}]},
+    )
+
+    def __init__(self, seed: int, tpb: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.tpb = tpb
+        self.prompts = [self.rng.integers(0, 6, 48).tolist() for _ in range(3)]
+        self.prompt_of: dict[str, list[int]] = {}
+        self.counter = 0
+
+    def allocate(self, live: list[str]) -> dict[str, Any]:
+        rng = self.rng
+        r = rng.random()
+        if live and r < 0.1:  # a retry of a live id (the same arguments or others)
+            return {"request_id": live[int(rng.integers(len(live)))], "num_tokens": 5}
+        self.counter += 1
+        rid = f"r{self.counter}"
+        n = int(rng.integers(1, 40))
+        op: dict[str, Any] = {"request_id": rid, "num_tokens": n}
+        if r < 0.75:
+            op["token_ids"] = self.prompts[int(rng.integers(3))][:n]
+        if rng.random() < 0.4:
+            op["lookahead"] = int(rng.integers(0, 9))
+        if rng.random() < 0.12:
+            extra = dict(self.ODD[int(rng.integers(len(self.ODD)))])
+            if extra.get("token_ids") == "given keys":
+                tokens = self.prompts[0][:n]
+                extra = {"token_ids": tokens, "block_keys": block_keys(tokens, self.tpb)}
+            elif "token_ids" in extra or "multimodal" in extra:
+                op["num_tokens"] = 5
+            op.update(extra)
+        if type(op.get("token_ids")) is list:
+            self.prompt_of[rid] = list(op["token_ids"])
+        return op
+
+    def step(self, m: KVCacheManager) -> dict[str, Any]:
+        rng = self.rng
+        live = m.request_ids()
+        free = [rid for rid in live if rng.random() < (0.4 if len(live) > 6 else 0.1)]
+        rest = [rid for rid in live if rid not in free]
+        commit = [rid for rid in rest if rng.random() < 0.3]
+        extend = [rid for rid in rest if rid not in commit and rng.random() < 0.5]
+        return {
+            "allocate": [self.allocate(live) for _ in range(int(rng.integers(0, 4)))],
+            "free": free,
+            "commit": commit,
+            "extend": extend,
+            "atomic": bool(rng.random() < 0.1),
+        }
+
+
+def _run(m: KVCacheManager, step: dict[str, Any], prompt_of: dict[str, list[int]]) -> Any:
+    """One step by handle (ids resolved on this manager); returns what a caller sees."""
+    handle = {rid: info.handle for rid in m.request_ids() for info in [m.request(rid)]}
+    commits = [rid for rid in step["commit"] if rid in handle]
+    tokens = []
+    for rid in commits:
+        have = m.request(rid)
+        ids = prompt_of.get(rid, [])[have.num_committed : have.num_tokens]
+        tokens.append(ids or [have.num_tokens % 5])
+    out = m.step_columns(
+        free=[handle.get(rid, 0) for rid in step["free"]],
+        commit=[handle[rid] for rid in commits],
+        commit_tokens=tokens,
+        extend=[handle[rid] for rid in step["extend"] if rid in handle],
+        allocate=step["allocate"],
+        atomic=step["atomic"],
+    )
+    return (
+        {s: a.tolist() for s, a in out.status.items()},
+        out.handles.tolist(),
+        out.hit_tokens.tolist(),
+        out.allocate_new_blocks.tolist(),
+        [(e.section, e.index, e.error.code) for e in out.errors],
+        out.infos,
+        out.allocated_ids,
+        out.freed_ids,
+    )
+
+
+@pytest.mark.parametrize(
+    ("layers", "kw", "edits"),
+    [
+        ([layer(0)], {"tokens_per_block": 4, "num_blocks": 48}, False),
+        (
+            [layer(0), layer(1, owner="draft")],
+            {"tokens_per_block": 1, "null_page": True, "num_blocks": 160},
+            True,
+        ),
+        (
+            [layer(0), layer(1, owner="draft", head_dim=8)],
+            {"tokens_per_block": 3, "num_blocks": 44},
+            True,
+        ),
+        ([layer(0), layer(1, sliding_window=8)], {"tokens_per_block": 4, "num_blocks": 60}, False),
+        ([layer(0), layer(1, reuse="none")], {"tokens_per_block": 2, "num_blocks": 90}, True),
+    ],
+    ids=[
+        "one layer group",
+        "two layer groups in one pool group, null page, edits",
+        "two layer groups in two pool groups, edits",
+        "a window: prompts in Python",
+        "a group without reuse: prompts in Python, edits",
+    ],
+)
+def test_random_steps_allocate_alike_in_c_and_in_python(
+    layers: list[dict[str, Any]], kw: dict[str, Any], edits: bool
+) -> None:
+    """300 random steps on two managers, the C core on and off: equal outcomes (statuses,
+    handles, hits, new blocks, errors, infos) and equal state after each step."""
+    ms = {on: manager(layers, max_requests=12, max_seq_len=64, **kw) for on in (True, False)}
+    if edits:
+        for m in ms.values():
+            m._coord.edits = []  # as with a CUDA device
+    spy = CoreSpy(ms[True])
+    steps = _Steps(11, kw["tokens_per_block"])
+    for i in range(300):
+        step = steps.step(ms[True])
+        got = {}
+        for on, m in ms.items():
+            native.use(on)
+            native.core = spy if on else None
+            got[on] = _run(m, step, steps.prompt_of)
+        assert got[True] == got[False], i
+        assert same(manager_state(ms[True]), manager_state(ms[False])), i
+        assert same(requests_state(ms[True]), requests_state(ms[False])), i
+    results = spy.results
+    assert results["allocate no hit"] > 30 and results["allocate python"] > 20, results
+    windowed_or_unreused = any("sliding_window" in spec or "reuse" in spec for spec in layers)
+    if windowed_or_unreused:
+        assert results["allocate hit"] == 0, results  # prompts are Python's there
+    else:
+        assert results["allocate hit"] > 20, results
+
+
+def test_allocate_one_leaves_to_python_what_it_does_not_run() -> None:
+    """None and nothing changed: a retry or a duplicate id, no free row, a request that
+    does not fit, a prompt without the SHA extensions' path; a manager out of shape is an
+    error."""
+    native.use(True)
+    m = manager([layer(0)], num_blocks=6, max_requests=2)
+    core = native._built
+    from kvcm.allocation import c_args
+
+    fast = c_args(m)
+    assert fast is not None
+    op = {
+        "request_id": "a",
+        "num_tokens": 5,
+        "token_ids": None,
+        "lookahead": 0,
+        "lora_id": None,
+        "cache_salt": None,
+        "multimodal": None,
+        "block_keys": None,
+    }
+    first = core.allocate_one(op, m, *fast)[0]
+    assert first.row == 0 and m.request_ids() == ["a"]
+    before = manager_state(m), requests_state(m)
+
+    def refused(**change: Any) -> None:
+        assert core.allocate_one({**op, **change}, m, *fast) is None, change
+        assert same(manager_state(m), before[0]) and same(requests_state(m), before[1])
+
+    refused()  # "a" again: a retry is Python's
+    refused(request_id="b", num_tokens=20)  # 5 blocks: 4 free
+    refused(request_id="b", token_ids=list(range(5)), num_tokens=5) if not fast[-1] else None
+    refused(request_id="b", lookahead=True)
+    refused(request_id="", num_tokens=1)
+    refused(request_id="x" * 257)
+    m.allocate("b", 1)
+    before = manager_state(m), requests_state(m)
+    refused(request_id="c")  # no free row
+    with pytest.raises(ValueError):
+        core.allocate_one(op, m, *fast[:5], fast[5], b"short", *fast[7:])
