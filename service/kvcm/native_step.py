@@ -119,7 +119,7 @@ class NativeDecode:
         return self._cached
 
     def hits_in_c(self, m: KVCacheManager) -> bool:
-        """Whether ``row_hit`` can place this manager's prefix hits (``native_rows.place_hit``):
+        """Whether ``row_start`` can place this manager's prefix hits (``native_rows.start``):
         every layer group full attention and reusable, no context parallelism, host tier or
         state layers. Fixed for the manager's life, so decided once."""
         if self._hits is None:
