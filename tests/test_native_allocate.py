@@ -261,3 +261,67 @@ def test_allocate_one_leaves_to_python_what_it_does_not_run() -> None:
     refused(request_id="c")  # no free row
     with pytest.raises(ValueError):
         core.allocate_one(op, m, *fast[:5], fast[5], b"short", *fast[7:])
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["C core", "Python"])
+def test_a_row_s_serial_wraps_to_1_after_max_serial(on: bool) -> None:
+    """Handles stay below 2**63: a row whose serial is MAX_SERIAL (2**31 - 1 allocations,
+    or a large serial base) gives its next request serial 1, on both paths, and that handle
+    works; the freed request's handle names nothing."""
+    from kvcm.request_rows import MAX_SERIAL
+
+    native.use(on)
+    m = manager([layer(0)], num_blocks=16, max_requests=2)
+    m._serial[:] = MAX_SERIAL - 1
+    old = m.step_columns(allocate=[{"request_id": "a", "num_tokens": 5}]).handles[0]
+    assert old == MAX_SERIAL << 32 | 0
+    m.step_columns(free=[old])
+    out = m.step_columns(allocate=[{"request_id": "b", "num_tokens": 5}])
+    assert out.ok and out.handles.tolist() == [1 << 32 | 0] and m._serial[0] == 1
+    assert m.step_columns(extend=out.handles).ok
+    assert m.step_columns(extend=[old]).status["extend"].tolist() != [0]
+
+
+def test_allocate_one_refuses_a_request_past_max_seq_len_that_its_blocks_would_hold() -> None:
+    """tokens_per_block 3, max_seq_len 64: a row holds 22 blocks (66 tokens), so 64 tokens
+    with 1 lookahead would fit the table but not max_seq_len: None, and Python names it."""
+    native.use(True)
+    m = manager([layer(0)], tokens_per_block=3, num_blocks=60, max_seq_len=64)
+    from kvcm.allocation import c_args
+
+    op = {"request_id": "a", "num_tokens": 64, "token_ids": None, "lookahead": 1}
+    op |= {"lora_id": None, "cache_salt": None, "multimodal": None, "block_keys": None}
+    assert native._built.allocate_one(op, m, *c_args(m)) is None
+    out = m.step_columns(allocate=[op])
+    assert [e.error.code for e in out.errors] == ["sequence_too_long"]
+    assert native._built.allocate_one({**op, "lookahead": 0}, m, *c_args(m)) is not None
+
+
+def test_allocate_one_changes_nothing_when_a_record_cannot_be_made() -> None:
+    """A PrefixState or FirstAllocation that raises (as a failed allocation would), after a
+    hit tombstoned free cached slots: the error, the queue, refs and records as they were;
+    the next call runs."""
+    native.use(True)
+    m = manager([layer(0), layer(1, owner="draft", head_dim=8)], num_blocks=16)
+    prompt = list(range(9))
+    m.allocate("a", 9, token_ids=prompt)
+    m.commit("a", prompt)
+    m.free("a")  # 2 blocks per group cached and free
+    from kvcm.allocation import c_args
+
+    fast = c_args(m)
+    op = {"request_id": "b", "num_tokens": 9, "token_ids": prompt, "lookahead": 0}
+    op |= {"lora_id": None, "cache_salt": None, "multimodal": None, "block_keys": None}
+
+    def broken(*_: object) -> None:
+        raise MemoryError
+
+    before = manager_state(m), requests_state(m)
+    for at in (0, 1):
+        classes = list(fast[5])
+        classes[at] = broken
+        with pytest.raises(MemoryError):
+            native._built.allocate_one(op, m, *fast[:5], tuple(classes), *fast[6:])
+        assert same(manager_state(m), before[0]) and same(requests_state(m), before[1])
+    first, hit, _, _ = native._built.allocate_one(op, m, *fast)
+    assert hit == 2 and first.row == m._rows["b"]

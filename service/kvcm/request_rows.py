@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 #: Low 32 bits of a handle: the row.
 ROW_MASK = 0xFFFFFFFF
+#: Largest serial: a handle stays below 2**63 (int64). A row's serial wraps from it to 1
+#: (after 2**31 - 1 allocations of that row, some days of a busy server's row 0).
+MAX_SERIAL = 2**31 - 1
 
 
 def row_of(m: KVCacheManager, request_id: str, suspended: bool = False) -> int:
@@ -90,11 +93,12 @@ def handle_rows(m: KVCacheManager, handles: np.ndarray) -> tuple[np.ndarray, np.
 
 def claim(m: KVCacheManager, request_id: str) -> tuple[int, int]:
     """Give ``request_id`` the last free row (the one allocate grew) and a new handle for
-    it; returns the row and the handle."""
+    it; returns the row and the handle. Example: row 5's serial 3 gives handle ``4 << 32 |
+    5``; its serial ``MAX_SERIAL`` gives ``1 << 32 | 5`` (it wraps, also in csrc/allocate.c)."""
+    serial = m._serial.item(m._free_rows[-1]) % MAX_SERIAL + 1
     taken = m._free_rows.pop()
     m._rows[request_id] = taken
     m._ids[taken] = request_id
-    serial = m._serial.item(taken) + 1
     m._serial[taken] = serial
     handle = (serial << 32) | taken
     m._handle[taken] = handle

@@ -87,17 +87,15 @@ static int count_of(PyObject *v, long long lo, long long *out) {
     return !overflow && *out >= lo && *out <= MAX_COUNT;
 }
 
-/* attr += by on `obj` (the prefix cache's stats). */
-static int add_to(PyObject *obj, PyObject *name, long long by) {
+/* obj.name + by (the prefix cache's stats, set after the writes), or NULL with an error. */
+static PyObject *sum_of(PyObject *obj, PyObject *name, long long by) {
     PyObject *old = PyObject_GetAttr(obj, name);
-    if (!old) return -1;
+    if (!old) return NULL;
     PyObject *step = PyLong_FromLongLong(by);
     PyObject *sum = step ? PyNumber_Add(old, step) : NULL;
-    int r = sum ? PyObject_SetAttr(obj, name, sum) : -1;
     Py_DECREF(old);
     Py_XDECREF(step);
-    Py_XDECREF(sum);
-    return r;
+    return sum;
 }
 
 /* allocate_one(op, m, cache, context, pools, sinks, cached, classes, root, max_seq_len,
@@ -114,8 +112,9 @@ static int add_to(PyObject *obj, PyObject *name, long long by) {
  * None, with nothing changed, when Python must run the op: another field set, a value not
  * of the usual type or range (Python names the error), a retry or a duplicate id, no free
  * row, a prompt here without `prompts`, a request that does not fit (hits.c's None or
- * False). Nothing that can fail comes after the first write but dict and list inserts,
- * which fail only without memory (as in Python).
+ * False). Every object is made before the first write (if one cannot be, the tombstones go
+ * back and nothing changed); after it, only setting the queues' counters and the stats and
+ * the list and dict inserts can fail, without memory (Python's path is no better there).
  *
  * Example (tokens_per_block 4, root r, an empty cache, a new manager: free rows [.., 0]):
  * {"request_id": "a", "num_tokens": 9, "token_ids": [1..9], "lookahead": 3, ...None} keys
@@ -165,6 +164,7 @@ PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *data = NULL, *keys = NULL, *scopes = NULL, *index = NULL;
     PyObject *stats = NULL, *hit_keys = NULL, *state = NULL, *held = NULL, *call = NULL;
     PyObject *first = NULL, *row_o = NULL, *handle_o = NULL, *hit_o = NULL, *added = NULL;
+    PyObject *sums[3] = {NULL, NULL, NULL};
     memset(&k, 0, sizeof k);
     if (!(c = ctx_open(ctx_o, &local, 1)) || sinks_get(sinks_o, c, sinks) < 0 ||
         pools_get(pools_o, c, p, &got) < 0 || cached_get(cached_o, c, cached, &got_cached) < 0 ||
@@ -221,8 +221,12 @@ PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
 
     /* Every object the request keeps, made before the first write. */
     int64_t hit_tokens = s.b * c->tpb;
-    int64_t serial = I64P(k.serial)[row] + 1;
-    int64_t handle = (int64_t)((uint64_t)serial << 32 | (uint64_t)row);
+    /* request_rows.claim: serials 1 .. MAX_SERIAL, wrapping, so a handle stays below 2**63
+     * (a Python % of a negative serial, never from the manager, is not C's: Python's). */
+    int64_t old_serial = I64P(k.serial)[row];
+    if (old_serial < 0) goto python_undo;
+    int64_t serial = old_serial % MAX_SERIAL + 1;
+    int64_t handle = serial << 32 | row;
     PyObject *none_args = NULL;
     if (!(hit_keys = PyList_GetSlice(keys, 0, s.b)) ||
         !(state = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(classes, 0), root, Py_None,
@@ -235,8 +239,12 @@ PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
         !(first = PyObject_CallFunction(PyTuple_GET_ITEM(classes, 1), "OOOOOi", call, rid, row_o,
                                         handle_o, hit_o, -1)) ||
         !(added = counts_tuple(s.add, c->groups)) ||
-        !(result = Py_BuildValue("(OnOO)", first, s.b, added, s.evict ? Py_True : Py_False))) {
+        !(result = Py_BuildValue("(OnOO)", first, s.b, added, s.evict ? Py_True : Py_False)) ||
+        (ids && (!(sums[0] = sum_of(stats, ATTR[A_QUERIES], 1)) ||
+                 !(sums[1] = sum_of(stats, ATTR[A_QUERY_TOKENS], nt)) ||
+                 !(sums[2] = sum_of(stats, ATTR[A_HIT_TOKENS], hit_tokens))))) {
         Py_XDECREF(none_args);
+        Py_CLEAR(result);
         start_undo(c, p, &s);
         goto done;
     }
@@ -245,9 +253,8 @@ PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
     /* The writes: the blocks, then the request's row and records (kvcm.allocation.start). */
     start_write(c, p, sinks, row, nt, la, &s);
     int bad = pools_commit(p, c->pools) < 0;
-    if (ids && !bad)
-        bad = add_to(stats, ATTR[A_QUERIES], 1) < 0 || add_to(stats, ATTR[A_QUERY_TOKENS], nt) < 0 ||
-              add_to(stats, ATTR[A_HIT_TOKENS], hit_tokens) < 0;
+    for (int i = 0; ids && i < 3 && !bad; i++)
+        bad = PyObject_SetAttr(stats, ATTR[A_QUERIES + i], sums[i]) < 0;
     if (!bad)
         bad = PyList_SetSlice(k.free_rows, free_rows - 1, free_rows, NULL) < 0 ||
               PyDict_SetItem(k.rows, rid, row_o) < 0;
@@ -264,9 +271,12 @@ PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
     }
     if (bad) Py_CLEAR(result);
     goto done;
+python_undo: /* after start_plan: its tombstones back */
+    start_undo(c, p, &s);
 python:
     result = Py_NewRef(Py_None);
 done:
+    for (int i = 0; i < 3; i++) Py_XDECREF(sums[i]);
     if (planned == 0) start_free(&s);
     Py_XDECREF(data);
     Py_XDECREF(keys);

@@ -130,7 +130,12 @@ int pool_get(PyObject *obj, Pool *p) {
     return 0;
 }
 
+static PyObject *POOL_NAMES[3];
+
 int pool_stage(Pool *p, int64_t head, int64_t len, int64_t count) {
+    static const char *text[3] = {"_head", "_len", "_count"};
+    for (int i = 0; i < 3; i++)
+        if (!POOL_NAMES[i] && !(POOL_NAMES[i] = PyUnicode_InternFromString(text[i]))) return -1;
     int64_t v[3] = {head, len, count};
     for (int i = 0; i < 3; i++) {
         p->staged[i] = PyLong_FromLongLong(v[i]);
@@ -140,9 +145,9 @@ int pool_stage(Pool *p, int64_t head, int64_t len, int64_t count) {
 }
 
 int pool_commit(Pool *p) {
-    static const char *names[3] = {"_head", "_len", "_count"};
+    /* Interned once (at the first pool_stage): setting them makes no string. */
     for (int i = 0; i < 3; i++)
-        if (p->staged[i] && PyObject_SetAttrString(p->obj, names[i], p->staged[i]) < 0) return -1;
+        if (p->staged[i] && PyObject_SetAttr(p->obj, POOL_NAMES[i], p->staged[i]) < 0) return -1;
     return 0;
 }
 

@@ -8,6 +8,7 @@
 #define MAX_GROUPS 64
 #define ROW_MASK 0xFFFFFFFFLL
 #define MAX_COUNT 0x7FFFFFFFLL /* kvcm.counts.MAX_COUNT */
+#define MAX_SERIAL 0x7FFFFFFFLL /* kvcm.request_rows.MAX_SERIAL */
 
 typedef struct {
     Py_buffer view;
