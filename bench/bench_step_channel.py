@@ -2,6 +2,7 @@
 
   python bench/bench_step_channel.py            # 600 measured steps per variant (~1 min)
   python bench/bench_step_channel.py --quick    # a smoke run
+  python bench/bench_step_channel.py --by-replacements   # the channel alone, by replacements
 
 One ``kvcm serve`` (started here, with ``--step-socket``) and one in-process manager run the
 load test's step sequence (``loadtest.Scheduler``: +1 token for each of 256 requests, about two
@@ -190,14 +191,56 @@ def table(rows: dict[str, tuple[float, float]]) -> str:
     return "\n".join(lines)
 
 
+def by_replacements(steps: int, num_requests: int, seed: int) -> str:
+    """The typed ``step_columns`` over the step channel alone (no other variant between its
+    steps), its p50 by the step's number of replacements: what a replacement adds, and what
+    a decode step costs when the scheduler's own work runs between steps (the decode-only
+    variant has none)."""
+    with tempfile.TemporaryDirectory(prefix="kvcm-sc-") as tmp:
+        sock = Path(tmp) / "step.sock"
+        url, proc, _ = start_server(num_requests, 1, "--step-socket", str(sock))
+        try:
+            fast = KVCacheClient(url, step_socket=sock)
+            sched = Columns(Scheduler("r", num_requests, np.random.default_rng(seed)))
+            sched.record(fast.step_columns(**sched.start()).handles)
+            times, counts = [], []
+            for i in range(steps + BLOCK):
+                cols = sched.next()
+                t0 = time.perf_counter()
+                sched.record(fast.step_columns(**cols).handles)
+                if i >= BLOCK:  # the first ones warm up
+                    times.append(time.perf_counter() - t0)
+                    counts.append(len(cols["allocate"]))
+        finally:
+            proc.terminate()
+            proc.wait()
+    t, n = np.asarray(times) * 1e6, np.asarray(counts)
+    lines = ["| replacements in the step | steps | p50 us |", "|---|---|---|"]
+    for k in range(int(n.max()) + 1):
+        if (n == k).sum() >= 10:
+            lines.append(f"| {k} | {(n == k).sum()} | {np.median(t[n == k]):.0f} |")
+    p50, p99 = np.percentile(t, [50, 99])
+    lines.append(f"| all | {t.size} | {p50:.0f} (p99 {p99:.0f}) |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="30 steps of 32 requests")
+    parser.add_argument(
+        "--by-replacements",
+        action="store_true",
+        help="the step channel's typed step_columns alone, p50 by replacements per step",
+    )
     args = parser.parse_args()
     steps, num_requests = (30, 32) if args.quick else (args.steps, args.requests)
+    if args.by_replacements:
+        print(f"{num_requests} requests, {steps} steps; {platform.processor() or ''}")
+        print(by_replacements(steps, num_requests, args.seed))
+        return
     rows = run(steps, num_requests, args.seed)
     print(f"{num_requests} requests, {steps} steps per variant; {platform.processor() or ''}")
     print(table(rows))

@@ -55,6 +55,16 @@ def test_bench_step_channel_quick_prints_every_variant() -> None:
         assert f"| {variant} |" in stdout
 
 
+def test_bench_step_channel_by_replacements_counts_every_step() -> None:
+    """Each row's steps add up to the steps run (30 with --quick), and the p50s are
+    positive."""
+    stdout = _bench("bench_step_channel.py", "--by-replacements", "--quick")
+    rows = re.findall(r"^\| (\d+|all) \| (\d+) \| (\d+)", stdout, re.M)
+    counts = {k: int(n) for k, n, _ in rows}
+    assert counts["all"] == 30 and sum(n for k, n in counts.items() if k != "all") <= 30
+    assert all(int(p50) > 0 for _, _, p50 in rows)
+
+
 def test_bench_columnar_quick_prints_every_workload() -> None:
     stdout = _bench("bench_columnar.py", "--quick")
     for workload in ("decode: step_columns, N=256", "typed step(ops), per op", "single extend()"):
