@@ -203,6 +203,12 @@ class CoreSpy:
         self.deferred += out is False and args[0].size <= self._coord.num_tokens.size
         return out
 
+    def decode_take(self, *args: Any) -> Any:
+        out = self._core.decode_take(*args)
+        self.results["take tuple" if type(out) is tuple else f"take {out}"] += 1
+        self.results["take evict"] += type(out) is tuple and any(out)
+        return out
+
     def row_grow(self, *args: Any) -> Any:
         row = args[0]
         c = self._coord

@@ -300,6 +300,9 @@ def test_decode_batches_match_the_numpy_path(
     # or unknown handle, a request at max_seq_len, a full pool): none needed the numpy plan.
     assert spy.planned > 20 and spy.deferred == 0
     assert spy.around > 5  # batches run around a stale handle or a request at max_seq_len
+    # Every planned batch's new blocks were taken in C, some of them evicting cached blocks.
+    assert spy.results["take tuple"] > 10 and spy.results["take False"] == 0, spy.results
+    assert spy.results["take evict"] > 0, spy.results
     # New rows and frees ran in C, a full pool's allocate was left to numpy to name its error.
     placed = sum(
         spy.results[k]
@@ -530,3 +533,42 @@ def test_live_rows_says_whether_a_batch_of_handles_is_live_and_distinct() -> Non
     assert core.live_rows(many, context, out[:4]) is False
     with pytest.raises(ValueError):
         core.live_rows(np.array(handles[:3], dtype=np.int64), context, out[:2])
+
+
+@built
+def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None:
+    """decode_take's worked example: rows [5 8 6], items [0 2], positions [1 4]: table[0][5,
+    1] and table[0][6, 4] get the queue's first two slots, held once. An item, row or
+    position out of range, more items than the arrays hold, or a queue entry past the
+    slots: False, nothing changed."""
+    core = native._built
+    m = manager([layer(0)], max_requests=12, num_blocks=32, max_seq_len=64)
+    for i in range(9):
+        m.allocate(f"r{i}", 4)  # rows 0-8, a block each
+    c, nd = m._coord, m._native_decode
+    context, pools, _ = nd.row_args(core, m)
+    rows = np.array([5, 8, 6], dtype=np.int64)
+    items, positions = np.zeros((1, 4), dtype=np.int64), np.zeros((1, 4), dtype=np.int64)
+    items[0, :2], positions[0, :2] = [0, 2], [1, 4]
+    head = c.pools[0].free_order()[:3].tolist()
+    before = manager_state(m)
+
+    def take(r: np.ndarray, i: np.ndarray, p: np.ndarray, added: int = 2) -> Any:
+        return core.decode_take(r, (added,), context, pools, nd.cached(m), i, p)
+
+    for bad in ([0, 3], [-1, 2]):  # an item past the rows, a negative one
+        assert take(rows, np.array([[*bad, 0, 0]]), positions) is False
+    assert take(np.array([5, 8, 12]), items, positions) is False  # a row past the table
+    assert take(rows, items, np.array([[1, c.tables.shape[2], 0, 0]])) is False  # position
+    assert take(rows, items, positions, added=5) is False  # more than the arrays hold
+    assert same(manager_state(m), before)
+    ring = c.pools[0]._ring
+    at = c.pools[0]._head % ring.size
+    ring[at] = c.refs[0].size  # a queue entry past the slots
+    corrupt = manager_state(m)
+    assert take(rows, items, positions) is False and same(manager_state(m), corrupt)
+    ring[at] = head[0]
+    assert take(rows, items, positions) == (False,)  # nothing cached
+    assert c.tables[0][5, 1] == head[0] and c.tables[0][6, 4] == head[1]
+    assert c.refs[0][head[:2]].tolist() == [1, 1]
+    assert c.pools[0].free_order()[0] == head[2]

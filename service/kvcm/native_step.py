@@ -6,9 +6,10 @@ no per-class part. Planning is, for each row in order: the cells a sliding windo
 from the row's released run's end up to ``(history + 1 - window) // tokens_per_block``, and
 the block positions from its current count up to ceil(capacity / tokens_per_block), in every
 layer group. Only released pages a row holds alone count as room for the rows after it (a
-prefix hit's page that others hold frees nothing), as in the numpy plan. Slots are still
-given back, taken and written by the coordinator (``_unref``, ``_take``, ``_set``: the free
-queue, evictions, the host tier and the device-table edits stay in one place).
+prefix hit's page that others hold frees nothing), as in the numpy plan. The cells a window
+released are given back by the coordinator (``_unref``, ``_set``); the new blocks are then
+taken and written in C (``decode_take``), and Python evicts what the taken slots cached (to
+the host tier first, if there is one) and logs the device-table edits.
 
 Example (tokens_per_block 16, one full-attention layer group): handles of rows 3 and 8, at
 16 and 20 tokens, +1 token each. The plan gives row 3's block position 1 (17 tokens need 2
@@ -133,6 +134,33 @@ class NativeDecode:
             )
         return self._hits
 
+    def _take(
+        self, core: ModuleType, m: KVCacheManager, rows: np.ndarray, added: tuple[int, ...]
+    ) -> None:
+        """The planned new blocks, ``added`` per layer group: taken and written in C
+        (``decode_take``), then what the taken slots cached evicted and the table edits
+        logged, as ``Coordinator._take`` and ``_set`` do; by those where C leaves them."""
+        c = m._coord
+        _, add_items, add_positions, _, _ = self.out
+        context, pools, _ = self.row_args(core, m)
+        evicts = core.decode_take(
+            rows, added, context, pools, self.cached(m), add_items, add_positions
+        )
+        for g, k in enumerate(added):
+            if not k:
+                continue
+            r = rows[add_items[g, :k]]
+            positions = add_positions[g, :k].copy()  # kept by the edit log
+            if evicts is False:  # the coordinator's own take
+                c._set(g, r, positions, c._take(c.group_pool[g], k, positions))
+                continue
+            if evicts[g] or c.edits is not None:  # else nothing cached, nothing to log
+                slots = c.tables[g][r, positions]
+                if evicts[g]:
+                    c.evict_taken(c.group_pool[g], slots)
+                if c.edits is not None:
+                    c.edits.append((g, r, positions, slots))
+
     def extend(
         self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any
     ) -> tuple[np.ndarray, np.ndarray] | bool | None:
@@ -190,18 +218,15 @@ class NativeDecode:
         rows = self.rows[: handles.size].copy()
         if len(failing) == handles.size:  # nothing to extend (an op that changes nothing)
             return rows, np.empty(0, dtype=np.int32), failing
-        _, add_items, add_positions, release_items, release_positions = self.out
+        release_items, release_positions = self.out[3], self.out[4]
         for g, k in enumerate(released):  # a window's stale blocks first, as the numpy plan
             if k:
                 r = rows[release_items[g, :k]]
                 positions = release_positions[g, :k].copy()  # kept by the edit log
                 c._unref(c.group_pool[g], c.tables[g][r, positions])
                 c._set(g, r, positions, None)
-        for g, k in enumerate(added):
-            if k:
-                positions = add_positions[g, :k].copy()
-                slots = c._take(c.group_pool[g], k, positions)
-                c._set(g, rows[add_items[g, :k]], positions, slots)
+        if any(added):
+            self._take(core, m, rows, added)
         kept = rows
         if failing:  # the others' rows and counts
             keep = rows >= 0

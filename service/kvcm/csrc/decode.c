@@ -312,3 +312,103 @@ done:
     if (c) ctx_close(c, &local);
     return result;
 }
+
+/* decode_take(rows, added, context, pools, cached, items, positions) -> tuple | False
+ *
+ * The new blocks of a planned batch (decode_plan's `added`, and its (item, position) pairs
+ * in `items` and `positions`, int64 [groups, cap]), once a window's released cells are
+ * back: each layer group in turn takes its slots off the head of its pool group's free
+ * queue (tombstones skipped), held once, written at tables[g][rows[item], position], as the
+ * coordinator's _take and _set do. Returns, per layer group, whether a slot it took caches
+ * a block (`cached`: each pool group's flags), which the caller then evicts; it also logs
+ * the table edits.
+ *
+ * False, with nothing changed, when the numpy path must take them: an item, row or position
+ * out of range, a queue too short or out of shape (never after decode_plan).
+ *
+ * Example (one layer group, free queue [7 3 9]): added (2,), items [0 2], positions [1 4],
+ * rows [5 8 6]: table[0][5, 1] = 7, table[0][6, 4] = 3; the queue is [9]; returns
+ * (False,) when neither 7 nor 3 caches a block. */
+PyObject *kvcm_decode_take(PyObject *self, PyObject *args) {
+    PyObject *rows_o, *added_o, *ctx_o, *pools_o, *cached_o, *items_o, *pos_o;
+    if (!PyArg_ParseTuple(args, "OO!OOOOO", &rows_o, &PyTuple_Type, &added_o, &ctx_o, &pools_o,
+                          &cached_o, &items_o, &pos_o))
+        return NULL;
+    Ctx local, *c = NULL;
+    Pool p[MAX_GROUPS];
+    Buf cached[MAX_GROUPS], rows = {0}, items = {0}, positions = {0};
+    int got = 0, got_cached = 0;
+    int64_t k[MAX_GROUPS] = {0}, need[MAX_GROUPS] = {0};
+    int evict[MAX_GROUPS] = {0};
+    int32_t *taken = NULL;
+    PyObject *result = NULL;
+    if (!(c = ctx_open(ctx_o, &local, 1)) || pools_get(pools_o, c, p, &got) < 0 ||
+        cached_get(cached_o, c, cached, &got_cached) < 0 || buf_get(rows_o, &rows, 8, 0) < 0 ||
+        buf_get(items_o, &items, 8, 0) < 0 || buf_get(pos_o, &positions, 8, 0) < 0)
+        goto done;
+    if (PyTuple_GET_SIZE(added_o) != c->groups || items.n != positions.n ||
+        items.n % c->groups) {
+        PyErr_SetString(PyExc_ValueError, "decode_take: a count per layer group, items' shape");
+        goto done;
+    }
+    Py_ssize_t cap = items.n / c->groups, total = 0;
+    for (int g = 0; g < c->groups; g++) {
+        k[g] = PyLong_AsLongLong(PyTuple_GET_ITEM(added_o, g));
+        if (k[g] == -1 && PyErr_Occurred()) goto done;
+        if (k[g] < 0 || k[g] > cap) goto numpy;
+        for (int64_t j = 0; j < k[g]; j++) {
+            int64_t item = I64P(items)[g * cap + j], pos = I64P(positions)[g * cap + j];
+            if (item < 0 || item >= rows.n || pos < 0 || pos >= c->width) goto numpy;
+            int64_t row = I64P(rows)[item];
+            if (row < 0 || row >= c->nrows) goto numpy;
+        }
+        need[c->group_pool[g]] += k[g];
+        total += (Py_ssize_t)k[g];
+    }
+    /* Everything that can fail comes before the first write: the spans, the queues' new
+     * counters, the slots popped into a buffer (pool_pop reads the ring only), the result. */
+    for (int q = 0; q < c->pools; q++) {
+        if (!need[q]) continue;
+        int64_t used = need[q] <= p[q].count ? pool_span(&p[q], need[q], c->refs[q].n) : -1;
+        if (used < 0) goto numpy;
+        if (pool_stage(&p[q], p[q].head + used, p[q].len - used, p[q].count - need[q]) < 0)
+            goto done;
+    }
+    if (total && !(taken = PyMem_Malloc((size_t)total * sizeof *taken))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t off = 0;
+    for (int g = 0; g < c->groups; g++) {
+        int q = c->group_pool[g];
+        pool_pop(&p[q], k[g], taken + off);
+        for (int64_t j = 0; j < k[g]; j++) evict[g] |= ((const uint8_t *)cached[q].p)[taken[off + j]];
+        off += (Py_ssize_t)k[g];
+    }
+    if (!(result = PyTuple_New(c->groups))) goto done;
+    for (int g = 0; g < c->groups; g++)
+        PyTuple_SET_ITEM(result, g, Py_NewRef(evict[g] ? Py_True : Py_False));
+    off = 0;
+    for (int g = 0; g < c->groups; g++) {
+        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+        for (int64_t j = 0; j < k[g]; j++) {
+            int64_t row = I64P(rows)[I64P(items)[g * cap + j]], pos = I64P(positions)[g * cap + j];
+            I32P(c->tables)[(g * c->nrows + row) * c->width + pos] = taken[off + j];
+            refs[taken[off + j]] = 1;
+        }
+        off += (Py_ssize_t)k[g];
+    }
+    if (pools_commit(p, c->pools) < 0) Py_CLEAR(result);
+    goto done;
+numpy:
+    result = Py_NewRef(Py_False);
+done:
+    PyMem_Free(taken);
+    for (int q = 0; q < got_cached; q++) buf_release(&cached[q]);
+    buf_release(&rows);
+    buf_release(&items);
+    buf_release(&positions);
+    pools_release(p, got);
+    if (c) ctx_close(c, &local);
+    return result;
+}

@@ -8,8 +8,9 @@
  * - pack_tokens, pack_token_lists: a prompt's token ids, or a step's commits, as int32
  *   little-endian bytes; pack_handles: a step's handle list as int64 bytes (tokens.c).
  * - decode_plan, decode_commit: a batch of extends by handle (a decode step) planned in one
- *   pass over the rows, and its counters written in one more (kvcm.native_step, decode.c);
- *   live_rows: whether a batch's handles are live and distinct (a step's commits).
+ *   pass over the rows, its new blocks taken (decode_take) and its counters written in one
+ *   more (kvcm.native_step, decode.c); live_rows: whether a batch's handles are live and
+ *   distinct (a step's commits).
  * - row_grow, row_release: one row's new blocks (those past a prefix hit the Python path
  *   placed) and a freed row's, one call each (kvcm.native_rows, rows.c).
  * - row_start: a new request's prefix hit and the blocks past it, in one call (hits.c).
@@ -35,6 +36,7 @@ static PyMethodDef methods[] = {
     {"decode_commit", kvcm_decode_commit, METH_VARARGS, "Write a planned batch's counters."},
     {"context", kvcm_context, METH_O, "The decode context's arrays, read once."},
     {"live_rows", kvcm_live_rows, METH_VARARGS, "Rows of live, distinct handles, or False."},
+    {"decode_take", kvcm_decode_take, METH_VARARGS, "A planned batch's new blocks taken."},
     {"row_grow", kvcm_row_grow, METH_VARARGS, "One row's new blocks (no window releasing)."},
     {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
     {"commit_run", kvcm_commit_run, METH_VARARGS, "A step's commits and their publishing."},
