@@ -596,3 +596,30 @@ def test_suspend_and_resume_are_sections_of_the_columnar_step_and_ops_of_step() 
     atomic = m.step([{"op": "suspend", "request_id": "a"}], atomic=True)
     assert atomic[0].error is not None and atomic[0].error.code == "invalid_argument"
     assert m.block_table("a")[0] != []  # nothing changed
+
+
+def test_a_copied_manager_s_host_tier_copies_into_its_own_memory() -> None:
+    """copy.deepcopy of a manager with a host tier (tests twin managers so): the copy's
+    copier uses its own tensors' addresses, so with the original gone a suspend and resume
+    on the copy bring its pages back (the original's addresses were freed memory)."""
+    import copy
+    import gc
+
+    m = manager([layer(0)], num_blocks=6, host_memory_bytes=1 << 16)
+    m.allocate("a", 10)
+    twin = copy.deepcopy(m)
+    del m
+    gc.collect()
+    copier = twin._host.copier
+    for pool, chunks in copier.regions.items():
+        assert copier._bases[pool].tolist() == [c.data_ptr() for c in chunks]
+        assert copier._device_at[pool][0] == copier.device_pools[pool].data_ptr()
+    words = _words(twin)
+    for b, slot in enumerate(twin.block_table("a")[0]):
+        words[slot] = 700 + b
+    twin.suspend("a")
+    twin.allocate("x", 24)  # every slot, overwritten
+    words[:] = -1
+    twin.free("x")
+    twin.resume("a")
+    assert [int(words[s][0]) for s in twin.block_table("a")[0]] == [700, 701, 702]

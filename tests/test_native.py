@@ -556,10 +556,15 @@ def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None
     def take(r: np.ndarray, i: np.ndarray, p: np.ndarray, added: int = 2) -> Any:
         return core.decode_take(r, (added,), context, pools, nd.cached(m), i, p)
 
+    # rows: 3 from the middle of a longer array of valid rows, so that a read before or
+    # after them would find a valid row and only the bounds checks refuse it.
+    inner = np.array([5, 8, 6, 7, 7], dtype=np.int64)[1:4]
     for bad in ([0, 3], [-1, 2]):  # an item past the rows, a negative one
-        assert take(rows, np.array([[*bad, 0, 0]]), positions) is False
-    assert take(np.array([5, 8, 12]), items, positions) is False  # a row past the table
-    assert take(rows, items, np.array([[1, c.tables.shape[2], 0, 0]])) is False  # position
+        assert take(inner, np.array([[*bad, 0, 0]]), positions) is False
+    for bad_row in (12, -1):  # a row past the table, a negative one
+        assert take(np.array([5, 8, bad_row]), items, positions) is False
+    for bad_position in (c.tables.shape[2], -1):
+        assert take(rows, items, np.array([[1, bad_position, 0, 0]])) is False
     assert take(rows, items, positions, added=5) is False  # more than the arrays hold
     assert same(manager_state(m), before)
     ring = c.pools[0]._ring

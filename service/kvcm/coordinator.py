@@ -407,7 +407,10 @@ class Coordinator(PrefixHits, EditLog):
 
     def evict_taken(self, pg: int, slots: np.ndarray) -> None:
         """Slots just taken off pool group pg's queue: the blocks they cached are evicted
-        (copied to the host tier first, if there is one, before anyone writes the slots)."""
+        (copied to the host tier first, if there is one). The C core's takes have written
+        the slots into the tables already (``native_rows``, ``native_step``): that is safe,
+        since nobody writes a taken slot's pages before the op answers, and it settles its
+        copies before it does (``kvcm.manager._settles``)."""
         if self.host is not None and self.cache.slot_key[pg]:
             cached = slots[self.cache.cached[pg][slots]].tolist()
             if cached:

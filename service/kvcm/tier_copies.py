@@ -35,9 +35,11 @@ more as the onboard does, and ``finish`` only waits.
 
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -126,17 +128,33 @@ class TierCopier:
         #: copy engines took every segment): keeps them alive until they are done.
         self._launched: list[torch.Tensor | None] = []
         self.stats = CopyStats() if stats is None else stats
+        self._addresses()
+
+    def _addresses(self) -> None:
+        """The raw addresses the copies use, read from this copier's own tensors."""
         #: Per pool: the address of each host chunk.
         self._bases = {
             pool: np.array([c.data_ptr() for c in chunks], dtype=np.int64)
-            for pool, chunks in regions.items()
+            for pool, chunks in self.regions.items()
         }
         #: The same as ints, and each device pool's (address, slot bytes), for ``_copy_now``.
         self._chunks_at = {pool: [int(a) for a in at] for pool, at in self._bases.items()}
         self._device_at = {
-            pool: (device_pools[pool].data_ptr(), int(device_pools[pool].shape[1]))
-            for pool in regions
+            pool: (self.device_pools[pool].data_ptr(), int(self.device_pools[pool].shape[1]))
+            for pool in self.regions
         }
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TierCopier:
+        """A copy (of a copied manager) whose addresses are its own tensors': copied as they
+        were, the copy's copies would write into the original's memory, freed with it."""
+        if self.cuda:
+            raise TypeError("a host tier's copier on CUDA cannot be copied (its stream)")
+        twin = TierCopier.__new__(TierCopier)
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, copy.deepcopy(value, memo))
+        twin._addresses()
+        return twin
 
     # -- state queries (the block states of kvcm.host_tier) ---------------------------------
 

@@ -320,8 +320,8 @@ done:
  * back: each layer group in turn takes its slots off the head of its pool group's free
  * queue (tombstones skipped), held once, written at tables[g][rows[item], position], as the
  * coordinator's _take and _set do. Returns, per layer group, whether a slot it took caches
- * a block (`cached`: each pool group's flags), which the caller then evicts; it also logs
- * the table edits.
+ * a block (`cached`: each pool group's flags), which the caller then evicts; the caller also
+ * logs the table edits.
  *
  * False, with nothing changed, when the numpy path must take them: an item, row or position
  * out of range, a queue too short or out of shape (never after decode_plan).
