@@ -62,12 +62,22 @@ class FirstAllocation:
 
 
 def c_args(m: KVCacheManager) -> tuple[Any, ...] | None:
-    """What the C core's ``allocate_one`` takes besides the op and the manager, read once
-    per step; None where every allocate takes the Python path: no C core, context-parallel
-    ranks, a host tier (whose onboarding and offloading are Python's) or state layers."""
+    """What the C core's ``allocate_one`` takes besides the op and the manager; None where
+    every allocate takes the Python path: no C core, context-parallel ranks, a host tier
+    (whose onboarding and offloading are Python's) or state layers. Fixed for the manager's
+    life (its arrays, queues and flags change in place), so made once."""
     core = native.core
+    if core is None:
+        return None
+    decode = m._native_decode
+    if decode.allocate_args is None:
+        decode.allocate_args = _c_args(core, m) or ()
+    return decode.allocate_args or None
+
+
+def _c_args(core: Any, m: KVCacheManager) -> tuple[Any, ...] | None:
     c = m._coord
-    if core is None or not c.plain or m._host is not None or m._state is not None:
+    if not c.plain or m._host is not None or m._state is not None:
         return None
     decode = m._native_decode
     context, pools, sinks = decode.row_args(core, m)
@@ -99,7 +109,11 @@ def start_op(
         done = native.core.allocate_one(op, m, *fast)
         if done is not None:
             first, hit, added, evict = done
-            native_rows.placed(m._coord, first.row, hit, added, evict)
+            c = m._coord
+            if evict or c.edits is not None:  # (no host tier here: c_args)
+                native_rows.placed(c, first.row, hit, added, evict)
+            else:  # nothing to evict or log: placed's count only
+                c.ops_since_take += 2 if hit else 1
             return first
     first = start(m, **op)
     if m._state is not None and m._host is not None:

@@ -22,6 +22,7 @@ from .counts import MAX_COUNT, _count, _counts
 from .ops import OP_FIELDS
 
 _ALLOCATE_KEYS = frozenset(AllocateOp.model_fields) - {"op"}
+_ALLOCATE_KEYS_OP = _ALLOCATE_KEYS | {"op"}
 #: An allocate's optional fields and their defaults: the op list's (``kvcm.ops``).
 _ALLOCATE_DEFAULTS: dict[str, Any] = OP_FIELDS["allocate"][1]
 
@@ -80,7 +81,7 @@ def _allocates(value: Any) -> list[dict[str, Any]]:
             del op["op"]
             out.append(op)
             continue
-        if type(item) is not dict or not item.keys() <= _ALLOCATE_KEYS | {"op"}:
+        if type(item) is not dict or not item.keys() <= _ALLOCATE_KEYS_OP:
             raise InvalidArgument(
                 f"each allocate is an AllocateOp or its dict (keys {sorted(_ALLOCATE_KEYS)})",
                 allocate=None,

@@ -39,7 +39,16 @@ class NativeDecode:
     """One manager's C decode path: its work arrays (no allocation per step) and the
     coordinator's arrays as the C core reads them."""
 
-    __slots__ = ("_arrays", "_cached", "_context", "_hits", "_row_args", "out", "rows")
+    __slots__ = (
+        "_arrays",
+        "_cached",
+        "_context",
+        "_hits",
+        "_row_args",
+        "allocate_args",
+        "out",
+        "rows",
+    )
 
     def __init__(self, max_requests: int, num_groups: int) -> None:
         self.rows = np.zeros(max_requests, dtype=np.int64)
@@ -50,6 +59,8 @@ class NativeDecode:
         self._row_args: tuple[object, tuple[Any, ...], tuple[int, ...]] | None = None
         self._cached: tuple[np.ndarray, ...] | None = None
         self._hits: bool | None = None
+        #: ``kvcm.allocation.c_args``' tuple, made once (empty: allocates stay Python's).
+        self.allocate_args: tuple[Any, ...] | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NativeDecode:
         """A copy (of a copied manager) over the copy's arrays: the context object is not
@@ -62,6 +73,7 @@ class NativeDecode:
         twin._arrays = None
         twin._row_args = None
         twin._cached = None
+        twin.allocate_args = None
         twin._hits = self._hits
         return twin
 
