@@ -471,6 +471,21 @@ def test_a_hit_is_left_to_python_where_c_does_not_place_it() -> None:
     assert spy.results["start hit"] == 1 and spy.results["start grow"] == 1, spy.results
 
 
+def _cached_prompt(
+    m: KVCacheManager, prompt: list[int]
+) -> tuple[tuple[dict[bytes, int], ...], list[bytes], tuple[Any, ...]]:
+    """``prompt`` allocated, committed and freed as request "a": its full blocks cached and
+    free. Returns each layer group's scope of its root, its keys (published in block order)
+    and ``row_start``'s arguments after the counts (context, queues, sinks, cached flags)."""
+    m.allocate("a", len(prompt), token_ids=prompt)
+    m.commit("a", prompt)
+    m.free("a")
+    c, decode = m._coord, m._native_decode
+    root = next(iter(c.cache.index[0]))
+    scopes = tuple(index[root] for index in c.cache.index)
+    return scopes, list(scopes[0]), (*decode.row_args(native._built, m), decode.cached(m))
+
+
 def test_row_start_leaves_keys_that_are_not_bytes_to_numpy() -> None:
     """A key of a bytes subclass (whose comparison could run Python code that changes the
     list under the call) or a scope slot that is not an int: False, nothing changed."""
@@ -480,19 +495,12 @@ def test_row_start_leaves_keys_that_are_not_bytes_to_numpy() -> None:
 
     native.use(True)
     m = manager([layer(0)], num_blocks=16, max_seq_len=64)
-    prompt = list(range(13))
-    m.allocate("a", 13, token_ids=prompt)
-    m.commit("a", prompt)
-    m.free("a")
+    scopes, keys, args = _cached_prompt(m, list(range(13)))
     core = native._built
     c = m._coord
     root = next(iter(c.cache.index[0]))
-    scopes = (c.cache.index[0][root],)
-    keys = list(scopes[0])  # published in block order
-    context, pools, sinks = m._native_decode.row_args(core, m)
     row = m._free_rows[-1]
     before = manager_state(m)
-    args = (context, pools, sinks, m._native_decode.cached(m))
     assert core.row_start(row, [keys[0], Key(keys[1])], scopes, 2, 9, 0, *args) is False
     odd = {keys[0]: np.int64(c.cache.index[0][root][keys[0]])}
     assert core.row_start(row, keys[:1], (odd,), 1, 9, 0, *args) is False
@@ -509,16 +517,11 @@ def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> 
     native.use(True)
     m = manager([layer(0)], num_blocks=16, max_seq_len=64)
     prompt = list(range(13))
-    m.allocate("a", 13, token_ids=prompt)
-    m.commit("a", prompt)
-    m.free("a")  # its 3 blocks are free and cached, at the queue's tail
+    scopes, keys, args = _cached_prompt(m, prompt)  # 3 blocks, at the queue's tail
+    keys = keys[:2]
     live = m.allocate("b", 5).row
     core = native._built
     c = m._coord
-    root = next(iter(c.cache.index[0]))
-    scopes = (c.cache.index[0][root],)
-    keys = list(scopes[0])[:2]  # published in block order
-    args = (*m._native_decode.row_args(core, m), m._native_decode.cached(m))
     row = m._free_rows[-1]
     before = manager_state(m)
     assert core.row_start(live, keys, scopes, 2, 9, 0, *args) is False  # not a free row
@@ -557,15 +560,8 @@ def test_a_hit_that_does_not_fit_only_for_its_claimed_slots_is_none() -> None:
     native.use(True)
     m = manager([layer(0)], num_blocks=8, max_seq_len=64)
     prompt = list(range(9))
-    m.allocate("a", 9, token_ids=prompt)
-    m.commit("a", prompt)
-    m.free("a")  # blocks 0 and 1 cached and free: all 8 slots free
+    scopes, keys, args = _cached_prompt(m, prompt)  # blocks 0 and 1: all 8 slots free
     core = native._built
-    c = m._coord
-    root = next(iter(c.cache.index[0]))
-    scopes = (c.cache.index[0][root],)
-    keys = list(scopes[0])
-    args = (*m._native_decode.row_args(core, m), m._native_decode.cached(m))
     before = manager_state(m)
     assert core.row_start(m._free_rows[-1], keys, scopes, 2, 36, 0, *args) is None
     assert same(manager_state(m), before)

@@ -418,6 +418,18 @@ class Coordinator(PrefixHits, EditLog):
                 self.host.offload(pg, [(s, keys[s]) for s in cached])
         self.cache.evict(pg, slots)
 
+    def taken_in_c(self, g: int, rows: np.ndarray, positions: np.ndarray, evict: bool) -> None:
+        """Slots the C core took and wrote into layer group g's cells (``rows``,
+        ``positions``): what they cached evicted when ``evict`` (one of them caches a block)
+        and the cells logged, as ``_take`` and ``_set`` do."""
+        if not evict and self.edits is None:
+            return
+        slots = self.tables[g][rows, positions]
+        if evict:
+            self.evict_taken(self.group_pool[g], slots)
+        if self.edits is not None:
+            self.edits.append((g, rows, positions, slots))
+
     def _set(
         self,
         g: int,

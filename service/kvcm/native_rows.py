@@ -100,29 +100,17 @@ def start(
 def placed(c: Coordinator, row: int, hit: int, added: tuple[int, ...], evict: bool) -> None:
     """After the C core placed a new request's hit of ``hit`` blocks and ``added`` blocks
     past it in ``row`` (``row_start``, ``allocate_one``): the table edits logged and, where
-    a taken slot cached a block (``evict``) or a host tier keeps evicted blocks, the
-    evictions, as the coordinator's own path does."""
+    a taken slot cached a block (``evict``), the evictions, as the coordinator's own path
+    does."""
     edits = c.edits
     if hit and edits is not None:
         for g in range(len(c.tables)):
             slots = c.tables[g][row, :hit].copy()  # the edit log keeps it
             edits.append((g, np.full(hit, row), np.arange(hit), slots))
-    if evict or edits is not None or c.host is not None:  # else nothing to evict or log
-        _taken(c, row, hit, added)
-    c.ops_since_take += 2 if hit else 1  # the hit and the grow, as the Python path counts
-
-
-def _taken(c: Coordinator, row: int, hit: int, added: tuple[int, ...]) -> None:
-    """The slots ``row_start`` took past a hit of ``hit`` blocks: what they cached evicted (to
-    the host tier first, if there is one) and their table cells logged."""
-    edits = c.edits
     for g, k in enumerate(added):
-        if k:
-            pg = c.group_pool[g]
-            slots = c.tables[g][row, hit : hit + k].copy()
-            c.evict_taken(pg, slots)
-            if edits is not None:
-                edits.append((g, np.full(k, row), np.arange(hit, hit + k), slots))
+        if k and (evict or edits is not None):  # else nothing to evict or log
+            c.taken_in_c(g, np.full(k, row), np.arange(hit, hit + k), evict)
+    c.ops_since_take += 2 if hit else 1  # the hit and the grow, as the Python path counts
 
 
 def release(m: KVCacheManager, row: int) -> None:

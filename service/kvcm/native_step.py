@@ -165,13 +165,8 @@ class NativeDecode:
             positions = add_positions[g, :k].copy()  # kept by the edit log
             if evicts is False:  # the coordinator's own take
                 c._set(g, r, positions, c._take(c.group_pool[g], k, positions))
-                continue
-            if evicts[g] or c.edits is not None:  # else nothing cached, nothing to log
-                slots = c.tables[g][r, positions]
-                if evicts[g]:
-                    c.evict_taken(c.group_pool[g], slots)
-                if c.edits is not None:
-                    c.edits.append((g, r, positions, slots))
+            else:
+                c.taken_in_c(g, r, positions, evicts[g])
 
     def extend(
         self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any

@@ -59,13 +59,19 @@ void start_free(Start *s) {
     s->marked = NULL;
 }
 
-void start_undo(const Ctx *c, Pool *p, Start *s) {
+/* The ring entries of the hit's unheld slots (s->marked: layer group << 32 | block): each
+ * a tombstone (-1), or its slot again. */
+static void set_marked(const Ctx *c, Pool *p, const Start *s, int tombstone) {
     for (Py_ssize_t i = 0; i < s->nmarked; i++) {
         int g = (int)(s->marked[i] >> 32);
         int q = c->group_pool[g];
         int32_t slot = s->slots[g * s->b + (s->marked[i] & 0xFFFFFFFF)];
-        I32P(p[q].ring)[I64P(p[q].pos)[slot] % p[q].ring.n] = slot;
+        I32P(p[q].ring)[I64P(p[q].pos)[slot] % p[q].ring.n] = tombstone ? -1 : slot;
     }
+}
+
+void start_undo(const Ctx *c, Pool *p, Start *s) {
+    set_marked(c, p, s, 0);
     s->nmarked = 0;
 }
 
@@ -120,7 +126,8 @@ int start_plan(const Ctx *c, Pool *p, const Buf *cached, int64_t row, PyObject *
     }
     if (b > c->width) goto numpy;
     s->b = b;
-    if (b && !(s->slots = PyMem_Malloc((size_t)(c->groups * b) * sizeof *s->slots))) {
+    if (b && (!(s->slots = PyMem_Malloc((size_t)(c->groups * b) * sizeof *s->slots)) ||
+              !(s->marked = PyMem_Malloc((size_t)(c->groups * b) * sizeof *s->marked)))) {
         PyErr_NoMemory();
         goto done;
     }
@@ -138,7 +145,10 @@ int start_plan(const Ctx *c, Pool *p, const Buf *cached, int64_t row, PyObject *
             if (refs[slot] == 0 && (at < 0 || I32P(p[q].ring)[at] != slot))
                 goto numpy; /* a free slot that is not where its queue says */
             s->slots[g * b + j] = (int32_t)slot;
-            s->claimed[q] += refs[slot] == 0;
+            if (refs[slot] == 0) { /* unheld: it leaves its queue (below, once it fits) */
+                s->claimed[q]++;
+                s->marked[s->nmarked++] = (int64_t)g << 32 | j;
+            }
         }
         s->current[g] = b;
     }
@@ -153,24 +163,7 @@ int start_plan(const Ctx *c, Pool *p, const Buf *cached, int64_t row, PyObject *
     }
     /* The hit's unheld slots leave their queues first (tombstones), so that the grow's
      * spans skip them, as the numpy path's pops do after place_hits. */
-    Py_ssize_t total = 0;
-    for (int q = 0; q < c->pools; q++) total += (Py_ssize_t)s->claimed[q];
-    if (total && !(s->marked = PyMem_Malloc((size_t)total * sizeof *s->marked))) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (int g = 0; g < c->groups && b; g++) {
-        int q = c->group_pool[g];
-        const int32_t *refs = I32P(c->refs[q]);
-        for (Py_ssize_t j = 0; j < b; j++) {
-            int32_t slot = s->slots[g * b + j];
-            int64_t at = I64P(p[q].pos)[slot] % p[q].ring.n;
-            if (refs[slot] == 0 && I32P(p[q].ring)[at] == slot) {
-                s->marked[s->nmarked++] = (int64_t)g << 32 | j;
-                I32P(p[q].ring)[at] = -1;
-            }
-        }
-    }
+    set_marked(c, p, s, 1);
     int staged = grow_stage(p, c->pools, s->need, s->claimed, c);
     if (staged) {
         start_undo(c, p, s);
