@@ -153,7 +153,7 @@ def _hot_handle_us(frames: dict[str, bytes], count: int) -> dict[str, float]:
     for _ in range(min(count, 300)):
         body = turnover.frame()[HEADER.size :]
         t0 = time.perf_counter_ns()
-        answer, _ = channel.handle(body)
+        answer, _, _ = channel.handle(body)
         times.append(time.perf_counter_ns() - t0)
         turnover.answered(pack(answer)[HEADER.size :])
     out[REPLACE] = statistics.median(times[50:]) / 1000

@@ -32,6 +32,7 @@ class FakeChannel:
 
     read_timeout = 0.3
     state = _State()
+    poll = None  # no poll after answers (``step_poll``; tests/test_step_poll.py)
 
     def __init__(self) -> None:
         self._connections: set[Any] = set()
@@ -39,8 +40,8 @@ class FakeChannel:
     def limit(self) -> int:
         return 1 << 20
 
-    def handle(self, body: bytes) -> tuple[dict[str, Any], bool]:
-        return {"result": msgpack.unpackb(body)["args"]["i"]}, False
+    def handle(self, body: bytes) -> tuple[dict[str, Any], bool, str]:
+        return {"result": msgpack.unpackb(body)["args"]["i"]}, False, "x"
 
 
 class FakeTransport:

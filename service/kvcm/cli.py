@@ -131,6 +131,14 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         {"type": Path, "help": "also serve the step channel on this Unix socket (0660)"},
     ),
     (
+        "--step-poll-us",
+        {
+            "type": float,
+            "help": "poll up to this long for a step channel client's next frame after an "
+            "answer, where its last one came that soon (300; 0: never)",
+        },
+    ),
+    (
         "--kv-events-zmq",
         {
             "help": "also publish KV events in vLLM's format on a ZeroMQ PUB socket bound "

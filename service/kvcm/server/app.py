@@ -87,6 +87,7 @@ from .errors import JSON, install_error_handlers
 from .middleware import BodyLimit, CountResponses, Generation
 from .state import ServiceState
 from .step_channel import StepChannel
+from .step_poll import DEFAULT_POLL_US
 
 log = logging.getLogger("kvcm.server")
 
@@ -122,6 +123,7 @@ def create_app(
     clock: Callable[[], float] | None = None,
     defaults: Mapping[str, Any] | None = None,
     step_socket: Path | None = None,
+    step_poll_us: float = DEFAULT_POLL_US,
     request_timeout: float = 10.0,
     kv_events_zmq: str | None = None,
 ) -> FastAPI:
@@ -130,7 +132,8 @@ def create_app(
     ``default_body_limit`` of the model's ``max_seq_len``, and follows a registered model.
     ``defaults``: what a registered model takes where it says nothing (``ServiceState``).
     ``step_socket``: also serve the step channel there (``step_channel``), with the same
-    token and body limit, each frame due whole within ``request_timeout`` seconds.
+    token and body limit, each frame due whole within ``request_timeout`` seconds, polling
+    up to ``step_poll_us`` for a client's next frame (``step_poll``).
     ``kv_events_zmq``: also publish the KV events in vLLM's format on a ZeroMQ PUB socket
     bound there (``vllm_events``)."""
     state = ServiceState(
@@ -148,7 +151,7 @@ def create_app(
         return max_body_bytes
 
     channel = StepChannel(
-        state, api_token.encode() if api_token else None, body_limit, request_timeout
+        state, api_token.encode() if api_token else None, body_limit, request_timeout, step_poll_us
     )
 
     @asynccontextmanager
@@ -663,6 +666,7 @@ def app_from_settings(settings: Any) -> FastAPI:
         api_token=token,
         defaults=settings.registration_defaults(manager.config if manager else None),
         step_socket=settings.step_socket,
+        step_poll_us=settings.step_poll_us,
         request_timeout=settings.request_timeout,
         kv_events_zmq=settings.kv_events_zmq,
     )

@@ -145,6 +145,13 @@ class Metrics:
             ["op", "result"],
             registry=self.registry,
         )
+        self.step_channel_polls = Counter(
+            "kvcm_step_channel_polls",
+            "Polls for a client's next frame after an answer (docs/step-channel.md), by how "
+            "they ended: frame, or timeout (the window spent on a core for nothing)",
+            ["ended"],
+            registry=self.registry,
+        )
         self.step_channel_connections = Counter(
             "kvcm_step_channel_connections",
             "Connections accepted on the step channel socket",

@@ -34,6 +34,7 @@ from kvcm_client.errors import InvalidArgument, NoModel
 from kvcm_client.models import DType, ManagerConfig, ModelRegistration
 
 from ..registration import DEFAULT_MEMORY_BYTES, SIZING_DEFAULTS, defaults_of, to_config
+from .step_poll import DEFAULT_POLL_US
 
 #: The embedded default model (``--default-model``): Llama-3-8B-like (32 full-attention layers,
 #: 8 KV heads x 128, bf16) with 1 GiB of KV on the CPU, so that it serves on any machine.
@@ -121,6 +122,9 @@ class Settings(BaseSettings):
     uds: Path | None = None
     step_socket: Path | None = None
     """Also serve the step channel (docs/step-channel.md) on this Unix socket."""
+    step_poll_us: float = Field(default=DEFAULT_POLL_US, ge=0, le=10_000)
+    """Microseconds the step channel polls for a client's next frame after an answer, where
+    the last answer to that op came back that soon (docs/step-channel.md); 0: never."""
     kv_events_zmq: str | None = None
     """Also publish the KV events in vLLM's format on a ZeroMQ PUB socket bound here, e.g.
     ``tcp://127.0.0.1:5557`` (docs/prefix-reuse.md#vllms-event-format; needs pyzmq)."""

@@ -57,6 +57,7 @@ from kvcm_client.step_channel import HEADER, OPS, unpack
 from ..columnar_parse import columns_from_wire
 from ..ops import plain_step
 from .state import ServiceState
+from .step_poll import DEFAULT_POLL_US, FramePoll, GapPredictor
 
 log = logging.getLogger("kvcm.step_channel")
 
@@ -112,11 +113,14 @@ class StepChannel:
         token: bytes | None,
         limit: Callable[[], int],
         read_timeout: float = 10.0,
+        poll_us: float = DEFAULT_POLL_US,
     ) -> None:
         self.state = state
         self.token = token
         self.limit = limit
         self.read_timeout = read_timeout
+        #: The poll after an answer (``step_poll``); None: sleep in the loop at once.
+        self.poll = FramePoll(poll_us) if poll_us > 0 else None
         self.server: asyncio.AbstractServer | None = None
         self.path: Path | None = None
         self._connections: set[_Connection] = set()
@@ -158,27 +162,30 @@ class StepChannel:
 
     # -- one frame -----------------------------------------------------------------------------
 
-    def handle(self, body: bytes) -> tuple[dict[str, Any], bool]:
-        """The answer to one frame, and whether to close the connection after it."""
+    def handle(self, body: bytes) -> tuple[dict[str, Any], bool, str]:
+        """The answer to one frame, whether to close the connection after it, and its op
+        (``invalid`` for a frame without a known op)."""
         try:
             message = unpack(body)
         except Exception:  # msgpack raises several types for junk
             err = MalformedRequest("the frame is not msgpack")
-            return self._error("frame", err), True
+            return self._error("frame", err), True, "invalid"
         if type(message) is not dict:
             err = MalformedRequest("a frame must hold a msgpack map")
-            return self._error("frame", err), True
+            return self._error("frame", err), True, "invalid"
         op = message.get("op")
+        label = op if type(op) is str and op in OPS else "invalid"
         try:
             result = self._call(op, message)
         except KVCMError as exc:
-            return self._error(op, exc), False
+            return self._error(label, exc), False, label
         except Exception as exc:
             log.exception("internal error on step channel op %r", op)
-            return self._error(op, InternalError(f"internal error: {type(exc).__name__}")), False
+            err = InternalError(f"internal error: {type(exc).__name__}")
+            return self._error(label, err), False, label
         metrics = self.state.metrics
-        metrics.child(metrics.step_channel_frames, op, "ok").inc()
-        return {"result": result, "generation": self.state.generation}, False
+        metrics.child(metrics.step_channel_frames, label, "ok").inc()
+        return {"result": result, "generation": self.state.generation}, False, label
 
     def _call(self, op: Any, message: dict[str, Any]) -> Any:
         if not message.keys() <= _KEYS:
@@ -216,6 +223,14 @@ class StepChannel:
             given = message.get("token")
             if type(given) is not str or not hmac.compare_digest(given.encode(), self.token):
                 raise Unauthorized("this op needs the service's token (KVCM_API_TOKEN)")
+
+    def wait_for_frame(self) -> None:
+        """Poll for a connection's next frame after an answer (``step_poll``), counting how
+        the poll ended: the frame is then read by the event loop, as any other."""
+        assert self.poll is not None
+        metrics = self.state.metrics
+        ended = "frame" if self.poll.wait() else "timeout"
+        metrics.child(metrics.step_channel_polls, ended).inc()
 
     def _error(self, op: Any, exc: KVCMError) -> dict[str, Any]:
         label = op if type(op) is str and op in OPS else "invalid"
@@ -285,22 +300,36 @@ class _Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.paused = False
         self.closing = False
+        self.fd: int | None = None  # registered with the channel's poll
+        poll = channel.poll
+        self.gaps = GapPredictor(poll.window_ns) if poll is not None else None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.channel._connections.add(self)
         self.channel.state.metrics.step_channel_connections.inc()
+        if self.channel.poll is not None:
+            self.fd = transport.get_extra_info("socket").fileno()
+            self.channel.poll.add(self.fd)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.channel._connections.discard(self)
         self._stop_timer()
+        self._unpoll()
         self.closing = True
 
     def close(self) -> None:
         self.closing = True
         self._stop_timer()
+        self._unpoll()  # before the transport closes the descriptor, which may be reused
         if self.transport is not None:
             self.transport.close()
+
+    def _unpoll(self) -> None:
+        if self.fd is not None:
+            assert self.channel.poll is not None
+            self.channel.poll.remove(self.fd)
+            self.fd = None
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -314,6 +343,8 @@ class _Connection(asyncio.Protocol):
             self._frames()
 
     def data_received(self, data: bytes) -> None:
+        if not self.buffer and self.gaps is not None:
+            self.gaps.frame_began()
         self.buffer += data
         if not self.paused:
             self._frames()
@@ -322,6 +353,7 @@ class _Connection(asyncio.Protocol):
         """Answer every whole frame in the buffer; time the incomplete one, if any."""
         buffer = self.buffer
         channel = self.channel
+        poll = False  # after the last answer
         while not self.closing and not self.paused and len(buffer) >= HEADER.size:
             (size,) = HEADER.unpack_from(buffer)
             limit = channel.limit()
@@ -335,8 +367,9 @@ class _Connection(asyncio.Protocol):
             body = bytes(buffer[HEADER.size : end])
             del buffer[:end]
             self._stop_timer()  # the next frame, if begun, gets a timer of its own
-            answer, close = channel.handle(body)
+            answer, close, op = channel.handle(body)
             self._send(answer, close)
+            poll = self.gaps is not None and self.gaps.answered(op)
         if self.closing or self.paused:
             # Paused, the buffer may hold whole frames that wait for the client to read:
             # no timer then; resuming looks again.
@@ -347,6 +380,8 @@ class _Connection(asyncio.Protocol):
                 self.timer = loop.call_later(channel.read_timeout, self._too_slow)
         else:
             self._stop_timer()
+            if poll:
+                channel.wait_for_frame()
 
     def _too_slow(self) -> None:
         """A frame did not arrive whole in time: drop it and the connection."""

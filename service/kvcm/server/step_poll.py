@@ -1,0 +1,85 @@
+"""The step channel's poll after an answer: wait for a client's next frame awake, briefly,
+when that client has been sending its next frame soon after each answer.
+
+Why: between two frames the service sleeps in the event loop. On a virtual machine a
+sleeping core is halted, and waking it for the next frame costs tens of microseconds, after
+which the step runs on cold caches: measured on the 2-core development VM, the load test's
+step took 150-160 us over the channel with the service sleeping between frames, and 90 us
+with it polling for 300 us after each answer (docs/step-channel.md#waiting-for-the-next-frame).
+
+The poll is adaptive, so that an engine whose next call comes milliseconds later pays
+nothing: the service polls after answering an op on a connection only when the last answer
+to that op on that connection was followed by the connection's next frame within the
+window. Keyed by op because engines alternate: a ``step_columns`` followed at once by a
+``slot_mappings``, then a long wait for the model. A poll that runs out of time turns the
+poll off for that op until a frame follows it within the window again, so no pattern of
+gaps makes the service poll after more than every other answer, and an idle service never
+polls. The poll watches every connection of the channel (a frame on any of them ends it) and
+holds the event loop for at most the window: HTTP requests wait that long at most.
+
+Example (window 300 us): answers to ``step_columns`` followed by the next frame 120 us later
+are each followed by a poll that the frame ends; a client that then pauses for 20 ms makes
+one poll run out (300 us of a core spent), and the service sleeps after the answers that
+follow until a frame comes within 300 us of one.
+"""
+
+from __future__ import annotations
+
+import select
+from collections.abc import Callable
+from time import perf_counter_ns
+
+#: Microseconds the service polls for a client's next frame after an answer, where the last
+#: answer to the op was followed that soon (``kvcm serve --step-poll-us``).
+DEFAULT_POLL_US = 300.0
+
+
+class FramePoll:
+    """The file descriptors of a channel's connections, polled together without blocking."""
+
+    def __init__(self, window_us: float) -> None:
+        self.window_ns = int(window_us * 1000)
+        self._poll = select.poll()
+
+    def add(self, fd: int) -> None:
+        self._poll.register(fd, select.POLLIN)
+
+    def remove(self, fd: int) -> None:
+        self._poll.unregister(fd)
+
+    def wait(self) -> bool:
+        """Poll until a connection has bytes to read (True) or the window passes (False)."""
+        poll = self._poll.poll
+        until = perf_counter_ns() + self.window_ns
+        while not poll(0):
+            if perf_counter_ns() >= until:
+                return False
+        return True
+
+
+class GapPredictor:
+    """One connection's record of which ops' answers were followed soon by its next frame.
+    ``clock``: nanoseconds (``perf_counter_ns``; tests pass their own)."""
+
+    __slots__ = ("answered_ns", "answered_op", "clock", "soon", "window_ns")
+
+    def __init__(self, window_ns: int, clock: Callable[[], int] = perf_counter_ns) -> None:
+        self.window_ns = window_ns
+        self.clock = clock
+        self.soon: dict[str, bool] = {}
+        self.answered_op: str | None = None
+        self.answered_ns = 0
+
+    def answered(self, op: str) -> bool:
+        """An answer to ``op`` was sent; whether to poll for the next frame now."""
+        self.answered_op = op
+        self.answered_ns = self.clock()
+        return self.soon.get(op, False)
+
+    def frame_began(self) -> None:
+        """The first bytes of a frame arrived: record whether they followed the last answer
+        within the window."""
+        op = self.answered_op
+        if op is not None:
+            self.soon[op] = self.clock() - self.answered_ns <= self.window_ns
+            self.answered_op = None
