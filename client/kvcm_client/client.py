@@ -263,10 +263,23 @@ class KVCacheClient:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when
         this client has one (raw int64 arrays), else ``POST /v1/step_columns``."""
-        columns = given_fields(locals())
         if self._channel is None:
-            return self._run(calls.step_columns(columns))
-        return self._fast(channel.step_columns(wire_columns(**columns)), None)
+            return self._run(calls.step_columns(given_fields(locals())))
+        args = wire_columns(
+            free=free,
+            rewind=rewind,
+            rewind_tokens=rewind_tokens,
+            commit=commit,
+            commit_tokens=commit_tokens,
+            extend=extend,
+            num_new_tokens=num_new_tokens,
+            lookahead=lookahead,
+            allocate=allocate,
+            atomic=atomic,
+            suspend=suspend,
+            resume=resume,
+        )
+        return self._fast(channel.step_columns(args), None)
 
     def suspend(self, request_id: str) -> RequestInfo:
         """``KVCacheManager.suspend``: the request's blocks to the host tier."""

@@ -206,6 +206,8 @@ class _Broken(Exception):
 
 #: How long a call polls for its answer before it sleeps in the kernel (seconds).
 SPIN_S = 0.002
+#: Bytes asked for by an answer's first read: room for a decode step's whole answer.
+_READ = 1 << 16
 
 
 class StepSocket:
@@ -296,10 +298,18 @@ class StepSocket:
             return None
 
     def _read(self, sock: socket.socket, spin: bool = True) -> dict[str, Any]:
-        if spin and self.spin_ns:
-            _await_readable(sock, time.perf_counter_ns() + self.spin_ns)
-        (size,) = HEADER.unpack(_recv_exactly(sock, HEADER.size))
-        answer = unpack(_recv_exactly(sock, size))
+        until_ns = time.perf_counter_ns() + self.spin_ns if spin and self.spin_ns else 0
+        data = _first_bytes(sock, until_ns)
+        if len(data) < HEADER.size:
+            data += _recv_exactly(sock, HEADER.size - len(data))
+        (size,) = HEADER.unpack_from(data)
+        end = HEADER.size + size
+        if len(data) > end:
+            # One frame is in flight and each frame gets one answer: more is not an answer.
+            raise ConnectionResetError("the step channel sent more than one answer")
+        if len(data) < end:
+            data += _recv_exactly(sock, end - len(data))
+        answer = unpack(memoryview(data)[HEADER.size :])
         if answer.get("close"):  # the service closes after this answer
             self.close()
         return answer
@@ -380,18 +390,23 @@ class AsyncStepSocket:
         return answer
 
 
-def _await_readable(sock: socket.socket, until_ns: int) -> None:
-    """Poll until the answer's first bytes are here or ``until_ns`` passes (then the reads
-    that follow sleep in the kernel)."""
-    peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
-    while True:
+def _first_bytes(sock: socket.socket, until_ns: int) -> bytes:
+    """The answer's first bytes, usually all of it, in one read: polled for without blocking
+    until ``until_ns``, then waited for in the kernel (``SO_RCVTIMEO``)."""
+    while time.perf_counter_ns() < until_ns:
         try:
-            if sock.recv(1, peek):
-                return
-            return  # b"": the service closed; the read that follows says so
+            chunk = sock.recv(_READ, socket.MSG_DONTWAIT)
+            break
         except BlockingIOError:
-            if time.perf_counter_ns() >= until_ns:
-                return
+            continue
+    else:
+        try:
+            chunk = sock.recv(_READ)
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            raise TimeoutError("the step channel did not answer in time") from None
+    if not chunk:
+        raise ConnectionResetError("the step channel closed the connection")
+    return chunk
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

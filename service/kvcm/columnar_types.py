@@ -114,16 +114,27 @@ class StepOutcome:
         little-endian bytes (int16 status, int32 block counts, int64 handles and tokens);
         empty sections, empty arrays and an empty error list are left out."""
         out: dict[str, Any] = {
-            "status": {s: a.astype("<i2").tobytes() for s, a in self.status.items() if a.size}
+            "status": {s: _wire(a, _I2) for s, a in self.status.items() if a.size}
         }
         if self.new_blocks.size:
-            out["new_blocks"] = self.new_blocks.astype("<i4").tobytes()
+            out["new_blocks"] = _wire(self.new_blocks, _I4)
         if self.handles.size:
-            out["handles"] = self.handles.astype("<i8").tobytes()
-            out["hit_tokens"] = self.hit_tokens.astype("<i8").tobytes()
-            out["allocate_new_blocks"] = self.allocate_new_blocks.astype("<i4").tobytes()
+            out["handles"] = _wire(self.handles, _I8)
+            out["hit_tokens"] = _wire(self.hit_tokens, _I8)
+            out["allocate_new_blocks"] = _wire(self.allocate_new_blocks, _I4)
         if self.errors:
             out["errors"] = [e.to_dict() for e in self.errors]
         if self.failed is not None:
             out["failed"] = list(self.failed)
         return out
+
+
+_I2, _I4, _I8 = np.dtype("<i2"), np.dtype("<i4"), np.dtype("<i8")
+
+
+def _wire(values: np.ndarray, dtype: np.dtype[Any]) -> bytes:
+    """``values`` as little-endian bytes of ``dtype``: no copy to convert where they are
+    already that (the native int arrays of a little-endian host)."""
+    if values.dtype == dtype:
+        return values.tobytes()
+    return values.astype(dtype).tobytes()
