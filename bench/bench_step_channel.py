@@ -13,7 +13,10 @@ floor), the typed ``KVCacheClient.step`` over HTTP and over the step channel, ea
 ``array('q')`` of 256 handles; allocates by id; the result's ``ok`` and new ``handles`` read)
 over HTTP and over the step channel.
 Variants alternate in blocks of 50 steps, so the machine's drift hits them alike. The table is
-p50 and p99 of the wall time per step call, in microseconds.
+p50 and p99 of the wall time per step call, in microseconds. A second table gives the
+channel's typed ``step_columns`` by the step's place in its block: the first steps of a block
+come after the other variants' blocks, the service's caches full of their HTTP calls, and
+before the service polls for this client's next frame (docs/step-channel.md#waiting-for-the-next-frame).
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def decode_only(url: str, sock: Path, num_requests: int, steps: int) -> list[flo
     return times
 
 
-def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, float]]:
+def run(steps: int, num_requests: int, seed: int) -> tuple[dict[str, tuple[float, float]], str]:
     with tempfile.TemporaryDirectory(prefix="kvcm-sc-") as tmp:
         sock = Path(tmp) / "step.sock"
         # One more scheduler's room: the decode-only run.
@@ -144,6 +147,7 @@ def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, floa
                 inner = Scheduler(f"v{i}", num_requests, np.random.default_rng(seed))
                 scheds[name] = Columns(inner) if name in COLUMNAR else inner
             times: dict[str, list[float]] = {name: [] for name in calls}
+            positions: list[int] = []  # NAMES[7]'s steps' places in their blocks
 
             def one(name: str, first: bool = False) -> float:
                 sched = scheds[name]
@@ -166,8 +170,10 @@ def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, floa
                     one(name)
             while any(len(t) < steps for t in times.values()):
                 for name in calls:
-                    for _ in range(min(BLOCK, steps - len(times[name]))):
+                    for j in range(min(BLOCK, steps - len(times[name]))):
                         times[name].append(one(name))
+                        if name == NAMES[7]:
+                            positions.append(j)
             times[DECODE] = decode_only(url, sock, num_requests, steps)
         finally:
             proc.terminate()
@@ -176,7 +182,24 @@ def run(steps: int, num_requests: int, seed: int) -> dict[str, tuple[float, floa
     for name, samples in times.items():
         p50, p99 = np.percentile(np.asarray(samples) * 1e6, [50, 99])
         out[name] = (float(p50), float(p99))
-    return out
+    return out, by_position(np.asarray(times[NAMES[7]]) * 1e6, np.asarray(positions))
+
+
+def by_position(t: np.ndarray, pos: np.ndarray) -> str:
+    """The channel's typed ``step_columns`` by the step's place in its block of 50: the
+    first ones follow the other variants' blocks (the service ran HTTP calls, or slept, and
+    has not yet seen this client's steps come back to back: ``step_poll``)."""
+    lines = ["| place in its block | steps | p50 us | p99 us |", "|---|---|---|---|"]
+    for name, sel in (
+        ("1st", pos == 0),
+        ("2nd", pos == 1),
+        ("3rd to 5th", (pos >= 2) & (pos < 5)),
+        ("6th on", pos >= 5),
+    ):
+        if sel.any():
+            p50, p99 = np.percentile(t[sel], [50, 99])
+            lines.append(f"| {name} | {sel.sum()} | {p50:.0f} | {p99:.0f} |")
+    return "\n".join(lines)
 
 
 def table(rows: dict[str, tuple[float, float]]) -> str:
@@ -241,9 +264,11 @@ def main() -> None:
         print(f"{num_requests} requests, {steps} steps; {platform.processor() or ''}")
         print(by_replacements(steps, num_requests, args.seed))
         return
-    rows = run(steps, num_requests, args.seed)
+    rows, places = run(steps, num_requests, args.seed)
     print(f"{num_requests} requests, {steps} steps per variant; {platform.processor() or ''}")
     print(table(rows))
+    print()
+    print(places)
 
 
 if __name__ == "__main__":

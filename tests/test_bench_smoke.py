@@ -53,6 +53,9 @@ def test_bench_step_channel_quick_prints_every_variant() -> None:
 
     for variant in NAMES:
         assert f"| {variant} |" in stdout
+    # --quick: 30 steps of the channel's step_columns, in one block (shorter than 50)
+    places = dict(re.findall(r"^\| (1st|2nd|3rd to 5th|6th on) \| (\d+) \|", stdout, re.M))
+    assert places == {"1st": "1", "2nd": "1", "3rd to 5th": "3", "6th on": "25"}
 
 
 def test_bench_step_channel_by_replacements_counts_every_step() -> None:
