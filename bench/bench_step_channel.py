@@ -16,7 +16,8 @@ Variants alternate in blocks of 50 steps, so the machine's drift hits them alike
 p50 and p99 of the wall time per step call, in microseconds. A second table gives the
 channel's typed ``step_columns`` by the step's place in its block: the first steps of a block
 come after the other variants' blocks, the service's caches full of their HTTP calls, and
-before the service polls for this client's next frame (docs/step-channel.md#waiting-for-the-next-frame).
+before the service polls for this client's next frame (docs/step-channel.md, "Waiting for
+the next frame").
 """
 
 from __future__ import annotations
