@@ -308,9 +308,12 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         self.channel._connections.add(self)
         self.channel.state.metrics.step_channel_connections.inc()
-        if self.channel.poll is not None:
-            self.fd = transport.get_extra_info("socket").fileno()
-            self.channel.poll.add(self.fd)
+        poll = self.channel.poll
+        sock = None if poll is None else transport.get_extra_info("socket")
+        if sock is not None:
+            assert poll is not None
+            self.fd = sock.fileno()
+            poll.add(self.fd)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.channel._connections.discard(self)
@@ -380,7 +383,7 @@ class _Connection(asyncio.Protocol):
                 self.timer = loop.call_later(channel.read_timeout, self._too_slow)
         else:
             self._stop_timer()
-            if poll:
+            if poll and _nothing_unsent(channel._connections):
                 channel.wait_for_frame()
 
     def _too_slow(self) -> None:
@@ -401,6 +404,15 @@ class _Connection(asyncio.Protocol):
         self.transport.write(HEADER.pack(len(body)) + body)
         if close:
             self.close()
+
+
+def _nothing_unsent(connections: set[_Connection]) -> bool:
+    """Whether a poll would hold back nothing the event loop must do for the connections:
+    no answer partly unsent (only the loop sends the rest, and its client sends nothing
+    before it has the whole answer: the poll would run out and delay the answer by the
+    window), and no connection paused by back-pressure (its unread frames would end every
+    poll at once)."""
+    return not any(c.paused or c.transport.get_write_buffer_size() for c in connections)
 
 
 def _invalid(exc: ValidationError) -> KVCMError:
