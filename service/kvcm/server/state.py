@@ -327,7 +327,7 @@ class ServiceState:
         if out.ok:  # every item ok: a count per section, no tally (every step pays this)
             for section, status in out.status.items():
                 if status.size:
-                    metrics.child(metrics.ops, section, "ok").inc(status.size)
+                    metrics.later(metrics.ops, status.size, section, "ok")
         else:
             tally: Tally[tuple[str, str]] = Tally()
             for section, status in out.status.items():

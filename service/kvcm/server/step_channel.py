@@ -184,7 +184,7 @@ class StepChannel:
             err = InternalError(f"internal error: {type(exc).__name__}")
             return self._error(label, err), False, label
         metrics = self.state.metrics
-        metrics.child(metrics.step_channel_frames, label, "ok").inc()
+        metrics.later(metrics.step_channel_frames, 1, label, "ok")
         return {"result": result, "generation": self.state.generation}, False, label
 
     def _call(self, op: Any, message: dict[str, Any]) -> Any:
