@@ -3,6 +3,7 @@
   python bench/bench_step_channel.py            # 600 measured steps per variant (~1 min)
   python bench/bench_step_channel.py --quick    # a smoke run
   python bench/bench_step_channel.py --by-replacements   # the channel alone, by replacements
+  python bench/bench_step_channel.py --step-poll-us 0     # the service never polls (A/B)
 
 One ``kvcm serve`` (started here, with ``--step-socket``) and one in-process manager run the
 load test's step sequence (``loadtest.Scheduler``: +1 token for each of 256 requests, about two
@@ -136,11 +137,19 @@ def decode_only(url: str, sock: Path, num_requests: int, steps: int) -> list[flo
     return times
 
 
-def run(steps: int, num_requests: int, seed: int) -> tuple[dict[str, tuple[float, float]], str]:
+def _serve_flags(sock: Path, poll_us: float | None) -> list[str]:
+    flags = ["--step-socket", str(sock)]
+    return flags if poll_us is None else [*flags, "--step-poll-us", str(poll_us)]
+
+
+def run(
+    steps: int, num_requests: int, seed: int, poll_us: float | None = None
+) -> tuple[dict[str, tuple[float, float]], str]:
     with tempfile.TemporaryDirectory(prefix="kvcm-sc-") as tmp:
         sock = Path(tmp) / "step.sock"
         # One more scheduler's room: the decode-only run.
-        url, proc, _ = start_server(num_requests, len(NAMES) + 1, "--step-socket", str(sock))
+        flags = _serve_flags(sock, poll_us)
+        url, proc, _ = start_server(num_requests, len(NAMES) + 1, *flags)
         try:
             calls = variants(url, sock, num_requests)
             scheds: dict[str, Any] = {}
@@ -215,14 +224,14 @@ def table(rows: dict[str, tuple[float, float]]) -> str:
     return "\n".join(lines)
 
 
-def by_replacements(steps: int, num_requests: int, seed: int) -> str:
+def by_replacements(steps: int, num_requests: int, seed: int, poll_us: float | None = None) -> str:
     """The typed ``step_columns`` over the step channel alone (no other variant between its
     steps), its p50 by the step's number of replacements: what a replacement adds, and what
     a decode step costs when the scheduler's own work runs between steps (the decode-only
     variant has none)."""
     with tempfile.TemporaryDirectory(prefix="kvcm-sc-") as tmp:
         sock = Path(tmp) / "step.sock"
-        url, proc, _ = start_server(num_requests, 1, "--step-socket", str(sock))
+        url, proc, _ = start_server(num_requests, 1, *_serve_flags(sock, poll_us))
         try:
             fast = KVCacheClient(url, step_socket=sock)
             sched = Columns(Scheduler("r", num_requests, np.random.default_rng(seed)))
@@ -259,13 +268,19 @@ def main() -> None:
         action="store_true",
         help="the step channel's typed step_columns alone, p50 by replacements per step",
     )
+    parser.add_argument(
+        "--step-poll-us",
+        type=float,
+        default=None,
+        help="the service's --step-poll-us (default: its own, 300; 0: it never polls)",
+    )
     args = parser.parse_args()
     steps, num_requests = (30, 32) if args.quick else (args.steps, args.requests)
     if args.by_replacements:
         print(f"{num_requests} requests, {steps} steps; {platform.processor() or ''}")
-        print(by_replacements(steps, num_requests, args.seed))
+        print(by_replacements(steps, num_requests, args.seed, args.step_poll_us))
         return
-    rows, places = run(steps, num_requests, args.seed)
+    rows, places = run(steps, num_requests, args.seed, args.step_poll_us)
     print(f"{num_requests} requests, {steps} steps per variant; {platform.processor() or ''}")
     print(table(rows))
     print()

@@ -60,8 +60,8 @@ def test_bench_step_channel_quick_prints_every_variant() -> None:
 
 def test_bench_step_channel_by_replacements_counts_every_step() -> None:
     """Each row's steps add up to the steps run (30 with --quick), and the p50s are
-    positive."""
-    stdout = _bench("bench_step_channel.py", "--by-replacements", "--quick")
+    positive (a service that never polls: the A/B flag reaches ``kvcm serve``)."""
+    stdout = _bench("bench_step_channel.py", "--by-replacements", "--quick", "--step-poll-us", "0")
     rows = re.findall(r"^\| (\d+|all) \| (\d+) \| (\d+)", stdout, re.M)
     counts = {k: int(n) for k, n, _ in rows}
     assert counts["all"] == 30 and sum(n for k, n in counts.items() if k != "all") <= 30
