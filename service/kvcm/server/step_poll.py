@@ -4,8 +4,9 @@ when that client has been sending its next frame soon after each answer.
 Why: between two frames the service sleeps in the event loop. On a virtual machine a
 sleeping core is halted, and waking it for the next frame costs tens of microseconds, after
 which the step runs on cold caches: measured on the 2-core development VM, the load test's
-step took 150-160 us over the channel with the service sleeping between frames, and 90 us
-with it polling for 300 us after each answer (docs/step-channel.md#waiting-for-the-next-frame).
+step through the typed client took 150 us at the median with the service sleeping between
+frames, and 99 us with it polling for up to 300 us after each answer (bench/RESULTS.md,
+2026-12-05).
 
 The poll is adaptive, so that an engine whose next call comes milliseconds later pays
 nothing: the service polls after answering an op on a connection only when the last answer
