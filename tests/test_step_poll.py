@@ -3,6 +3,7 @@ ends a poll, and what a real service does with back-to-back, spaced and idle cli
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -113,30 +114,96 @@ def _decode_steps(kv: KVCacheClient, handle: int, n: int, gap_s: float) -> None:
             time.sleep(gap_s)
 
 
-@pytest.mark.parametrize("window", ["300", "0"])
+TWO_CPUS = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="the service polls only with a second CPU"
+)
+
+
+@pytest.mark.parametrize("window", [pytest.param("300", marks=TWO_CPUS), "0"])
 def test_a_service_polls_for_a_back_to_back_client_and_not_for_a_spaced_one(
     tmp_path_factory: pytest.TempPathFactory, window: str
 ) -> None:
     """Back to back (the next frame as soon as the answer is read), the answers are followed
     by polls that the next frame ends; at one frame per 5 ms, by none at all (each gap is
-    over the window, so the op is never predicted soon). ``--step-poll-us 0``: no polls."""
+    over the window, so the op is never predicted soon). ``--step-poll-us 0``: no polls.
+
+    A loaded machine may keep this client from sending within 300 us: then the polls run
+    out and back off. So up to three batches of 60 run until one has most of its polls
+    ended by a frame, and however loaded, a batch has at most 10 polls that ran out (the
+    back-off allows 6 in 60 answers)."""
     sock = Path(tmp_path_factory.mktemp("uds")) / "step.sock"
     args = (*ARGS, "--step-socket", str(sock), "--step-poll-us", window)
     with serve_process(*args) as (url, _, _), KVCacheClient(url, step_socket=sock) as kv:
         handle = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 1}]).handles[0]
-        _decode_steps(kv, handle, 60, 0.0)
+        batches = []
+        for _ in range(3):
+            before = _polls(url)
+            _decode_steps(kv, handle, 60, 0.0)
+            after = _polls(url)
+            batches.append({k: after[k] - before[k] for k in after})
+            if batches[-1]["frame"] >= 30:
+                break
         back_to_back = _polls(url)
         _decode_steps(kv, handle, 40, 0.005)
         spaced = _polls(url)
-        assert kv.request("a").num_tokens == 101
+        assert kv.request("a").num_tokens == 1 + 60 * len(batches) + 40
     if window == "0":
         assert back_to_back == spaced == {"frame": 0.0, "timeout": 0.0}
         return
-    # A noisy machine may hold this client past 300 us now and then: most polls still hit.
-    assert back_to_back["frame"] >= 30, back_to_back
-    # 61 answers (the allocate's first): no poll after the first, whose op had no record.
-    assert back_to_back["frame"] + back_to_back["timeout"] <= 60
+    assert max(b["frame"] for b in batches) >= 30, batches
+    # At most one poll per answer (61 in the first batch: none after the first answer,
+    # whose op had no record; the metrics reads between batches end their last polls).
+    assert all(b["frame"] + b["timeout"] <= 61 for b in batches), batches
+    assert all(b["timeout"] <= 10 for b in batches), batches
     # Spaced: at most the first answer after the switch is followed by a poll (predicted
     # from the back-to-back frames), which runs out.
     assert spaced["frame"] == back_to_back["frame"]
     assert spaced["timeout"] - back_to_back["timeout"] <= 1
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_a_service_on_one_cpu_never_polls(tmp_path: Path) -> None:
+    """Pinned to one CPU (the service inherits it), the client needs the core the poll would
+    hold to send its next frame: the service sleeps between frames instead."""
+    sock = tmp_path / "step.sock"
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        args = (*ARGS, "--step-socket", str(sock), "--step-poll-us", "300")
+        with serve_process(*args) as (url, _, _), KVCacheClient(url, step_socket=sock) as kv:
+            handle = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 1}]).handles[0]
+            _decode_steps(kv, handle, 30, 0.0)
+            assert kv.request("a").num_tokens == 31
+            assert _polls(url) == {"frame": 0.0, "timeout": 0.0}
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_polls_that_keep_running_out_back_off_exponentially() -> None:
+    """Each answer follows a short gap (so each is predicted soon), but every poll runs
+    out: after k misses in a row the next 2**k - 1 predicted answers are not polled for;
+    a poll that a frame ends starts over."""
+    clock = Clock()
+    gaps = GapPredictor(300_000, clock)
+    gaps.answered("extend")
+    clock.ns += 10_000
+    gaps.frame_began()
+    polled = []
+    for _ in range(16):
+        poll = gaps.answered("extend")
+        polled.append(poll)
+        if poll:
+            gaps.poll_ended("extend", frame=False)
+        clock.ns += 10_000  # the frame came soon after all (the poll ran out before)
+        gaps.frame_began()
+    # misses at 0 (skip 1: answer 1), 2 (skip 3: 3-5), 6 (skip 7: 7-13), 14 (skip 15: 15-29)
+    assert [i for i, p in enumerate(polled) if p] == [0, 2, 6, 14]
+    assert gaps.misses == {"extend": 4} and gaps.skip == {"extend": 14}
+    for _ in range(14):  # answers 16-29, skipped; then it polls again, and a frame ends it
+        assert not gaps.answered("extend")
+    assert gaps.answered("extend")
+    gaps.poll_ended("extend", frame=True)
+    assert gaps.misses == {"extend": 0} and gaps.answered("extend")  # started over
+    gaps.poll_ended("extend", frame=False)
+    assert gaps.skip == {"extend": 1}  # one miss in a row: skip one
+    assert GapPredictor.MAX_MISSES == 10  # at most 1023 skipped: the service tries again

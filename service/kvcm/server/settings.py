@@ -124,7 +124,8 @@ class Settings(BaseSettings):
     """Also serve the step channel (docs/step-channel.md) on this Unix socket."""
     step_poll_us: float = Field(default=DEFAULT_POLL_US, ge=0, le=10_000)
     """Microseconds the step channel polls for a client's next frame after an answer, where
-    the last answer to that op came back that soon (docs/step-channel.md); 0: never."""
+    the last answer to that op was followed by the next frame that soon
+    (docs/step-channel.md); 0: never."""
     kv_events_zmq: str | None = None
     """Also publish the KV events in vLLM's format on a ZeroMQ PUB socket bound here, e.g.
     ``tcp://127.0.0.1:5557`` (docs/prefix-reuse.md#vllms-event-format; needs pyzmq)."""

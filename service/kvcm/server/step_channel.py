@@ -120,7 +120,7 @@ class StepChannel:
         self.limit = limit
         self.read_timeout = read_timeout
         #: The poll after an answer (``step_poll``); None: sleep in the loop at once.
-        self.poll = FramePoll(poll_us) if poll_us > 0 else None
+        self.poll = FramePoll(poll_us) if poll_us > 0 and _cpus() > 1 else None
         self.server: asyncio.AbstractServer | None = None
         self.path: Path | None = None
         self._connections: set[_Connection] = set()
@@ -224,13 +224,14 @@ class StepChannel:
             if type(given) is not str or not hmac.compare_digest(given.encode(), self.token):
                 raise Unauthorized("this op needs the service's token (KVCM_API_TOKEN)")
 
-    def wait_for_frame(self) -> None:
+    def wait_for_frame(self) -> bool:
         """Poll for a connection's next frame after an answer (``step_poll``), counting how
-        the poll ended: the frame is then read by the event loop, as any other."""
+        the poll ended: True for a frame, which the event loop then reads as any other."""
         assert self.poll is not None
         metrics = self.state.metrics
-        ended = "frame" if self.poll.wait() else "timeout"
-        metrics.child(metrics.step_channel_polls, ended).inc()
+        frame = self.poll.wait()
+        metrics.child(metrics.step_channel_polls, "frame" if frame else "timeout").inc()
+        return frame
 
     def _error(self, op: Any, exc: KVCMError) -> dict[str, Any]:
         label = op if type(op) is str and op in OPS else "invalid"
@@ -384,7 +385,8 @@ class _Connection(asyncio.Protocol):
         else:
             self._stop_timer()
             if poll and _nothing_unsent(channel._connections):
-                channel.wait_for_frame()
+                assert self.gaps is not None
+                self.gaps.poll_ended(op, channel.wait_for_frame())
 
     def _too_slow(self) -> None:
         """A frame did not arrive whole in time: drop it and the connection."""
@@ -404,6 +406,12 @@ class _Connection(asyncio.Protocol):
         self.transport.write(HEADER.pack(len(body)) + body)
         if close:
             self.close()
+
+
+def _cpus() -> int:
+    """CPUs this process may run on: the poll after an answer needs a second one, for the
+    client to send its frame while the service polls (``step_poll``)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _nothing_unsent(connections: set[_Connection]) -> bool:

@@ -13,10 +13,13 @@ nothing: the service polls after answering an op on a connection only when the l
 to that op on that connection was followed by the connection's next frame within the
 window. Keyed by op because engines alternate: a ``step_columns`` followed at once by a
 ``slot_mappings``, then a long wait for the model. A poll that runs out of time turns the
-poll off for that op until a frame follows it within the window again, so no pattern of
-gaps makes the service poll after more than every other answer, and an idle service never
-polls. The poll watches every connection of the channel (a frame on any of them ends it) and
-holds the event loop for at most the window: HTTP requests wait that long at most.
+poll off for that op until a frame follows it within the window again, so at most every
+other answer is followed by a poll that runs out, and polls that keep running out back off
+exponentially (``GapPredictor``); an idle service never polls. The poll watches every
+connection of the channel (a frame on any of them ends it), yields the core between looks,
+and holds the event loop for at most the window: HTTP requests wait that long at most. On
+one CPU (the process's affinity) the service never polls: its client needs that core to send
+the frame the poll waits for.
 
 Example (window 300 us): answers to ``step_columns`` followed by the next frame 120 us later
 are each followed by a poll that the frame ends; a client that then pauses for 20 ms makes
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import select
 from collections.abc import Callable
+from os import sched_yield
 from time import perf_counter_ns
 
 #: Microseconds the service polls for a client's next frame after an answer, where the last
@@ -49,25 +53,38 @@ class FramePoll:
         self._poll.unregister(fd)
 
     def wait(self) -> bool:
-        """Poll until a connection has bytes to read (True) or the window passes (False)."""
+        """Poll until a connection has bytes to read (True) or the window passes (False),
+        yielding the core between looks: a client that shares it gets to send its frame."""
         poll = self._poll.poll
         until = perf_counter_ns() + self.window_ns
         while not poll(0):
             if perf_counter_ns() >= until:
                 return False
+            sched_yield()
         return True
 
 
 class GapPredictor:
-    """One connection's record of which ops' answers were followed soon by its next frame.
-    ``clock``: nanoseconds (``perf_counter_ns``; tests pass their own)."""
+    """One connection's record of which ops' answers were followed soon by its next frame,
+    and of its polls that ran out. ``clock``: nanoseconds (``perf_counter_ns``; tests pass
+    their own).
 
-    __slots__ = ("answered_ns", "answered_op", "clock", "soon", "window_ns")
+    Back-off: after ``k`` polls in a row for an op that ran out, the next ``2**k - 1``
+    answers that would be polled for are not (``k`` at most ``MAX_MISSES``), so a client
+    whose frames never come within the window however short its gaps look (its core taken
+    by others) costs ever fewer polls. A poll that a frame ends starts over.
+    """
+
+    MAX_MISSES = 10
+
+    __slots__ = ("answered_ns", "answered_op", "clock", "misses", "skip", "soon", "window_ns")
 
     def __init__(self, window_ns: int, clock: Callable[[], int] = perf_counter_ns) -> None:
         self.window_ns = window_ns
         self.clock = clock
         self.soon: dict[str, bool] = {}
+        self.misses: dict[str, int] = {}
+        self.skip: dict[str, int] = {}
         self.answered_op: str | None = None
         self.answered_ns = 0
 
@@ -75,7 +92,21 @@ class GapPredictor:
         """An answer to ``op`` was sent; whether to poll for the next frame now."""
         self.answered_op = op
         self.answered_ns = self.clock()
-        return self.soon.get(op, False)
+        if not self.soon.get(op, False):
+            return False
+        skip = self.skip.get(op, 0)
+        if skip:
+            self.skip[op] = skip - 1
+            return False
+        return True
+
+    def poll_ended(self, op: str, frame: bool) -> None:
+        """The poll after an answer to ``op`` ended: by a frame, or it ran out."""
+        if frame:
+            self.misses[op] = 0
+            return
+        misses = self.misses[op] = min(self.misses.get(op, 0) + 1, self.MAX_MISSES)
+        self.skip[op] = (1 << misses) - 1
 
     def frame_began(self) -> None:
         """The first bytes of a frame arrived: record whether they followed the last answer
