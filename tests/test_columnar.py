@@ -482,3 +482,45 @@ def test_a_step_of_failing_items_leaves_no_garbage_cycles() -> None:
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("section", ["free", "allocate"])
+def test_a_bug_in_a_free_or_an_allocate_is_that_items_internal_error(
+    section: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An untyped exception (a bug) in a step's free or allocate is logged and becomes the
+    item's ``internal_error``; the step stops there (items after it ``step_aborted``, those
+    before it applied). A typed error stays that item's own, and the step goes on."""
+    from kvcm import allocation, request_rows
+
+    m = manager([layer(0)], num_blocks=8)
+    ha, hb = m.step_columns(
+        allocate=[{"request_id": "a", "num_tokens": 3}, {"request_id": "b", "num_tokens": 3}]
+    ).handles.tolist()
+    target, name = (request_rows, "free_row") if section == "free" else (allocation, "start_op")
+    real = getattr(target, name)
+    calls = []
+
+    def second_one_breaks(*args: object) -> object:
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("a bug")
+        return real(*args)
+
+    monkeypatch.setattr(target, name, second_one_breaks)
+    allocs = [{"request_id": r, "num_tokens": 2} for r in ("c", "d", "e")]
+    out = m.step_columns(free=[ha, hb], allocate=allocs if section == "allocate" else [])
+    internal, aborted = status_of("internal_error"), ABORTED
+    if section == "free":
+        assert out.status["free"].tolist() == [OK, internal]
+        assert out.freed_ids == ["a"] and sorted(m.request_ids()) == ["b"]
+    else:
+        assert out.status["free"].tolist() == [OK, OK]
+        assert out.status["allocate"].tolist() == [OK, internal, aborted]
+        assert sorted(m.request_ids()) == ["c"] and out.handles.tolist()[1:] == [0, 0]
+    assert out.failed == (section, 1) and [e.error.code for e in out.errors] == ["internal_error"]
+    assert "failed with an internal error" in caplog.text
+    # A typed error (no such row: the request freed meanwhile) is the item's own status.
+    monkeypatch.setattr(target, name, real)
+    out = m.step_columns(free=[ha])
+    assert out.status["free"].tolist() == [UNKNOWN] and out.failed is None

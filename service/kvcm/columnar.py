@@ -100,10 +100,10 @@ class _Run:
         self.cols = cols
         self.stop_on_error = stop_on_error
         self.sizes = sizes = cols.sizes() if sizes is None else sizes
-        na = sizes["allocate"]
+        na, ne = sizes["allocate"], sizes["extend"]
         self.out = StepOutcome(
             status={s: np.zeros(n, dtype=np.int16) if n else _NONE16 for s, n in sizes.items()},
-            new_blocks=np.zeros(sizes["extend"], dtype=np.int32),
+            new_blocks=np.zeros(ne, dtype=np.int32) if ne else _NONE32,
             handles=np.zeros(na, dtype=np.int64) if na else _NONE64,
             hit_tokens=np.zeros(na, dtype=np.int64) if na else _NONE64,
             allocate_new_blocks=np.zeros(na, dtype=np.int32) if na else _NONE32,
@@ -124,16 +124,17 @@ class _Run:
         """Run one item; its error becomes its status. None when it failed."""
         try:
             return fn()
-        except KVCMError as exc:
-            self.fail(section, index, exc)
-        except Exception as exc:  # a bug: logged, reported as this item's result
-            _log.exception("step item %s[%d] failed with an internal error", section, index)
-            self.fail(
-                section,
-                index,
-                InternalError(f"internal error in {section} ({type(exc).__name__}); logged"),
-            )
+        except Exception as exc:
+            self.raised(section, index, exc)
         return None
+
+    def raised(self, section: str, index: int, exc: Exception) -> None:
+        """An item raised ``exc`` (in an ``except`` clause): its status, or, for anything
+        but a ``KVCMError`` (a bug), logged and reported as the item's internal error."""
+        if not isinstance(exc, KVCMError):
+            _log.exception("step item %s[%d] failed with an internal error", section, index)
+            exc = InternalError(f"internal error in {section} ({type(exc).__name__}); logged")
+        self.fail(section, index, exc)
 
     def unknown(self, section: str, index: int, handle: int) -> None:
         self.fail(
@@ -221,10 +222,24 @@ class _Run:
             self.item(section, i, lambda i=i, row=row: run(i, row))
 
     def frees(self) -> None:
-        m, freed = self.m, self.out.freed_ids
-        self.each_row(
-            "free", lambda _, row: freed.append(request_rows.free_row(m, row)), recheck=True
-        )
+        """``each_of_few`` written out for a step's few frees (the usual step frees one or
+        two requests; a call and a closure less per free), else ``each_row``."""
+        m, freed, handles = self.m, self.out.freed_ids, self.cols.free
+        if handles.size > _FEW:
+            run = lambda _, row: freed.append(request_rows.free_row(m, row))  # noqa: E731
+            self.each_row("free", run, recheck=True)
+            return
+        current = m._handle
+        max_requests = current.size
+        for i, handle in enumerate(handles.tolist()):
+            row = handle & request_rows.ROW_MASK
+            if row >= max_requests or current.item(row) != handle:
+                self.unknown("free", i, handle)
+                continue
+            try:
+                freed.append(request_rows.free_row(m, row))
+            except Exception as exc:
+                self.raised("free", i, exc)
 
     def rewinds(self) -> None:
         m, counts = self.m, _ints(self.cols.rewind_tokens, self.cols.rewind.size)
@@ -357,8 +372,10 @@ class _Run:
             rid = op["request_id"]
             retry = isinstance(rid, str) and rid in m._rows  # the same allocate again, or a dup
             # The step settles its copies once, at its end (``step_columns``).
-            first = self.item("allocate", i, lambda op=op: allocation.start_op(m, op, fast))
-            if first is None:
+            try:
+                first = allocation.start_op(m, op, fast)
+            except Exception as exc:
+                self.raised("allocate", i, exc)
                 continue
             firsts[i] = first
             out.handles[i] = first.handle

@@ -172,12 +172,14 @@ _WIRE_KEYS = frozenset(
 )
 
 
+_ITEMSIZE = {"<i8": 8, "<i4": 4}
+
+
 def _wire_ints(name: str, value: Any, dtype: str) -> Any:
     """Raw little-endian bytes as an array; lists and ints are left to ``parse_columns``."""
     if type(value) is not bytes:
         return value
-    size = np.dtype(dtype).itemsize
-    if len(value) % size:
+    if len(value) % _ITEMSIZE[dtype]:
         raise InvalidArgument(f"{name} bytes are not whole {dtype} values", **{name: None})
     return np.frombuffer(value, dtype=dtype)
 

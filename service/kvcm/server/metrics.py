@@ -121,6 +121,7 @@ class Metrics:
         self._children: dict[tuple[Counter, tuple[str, ...]], Any] = {}
         #: Counts the step path added since the last scrape, by counter child (``later``).
         self._later: dict[Any, int] = {}
+        self._ok_ops: dict[str, Any] = {}  # section -> kvcm_ops_total{op, "ok"}'s child
         self.registry.register(_StateCollector(current, leases, consumers))
         self.ops = Counter(
             "kvcm_ops",
@@ -187,6 +188,18 @@ class Metrics:
         child = self.child(metric, *labels)
         later = self._later
         later[child] = later.get(child, 0) + n
+
+    def ops_ok_later(self, status: dict[str, Any]) -> None:
+        """``later`` of ``kvcm_ops_total{op=section, result="ok"}`` for each non-empty
+        section of a step whose items all succeeded (its per-section status arrays)."""
+        later, children = self._later, self._ok_ops
+        for section, items in status.items():
+            n = items.size
+            if n:
+                child = children.get(section)
+                if child is None:
+                    child = children[section] = self.child(self.ops, section, "ok")
+                later[child] = later.get(child, 0) + n
 
     def count_ops(self, tally: Tally[tuple[str, str]]) -> None:
         """One ``inc`` per distinct (op, result): a 256-op step costs a handful of calls."""

@@ -325,9 +325,7 @@ class ServiceState:
         out = self.manager.step_columns(**columns)
         metrics = self.metrics
         if out.ok:  # every item ok: a count per section, no tally (every step pays this)
-            for section, status in out.status.items():
-                if status.size:
-                    metrics.later(metrics.ops, status.size, section, "ok")
+            metrics.ops_ok_later(out.status)
         else:
             tally: Tally[tuple[str, str]] = Tally()
             for section, status in out.status.items():
