@@ -231,6 +231,8 @@ class CoreSpy:
         out = self._core.allocate_one(*args)
         kind = "python" if out is None else "hit" if out[1] else "no hit"
         self.results[f"allocate {kind}"] += 1
+        if len(args) > 11 and args[11] is not None:
+            self.results["allocate keyed"] += 1
         return out
 
     def row_start(self, *args: Any) -> Any:

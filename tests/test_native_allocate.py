@@ -217,8 +217,10 @@ def test_random_steps_allocate_alike_in_c_and_in_python(
     windowed_or_unreused = any("sliding_window" in spec or "reuse" in spec for spec in layers)
     if windowed_or_unreused:
         assert results["allocate hit"] == 0, results  # prompts are Python's there
+        assert results["allocate keyed"] == 0, results
     else:
         assert results["allocate hit"] > 20, results
+        assert results["allocate keyed"] > 20, results  # prompts keyed two at a time
 
 
 def test_allocate_one_leaves_to_python_what_it_does_not_run() -> None:
@@ -325,3 +327,94 @@ def test_allocate_one_changes_nothing_when_a_record_cannot_be_made() -> None:
         assert same(manager_state(m), before[0]) and same(requests_state(m), before[1])
     first, hit, _, _ = native._built.allocate_one(op, m, *fast)
     assert hit == 2 and first.row == m._rows["b"]
+
+
+@pytest.mark.parametrize("extensions", [True, False], ids=["SHA extensions", "portable"])
+def test_two_key_chains_hashed_together_equal_each_alone(extensions: bool) -> None:
+    """``sha256_chain2`` against ``sha256_chain`` and hashlib: chains of unequal lengths
+    (0 to 9 blocks, a partial block left over), both implementations."""
+    import hashlib
+    import random
+
+    core = native._built
+    rng = random.Random(7)
+    try:
+        core.use_sha_extensions(extensions)
+        for _ in range(200):
+            step = rng.choice([4, 16, 64])
+            pa, pb = rng.randbytes(32), rng.randbytes(32)
+            da = rng.randbytes(step * rng.randint(0, 9) + rng.randint(0, step - 1))
+            db = rng.randbytes(step * rng.randint(0, 9) + rng.randint(0, step - 1))
+            ka, kb = core.sha256_chain2(pa, da, pb, db, step)
+            assert ka == core.sha256_chain(pa, da, step) and kb == core.sha256_chain(pb, db, step)
+            key = pb
+            for i in range(len(db) // step):
+                key = hashlib.sha256(key + db[i * step : (i + 1) * step]).digest()
+                assert kb[i] == key
+    finally:
+        core.use_sha_extensions(True)
+
+
+def test_prompt_keys_keys_what_allocate_one_would_and_nothing_else() -> None:
+    """Per op: the prompt's int32 bytes and its full blocks' keys (chained from the plain
+    root), or None where ``allocate_one`` would not key it: no prompt, LoRA, a salt, given
+    keys, ids not as long as ``num_tokens``, ids out of int32 (Python names them), a tuple
+    of ids, an op that is not a dict. Odd and even numbers of prompts, a prompt shorter than
+    a block (no keys)."""
+    core = native._built
+    root = root_key()
+    prompt = list(range(100, 140))
+
+    def op(n: int, **extra: Any) -> dict[str, Any]:
+        base = {"request_id": "x", "num_tokens": n, "token_ids": prompt[:n], "lookahead": 0}
+        return {**base, **{k: None for k in ("lora_id", "cache_salt", "multimodal")}, **extra}
+
+    ops = [
+        op(40),
+        op(5, token_ids=None),
+        op(9),
+        op(9, lora_id=3),
+        op(9, cache_salt="s"),
+        op(9, block_keys=[b"k" * 32, b"k" * 32]),
+        op(9, token_ids=prompt[:8]),
+        op(2, token_ids=[1, -1]),
+        op(9, token_ids=tuple(prompt[:9])),
+        op(3),
+        op(16),
+    ]
+    out = core.prompt_keys([*ops, "not an op"], root, 4)
+    kept = [i for i, got in enumerate(out) if got is not None]
+    assert kept == [0, 2, 9, 10]
+    for i in kept:
+        ids = ops[i]["token_ids"]
+        data = np.array(ids, dtype="<i4").tobytes()
+        assert out[i] == (data, block_keys(ids, 4)) and out[i][1] == core.sha256_chain(
+            root, data, 16
+        )
+    assert out[9][1] == []  # 3 tokens: no full block
+    for n in (1, 2, 3):  # one prompt alone, a pair, a pair and one alone
+        got = core.prompt_keys([op(40), op(12), op(20)][:n], root, 4)
+        assert [g[1] for g in got] == [block_keys(prompt[:k], 4) for k in (40, 12, 20)][:n]
+    with pytest.raises(ValueError):
+        core.prompt_keys([op(4)], b"short", 4)
+
+
+def test_allocate_one_refuses_keys_that_are_not_this_prompt_s() -> None:
+    """``keyed`` of another length (bytes or keys) is a caller's bug: a ValueError, and
+    nothing changed; the right ones allocate as without them."""
+    native.use(True)
+    m = manager([layer(0)], num_blocks=16)
+    from kvcm import allocation
+
+    fast = allocation.c_args(m)
+    prompt = list(range(1, 10))
+    op = {"request_id": "a", "num_tokens": 9, "token_ids": prompt, "lookahead": 0}
+    op |= {k: None for k in ("lora_id", "cache_salt", "multimodal", "block_keys")}
+    good = native._built.prompt_keys([op], root_key(), 4)[0]
+    before = requests_state(m)
+    for bad in ((good[0][:-4], good[1]), (good[0], good[1][:1]), good[1], (good[0],)):
+        with pytest.raises(ValueError, match="keyed"):
+            native._built.allocate_one(op, m, *fast, bad)
+        assert same(requests_state(m), before)
+    first = native._built.allocate_one(op, m, *fast, good)[0]
+    assert m._prefix["a"].prompt_keys == block_keys(prompt, 4) and first.handle == 1 << 32

@@ -368,12 +368,13 @@ class _Run:
         out = self.out
         firsts = out.firsts = [None] * len(self.cols.allocate)
         fast = allocation.c_args(m)
+        keyed = allocation.prompt_keys(m, self.cols.allocate, fast)
         for i, op in enumerate(self.cols.allocate):
             rid = op["request_id"]
             retry = isinstance(rid, str) and rid in m._rows  # the same allocate again, or a dup
             # The step settles its copies once, at its end (``step_columns``).
             try:
-                first = allocation.start_op(m, op, fast)
+                first = allocation.start_op(m, op, fast, None if keyed is None else keyed[i])
             except Exception as exc:
                 self.raised("allocate", i, exc)
                 continue

@@ -158,8 +158,12 @@ def info(m: KVCacheManager, request_id: str, row: int) -> RequestInfo:
 
 
 def blocks_of(m: KVCacheManager, row: int) -> int:
-    """Block positions a row holds, summed over layer groups."""
-    return sum(int(n[row]) for n in m._coord.num_blocks)
+    """Block positions a row holds, summed over layer groups (a loop, not a generator: a
+    step calls it per allocate)."""
+    total = 0
+    for counts in m._coord.num_blocks:
+        total += counts.item(row)
+    return total
 
 
 # -- extend --------------------------------------------------------------------------------

@@ -99,12 +99,13 @@ static PyObject *sum_of(PyObject *obj, PyObject *name, long long by) {
 }
 
 /* allocate_one(op, m, cache, context, pools, sinks, cached, classes, root, max_seq_len,
- *              prompts) -> (first, hit, added, evict) | None
+ *              prompts[, keyed]) -> (first, hit, added, evict) | None
  *
  * `op`: an allocate of kvcm.columnar_parse (a dict with every field); `m`: the manager,
  * `cache` its prefix cache; `classes`: (PrefixState, FirstAllocation); `root`: the key of
  * requests without LoRA or salt; `prompts`: whether prompts are keyed and hit here (the
- * SHA extensions, and every layer group full attention and reusable). Starts the request
+ * SHA extensions, and every layer group full attention and reusable); `keyed`: the prompt's
+ * (bytes, keys) as prompt_keys made them, or None (then they are made here). Starts the request
  * in the last free row as kvcm.allocation.start does: returns its FirstAllocation, the
  * hit in blocks, the blocks each layer group added past it and whether a slot taken caches
  * a block (the caller logs the table edits and evicts: kvcm.native_rows.placed).
@@ -125,11 +126,12 @@ static PyObject *sum_of(PyObject *obj, PyObject *name, long long by) {
  * "b" hits both blocks (8 tokens) and takes one new block (tests/test_native_allocate.py). */
 PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
     PyObject *op, *m, *cache, *ctx_o, *pools_o, *sinks_o, *cached_o, *classes, *root;
+    PyObject *keyed = Py_None;
     long long max_seq_len;
     int prompts;
-    if (!PyArg_ParseTuple(args, "O!OOOOOOO!SLp", &PyDict_Type, &op, &m, &cache, &ctx_o, &pools_o,
-                          &sinks_o, &cached_o, &PyTuple_Type, &classes, &root, &max_seq_len,
-                          &prompts))
+    if (!PyArg_ParseTuple(args, "O!OOOOOOO!SLp|O", &PyDict_Type, &op, &m, &cache, &ctx_o,
+                          &pools_o, &sinks_o, &cached_o, &PyTuple_Type, &classes, &root,
+                          &max_seq_len, &prompts, &keyed))
         return NULL;
     if (names_init() < 0) return NULL;
     if (PyTuple_GET_SIZE(classes) != 2 || PyBytes_GET_SIZE(root) != 32) {
@@ -180,18 +182,31 @@ PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
     /* The prompt's bytes and keys, and the cap on its hit. */
     int64_t cap = 0;
     if (ids) {
-        data = kvcm_packed(ids);
-        if (data == Py_None) { /* not ids in [0, 2**31): Python names it */
-            data = NULL;
-            goto python;
-        }
-        if (!data) goto done;
         Py_ssize_t full = (Py_ssize_t)(nt / c->tpb);
-        if (!(keys = PyList_New(full)) ||
-            kvcm_chain_into((const uint8_t *)PyBytes_AS_STRING(root),
-                            (const uint8_t *)PyBytes_AS_STRING(data), 4 * c->tpb, full, keys,
-                            0) < 0)
-            goto done;
+        if (keyed != Py_None) { /* prompt_keys' (bytes, keys) of this very op */
+            if (!PyTuple_CheckExact(keyed) || PyTuple_GET_SIZE(keyed) != 2 ||
+                !PyBytes_CheckExact(PyTuple_GET_ITEM(keyed, 0)) ||
+                PyBytes_GET_SIZE(PyTuple_GET_ITEM(keyed, 0)) != 4 * nt ||
+                !PyList_CheckExact(PyTuple_GET_ITEM(keyed, 1)) ||
+                PyList_GET_SIZE(PyTuple_GET_ITEM(keyed, 1)) != full) {
+                PyErr_SetString(PyExc_ValueError, "allocate_one: keyed is not this prompt's");
+                goto done;
+            }
+            data = Py_NewRef(PyTuple_GET_ITEM(keyed, 0));
+            keys = Py_NewRef(PyTuple_GET_ITEM(keyed, 1));
+        } else {
+            data = kvcm_packed(ids);
+            if (data == Py_None) { /* not ids in [0, 2**31): Python names it */
+                data = NULL;
+                goto python;
+            }
+            if (!data) goto done;
+            if (!(keys = PyList_New(full)) ||
+                kvcm_chain_into((const uint8_t *)PyBytes_AS_STRING(root),
+                                (const uint8_t *)PyBytes_AS_STRING(data), 4 * c->tpb, full, keys,
+                                0) < 0)
+                goto done;
+        }
         cap = (nt - 1) / c->tpb < full ? (nt - 1) / c->tpb : full; /* prefix_cache.hit_cap */
         if (!(index = PyObject_GetAttr(cache, ATTR[A_INDEX])) ||
             !(stats = PyObject_GetAttr(cache, ATTR[A_STATS])))
@@ -297,4 +312,94 @@ done:
     pools_release(p, got);
     if (c) ctx_close(c, &local);
     return result;
+}
+
+/* The op's prompt as allocate_one would key it: its int32 bytes (a new reference) and its
+ * full blocks' count, or NULL with no error where allocate_one would not key it here (no
+ * prompt, another field set, a value of another type or range). */
+static PyObject *prompt_of(PyObject *op, long long tpb, Py_ssize_t *full) {
+    if (!PyDict_CheckExact(op)) return NULL;
+    PyObject *ids = field(op, K_IDS);
+    long long nt;
+    if (!ids || !PyList_CheckExact(ids) || !count_of(field(op, K_TOKENS), 1, &nt) ||
+        PyList_GET_SIZE(ids) != nt)
+        return NULL;
+    for (int key = K_LORA; key < K_COUNT; key++) {
+        PyObject *v = field(op, key);
+        if (v && v != Py_None) return NULL;
+    }
+    if (PyErr_Occurred()) return NULL;
+    PyObject *data = kvcm_packed(ids);
+    if (data == Py_None) return NULL;
+    *full = (Py_ssize_t)(nt / tpb);
+    return data;
+}
+
+/* prompt_keys(ops, root, tokens_per_block) -> list, per op: (bytes, keys) of its prompt, or
+ * None where allocate_one would not key it (it then keys nothing itself, or runs Python).
+ *
+ * A step's prompts keyed two at a time (kvcm_chain2_into: the SHA extensions' rounds of two
+ * chains interleave), for allocate_one's `keyed`. Example: ops [a (20 ids), b (no
+ * prompt), c (40 ids)], tokens_per_block 16: a's 1 key and c's 2 keys are chained together
+ * (a's one pair, then c's second key alone); [(a's bytes, [ka0]), None, (c's bytes, [kc0,
+ * kc1])]. */
+PyObject *kvcm_prompt_keys(PyObject *self, PyObject *args) {
+    PyObject *ops, *root;
+    long long tpb;
+    if (!PyArg_ParseTuple(args, "O!SL", &PyList_Type, &ops, &root, &tpb)) return NULL;
+    if (names_init() < 0) return NULL;
+    if (PyBytes_GET_SIZE(root) != 32 || tpb < 1) {
+        PyErr_SetString(PyExc_ValueError, "prompt_keys: a 32-byte root and tokens_per_block");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ops);
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    const uint8_t *parent = (const uint8_t *)PyBytes_AS_STRING(root);
+    Py_ssize_t waiting = -1; /* an op keyed but not yet chained: it waits for a partner */
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        PyObject *data = NULL, *keys = NULL;
+        Py_ssize_t full = 0;
+        if (i < n) {
+            data = prompt_of(PyList_GET_ITEM(ops, i), tpb, &full);
+            if (!data) {
+                if (PyErr_Occurred()) goto fail;
+                PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+                continue;
+            }
+            PyObject *pair = (keys = PyList_New(full)) ? PyTuple_Pack(2, data, keys) : NULL;
+            Py_DECREF(data);
+            Py_XDECREF(keys);
+            if (!pair) goto fail;
+            PyList_SET_ITEM(out, i, pair);
+            if (waiting < 0) {
+                waiting = i;
+                continue;
+            }
+        } else if (waiting < 0) {
+            break;
+        }
+        /* chain `waiting` with i, or alone at the end */
+        PyObject *a = PyList_GET_ITEM(out, waiting);
+        PyObject *da = PyTuple_GET_ITEM(a, 0), *ka = PyTuple_GET_ITEM(a, 1);
+        int bad;
+        if (i < n) {
+            PyObject *b = PyList_GET_ITEM(out, i);
+            PyObject *db = PyTuple_GET_ITEM(b, 0), *kb = PyTuple_GET_ITEM(b, 1);
+            bad = kvcm_chain2_into(parent, (const uint8_t *)PyBytes_AS_STRING(da),
+                                   PyList_GET_SIZE(ka), ka, parent,
+                                   (const uint8_t *)PyBytes_AS_STRING(db), PyList_GET_SIZE(kb),
+                                   kb, 4 * tpb);
+        } else {
+            bad = kvcm_chain_into(parent, (const uint8_t *)PyBytes_AS_STRING(da), 4 * tpb,
+                                  PyList_GET_SIZE(ka), ka, 0);
+        }
+        if (bad < 0) goto fail;
+        waiting = -1;
+    }
+    return out;
+fail:
+    /* items not yet set are NULL, which the list's dealloc skips */
+    Py_DECREF(out);
+    return NULL;
 }

@@ -4,7 +4,8 @@
  * or KVCM_NATIVE=0, and the tests compare the two (tests/test_native.py).
  *
  * - sha256_chain: the prefix-reuse key chain (kvcm.hashing.chain_keys), SHA-256 with the
- *   x86 SHA extensions when the CPU has them, else a portable C implementation (sha256.c).
+ *   x86 SHA extensions when the CPU has them, else a portable C implementation (sha256.c);
+ *   sha256_chain2: two chains hashed together (a step's allocates key their prompts so).
  * - pack_tokens, pack_token_lists: a prompt's token ids, or a step's commits, as int32
  *   little-endian bytes; pack_handles: a step's handle list as int64 bytes (tokens.c).
  * - decode_plan, decode_commit: a batch of extends by handle (a decode step) planned in one
@@ -14,7 +15,8 @@
  * - row_grow, row_release: one row's new blocks (those past a prefix hit the Python path
  *   placed) and a freed row's, one call each (kvcm.native_rows, rows.c).
  * - row_start: a new request's prefix hit and the blocks past it, in one call (hits.c).
- * - allocate_one: a step's allocate of the usual kind, its records included (allocate.c).
+ * - allocate_one: a step's allocate of the usual kind, its records included; prompt_keys:
+ *   a step's prompts keyed two at a time for it (allocate.c).
  * - commit_run: a step's commits and the blocks they fill (commits.c).
  *
  * This file holds the module's method table; native.h the declarations the files share,
@@ -27,6 +29,7 @@
 
 static PyMethodDef methods[] = {
     {"sha256_chain", kvcm_sha256_chain, METH_VARARGS, "Chained SHA-256 keys of full blocks."},
+    {"sha256_chain2", kvcm_sha256_chain2, METH_VARARGS, "Two key chains hashed together."},
     {"sha256", kvcm_sha256, METH_VARARGS, "SHA-256 of bytes (the selected implementation)."},
     {"use_sha_extensions", kvcm_use_sha_extensions, METH_O, "Select the SHA extensions or not."},
     {"pack_tokens", kvcm_pack_tokens, METH_O, "Token ids as int32 LE bytes, or None."},
@@ -42,6 +45,7 @@ static PyMethodDef methods[] = {
     {"commit_run", kvcm_commit_run, METH_VARARGS, "A step's commits and their publishing."},
     {"row_start", kvcm_row_start, METH_VARARGS, "A new row's prefix hit and blocks."},
     {"allocate_one", kvcm_allocate_one, METH_VARARGS, "A step's allocate of the usual kind."},
+    {"prompt_keys", kvcm_prompt_keys, METH_VARARGS, "A step's prompts keyed two at a time."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

@@ -17,6 +17,12 @@ PyObject *kvcm_use_sha_extensions(PyObject *self, PyObject *arg);
  * error (the items set stay owned by the list). */
 int kvcm_chain_into(const uint8_t *parent, const uint8_t *data, Py_ssize_t step,
                     Py_ssize_t count, PyObject *list, Py_ssize_t at);
+/* Two chains at once (each as kvcm_chain_into at 0), their keys hashed in pairs while both
+ * have blocks left (the SHA extensions' rounds of two messages interleave). */
+int kvcm_chain2_into(const uint8_t *parent_a, const uint8_t *data_a, Py_ssize_t count_a,
+                     PyObject *list_a, const uint8_t *parent_b, const uint8_t *data_b,
+                     Py_ssize_t count_b, PyObject *list_b, Py_ssize_t step);
+PyObject *kvcm_sha256_chain2(PyObject *self, PyObject *args);
 
 /* tokens.c: token ids as int32 bytes, handles as int64 bytes. kvcm_packed: a list or tuple
  * of ints in [0, 2**31) as int32 LE bytes (a new reference), Py_None (borrowed) for anything
@@ -44,6 +50,7 @@ PyObject *kvcm_row_start(PyObject *self, PyObject *args);
 
 /* allocate.c: a step's allocate of the usual kind */
 PyObject *kvcm_allocate_one(PyObject *self, PyObject *args);
+PyObject *kvcm_prompt_keys(PyObject *self, PyObject *args);
 
 /* commits.c: a step's commits and the blocks they fill */
 PyObject *kvcm_commit_run(PyObject *self, PyObject *args);

@@ -94,6 +94,62 @@ __attribute__((target("sha,sse4.1,ssse3"))) static void compress_ni(uint32_t s[8
     _mm_storeu_si128((__m128i *)&s[4], st1);
 }
 
+/* compress_ni for two independent messages at once: their rounds interleave, so each
+ * waits less on the latency of sha256rnds2 (two key chains: 123 ns a key pair on the
+ * development VM's EPYC, against 198 ns one chain after the other). */
+__attribute__((target("sha,sse4.1,ssse3"))) static void compress_ni2(uint32_t sa[8],
+                                                                     const uint8_t *pa,
+                                                                     uint32_t sb[8],
+                                                                     const uint8_t *pb,
+                                                                     size_t blocks) {
+    const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i ta = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&sa[0]), 0xB1);
+    __m128i a1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&sa[4]), 0x1B);
+    __m128i a0 = _mm_alignr_epi8(ta, a1, 8);
+    a1 = _mm_blend_epi16(a1, ta, 0xF0);
+    __m128i tb = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&sb[0]), 0xB1);
+    __m128i b1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&sb[4]), 0x1B);
+    __m128i b0 = _mm_alignr_epi8(tb, b1, 8);
+    b1 = _mm_blend_epi16(b1, tb, 0xF0);
+    for (; blocks; blocks--, pa += 64, pb += 64) {
+        __m128i save_a0 = a0, save_a1 = a1, save_b0 = b0, save_b1 = b1, wa[4], wb[4];
+        for (int j = 0; j < 16; j++) {
+            if (j < 4) {
+                wa[j] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(pa + 16 * j)), swap);
+                wb[j] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(pb + 16 * j)), swap);
+            } else {
+                __m128i m = _mm_sha256msg1_epu32(wa[j & 3], wa[(j + 1) & 3]);
+                m = _mm_add_epi32(m, _mm_alignr_epi8(wa[(j + 3) & 3], wa[(j + 2) & 3], 4));
+                wa[j & 3] = _mm_sha256msg2_epu32(m, wa[(j + 3) & 3]);
+                __m128i n = _mm_sha256msg1_epu32(wb[j & 3], wb[(j + 1) & 3]);
+                n = _mm_add_epi32(n, _mm_alignr_epi8(wb[(j + 3) & 3], wb[(j + 2) & 3], 4));
+                wb[j & 3] = _mm_sha256msg2_epu32(n, wb[(j + 3) & 3]);
+            }
+            __m128i k = _mm_loadu_si128((const __m128i *)&K256[4 * j]);
+            __m128i ma = _mm_add_epi32(wa[j & 3], k), mb = _mm_add_epi32(wb[j & 3], k);
+            a1 = _mm_sha256rnds2_epu32(a1, a0, ma);
+            b1 = _mm_sha256rnds2_epu32(b1, b0, mb);
+            a0 = _mm_sha256rnds2_epu32(a0, a1, _mm_shuffle_epi32(ma, 0x0E));
+            b0 = _mm_sha256rnds2_epu32(b0, b1, _mm_shuffle_epi32(mb, 0x0E));
+        }
+        a0 = _mm_add_epi32(a0, save_a0);
+        a1 = _mm_add_epi32(a1, save_a1);
+        b0 = _mm_add_epi32(b0, save_b0);
+        b1 = _mm_add_epi32(b1, save_b1);
+    }
+    ta = _mm_shuffle_epi32(a0, 0x1B);
+    a1 = _mm_shuffle_epi32(a1, 0xB1);
+    a0 = _mm_blend_epi16(ta, a1, 0xF0);
+    a1 = _mm_alignr_epi8(a1, ta, 8);
+    _mm_storeu_si128((__m128i *)&sa[0], a0);
+    _mm_storeu_si128((__m128i *)&sa[4], a1);
+    tb = _mm_shuffle_epi32(b0, 0x1B);
+    b1 = _mm_shuffle_epi32(b1, 0xB1);
+    b0 = _mm_blend_epi16(tb, b1, 0xF0);
+    b1 = _mm_alignr_epi8(b1, tb, 8);
+    _mm_storeu_si128((__m128i *)&sb[0], b0);
+    _mm_storeu_si128((__m128i *)&sb[4], b1);
+}
 static int cpu_has_sha(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_SSE4_1) || !(c & bit_SSSE3)) return 0;
@@ -103,25 +159,55 @@ static int cpu_has_sha(void) {
 #endif
 
 typedef void (*compress_fn)(uint32_t *, const uint8_t *, size_t);
+typedef void (*compress2_fn)(uint32_t *, const uint8_t *, uint32_t *, const uint8_t *, size_t);
+static void compress2_portable(uint32_t *sa, const uint8_t *pa, uint32_t *sb, const uint8_t *pb,
+                               size_t blocks) {
+    compress_portable(sa, pa, blocks);
+    compress_portable(sb, pb, blocks);
+}
 static compress_fn compress = compress_portable;
+static compress2_fn compress2 = compress2_portable;
 static int have_ni = 0;
 
-/* SHA-256 of `len` bytes already in `buf`, which has room for the padding (len + 72). */
-static void sha256_padded(uint8_t *buf, size_t len, uint8_t out[32]) {
+/* SHA-256's padding after `len` bytes in `buf` (room for len + 72); the blocks to hash. */
+static size_t pad(uint8_t *buf, size_t len) {
     size_t total = (len + 9 + 63) / 64 * 64;
     buf[len] = 0x80;
     memset(buf + len + 1, 0, total - len - 9);
     uint64_t bits = (uint64_t)len * 8;
     for (int i = 0; i < 8; i++) buf[total - 1 - i] = (uint8_t)(bits >> (8 * i));
-    uint32_t s[8];
-    memcpy(s, H0, sizeof s);
-    compress(s, buf, total / 64);
+    return total / 64;
+}
+
+static void digest(const uint32_t s[8], uint8_t out[32]) {
     for (int i = 0; i < 8; i++) {
         out[4 * i] = (uint8_t)(s[i] >> 24);
         out[4 * i + 1] = (uint8_t)(s[i] >> 16);
         out[4 * i + 2] = (uint8_t)(s[i] >> 8);
         out[4 * i + 3] = (uint8_t)s[i];
     }
+}
+
+/* SHA-256 of `len` bytes already in `buf`, which has room for the padding (len + 72). */
+static void sha256_padded(uint8_t *buf, size_t len, uint8_t out[32]) {
+    size_t blocks = pad(buf, len);
+    uint32_t s[8];
+    memcpy(s, H0, sizeof s);
+    compress(s, buf, blocks);
+    digest(s, out);
+}
+
+/* sha256_padded of two messages of the same length at once (compress2). */
+static void sha256_padded2(uint8_t *a, uint8_t *b, size_t len, uint8_t out_a[32],
+                           uint8_t out_b[32]) {
+    size_t blocks = pad(a, len);
+    pad(b, len);
+    uint32_t sa[8], sb[8];
+    memcpy(sa, H0, sizeof sa);
+    memcpy(sb, H0, sizeof sb);
+    compress2(sa, a, sb, b, blocks);
+    digest(sa, out_a);
+    digest(sb, out_b);
 }
 
 int kvcm_chain_into(const uint8_t *parent, const uint8_t *data, Py_ssize_t step,
@@ -148,6 +234,72 @@ int kvcm_chain_into(const uint8_t *parent, const uint8_t *data, Py_ssize_t step,
     }
     PyMem_Free(buf);
     return 0;
+}
+
+int kvcm_chain2_into(const uint8_t *parent_a, const uint8_t *data_a, Py_ssize_t count_a,
+                     PyObject *list_a, const uint8_t *parent_b, const uint8_t *data_b,
+                     Py_ssize_t count_b, PyObject *list_b, Py_ssize_t step) {
+    Py_ssize_t both = count_a < count_b ? count_a : count_b;
+    if (!both) {
+        if (kvcm_chain_into(parent_a, data_a, step, count_a, list_a, 0) < 0) return -1;
+        return kvcm_chain_into(parent_b, data_b, step, count_b, list_b, 0);
+    }
+    size_t size = (size_t)step + 32 + 72;
+    uint8_t *a = PyMem_Malloc(2 * size), *b = a ? a + size : NULL;
+    if (!a) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(a, parent_a, 32);
+    memcpy(b, parent_b, 32);
+    for (Py_ssize_t i = 0; i < both; i++) {
+        memcpy(a + 32, data_a + i * step, (size_t)step);
+        memcpy(b + 32, data_b + i * step, (size_t)step);
+        PyObject *ka = PyBytes_FromStringAndSize(NULL, 32);
+        PyObject *kb = ka ? PyBytes_FromStringAndSize(NULL, 32) : NULL;
+        if (!kb) {
+            Py_XDECREF(ka);
+            PyMem_Free(a);
+            return -1;
+        }
+        uint8_t *out_a = (uint8_t *)PyBytes_AS_STRING(ka), *out_b = (uint8_t *)PyBytes_AS_STRING(kb);
+        sha256_padded2(a, b, (size_t)step + 32, out_a, out_b);
+        memcpy(a, out_a, 32);
+        memcpy(b, out_b, 32);
+        PyList_SET_ITEM(list_a, i, ka);
+        PyList_SET_ITEM(list_b, i, kb);
+    }
+    /* the longer chain's rest, from its last key (in a or b) */
+    int bad = kvcm_chain_into(a, data_a + both * step, step, count_a - both, list_a, both) < 0 ||
+              kvcm_chain_into(b, data_b + both * step, step, count_b - both, list_b, both) < 0;
+    PyMem_Free(a);
+    return bad ? -1 : 0;
+}
+
+/* sha256_chain2(parent_a, data_a, parent_b, data_b, block_bytes) -> (keys_a, keys_b):
+ * sha256_chain of each, the two chains hashed together (tests). */
+PyObject *kvcm_sha256_chain2(PyObject *self, PyObject *args) {
+    Py_buffer pa, da, pb, db;
+    Py_ssize_t step;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*n", &pa, &da, &pb, &db, &step)) return NULL;
+    PyObject *ka = NULL, *kb = NULL, *out = NULL;
+    if (pa.len != 32 || pb.len != 32 || step < 1) {
+        PyErr_SetString(PyExc_ValueError, "parents must be 32 bytes and block_bytes >= 1");
+        goto done;
+    }
+    if (!(ka = PyList_New(da.len / step)) || !(kb = PyList_New(db.len / step)) ||
+        kvcm_chain2_into(pa.buf, da.buf, da.len / step, ka, pb.buf, db.buf, db.len / step, kb,
+                         step) < 0)
+        goto done;
+    out = PyTuple_Pack(2, ka, kb);
+done:
+    Py_XDECREF(ka);
+    Py_XDECREF(kb);
+    PyBuffer_Release(&pa);
+    PyBuffer_Release(&da);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&db);
+    return out;
 }
 
 /* sha256_chain(parent, data, block_bytes) -> list of the 32-byte keys of data's full blocks:
@@ -193,8 +345,12 @@ PyObject *kvcm_use_sha_extensions(PyObject *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
     compress = compress_portable;
+    compress2 = compress2_portable;
 #ifdef KVCM_X86
-    if (on && have_ni) compress = compress_ni;
+    if (on && have_ni) {
+        compress = compress_ni;
+        compress2 = compress_ni2;
+    }
 #endif
     return PyBool_FromLong(compress != compress_portable);
 }
@@ -202,7 +358,10 @@ PyObject *kvcm_use_sha_extensions(PyObject *self, PyObject *arg) {
 int kvcm_sha_init(void) {
 #ifdef KVCM_X86
     have_ni = cpu_has_sha();
-    if (have_ni) compress = compress_ni;
+    if (have_ni) {
+        compress = compress_ni;
+        compress2 = compress_ni2;
+    }
 #endif
     return have_ni;
 }
