@@ -524,3 +524,25 @@ def test_a_bug_in_a_free_or_an_allocate_is_that_items_internal_error(
     monkeypatch.setattr(target, name, real)
     out = m.step_columns(free=[ha])
     assert out.status["free"].tolist() == [UNKNOWN] and out.failed is None
+
+
+def test_statuses_start_as_shared_zeros_that_a_failure_never_writes() -> None:
+    """An ok step's statuses and block counts are read-only views of shared zeros; a failing
+    item's section gets a copy of its own, so no later step sees an earlier one's codes, and
+    an earlier outcome keeps its own after later steps."""
+    m = manager([layer(0)], num_blocks=8)
+    ha, hb = m.step_columns(
+        allocate=[{"request_id": "a", "num_tokens": 3}, {"request_id": "b", "num_tokens": 3}]
+    ).handles.tolist()
+    stale = ha + (1 << 32)
+    bad = m.step_columns(extend=[ha, stale, hb], num_new_tokens=[1, 1, 1], free=[stale])
+    assert bad.status["extend"].tolist() == [OK, UNKNOWN, OK]
+    assert bad.status["free"].tolist() == [UNKNOWN] and bad.new_blocks.tolist() == [0, 0, 0]
+    good = m.step_columns(extend=[ha, hb, ha], free=[], num_new_tokens=[1, 1, 1])
+    assert good.ok and good.status["extend"].tolist() == [OK, OK, OK]
+    assert not good.status["extend"].flags.writeable  # the shared zeros
+    assert good.new_blocks.tolist() == [1, 1, 0]  # a and b's 5th tokens: second blocks
+    assert bad.status["extend"].tolist() == [OK, UNKNOWN, OK]  # its own copy, unchanged
+    atomic = m.step_columns(extend=[ha, stale], atomic=True)
+    assert atomic.status["extend"].tolist() == [ABORTED, UNKNOWN]
+    assert m.step_columns(extend=[ha, hb]).status["extend"].tolist() == [OK, OK]

@@ -265,10 +265,12 @@ def test_a_bug_inside_a_step_reports_exactly_what_was_applied(
 
     real = allocation.start_op
 
-    def broken(m: KVCacheManager, op: dict[str, object], fast: object) -> object:
+    def broken(
+        m: KVCacheManager, op: dict[str, object], fast: object, keyed: object = None
+    ) -> object:
         if op["request_id"] == "boom":
             raise ZeroDivisionError("a bug")
-        return real(m, op, fast)  # type: ignore[arg-type]
+        return real(m, op, fast, keyed)  # type: ignore[arg-type]
 
     monkeypatch.setattr(allocation, "start_op", broken)  # what a step's allocates call
     body = {

@@ -71,6 +71,28 @@ _NONE32 = np.zeros(0, dtype=np.int32)
 _NONE64 = np.zeros(0, dtype=np.int64)
 
 
+def _zeros(dtype: type, size: int) -> np.ndarray:
+    out = np.zeros(size, dtype=dtype)
+    out.flags.writeable = False
+    return out
+
+
+#: What a step's statuses and extends' block counts start as: read-only views of these
+#: zeros, no array made per section and step. An item that fails makes its section's
+#: statuses a writable copy first (``_Run.status``); a batch of extends puts its own counts
+#: in, item-by-item extends a writable copy (``_Run.new_blocks``). Steps are at most
+#: ``MAX_STEP_OPS`` (8192) items; a longer section (only from a caller that skips that
+#: check) gets arrays of its own.
+_ZEROS16 = _zeros(np.int16, 8192)
+_ZEROS32 = _zeros(np.int32, 8192)
+
+
+def _view(zeros: np.ndarray, n: int) -> np.ndarray:
+    if n > zeros.size:
+        return np.zeros(n, dtype=zeros.dtype)
+    return zeros[:n]
+
+
 def _ints(values: np.ndarray | int | list[int], n: int) -> list[int]:
     if isinstance(values, np.ndarray):
         return values.tolist()
@@ -102,8 +124,8 @@ class _Run:
         self.sizes = sizes = cols.sizes() if sizes is None else sizes
         na, ne = sizes["allocate"], sizes["extend"]
         self.out = StepOutcome(
-            status={s: np.zeros(n, dtype=np.int16) if n else _NONE16 for s, n in sizes.items()},
-            new_blocks=np.zeros(ne, dtype=np.int32) if ne else _NONE32,
+            status={s: _view(_ZEROS16, n) if n else _NONE16 for s, n in sizes.items()},
+            new_blocks=_view(_ZEROS32, ne) if ne else _NONE32,
             handles=np.zeros(na, dtype=np.int64) if na else _NONE64,
             hit_tokens=np.zeros(na, dtype=np.int64) if na else _NONE64,
             allocate_new_blocks=np.zeros(na, dtype=np.int32) if na else _NONE32,
@@ -114,11 +136,25 @@ class _Run:
         # run, whose result holds the error, a cycle per failed item that only the garbage
         # collector frees (a step of 256 failing items cost 7.8 ms instead of 1.2).
         exc.__traceback__ = None
-        self.out.status[section][index] = status_of(exc.code)
+        self.status(section)[index] = status_of(exc.code)
         self.out.errors.append(ItemError(section, index, exc))
         if self.stop_on_error or exc.code == InternalError.code:
             self.out.failed = (section, index)
             raise _Stop
+
+    def status(self, section: str) -> np.ndarray:
+        """The section's statuses, made writable (a copy of the shared zeros) to write."""
+        status = self.out.status[section]
+        if not status.flags.writeable:
+            status = self.out.status[section] = status.copy()
+        return status
+
+    def new_blocks(self) -> np.ndarray:
+        """The extends' block counts, made writable (a copy of the shared zeros) to write."""
+        counts = self.out.new_blocks
+        if not counts.flags.writeable:
+            counts = self.out.new_blocks = counts.copy()
+        return counts
 
     def item(self, section: str, index: int, fn: Callable[[], Any]) -> Any:
         """Run one item; its error becomes its status. None when it failed."""
@@ -170,16 +206,16 @@ class _Run:
         section, index = self.out.failed
         at = SECTIONS.index(section)
         for s in SECTIONS[at:]:
-            status = self.out.status[s]
             start = index + 1 if s == section else 0
-            status[start:] = _ABORTED
+            if start < self.out.status[s].size:
+                self.status(s)[start:] = _ABORTED
         if not self.stop_on_error:
             return
         for s in SECTIONS[: at + 1]:
-            status = self.out.status[s]
-            end = index if s == section else status.size
-            status[:end] = _ABORTED
-        self.out.new_blocks[:] = 0
+            end = index if s == section else self.out.status[s].size
+            if end:
+                self.status(s)[:end] = _ABORTED
+        self.out.new_blocks = _view(_ZEROS32, self.out.new_blocks.size)
         self.out.handles[:] = 0
         self.out.hit_tokens[:] = 0
         self.out.allocate_new_blocks[:] = 0
@@ -292,7 +328,7 @@ class _Run:
         if n > 1 and type(cols.num_new_tokens) is not list and type(cols.lookahead) is not list:
             done = request_rows.extend_handles(m, handles, cols.num_new_tokens, cols.lookahead)
             if done is not None:
-                self.out.new_blocks[:] = done[1]
+                self.out.new_blocks = np.asarray(done[1], dtype=np.int32)
                 return
             if self.extends_around_failures():
                 return
@@ -315,7 +351,7 @@ class _Run:
                 lambda row=row, k=new[j], a=ahead[j]: request_rows.extend_row(m, row, k, a),
             )
             if added is not None:
-                self.out.new_blocks[i] = added
+                self.new_blocks()[i] = added
 
     def extends_around_failures(self) -> bool:
         """The batch path for a decode step where some items fail on their own (a stale
@@ -339,7 +375,7 @@ class _Run:
                 return False
             if done is not False:
                 kept, added, failing = done
-                self.out.new_blocks[kept] = added
+                self.new_blocks()[kept] = added
                 self.extend_items(np.array(failing, dtype=np.int64))
                 return True
         bad = request_rows.failing_extends(m, cols.extend, cols.num_new_tokens, cols.lookahead)
@@ -359,7 +395,7 @@ class _Run:
             )
             if done is None:
                 return False
-            self.out.new_blocks[run] = done[1]
+            self.new_blocks()[run] = done[1]
         self.extend_items(bad)
         return True
 

@@ -71,7 +71,9 @@ class StepOutcome:
     layer groups. ``allocate_new_blocks`` the same for an allocate (prefix-hit blocks
     included). ``failed``: (section, index) of the item that stopped the step (an
     all-or-nothing step's first failure, or an internal error), whose other unapplied items
-    have status ``step_aborted``; None when the step ran to the end.
+    have status ``step_aborted``; None when the step ran to the end. Statuses of sections
+    without a failure, and zero block counts, may be read-only views of shared zeros
+    (``kvcm.columnar``): the outcome's to read.
     """
 
     status: dict[str, np.ndarray]
