@@ -300,9 +300,9 @@ def test_allocate_one_refuses_a_request_past_max_seq_len_that_its_blocks_would_h
 
 
 def test_allocate_one_changes_nothing_when_a_record_cannot_be_made() -> None:
-    """A PrefixState or FirstAllocation that raises (as a failed allocation would), after a
-    hit tombstoned free cached slots: the error, the queue, refs and records as they were;
-    the next call runs."""
+    """A PrefixState or FirstAllocation that cannot be made (no memory, a class without the
+    fields, not a class), after a hit tombstoned free cached slots: the error, the queue,
+    refs and records as they were; the next call runs."""
     native.use(True)
     m = manager([layer(0), layer(1, owner="draft", head_dim=8)], num_blocks=16)
     prompt = list(range(9))
@@ -315,16 +315,24 @@ def test_allocate_one_changes_nothing_when_a_record_cannot_be_made() -> None:
     op = {"request_id": "b", "num_tokens": 9, "token_ids": prompt, "lookahead": 0}
     op |= {"lora_id": None, "cache_salt": None, "multimodal": None, "block_keys": None}
 
-    def broken(*_: object) -> None:
+    class Broken:  # its instances cannot be made (as without memory)
+        def __new__(cls, *_: object) -> Any:
+            raise MemoryError
+
+    class Fieldless:  # a record missing the fields allocate_one sets
+        __slots__ = ()
+
+    def broken(*_: object) -> None:  # not a class at all
         raise MemoryError
 
     before = manager_state(m), requests_state(m)
     for at in (0, 1):
-        classes = list(fast[5])
-        classes[at] = broken
-        with pytest.raises(MemoryError):
-            native._built.allocate_one(op, m, *fast[:5], tuple(classes), *fast[6:])
-        assert same(manager_state(m), before[0]) and same(requests_state(m), before[1])
+        for cls, error in ((Broken, MemoryError), (Fieldless, AttributeError), (broken, TypeError)):
+            classes = list(fast[5])
+            classes[at] = cls
+            with pytest.raises(error):
+                native._built.allocate_one(op, m, *fast[:5], tuple(classes), *fast[6:])
+            assert same(manager_state(m), before[0]) and same(requests_state(m), before[1])
     first, hit, _, _ = native._built.allocate_one(op, m, *fast)
     assert hit == 2 and first.row == m._rows["b"]
 
