@@ -426,3 +426,98 @@ def test_allocate_one_refuses_keys_that_are_not_this_prompt_s() -> None:
         assert same(requests_state(m), before)
     first = native._built.allocate_one(op, m, *fast, good)[0]
     assert m._prefix["a"].prompt_keys == block_keys(prompt, 4) and first.handle == 1 << 32
+
+
+def _survives(code: str) -> None:
+    """``code`` in an interpreter of its own (a crash must not take the tests down) exits 0
+    and prints "survived"."""
+    import subprocess
+    import sys
+    import textwrap
+
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr)
+
+
+def test_allocate_one_refuses_a_class_without_instances() -> None:
+    """A type Python cannot instantiate (no ``tp_new``: a list iterator) as a record class:
+    a TypeError, not a crash."""
+    _survives(
+        """
+        from kvcm import KVCacheManager, allocation, native
+        native.use(True)
+        m = KVCacheManager({"layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
+                            "tokens_per_block": 4, "num_blocks": 64, "max_requests": 4,
+                            "max_seq_len": 64})
+        fast = allocation.c_args(m)
+        op = {"request_id": "c", "num_tokens": 9, "token_ids": list(range(9)), "lookahead": 0,
+              "lora_id": None, "cache_salt": None, "multimodal": None, "block_keys": None}
+        for at in (0, 1):
+            classes = list(fast[5])
+            classes[at] = type(iter([]))
+            try:
+                native._built.allocate_one(op, m, *fast[:5], tuple(classes), *fast[6:])
+            except TypeError:
+                pass
+            else:
+                raise SystemExit("no TypeError")
+        assert m.request_ids() == []
+        print("survived")
+        """
+    )
+
+
+def test_prompt_keys_survives_its_ops_list_changing_under_it() -> None:
+    """An op whose key lookup runs Python code (a key's ``__eq__`` on a hash collision) that
+    empties the list ``prompt_keys`` was given: it works on a snapshot, no crash."""
+    _survives(
+        """
+        from kvcm import native
+        from kvcm.hashing import root_key
+        ops = []
+        class Evil:
+            def __hash__(self):
+                return hash("token_ids")
+            def __eq__(self, other):
+                ops.clear()
+                return False
+        def op(n):
+            return {"request_id": "x", "num_tokens": n, "token_ids": list(range(n)),
+                    "lookahead": 0, "lora_id": None, "cache_salt": None, "multimodal": None,
+                    "block_keys": None}
+        ops.extend([op(40), {Evil(): 1}] + [op(40) for _ in range(50)])
+        out = native._built.prompt_keys(ops, root_key(), 4)
+        assert len(out) == 52 and out[1] is None and len(out[2][1]) == 10
+        print("survived")
+        """
+    )
+
+
+def test_a_failing_prompt_keys_leaves_each_allocate_its_own_keys() -> None:
+    """``prompt_keys`` failing (as without memory) does not escape the step, whose frees
+    have run: each allocate keys its own prompt, and the step answers as without it."""
+    from kvcm import allocation
+
+    class FailingPromptKeys:
+        def __init__(self, core: Any) -> None:
+            self._core = core
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._core, name)
+
+        def prompt_keys(self, *args: Any) -> Any:
+            raise MemoryError
+
+    def op(rid: str, n: int) -> dict[str, Any]:
+        return {"request_id": rid, "num_tokens": n, "token_ids": list(range(1, n + 1))}
+
+    native.use(True)
+    m = manager([layer(0)], num_blocks=64)
+    assert allocation.c_args(m) is not None and allocation.c_args(m)[-1]  # prompts in C
+    (h,) = m.step_columns(allocate=[op("a", 5)]).handles.tolist()
+    native.core = FailingPromptKeys(native._built)
+    out = m.step_columns(free=[h], allocate=[op("b", 9), op("c", 9)])
+    assert out.ok and out.status["free"].tolist() == [0] and out.allocated_ids == ["b", "c"]
+    assert m._prefix["c"].prompt_keys == block_keys(list(range(1, 10)), 4)

@@ -50,8 +50,8 @@ static int names_init(void) {
  * 0.3 us against 0.5-1 for the call. Both classes have no defaults and no __post_init__;
  * tests/test_native_allocate.py compares what this makes with what Python's path makes. */
 static PyObject *made(PyObject *cls, PyObject *const *fields, PyObject *const *values, int n) {
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "allocate_one: classes must be types");
+    if (!PyType_Check(cls) || !((PyTypeObject *)cls)->tp_new) {
+        PyErr_SetString(PyExc_TypeError, "allocate_one: classes must be types with instances");
         return NULL;
     }
     PyTypeObject *type = (PyTypeObject *)cls;
@@ -365,7 +365,10 @@ static PyObject *prompt_of(PyObject *op, long long tpb, Py_ssize_t *full) {
         if (v && v != Py_None) return NULL;
     }
     if (PyErr_Occurred()) return NULL;
-    PyObject *data = kvcm_packed(ids);
+    Py_INCREF(ids); /* held: the lookups above may have run a key's __eq__ */
+    int same = PyList_CheckExact(ids) && PyList_GET_SIZE(ids) == nt;
+    PyObject *data = same ? kvcm_packed(ids) : Py_None;
+    Py_DECREF(ids);
     if (data == Py_None) return NULL;
     *full = (Py_ssize_t)(nt / tpb);
     return data;
@@ -388,16 +391,21 @@ PyObject *kvcm_prompt_keys(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "prompt_keys: a 32-byte root and tokens_per_block");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(ops);
+    /* A snapshot: an op's lookups may run Python code (a key's __eq__) that changes the list */
+    if (!(ops = PyList_AsTuple(ops))) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(ops);
     PyObject *out = PyList_New(n);
-    if (!out) return NULL;
+    if (!out) {
+        Py_DECREF(ops);
+        return NULL;
+    }
     const uint8_t *parent = (const uint8_t *)PyBytes_AS_STRING(root);
     Py_ssize_t waiting = -1; /* an op keyed but not yet chained: it waits for a partner */
     for (Py_ssize_t i = 0; i <= n; i++) {
         PyObject *data = NULL, *keys = NULL;
         Py_ssize_t full = 0;
         if (i < n) {
-            data = prompt_of(PyList_GET_ITEM(ops, i), tpb, &full);
+            data = prompt_of(PyTuple_GET_ITEM(ops, i), tpb, &full);
             if (!data) {
                 if (PyErr_Occurred()) goto fail;
                 PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
@@ -433,9 +441,11 @@ PyObject *kvcm_prompt_keys(PyObject *self, PyObject *args) {
         if (bad < 0) goto fail;
         waiting = -1;
     }
+    Py_DECREF(ops);
     return out;
 fail:
     /* items not yet set are NULL, which the list's dealloc skips */
+    Py_DECREF(ops);
     Py_DECREF(out);
     return NULL;
 }
