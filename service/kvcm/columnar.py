@@ -93,6 +93,18 @@ def _view(zeros: np.ndarray, n: int) -> np.ndarray:
     return zeros[:n]
 
 
+#: ``_ZEROS16[:n]`` by n, made once each (a dict lookup is a third of a slice's cost, and a
+#: step makes one per section): at most 8193 views of the one array, about 1 MB.
+_STATUS_VIEWS: dict[int, np.ndarray] = {0: _NONE16}
+
+
+def _zero_status(n: int) -> np.ndarray:
+    if n > _ZEROS16.size:  # writable and its own: never shared
+        return np.zeros(n, dtype=np.int16)
+    view = _STATUS_VIEWS[n] = _ZEROS16[:n]
+    return view
+
+
 def _ints(values: np.ndarray | int | list[int], n: int) -> list[int]:
     if isinstance(values, np.ndarray):
         return values.tolist()
@@ -123,12 +135,16 @@ class _Run:
         self.stop_on_error = stop_on_error
         self.sizes = sizes = cols.sizes() if sizes is None else sizes
         na, ne = sizes["allocate"], sizes["extend"]
-        self.out = StepOutcome(
-            status={s: _view(_ZEROS16, n) if n else _NONE16 for s, n in sizes.items()},
-            new_blocks=_view(_ZEROS32, ne) if ne else _NONE32,
-            handles=np.zeros(na, dtype=np.int64) if na else _NONE64,
-            hit_tokens=np.zeros(na, dtype=np.int64) if na else _NONE64,
-            allocate_new_blocks=np.zeros(na, dtype=np.int32) if na else _NONE32,
+        views = _STATUS_VIEWS
+        self.out = StepOutcome(  # positional: the fields in order (a third cheaper)
+            {
+                s: v if (v := views.get(n)) is not None else _zero_status(n)
+                for s, n in sizes.items()
+            },
+            _view(_ZEROS32, ne) if ne else _NONE32,
+            np.zeros(na, dtype=np.int64) if na else _NONE64,
+            np.zeros(na, dtype=np.int64) if na else _NONE64,
+            np.zeros(na, dtype=np.int32) if na else _NONE32,
         )
 
     def fail(self, section: str, index: int, exc: KVCMError) -> None:

@@ -76,7 +76,7 @@ def _allocates(value: Any) -> list[dict[str, Any]]:
         raise InvalidArgument("allocate must be a sequence of allocate ops", allocate=None)
     out = []
     for item in value:
-        if isinstance(item, AllocateOp):
+        if type(item) is not dict and isinstance(item, AllocateOp):
             op = item.model_dump()
             del op["op"]
             out.append(op)
@@ -91,7 +91,8 @@ def _allocates(value: Any) -> list[dict[str, Any]]:
         if "request_id" not in item or "num_tokens" not in item:
             raise InvalidArgument("each allocate needs request_id and num_tokens", allocate=None)
         op = {**_ALLOCATE_DEFAULTS, **item}
-        op.pop("op", None)
+        if "op" in op:
+            del op["op"]
         out.append(op)
     return out
 

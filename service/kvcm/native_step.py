@@ -214,7 +214,7 @@ class NativeDecode:
             return False
         c = m._coord
         context = self.arrays(core, m)
-        free = tuple(p.num_free for p in c.pools)
+        free = tuple([p.num_free for p in c.pools])  # a list: a generator costs 0.3 us more
         planned = core.decode_plan(handles, new, ahead, context, free, self.out, skip)
         if type(planned) is int:  # more cells than the arrays hold: grow them, plan again
             self._cells(self.out[1].shape[0], planned)
