@@ -546,3 +546,17 @@ def test_statuses_start_as_shared_zeros_that_a_failure_never_writes() -> None:
     atomic = m.step_columns(extend=[ha, stale], atomic=True)
     assert atomic.status["extend"].tolist() == [ABORTED, UNKNOWN]
     assert m.step_columns(extend=[ha, hb]).status["extend"].tolist() == [OK, OK]
+
+
+def test_reshaping_one_outcome_s_statuses_leaves_later_steps_alone() -> None:
+    """Each outcome's statuses are views of their own (of shared read-only zeros): a caller
+    that reshapes the one it got changes no later step's."""
+    m = manager([layer(0)], num_blocks=64)
+    handles = m.step_columns(
+        allocate=[{"request_id": "a", "num_tokens": 4}, {"request_id": "b", "num_tokens": 4}]
+    ).handles.tolist()
+    first = m.step_columns(extend=handles)
+    first.status["extend"].shape = (1, 2)
+    second = m.step_columns(extend=handles)
+    assert second.status["extend"].shape == (2,)
+    assert second.to_json()["status"]["extend"] == [0, 0]

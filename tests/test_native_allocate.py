@@ -521,3 +521,41 @@ def test_a_failing_prompt_keys_leaves_each_allocate_its_own_keys() -> None:
     out = m.step_columns(free=[h], allocate=[op("b", 9), op("c", 9)])
     assert out.ok and out.status["free"].tolist() == [0] and out.allocated_ids == ["b", "c"]
     assert m._prefix["c"].prompt_keys == block_keys(list(range(1, 10)), 4)
+
+
+def test_allocate_one_and_prompt_keys_hold_an_op_s_values_across_its_lookups() -> None:
+    """A key whose ``__eq__`` (a hash collision with "lora_id", looked up after the request
+    id, counts and prompt) drops the op's values: both hold what they looked up, no crash,
+    and nothing packs a list that took the freed one's place."""
+    _survives(
+        """
+        from kvcm import KVCacheManager, allocation, native
+        from kvcm.hashing import root_key
+        native.use(True)
+        m = KVCacheManager({"layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
+                            "tokens_per_block": 4, "num_blocks": 64, "max_requests": 4,
+                            "max_seq_len": 64})
+        fast = allocation.c_args(m)
+        keep = []
+        class Evil:
+            def __hash__(self):
+                return hash("lora_id")
+            def __eq__(self, other):
+                op["request_id"] = None
+                op["token_ids"] = None
+                keep.append([7] * 8)  # a new list may take the freed one's memory
+                return False
+        op = {"request_id": "".join(["req", "-x"]), "num_tokens": 8,
+              "token_ids": list(range(8)), "lookahead": 0, Evil(): 0}
+        (got,) = native._built.prompt_keys([op], root_key(), 4)
+        mine = b"".join(i.to_bytes(4, "little") for i in range(8))
+        assert got is None or got[0] == mine, got
+        op = {"request_id": "".join(["req", "-y"]), "num_tokens": 9,
+              "token_ids": list(range(9)), "lookahead": 0, Evil(): 0}
+        try:
+            native._built.allocate_one(op, m, *fast)
+        except Exception:
+            pass
+        print("survived")
+        """
+    )

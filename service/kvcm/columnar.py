@@ -93,16 +93,12 @@ def _view(zeros: np.ndarray, n: int) -> np.ndarray:
     return zeros[:n]
 
 
-#: ``_ZEROS16[:n]`` by n, made once each (a dict lookup is a third of a slice's cost, and a
-#: step makes one per section): at most 8193 views of the one array, about 1 MB.
-_STATUS_VIEWS: dict[int, np.ndarray] = {0: _NONE16}
+_MAX_ZEROS = _ZEROS16.size
 
 
 def _zero_status(n: int) -> np.ndarray:
-    if n > _ZEROS16.size:  # writable and its own: never shared
-        return np.zeros(n, dtype=np.int16)
-    view = _STATUS_VIEWS[n] = _ZEROS16[:n]
-    return view
+    """The statuses of a section of ``n`` items over ``_MAX_ZEROS``, or of none."""
+    return np.zeros(n, dtype=np.int16) if n else _NONE16
 
 
 def _ints(values: np.ndarray | int | list[int], n: int) -> list[int]:
@@ -135,12 +131,10 @@ class _Run:
         self.stop_on_error = stop_on_error
         self.sizes = sizes = cols.sizes() if sizes is None else sizes
         na, ne = sizes["allocate"], sizes["extend"]
-        views = _STATUS_VIEWS
+        zeros, most = _ZEROS16, _MAX_ZEROS
         self.out = StepOutcome(  # positional: the fields in order (a third cheaper)
-            {
-                s: v if (v := views.get(n)) is not None else _zero_status(n)
-                for s, n in sizes.items()
-            },
+            # a view of its own per section: a caller may reshape the one it gets
+            {s: zeros[:n] if 0 < n <= most else _zero_status(n) for s, n in sizes.items()},
             _view(_ZEROS32, ne) if ne else _NONE32,
             np.zeros(na, dtype=np.int64) if na else _NONE64,
             np.zeros(na, dtype=np.int64) if na else _NONE64,

@@ -172,22 +172,26 @@ PyObject *kvcm_allocate_one(PyObject *self, PyObject *args) {
         return NULL;
     }
     /* The op: the usual fields only, each of its usual type (else Python names it). */
-    PyObject *rid = field(op, K_ID), *nt_o = field(op, K_TOKENS), *ids = field(op, K_IDS);
-    PyObject *la_o = field(op, K_LOOKAHEAD);
-    if (PyErr_Occurred()) return NULL;
+    /* Each held as soon as looked up: a later lookup may run a key's __eq__ */
+    PyObject *rid = NULL, *nt_o = NULL, *ids = NULL, *la_o = NULL, *early = NULL;
     long long nt, la = 0;
+    if (!(rid = Py_XNewRef(field(op, K_ID))) && PyErr_Occurred()) goto early_out;
+    if (!(nt_o = Py_XNewRef(field(op, K_TOKENS))) && PyErr_Occurred()) goto early_out;
+    if (!(ids = Py_XNewRef(field(op, K_IDS))) && PyErr_Occurred()) goto early_out;
+    if (!(la_o = Py_XNewRef(field(op, K_LOOKAHEAD))) && PyErr_Occurred()) goto early_out;
+    early = Py_None;
     if (!rid || !PyUnicode_CheckExact(rid) || PyUnicode_GET_LENGTH(rid) < 1 ||
         PyUnicode_GET_LENGTH(rid) > 256 || !count_of(nt_o, 1, &nt) || !count_of(la_o, 0, &la) ||
         nt + la > max_seq_len)
-        Py_RETURN_NONE;
+        goto early_out;
     for (int key = K_LORA; key < K_COUNT; key++) {
         PyObject *v = field(op, key);
-        if (v && v != Py_None) Py_RETURN_NONE;
-        if (PyErr_Occurred()) return NULL;
+        if (v && v != Py_None) goto early_out;
+        if (PyErr_Occurred()) { early = NULL; goto early_out; }
     }
-    if (ids == Py_None) ids = NULL;
+    if (ids == Py_None) Py_CLEAR(ids);
     if (ids && (!prompts || !PyList_CheckExact(ids) || PyList_GET_SIZE(ids) != nt))
-        Py_RETURN_NONE;
+        goto early_out;
 
     Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
@@ -347,7 +351,17 @@ done:
     for (int q = 0; q < got_cached; q++) buf_release(&cached[q]);
     pools_release(p, got);
     if (c) ctx_close(c, &local);
+    Py_XDECREF(rid);
+    Py_XDECREF(nt_o);
+    Py_XDECREF(ids);
+    Py_XDECREF(la_o);
     return result;
+early_out:
+    Py_XDECREF(rid);
+    Py_XDECREF(nt_o);
+    Py_XDECREF(ids);
+    Py_XDECREF(la_o);
+    return Py_XNewRef(early);
 }
 
 /* The op's prompt as allocate_one would key it: its int32 bytes (a new reference) and its
@@ -355,22 +369,21 @@ done:
  * prompt, another field set, a value of another type or range). */
 static PyObject *prompt_of(PyObject *op, long long tpb, Py_ssize_t *full) {
     if (!PyDict_CheckExact(op)) return NULL;
-    PyObject *ids = field(op, K_IDS);
+    PyObject *ids = field(op, K_IDS), *data = NULL;
     long long nt;
-    if (!ids || !PyList_CheckExact(ids) || !count_of(field(op, K_TOKENS), 1, &nt) ||
-        PyList_GET_SIZE(ids) != nt)
-        return NULL;
-    for (int key = K_LORA; key < K_COUNT; key++) {
+    if (!ids || !PyList_CheckExact(ids)) return NULL;
+    Py_INCREF(ids); /* held before the lookups below, which may run a key's __eq__ */
+    if (!count_of(field(op, K_TOKENS), 1, &nt)) goto done;
+    for (int key = K_LORA; key < K_COUNT && !PyErr_Occurred(); key++) {
         PyObject *v = field(op, key);
-        if (v && v != Py_None) return NULL;
+        if (v && v != Py_None) goto done;
     }
-    if (PyErr_Occurred()) return NULL;
-    Py_INCREF(ids); /* held: the lookups above may have run a key's __eq__ */
-    int same = PyList_CheckExact(ids) && PyList_GET_SIZE(ids) == nt;
-    PyObject *data = same ? kvcm_packed(ids) : Py_None;
+    if (PyErr_Occurred() || PyList_GET_SIZE(ids) != nt) goto done;
+    data = kvcm_packed(ids);
+    if (data == Py_None) data = NULL;
+    else if (data) *full = (Py_ssize_t)(nt / tpb);
+done:
     Py_DECREF(ids);
-    if (data == Py_None) return NULL;
-    *full = (Py_ssize_t)(nt / tpb);
     return data;
 }
 
