@@ -11,6 +11,23 @@ from oracle import Oracle, OracleGroup
 from kvcm import KVCacheManager
 
 
+class _NoMetric:
+    @staticmethod
+    def inc() -> None:
+        pass
+
+
+class _ChannelMetrics:
+    step_channel_connections = _NoMetric()
+
+
+class ChannelState:
+    """What a step channel connection (``kvcm.server.step_channel._Connection``) reads of
+    its channel's ``ServiceState``: a fake channel's ``state``."""
+
+    metrics = _ChannelMetrics()
+
+
 def layer(i: int, **kw: object) -> dict[str, object]:
     spec: dict[str, object] = {"layer_id": i, "num_kv_heads": 2, "head_dim": 4, "dtype": "fp16"}
     spec.update(kw)

@@ -428,15 +428,29 @@ def test_allocate_one_refuses_keys_that_are_not_this_prompt_s() -> None:
     assert m._prefix["a"].prompt_keys == block_keys(prompt, 4) and first.handle == 1 << 32
 
 
+#: What ``_survives`` runs first: a manager ``m`` with the C core, ``fast``: its
+#: ``allocate_one`` arguments, ``root_key``.
+_CHILD_SETUP = """
+from kvcm import KVCacheManager, allocation, native
+from kvcm.hashing import root_key
+native.use(True)
+m = KVCacheManager({"layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
+                    "tokens_per_block": 4, "num_blocks": 64, "max_requests": 4,
+                    "max_seq_len": 64})
+fast = allocation.c_args(m)
+"""
+
+
 def _survives(code: str) -> None:
-    """``code`` in an interpreter of its own (a crash must not take the tests down) exits 0
-    and prints "survived"."""
+    """``_CHILD_SETUP``, then ``code``, in an interpreter of its own (a crash must not take
+    the tests down): it exits 0 and prints "survived"."""
     import subprocess
     import sys
     import textwrap
 
+    program = _CHILD_SETUP + textwrap.dedent(code)
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr)
 
@@ -446,12 +460,6 @@ def test_allocate_one_refuses_a_class_without_instances() -> None:
     a TypeError, not a crash."""
     _survives(
         """
-        from kvcm import KVCacheManager, allocation, native
-        native.use(True)
-        m = KVCacheManager({"layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
-                            "tokens_per_block": 4, "num_blocks": 64, "max_requests": 4,
-                            "max_seq_len": 64})
-        fast = allocation.c_args(m)
         op = {"request_id": "c", "num_tokens": 9, "token_ids": list(range(9)), "lookahead": 0,
               "lora_id": None, "cache_salt": None, "multimodal": None, "block_keys": None}
         for at in (0, 1):
@@ -474,8 +482,6 @@ def test_prompt_keys_survives_its_ops_list_changing_under_it() -> None:
     empties the list ``prompt_keys`` was given: it works on a snapshot, no crash."""
     _survives(
         """
-        from kvcm import native
-        from kvcm.hashing import root_key
         ops = []
         class Evil:
             def __hash__(self):
@@ -529,13 +535,6 @@ def test_allocate_one_and_prompt_keys_hold_an_op_s_values_across_its_lookups() -
     and nothing packs a list that took the freed one's place."""
     _survives(
         """
-        from kvcm import KVCacheManager, allocation, native
-        from kvcm.hashing import root_key
-        native.use(True)
-        m = KVCacheManager({"layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
-                            "tokens_per_block": 4, "num_blocks": 64, "max_requests": 4,
-                            "max_seq_len": 64})
-        fast = allocation.c_args(m)
         keep = []
         class Evil:
             def __hash__(self):

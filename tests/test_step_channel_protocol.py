@@ -8,30 +8,17 @@ import asyncio
 from typing import Any
 
 import msgpack
+from helpers import ChannelState
 
 from kvcm.server.step_channel import _Connection
 from kvcm_client.step_channel import HEADER, pack
-
-
-class _Metric:
-    @staticmethod
-    def inc() -> None:
-        pass
-
-
-class _Metrics:
-    step_channel_connections = _Metric()
-
-
-class _State:
-    metrics = _Metrics()
 
 
 class FakeChannel:
     """Answers each frame with its ``args["i"]``."""
 
     read_timeout = 0.3
-    state = _State()
+    state = ChannelState()
     poll = None  # no poll after answers (``step_poll``; tests/test_step_poll.py)
 
     def __init__(self) -> None:

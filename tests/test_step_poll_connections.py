@@ -16,24 +16,11 @@ from typing import Any
 import msgpack
 import pytest
 import uvloop
+from helpers import ChannelState
 
 from kvcm.server.step_channel import _Connection
 from kvcm.server.step_poll import FramePoll
 from kvcm_client.step_channel import HEADER, pack
-
-
-class _Metric:
-    @staticmethod
-    def inc() -> None:
-        pass
-
-
-class _Metrics:
-    step_channel_connections = _Metric()
-
-
-class _State:
-    metrics = _Metrics()
 
 
 class TrackingPoll(FramePoll):
@@ -61,7 +48,7 @@ class Channel:
     """Answers a frame with its ``args`` (or ``answer_size`` bytes); closes after a frame
     with ``close`` or one that is not msgpack; polls with a real ``FramePoll``."""
 
-    state = _State()
+    state = ChannelState()
 
     def __init__(self, window_us: float, read_timeout: float = 5.0, answer_size: int = 0):
         self._connections: set[Any] = set()

@@ -60,95 +60,80 @@ static void compress_portable(uint32_t s[8], const uint8_t *p, size_t blocks) {
 /* Four rounds per step j: W[j % 4] holds the message words 4j..4j+3. From j = 4 on it is
  * computed from the four before it: msg1 adds sigma0 of w[t-15], alignr brings w[t-7], msg2
  * adds sigma1 of w[t-2]. The state is kept as the (A, B, E, F) and (C, D, G, H) halves that
- * sha256rnds2 works on. */
-__attribute__((target("sha,sse4.1,ssse3"))) static void compress_ni(uint32_t s[8],
-                                                                    const uint8_t *p,
-                                                                    size_t blocks) {
-    const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+ * sha256rnds2 works on. The helpers are one message's pieces; compress_ni runs one message,
+ * compress_ni2 two side by side. */
+#define NI __attribute__((target("sha,sse4.1,ssse3")))
+#define NI_INLINE __attribute__((target("sha,sse4.1,ssse3"), always_inline)) static inline
+
+/* s[0..7] as the (A, B, E, F) and (C, D, G, H) halves */
+NI_INLINE void ni_load(const uint32_t s[8], __m128i *st0, __m128i *st1) {
     __m128i tmp = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&s[0]), 0xB1);
-    __m128i st1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&s[4]), 0x1B);
-    __m128i st0 = _mm_alignr_epi8(tmp, st1, 8);  /* A B E F */
-    st1 = _mm_blend_epi16(st1, tmp, 0xF0);      /* C D G H */
+    __m128i cdgh = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&s[4]), 0x1B);
+    *st0 = _mm_alignr_epi8(tmp, cdgh, 8);  /* A B E F */
+    *st1 = _mm_blend_epi16(cdgh, tmp, 0xF0); /* C D G H */
+}
+
+/* the halves back into s[0..7] */
+NI_INLINE void ni_store(__m128i st0, __m128i st1, uint32_t s[8]) {
+    __m128i tmp = _mm_shuffle_epi32(st0, 0x1B); /* F E B A */
+    st1 = _mm_shuffle_epi32(st1, 0xB1);         /* D C H G */
+    _mm_storeu_si128((__m128i *)&s[0], _mm_blend_epi16(tmp, st1, 0xF0)); /* D C B A */
+    _mm_storeu_si128((__m128i *)&s[4], _mm_alignr_epi8(st1, tmp, 8));    /* H G F E */
+}
+
+/* w[j % 4] for step j of the block at p, plus the step's constants */
+NI_INLINE __m128i ni_words(__m128i w[4], const uint8_t *p, int j) {
+    const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    if (j < 4) {
+        w[j] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * j)), swap);
+    } else {
+        __m128i m = _mm_sha256msg1_epu32(w[j & 3], w[(j + 1) & 3]);
+        m = _mm_add_epi32(m, _mm_alignr_epi8(w[(j + 3) & 3], w[(j + 2) & 3], 4));
+        w[j & 3] = _mm_sha256msg2_epu32(m, w[(j + 3) & 3]);
+    }
+    return _mm_add_epi32(w[j & 3], _mm_loadu_si128((const __m128i *)&K256[4 * j]));
+}
+
+/* the four rounds of one step */
+NI_INLINE void ni_rounds(__m128i *st0, __m128i *st1, __m128i msg) {
+    *st1 = _mm_sha256rnds2_epu32(*st1, *st0, msg);
+    *st0 = _mm_sha256rnds2_epu32(*st0, *st1, _mm_shuffle_epi32(msg, 0x0E));
+}
+
+NI static void compress_ni(uint32_t s[8], const uint8_t *p, size_t blocks) {
+    __m128i st0, st1;
+    ni_load(s, &st0, &st1);
     for (; blocks; blocks--, p += 64) {
         __m128i save0 = st0, save1 = st1, w[4];
-        for (int j = 0; j < 16; j++) {
-            if (j < 4) {
-                w[j] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * j)), swap);
-            } else {
-                __m128i m = _mm_sha256msg1_epu32(w[j & 3], w[(j + 1) & 3]);
-                m = _mm_add_epi32(m, _mm_alignr_epi8(w[(j + 3) & 3], w[(j + 2) & 3], 4));
-                w[j & 3] = _mm_sha256msg2_epu32(m, w[(j + 3) & 3]);
-            }
-            __m128i msg = _mm_add_epi32(w[j & 3], _mm_loadu_si128((const __m128i *)&K256[4 * j]));
-            st1 = _mm_sha256rnds2_epu32(st1, st0, msg);
-            st0 = _mm_sha256rnds2_epu32(st0, st1, _mm_shuffle_epi32(msg, 0x0E));
-        }
+        for (int j = 0; j < 16; j++) ni_rounds(&st0, &st1, ni_words(w, p, j));
         st0 = _mm_add_epi32(st0, save0);
         st1 = _mm_add_epi32(st1, save1);
     }
-    tmp = _mm_shuffle_epi32(st0, 0x1B);           /* F E B A */
-    st1 = _mm_shuffle_epi32(st1, 0xB1);           /* D C H G */
-    st0 = _mm_blend_epi16(tmp, st1, 0xF0);        /* D C B A */
-    st1 = _mm_alignr_epi8(st1, tmp, 8);           /* H G F E */
-    _mm_storeu_si128((__m128i *)&s[0], st0);
-    _mm_storeu_si128((__m128i *)&s[4], st1);
+    ni_store(st0, st1, s);
 }
 
 /* compress_ni for two independent messages at once: their rounds interleave, so each
  * waits less on the latency of sha256rnds2 (two key chains: 123 ns a key pair on the
  * development VM's EPYC, against 198 ns one chain after the other). */
-__attribute__((target("sha,sse4.1,ssse3"))) static void compress_ni2(uint32_t sa[8],
-                                                                     const uint8_t *pa,
-                                                                     uint32_t sb[8],
-                                                                     const uint8_t *pb,
-                                                                     size_t blocks) {
-    const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-    __m128i ta = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&sa[0]), 0xB1);
-    __m128i a1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&sa[4]), 0x1B);
-    __m128i a0 = _mm_alignr_epi8(ta, a1, 8);
-    a1 = _mm_blend_epi16(a1, ta, 0xF0);
-    __m128i tb = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&sb[0]), 0xB1);
-    __m128i b1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&sb[4]), 0x1B);
-    __m128i b0 = _mm_alignr_epi8(tb, b1, 8);
-    b1 = _mm_blend_epi16(b1, tb, 0xF0);
+NI static void compress_ni2(uint32_t sa[8], const uint8_t *pa, uint32_t sb[8], const uint8_t *pb,
+                            size_t blocks) {
+    __m128i a0, a1, b0, b1;
+    ni_load(sa, &a0, &a1);
+    ni_load(sb, &b0, &b1);
     for (; blocks; blocks--, pa += 64, pb += 64) {
         __m128i save_a0 = a0, save_a1 = a1, save_b0 = b0, save_b1 = b1, wa[4], wb[4];
         for (int j = 0; j < 16; j++) {
-            if (j < 4) {
-                wa[j] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(pa + 16 * j)), swap);
-                wb[j] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(pb + 16 * j)), swap);
-            } else {
-                __m128i m = _mm_sha256msg1_epu32(wa[j & 3], wa[(j + 1) & 3]);
-                m = _mm_add_epi32(m, _mm_alignr_epi8(wa[(j + 3) & 3], wa[(j + 2) & 3], 4));
-                wa[j & 3] = _mm_sha256msg2_epu32(m, wa[(j + 3) & 3]);
-                __m128i n = _mm_sha256msg1_epu32(wb[j & 3], wb[(j + 1) & 3]);
-                n = _mm_add_epi32(n, _mm_alignr_epi8(wb[(j + 3) & 3], wb[(j + 2) & 3], 4));
-                wb[j & 3] = _mm_sha256msg2_epu32(n, wb[(j + 3) & 3]);
-            }
-            __m128i k = _mm_loadu_si128((const __m128i *)&K256[4 * j]);
-            __m128i ma = _mm_add_epi32(wa[j & 3], k), mb = _mm_add_epi32(wb[j & 3], k);
-            a1 = _mm_sha256rnds2_epu32(a1, a0, ma);
-            b1 = _mm_sha256rnds2_epu32(b1, b0, mb);
-            a0 = _mm_sha256rnds2_epu32(a0, a1, _mm_shuffle_epi32(ma, 0x0E));
-            b0 = _mm_sha256rnds2_epu32(b0, b1, _mm_shuffle_epi32(mb, 0x0E));
+            __m128i ma = ni_words(wa, pa, j), mb = ni_words(wb, pb, j);
+            ni_rounds(&a0, &a1, ma);
+            ni_rounds(&b0, &b1, mb);
         }
         a0 = _mm_add_epi32(a0, save_a0);
         a1 = _mm_add_epi32(a1, save_a1);
         b0 = _mm_add_epi32(b0, save_b0);
         b1 = _mm_add_epi32(b1, save_b1);
     }
-    ta = _mm_shuffle_epi32(a0, 0x1B);
-    a1 = _mm_shuffle_epi32(a1, 0xB1);
-    a0 = _mm_blend_epi16(ta, a1, 0xF0);
-    a1 = _mm_alignr_epi8(a1, ta, 8);
-    _mm_storeu_si128((__m128i *)&sa[0], a0);
-    _mm_storeu_si128((__m128i *)&sa[4], a1);
-    tb = _mm_shuffle_epi32(b0, 0x1B);
-    b1 = _mm_shuffle_epi32(b1, 0xB1);
-    b0 = _mm_blend_epi16(tb, b1, 0xF0);
-    b1 = _mm_alignr_epi8(b1, tb, 8);
-    _mm_storeu_si128((__m128i *)&sb[0], b0);
-    _mm_storeu_si128((__m128i *)&sb[4], b1);
+    ni_store(a0, a1, sa);
+    ni_store(b0, b1, sb);
 }
 static int cpu_has_sha(void) {
     unsigned a, b, c, d;

@@ -169,10 +169,10 @@ class StepChannel:
             message = unpack(body)
         except Exception:  # msgpack raises several types for junk
             err = MalformedRequest("the frame is not msgpack")
-            return self._error("frame", err), True, "invalid"
+            return self._error("invalid", err), True, "invalid"
         if type(message) is not dict:
             err = MalformedRequest("a frame must hold a msgpack map")
-            return self._error("frame", err), True, "invalid"
+            return self._error("invalid", err), True, "invalid"
         op = message.get("op")
         label = op if type(op) is str and op in OPS else "invalid"
         try:
@@ -233,8 +233,8 @@ class StepChannel:
         metrics.child(metrics.step_channel_polls, "frame" if frame else "timeout").inc()
         return frame
 
-    def _error(self, op: Any, exc: KVCMError) -> dict[str, Any]:
-        label = op if type(op) is str and op in OPS else "invalid"
+    def _error(self, label: str, exc: KVCMError) -> dict[str, Any]:
+        """The answer of a frame that failed; ``label``: its op, or ``invalid``."""
         metrics = self.state.metrics
         metrics.child(metrics.step_channel_frames, label, exc.code).inc()
         return {"error": exc.to_dict(), "status": exc.status, "generation": self.state.generation}
@@ -363,7 +363,7 @@ class _Connection(asyncio.Protocol):
             limit = channel.limit()
             if size > limit:
                 err = PayloadTooLarge(f"frame over the {limit}-byte limit", limit=limit, size=size)
-                self._send(channel._error("frame", err), close=True)
+                self._send(channel._error("invalid", err), close=True)
                 return
             end = HEADER.size + size
             if len(buffer) < end:
