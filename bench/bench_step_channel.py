@@ -4,6 +4,7 @@
   python bench/bench_step_channel.py --quick    # a smoke run
   python bench/bench_step_channel.py --by-replacements   # the channel alone, by replacements
   python bench/bench_step_channel.py --step-poll-us 0     # the service never polls (A/B)
+  python bench/bench_step_channel.py --no-doorbell        # the clients never ring (A/B)
 
 One ``kvcm serve`` (started here, with ``--step-socket``) and one in-process manager run the
 load test's step sequence (``loadtest.Scheduler``: +1 token for each of 256 requests, about two
@@ -38,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadtest import Scheduler, _config, start_server
 
-from kvcm_client import KVCacheClient
+from kvcm_client import KVCacheClient, step_channel
 
 BLOCK = 50
 NAMES = (
@@ -91,13 +92,19 @@ class Columns:
             self.handle[rid] = int(h)
 
 
-def variants(url: str, sock: Path, num_requests: int) -> dict[str, Callable[[list[Any]], Any]]:
+def _wake_after(doorbell: bool) -> float | None:
+    return step_channel.WAKE_AFTER_S if doorbell else None
+
+
+def variants(
+    url: str, sock: Path, num_requests: int, doorbell: bool
+) -> dict[str, Callable[[list[Any]], Any]]:
     from kvcm import KVCacheManager
     from kvcm.ops import plain_ops
 
     manager = KVCacheManager(_config(num_requests, 1))
     http = KVCacheClient(url)
-    fast = KVCacheClient(url, step_socket=sock)
+    fast = KVCacheClient(url, step_socket=sock, step_wake_after_s=_wake_after(doorbell))
     columnar = KVCacheManager(_config(num_requests, 1))
 
     def handles(result: Any) -> Any:
@@ -117,10 +124,10 @@ def variants(url: str, sock: Path, num_requests: int) -> dict[str, Callable[[lis
     }
 
 
-def decode_only(url: str, sock: Path, num_requests: int, steps: int) -> list[float]:
+def decode_only(url: str, sock: Path, num_requests: int, steps: int, doorbell: bool) -> list[float]:
     """The transport's share alone: ``step_columns(extend=handles)`` over the channel, +1
     token for each of the requests, no replacements (lengths stay below max_seq_len)."""
-    fast = KVCacheClient(url, step_socket=sock)
+    fast = KVCacheClient(url, step_socket=sock, step_wake_after_s=_wake_after(doorbell))
     out = fast.step_columns(
         allocate=[{"request_id": f"d{i}", "num_tokens": 32} for i in range(num_requests)]
     )
@@ -143,7 +150,7 @@ def _serve_flags(sock: Path, poll_us: float | None) -> list[str]:
 
 
 def run(
-    steps: int, num_requests: int, seed: int, poll_us: float | None = None
+    steps: int, num_requests: int, seed: int, poll_us: float | None = None, doorbell: bool = True
 ) -> tuple[dict[str, tuple[float, float]], str]:
     with tempfile.TemporaryDirectory(prefix="kvcm-sc-") as tmp:
         sock = Path(tmp) / "step.sock"
@@ -151,7 +158,7 @@ def run(
         flags = _serve_flags(sock, poll_us)
         url, proc, _ = start_server(num_requests, len(NAMES) + 1, *flags)
         try:
-            calls = variants(url, sock, num_requests)
+            calls = variants(url, sock, num_requests, doorbell)
             scheds: dict[str, Any] = {}
             for i, name in enumerate(calls):
                 inner = Scheduler(f"v{i}", num_requests, np.random.default_rng(seed))
@@ -184,7 +191,7 @@ def run(
                         times[name].append(one(name))
                         if name == NAMES[7]:
                             positions.append(j)
-            times[DECODE] = decode_only(url, sock, num_requests, steps)
+            times[DECODE] = decode_only(url, sock, num_requests, steps, doorbell)
         finally:
             proc.terminate()
             proc.wait()
@@ -224,7 +231,9 @@ def table(rows: dict[str, tuple[float, float]]) -> str:
     return "\n".join(lines)
 
 
-def by_replacements(steps: int, num_requests: int, seed: int, poll_us: float | None = None) -> str:
+def by_replacements(
+    steps: int, num_requests: int, seed: int, poll_us: float | None = None, doorbell: bool = True
+) -> str:
     """The typed ``step_columns`` over the step channel alone (no other variant between its
     steps), its p50 by the step's number of replacements: what a replacement adds, and what
     a decode step costs when the scheduler's own work runs between steps (the decode-only
@@ -233,7 +242,7 @@ def by_replacements(steps: int, num_requests: int, seed: int, poll_us: float | N
         sock = Path(tmp) / "step.sock"
         url, proc, _ = start_server(num_requests, 1, *_serve_flags(sock, poll_us))
         try:
-            fast = KVCacheClient(url, step_socket=sock)
+            fast = KVCacheClient(url, step_socket=sock, step_wake_after_s=_wake_after(doorbell))
             sched = Columns(Scheduler("r", num_requests, np.random.default_rng(seed)))
             sched.record(fast.step_columns(**sched.start()).handles)
             times, counts = [], []
@@ -274,13 +283,19 @@ def main() -> None:
         default=None,
         help="the service's --step-poll-us (default: its own, 300; 0: it never polls)",
     )
+    parser.add_argument(
+        "--no-doorbell",
+        action="store_true",
+        help="the clients never ring the step channel's doorbell (step_wake_after_s=None)",
+    )
     args = parser.parse_args()
+    doorbell = not args.no_doorbell
     steps, num_requests = (30, 32) if args.quick else (args.steps, args.requests)
     if args.by_replacements:
         print(f"{num_requests} requests, {steps} steps; {platform.processor() or ''}")
-        print(by_replacements(steps, num_requests, args.seed, args.step_poll_us))
+        print(by_replacements(steps, num_requests, args.seed, args.step_poll_us, doorbell))
         return
-    rows, places = run(steps, num_requests, args.seed, args.step_poll_us)
+    rows, places = run(steps, num_requests, args.seed, args.step_poll_us, doorbell)
     print(f"{num_requests} requests, {steps} steps per variant; {platform.processor() or ''}")
     print(table(rows))
     print()

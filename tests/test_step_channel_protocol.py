@@ -11,7 +11,7 @@ import msgpack
 from helpers import ChannelState
 
 from kvcm.server.step_channel import _Connection
-from kvcm_client.step_channel import HEADER, pack
+from kvcm_client.step_channel import DOORBELL, HEADER, pack
 
 
 class FakeChannel:
@@ -23,6 +23,10 @@ class FakeChannel:
 
     def __init__(self) -> None:
         self._connections: set[Any] = set()
+        self.rings = 0
+
+    def rang(self) -> None:
+        self.rings += 1
 
     def limit(self) -> int:
         return 1 << 20
@@ -71,6 +75,25 @@ def test_frames_are_cut_the_same_in_one_chunk_or_byte_by_byte() -> None:
             for chunk in chunks:
                 conn.data_received(chunk)
             assert _answers(tr.out) == [0, 1, 2, 3, 4] and conn.timer is None
+
+    asyncio.run(run())
+
+
+def test_doorbells_are_cut_like_frames_and_not_answered() -> None:
+    """Zero-length frames between, before and after frames, whole or byte by byte: each
+    is counted and consumed, only the frames are answered, and no timer is left."""
+
+    async def run() -> None:
+        f = _frames(2)
+        blob = DOORBELL + f[0] + DOORBELL * 2 + f[1] + DOORBELL
+        for chunks in ([blob], [bytes([b]) for b in blob]):
+            channel = FakeChannel()
+            conn, tr = _Connection(channel), FakeTransport()  # type: ignore[arg-type]
+            conn.connection_made(tr)  # type: ignore[arg-type]
+            for chunk in chunks:
+                conn.data_received(chunk)
+            assert _answers(tr.out) == [0, 1] and channel.rings == 4
+            assert conn.timer is None and not conn.buffer and not tr.closed
 
     asyncio.run(run())
 

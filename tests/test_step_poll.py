@@ -12,7 +12,7 @@ import httpx
 import pytest
 from servers import serve_process
 
-from kvcm.server.step_poll import FramePoll, GapPredictor
+from kvcm.server.step_poll import WAKE, FramePoll, GapPredictor
 from kvcm_client import KVCacheClient
 
 ARGS = ("--default-model", "--num-blocks", "64", "--log-level", "warning")
@@ -130,10 +130,14 @@ def test_a_service_polls_for_a_back_to_back_client_and_not_for_a_spaced_one(
     A loaded machine may keep this client from sending within 300 us: then the polls run
     out and back off. So up to three batches of 60 run until one has most of its polls
     ended by a frame, and however loaded, a batch has at most 10 polls that ran out (the
-    back-off allows 6 in 60 answers)."""
+    back-off allows 6 in 60 answers). The client rings no doorbell (the polls after
+    answers alone; tests/test_step_doorbell.py has the doorbell's)."""
     sock = Path(tmp_path_factory.mktemp("uds")) / "step.sock"
     args = (*ARGS, "--step-socket", str(sock), "--step-poll-us", window)
-    with serve_process(*args) as (url, _, _), KVCacheClient(url, step_socket=sock) as kv:
+    with (
+        serve_process(*args) as (url, _, _),
+        KVCacheClient(url, step_socket=sock, step_wake_after_s=None) as kv,
+    ):
         handle = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 1}]).handles[0]
         batches = []
         for _ in range(3):
@@ -177,6 +181,21 @@ def test_a_service_on_one_cpu_never_polls(tmp_path: Path) -> None:
             assert _polls(url) == {"frame": 0.0, "timeout": 0.0}
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_a_doorbell_polls_unless_doorbells_back_off() -> None:
+    """A doorbell polls whatever the ops' records say; doorbells whose polls run out back
+    off as answers' do (misses at rings 0, 2 and 6 skip the next 1, 3 and 7), and one whose
+    frame came (from ring 14 on) starts over."""
+    gaps = GapPredictor(300_000, Clock())
+    polled = []
+    for i in range(18):
+        poll = gaps.rang()
+        polled.append(poll)
+        if poll:
+            gaps.poll_ended(WAKE, frame=i >= 14)
+    assert [i for i, p in enumerate(polled) if p] == [0, 2, 6, 14, 15, 16, 17]
+    assert gaps.answered("extend") is False  # doorbells teach nothing about ops
 
 
 def test_polls_that_keep_running_out_back_off_exponentially() -> None:

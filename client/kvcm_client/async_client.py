@@ -76,6 +76,7 @@ class AsyncKVCacheClient:
         timeout: float = 10.0,
         retries: int = 2,
         backoff_s: float = 0.05,
+        step_wake_after_s: float | None = channel.WAKE_AFTER_S,
     ) -> None:
         """As ``KVCacheClient``; the step channel is an asyncio stream."""
         url, headers = base_and_headers(base_url, uds, token)
@@ -83,7 +84,9 @@ class AsyncKVCacheClient:
         self._channel = (
             None
             if step_socket is None
-            else channel.AsyncStepSocket(str(step_socket), timeout, retries, backoff_s)
+            else channel.AsyncStepSocket(
+                str(step_socket), timeout, retries, backoff_s, wake_after_s=step_wake_after_s
+            )
         )
         transport = httpx.AsyncHTTPTransport(uds=str(uds)) if uds is not None else None
         self._http = httpx.AsyncClient(
@@ -115,6 +118,7 @@ class AsyncKVCacheClient:
         if self._channel is None:
             assert fallback is not None
             return await self._run(fallback)
+        self._channel.wake()
         header = {"session": self.session_id, "generation": self.generation, "token": self._token}
         answer = await self._channel.call(call, {k: v for k, v in header.items() if v is not None})
         result = channel.result_of(call, answer)
@@ -240,6 +244,7 @@ class AsyncKVCacheClient:
         columns = given_fields(locals())
         if self._channel is None:
             return await self._run(calls.step_columns(columns))
+        self._channel.wake()  # before the frame is built (docs/step-channel.md)
         return await self._fast(channel.step_columns(wire_columns(**columns)), None)
 
     async def suspend(self, request_id: str) -> RequestInfo:

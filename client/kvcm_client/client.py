@@ -97,17 +97,22 @@ class KVCacheClient:
         timeout: float = 10.0,
         retries: int = 2,
         backoff_s: float = 0.05,
+        step_wake_after_s: float | None = channel.WAKE_AFTER_S,
     ) -> None:
         """``step_socket``: the service's step channel (``kvcm serve --step-socket``); the
         step-path methods (``step``, ``extend_many``, ``slot_mapping(s)``, ``probe``,
         ``allocate``, ``extend``, ``rewind``, ``commit``, ``free``) go over it, the rest
-        over HTTP (docs/step-channel.md)."""
+        over HTTP (docs/step-channel.md). ``step_wake_after_s``: a call after the channel
+        was idle this long rings the service's doorbell first (None: never; "The doorbell"
+        there)."""
         url, headers = base_and_headers(base_url, uds, token)
         self._token = token_or_env(token)
         self._channel = (
             None
             if step_socket is None
-            else channel.StepSocket(str(step_socket), timeout, retries, backoff_s)
+            else channel.StepSocket(
+                str(step_socket), timeout, retries, backoff_s, wake_after_s=step_wake_after_s
+            )
         )
         transport = httpx.HTTPTransport(uds=str(uds)) if uds is not None else None
         self._http = httpx.Client(
@@ -139,6 +144,7 @@ class KVCacheClient:
         if self._channel is None:
             assert fallback is not None
             return self._run(fallback)
+        self._channel.wake()
         header = {"session": self.session_id, "generation": self.generation, "token": self._token}
         answer = self._channel.call(call, {k: v for k, v in header.items() if v is not None})
         result = channel.result_of(call, answer)
@@ -265,6 +271,7 @@ class KVCacheClient:
         this client has one (raw int64 arrays), else ``POST /v1/step_columns``."""
         if self._channel is None:
             return self._run(calls.step_columns(given_fields(locals())))
+        self._channel.wake()  # before the frame is built (docs/step-channel.md)
         args = wire_columns(
             free=free,
             rewind=rewind,

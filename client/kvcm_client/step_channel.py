@@ -35,6 +35,14 @@ T = TypeVar("T")
 
 #: The length prefix of every frame: the msgpack body's size in bytes, unsigned little-endian.
 HEADER = struct.Struct("<I")
+#: The doorbell: a frame of length zero, which the service does not answer. A client rings
+#: it as a call begins after an idle spell, so that the service wakes while the client builds
+#: its frame (docs/step-channel.md, "The doorbell").
+DOORBELL = HEADER.pack(0)
+#: A call rings the doorbell first when its connection has been idle (no call in flight)
+#: longer than this (seconds): the service's own poll after an answer (``--step-poll-us``,
+#: 300 us by default) has run out by then, and it sleeps.
+WAKE_AFTER_S = 0.0003
 
 #: Ops a step channel serves, and whether each one needs the API token (as its HTTP route).
 OPS: dict[str, bool] = {
@@ -211,7 +219,34 @@ SPIN_S = 0.002
 _READ = 1 << 16
 
 
-class StepSocket:
+class _Doorbell:
+    """When a socket's call rings the doorbell first: after an idle spell of its connection
+    longer than ``wake_after_ns`` (None: never). ``_idle_since`` is when the last answer
+    came (``perf_counter_ns``), None while a call is in flight, once the doorbell rang, and
+    without a connection: nothing to ring for then.
+
+    Example (300 us): answers at t = 0 and calls at t = 0.1 ms (no ring: the service is
+    still polling for it) and at t = 5 ms (ring, then build and send the frame).
+    """
+
+    wake_after_ns: int | None
+    _idle_since: int | None
+
+    def _ring_due(self) -> bool:
+        since = self._idle_since
+        if since is None or self.wake_after_ns is None:
+            return False
+        self._idle_since = None  # once per call
+        return time.perf_counter_ns() - since > self.wake_after_ns
+
+    def wake(self) -> None:
+        """Ring the doorbell if the connection has been idle longer than ``wake_after_s``:
+        the service, asleep by then, wakes and polls for the frame this call is about to
+        build and send, instead of being woken by it (docs/step-channel.md, "The doorbell")."""
+        raise NotImplementedError
+
+
+class StepSocket(_Doorbell):
     """One blocking connection to a step channel, opened on first use and again after it
     broke. A call that broke before its request was fully sent never ran (the service runs
     only whole frames) and is resent; one that broke later is resent only if idempotent
@@ -225,22 +260,43 @@ class StepSocket:
     It spins only while its own call is in flight, never when idle; ``spin_s=0`` turns it
     off. The timeout is the socket's (``SO_RCVTIMEO``/``SO_SNDTIMEO``), not Python's timeout
     mode, which would poll before every read.
+
+    A call that begins after the connection was idle longer than ``wake_after_s`` rings the
+    doorbell first (``wake``); None turns that off.
     """
 
     def __init__(
-        self, path: str, timeout: float, retries: int, backoff_s: float, spin_s: float = SPIN_S
+        self,
+        path: str,
+        timeout: float,
+        retries: int,
+        backoff_s: float,
+        spin_s: float = SPIN_S,
+        wake_after_s: float | None = WAKE_AFTER_S,
     ) -> None:
         self.path = path
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
         self.spin_ns = int(spin_s * 1e9)
+        self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
         self._sock: socket.socket | None = None
+        self._idle_since = None
 
     def close(self) -> None:
+        self._idle_since = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def wake(self) -> None:
+        """``_Doorbell.wake``: ``DOORBELL`` without blocking; one that cannot go out at
+        once is skipped, and the call that follows finds a broken connection as it would
+        have without it."""
+        if self._ring_due():
+            assert self._sock is not None
+            with contextlib.suppress(OSError):
+                self._sock.send(DOORBELL, socket.MSG_DONTWAIT)
 
     def call(self, call: StepCall[Any], header: dict[str, Any]) -> dict[str, Any]:
         """Send ``call`` (with ``header``: session, generation, token) and return the answer
@@ -278,6 +334,7 @@ class StepSocket:
 
     def _exchange(self, frame: bytes) -> dict[str, Any]:
         sock = self._connect()
+        self._idle_since = None
         try:
             sock.sendall(frame)
         except OSError as exc:
@@ -288,9 +345,12 @@ class StepSocket:
                 raise _Broken(exc, sent=False) from None
             return answer
         try:
-            return self._read(sock)
+            answer = self._read(sock)
         except OSError as exc:
             raise _Broken(exc, sent=True) from None
+        if self._sock is not None:  # still open: idle from now on
+            self._idle_since = time.perf_counter_ns()
+        return answer
 
     def _leftover(self, sock: socket.socket) -> dict[str, Any] | None:
         try:
@@ -328,19 +388,36 @@ def _give_up(path: str, call: StepCall[Any], attempt: int, retries: int, exc: _B
         ) from exc.cause
 
 
-class AsyncStepSocket:
+class AsyncStepSocket(_Doorbell):
     """``StepSocket`` on an asyncio stream, for ``AsyncKVCacheClient``: one connection, one
     call at a time on it (a lock keeps each request next to its answer)."""
 
-    def __init__(self, path: str, timeout: float, retries: int, backoff_s: float) -> None:
+    def __init__(
+        self,
+        path: str,
+        timeout: float,
+        retries: int,
+        backoff_s: float,
+        wake_after_s: float | None = WAKE_AFTER_S,
+    ) -> None:
         self.path = path
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
+        self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
+        self._idle_since = None
+
+    def wake(self) -> None:
+        """``_Doorbell.wake``: written to the stream's buffer (whole, between frames: the
+        connection has no call in flight), not awaited."""
+        if self._ring_due():
+            assert self._conn is not None
+            self._conn[1].write(DOORBELL)
 
     async def aclose(self) -> None:
+        self._idle_since = None
         if self._conn is not None:
             writer = self._conn[1]
             self._conn = None
@@ -371,6 +448,7 @@ class AsyncStepSocket:
             except (OSError, TimeoutError) as exc:
                 raise _Broken(exc, sent=False) from None
         reader, writer = self._conn
+        self._idle_since = None
         try:
             writer.write(frame)
             await writer.drain()
@@ -380,9 +458,12 @@ class AsyncStepSocket:
             except (OSError, EOFError, TimeoutError):
                 raise _Broken(exc, sent=False) from None
         try:
-            return await asyncio.wait_for(self._read(reader), self.timeout)
+            answer = await asyncio.wait_for(self._read(reader), self.timeout)
         except (OSError, EOFError, TimeoutError) as exc:
             raise _Broken(exc, sent=True) from None
+        if self._conn is not None:  # still open: idle from now on
+            self._idle_since = time.perf_counter_ns()
+        return answer
 
     async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any]:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))

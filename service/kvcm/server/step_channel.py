@@ -9,7 +9,9 @@ A connection is served in order: frames are answered in the order they arrive, s
 may pipeline. A frame must arrive whole within ``read_timeout`` seconds of its first byte (an
 idle connection between frames costs nothing and may stay open). A frame
 over the body limit, or one that is not a msgpack map, is answered with the HTTP route's error
-and the connection is closed, since whatever follows cannot be trusted to be a frame.
+and the connection is closed, since whatever follows cannot be trusted to be a frame. A frame
+of length zero is the doorbell: not answered, it tells the service that the client's next
+frame is on its way (``step_poll``).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from kvcm_client.step_channel import HEADER, OPS, unpack
 from ..columnar_parse import columns_from_wire
 from ..ops import plain_step
 from .state import ServiceState
-from .step_poll import DEFAULT_POLL_US, FramePoll, GapPredictor
+from .step_poll import DEFAULT_POLL_US, WAKE, FramePoll, GapPredictor
 
 log = logging.getLogger("kvcm.step_channel")
 
@@ -224,6 +226,11 @@ class StepChannel:
             if type(given) is not str or not hmac.compare_digest(given.encode(), self.token):
                 raise Unauthorized("this op needs the service's token (KVCM_API_TOKEN)")
 
+    def rang(self) -> None:
+        """Count a doorbell (``kvcm_step_channel_frames_total{op="wake"}``)."""
+        metrics = self.state.metrics
+        metrics.later(metrics.step_channel_frames, 1, WAKE, "ok")
+
     def wait_for_frame(self) -> bool:
         """Poll for a connection's next frame after an answer (``step_poll``), counting how
         the poll ended: True for a frame, which the event loop then reads as any other."""
@@ -366,6 +373,12 @@ class _Connection(asyncio.Protocol):
                 self._send(channel._error("invalid", err), close=True)
                 return
             end = HEADER.size + size
+            if not size:  # the doorbell: no answer; the client's frame follows
+                del buffer[:end]
+                channel.rang()
+                op = WAKE
+                poll = self.gaps is not None and self.gaps.rang()
+                continue
             if len(buffer) < end:
                 break
             body = bytes(buffer[HEADER.size : end])

@@ -25,6 +25,10 @@ Example (window 300 us): answers to ``step_columns`` followed by the next frame 
 are each followed by a poll that the frame ends; a client that then pauses for 20 ms makes
 one poll run out (300 us of a core spent), and the service sleeps after the answers that
 follow until a frame comes within 300 us of one.
+
+A client whose call begins after a longer pause rings the doorbell (a zero-length frame)
+before it builds the frame; the service polls for that frame at once (``GapPredictor.rang``),
+so the frame finds it awake.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from time import perf_counter_ns
 #: Microseconds the service polls for a client's next frame after an answer, where the last
 #: answer to the op was followed that soon (``kvcm serve --step-poll-us``).
 DEFAULT_POLL_US = 300.0
+#: The key of the doorbell (a zero-length frame) in ``GapPredictor``'s back-off and in the
+#: frame metrics: the client rang it as a call began, so its frame follows.
+WAKE = "wake"
 
 
 class FramePoll:
@@ -97,6 +104,16 @@ class GapPredictor:
         skip = self.skip.get(op, 0)
         if skip:
             self.skip[op] = skip - 1
+            return False
+        return True
+
+    def rang(self) -> bool:
+        """The doorbell rang; whether to poll for the frame it announces: yes, unless polls
+        after doorbells back off (``poll_ended(WAKE, ...)``: a client that rings and then
+        sends nothing within the window)."""
+        skip = self.skip.get(WAKE, 0)
+        if skip:
+            self.skip[WAKE] = skip - 1
             return False
         return True
 

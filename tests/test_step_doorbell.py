@@ -1,0 +1,212 @@
+"""The step channel's doorbell (docs/step-channel.md, "The doorbell"): which calls ring it,
+in the sync and async clients, against a recording fake service; and what a real service does
+with doorbells: counts them, polls for the frame each announces, answers nothing to them, and
+backs off from a client that rings and never sends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import serve_process
+
+from kvcm_client import AsyncKVCacheClient, KVCacheClient
+from kvcm_client.step_channel import DOORBELL, HEADER, pack, unpack
+
+ARGS = ("--default-model", "--num-blocks", "64", "--log-level", "warning")
+
+
+class Recorder(threading.Thread):
+    """A fake step channel: answers each frame ``{"result": None}`` and records, per
+    connection, what came in order: ``"ring"`` for a doorbell, the op for a frame."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(4)
+        self.seen: list[str] = []
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                self._serve(conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        data = b""
+        while True:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+            while len(data) >= HEADER.size:
+                (size,) = HEADER.unpack_from(data)
+                if len(data) < HEADER.size + size:
+                    break
+                body, data = data[HEADER.size : HEADER.size + size], data[HEADER.size + size :]
+                if not size:
+                    self.seen.append("ring")
+                    continue
+                self.seen.append(unpack(body)["op"])
+                conn.sendall(pack({"result": None, "generation": "g"}))
+
+
+@pytest.fixture
+def recorder(tmp_path_factory: pytest.TempPathFactory) -> Recorder:
+    rec = Recorder(Path(tmp_path_factory.mktemp("uds")) / "step.sock")
+    rec.start()
+    return rec
+
+
+def _path(rec: Recorder) -> str:
+    return rec.listener.getsockname()
+
+
+def test_a_call_after_an_idle_spell_rings_once_before_its_frame(recorder: Recorder) -> None:
+    """Wake after 50 ms: the first call has no connection to ring on; calls back to back do
+    not ring; after 80 ms idle the next call rings once (``step_columns`` rings before it
+    builds its frame, and ``_fast`` then does not ring again)."""
+    with KVCacheClient(
+        "http://127.0.0.1:9", step_socket=_path(recorder), step_wake_after_s=0.05
+    ) as kv:
+        kv.free("a")
+        kv.free("b")
+        time.sleep(0.08)
+        kv.free("c")
+        kv.free("d")
+        time.sleep(0.08)
+        kv.step_columns(free=[1])
+        kv.step_columns(free=[2])
+    time.sleep(0.05)
+    assert recorder.seen == [
+        "free",
+        "free",
+        "ring",
+        "free",
+        "free",
+        "ring",
+        "step_columns",
+        "step_columns",
+    ]
+
+
+def test_no_ring_when_turned_off(recorder: Recorder) -> None:
+    with KVCacheClient(
+        "http://127.0.0.1:9", step_socket=_path(recorder), step_wake_after_s=None
+    ) as kv:
+        kv.free("a")
+        time.sleep(0.02)
+        kv.step_columns(free=[1])
+    time.sleep(0.05)
+    assert recorder.seen == ["free", "step_columns"]
+
+
+def test_the_async_client_rings_as_the_sync_one(recorder: Recorder) -> None:
+    async def run() -> None:
+        kv = AsyncKVCacheClient(
+            "http://127.0.0.1:9", step_socket=_path(recorder), step_wake_after_s=0.05
+        )
+        try:
+            await kv.free("a")
+            await kv.free("b")
+            await asyncio.sleep(0.08)
+            await kv.step_columns(free=[1])
+            await kv.free("c")
+        finally:
+            await kv.aclose()
+
+    asyncio.run(run())
+    time.sleep(0.05)
+    assert recorder.seen == ["free", "free", "ring", "step_columns", "free"]
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _polls(url: str) -> tuple[float, float]:
+    name = "kvcm_step_channel_polls_total"
+    return _metric(url, name, ended="frame"), _metric(url, name, ended="timeout")
+
+
+def test_a_real_service_counts_doorbells_and_polls_for_their_frames(tmp_path: Path) -> None:
+    """A client calling every 5 ms (each gap over the 300 us window) rings before each call
+    but its connection's first: 20 doorbells, each counted. A poll after a doorbell ends by
+    its frame (or none runs: the frame came in the same read); none runs out, bar one when
+    the machine is loaded (the client could not send its frame within the window). The
+    answers are those of the same calls without doorbells."""
+    sock = tmp_path / "step.sock"
+    args = (*ARGS, "--step-socket", str(sock), "--step-poll-us", "300")
+    with serve_process(*args) as (url, _, _), KVCacheClient(url, step_socket=sock) as kv:
+        handle = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 1}]).handles[0]
+        before = _polls(url)
+        for _ in range(20):
+            time.sleep(0.005)
+            assert kv.step_columns(extend=[handle]).ok
+        frame, timeout = (a - b for a, b in zip(_polls(url), before, strict=True))
+        assert kv.request("a").num_tokens == 21
+        assert _metric(url, "kvcm_step_channel_frames_total", op="wake", result="ok") == 20
+        assert frame <= 20 and timeout <= 1
+
+
+def _ring_all(path: Path, data: bytes, answers: int) -> list[dict[str, object]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(str(path))
+        s.sendall(data)
+        got, buf = [], b""
+        while len(got) < answers:
+            chunk = s.recv(65536)
+            assert chunk, "closed"
+            buf += chunk
+            while len(buf) >= 4 and len(buf) >= 4 + HEADER.unpack_from(buf)[0]:
+                (size,) = HEADER.unpack_from(buf)
+                got.append(unpack(buf[4 : 4 + size]))
+                buf = buf[4 + size :]
+        s.settimeout(0.2)
+        with pytest.raises(TimeoutError):  # nothing more: doorbells are not answered
+            s.recv(1)
+        return got
+
+
+def test_doorbells_get_no_answer_and_one_that_announces_nothing_backs_off(
+    tmp_path: Path,
+) -> None:
+    """1000 doorbells around two frames: two answers, the connection stays open. Then 60
+    doorbells 2 ms apart with no frame: the polls after them run out and back off (misses
+    at doorbells 0, 2, 6, 14, 30: at most 5 of 60 run out, not 60), and the service still
+    answers. (A service on one CPU never polls.)"""
+    sock = tmp_path / "step.sock"
+    args = (*ARGS, "--step-socket", str(sock), "--step-poll-us", "300")
+    with serve_process(*args) as (url, _, _):
+        probe = pack({"op": "probe", "args": {"token_ids": [1, 2, 3]}})
+        got = _ring_all(sock, DOORBELL * 500 + probe + DOORBELL * 500 + probe, 2)
+        assert [a["result"] for a in got] == [0, 0]
+        assert _metric(url, "kvcm_step_channel_frames_total", op="wake", result="ok") == 1000
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(sock))
+            _, before = _polls(url)
+            for _ in range(60):
+                s.sendall(DOORBELL)
+                time.sleep(0.002)
+            _, after = _polls(url)
+            polls = 1 if len(os.sched_getaffinity(0)) > 1 else 0  # one CPU: never polls
+            assert polls <= after - before <= 5
+            s.settimeout(5)
+            s.sendall(probe)
+            (size,) = HEADER.unpack(s.recv(4, socket.MSG_WAITALL))
+            assert unpack(s.recv(size, socket.MSG_WAITALL))["result"] == 0
