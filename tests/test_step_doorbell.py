@@ -17,7 +17,7 @@ import pytest
 from servers import serve_process
 
 from kvcm_client import AsyncKVCacheClient, KVCacheClient
-from kvcm_client.step_channel import DOORBELL, HEADER, pack, unpack
+from kvcm_client.step_channel import DOORBELL, HEADER, StepSocket, pack, unpack
 
 ARGS = ("--default-model", "--num-blocks", "64", "--log-level", "warning")
 
@@ -210,3 +210,51 @@ def test_doorbells_get_no_answer_and_one_that_announces_nothing_backs_off(
             s.sendall(probe)
             (size,) = HEADER.unpack(s.recv(4, socket.MSG_WAITALL))
             assert unpack(s.recv(size, socket.MSG_WAITALL))["result"] == 0
+
+
+class _PartialSocket:
+    """A socket whose non-blocking send takes ``takes`` bytes (None: raises
+    BlockingIOError) and whose blocking ``sendall`` fails when ``broken``."""
+
+    def __init__(self, takes: int | None, broken: bool = False) -> None:
+        self.takes, self.broken = takes, broken
+        self.out = b""
+        self.closed = False
+
+    def send(self, data: bytes, flags: int) -> int:
+        if self.takes is None:
+            raise BlockingIOError
+        self.out += data[: self.takes]
+        return self.takes
+
+    def sendall(self, data: bytes) -> None:
+        if self.broken:
+            raise TimeoutError
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(
+    ("takes", "broken", "out", "closed"),
+    [
+        (4, False, DOORBELL, False),
+        (1, False, DOORBELL, False),
+        (None, False, b"", False),
+        (2, True, DOORBELL[:2], True),
+    ],
+)
+def test_a_doorbell_goes_out_whole_or_not_at_all(
+    takes: int | None, broken: bool, out: bytes, closed: bool
+) -> None:
+    """A doorbell the kernel takes in part is completed, so the stream stays framed; one it
+    cannot take is skipped; one whose rest cannot go out closes the connection (the next
+    call reconnects) rather than leave a torn frame."""
+    fake = _PartialSocket(takes, broken)
+    step = StepSocket("unused", 1.0, 0, 0.0, wake_after_s=0.0)
+    step._sock = fake  # type: ignore[assignment]
+    step._idle_since = time.perf_counter_ns() - 1_000_000
+    step.wake()
+    assert fake.out == out and fake.closed == closed
+    assert (step._sock is None) == closed

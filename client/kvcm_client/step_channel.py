@@ -291,12 +291,21 @@ class StepSocket(_Doorbell):
 
     def wake(self) -> None:
         """``_Doorbell.wake``: ``DOORBELL`` without blocking; one that cannot go out at
-        once is skipped, and the call that follows finds a broken connection as it would
-        have without it."""
-        if self._ring_due():
-            assert self._sock is not None
-            with contextlib.suppress(OSError):
-                self._sock.send(DOORBELL, socket.MSG_DONTWAIT)
+        once is skipped (a part that went out is completed: the stream stays framed), and
+        the call that follows finds a broken connection as it would have without it."""
+        if not self._ring_due():
+            return
+        sock = self._sock
+        assert sock is not None
+        try:
+            sent = sock.send(DOORBELL, socket.MSG_DONTWAIT)
+        except OSError:  # full (nothing went out), or broken: the call finds out
+            return
+        if sent < len(DOORBELL):
+            try:
+                sock.sendall(DOORBELL[sent:])
+            except OSError:  # a part went out: the stream is no longer framed
+                self.close()
 
     def call(self, call: StepCall[Any], header: dict[str, Any]) -> dict[str, Any]:
         """Send ``call`` (with ``header``: session, generation, token) and return the answer
