@@ -44,3 +44,23 @@ def test_deferred_counts_show_exactly_at_each_scrape() -> None:
     assert _line(text, 'kvcm_ops_total{op="extend",result="unknown_request"}').endswith(" 1.0")
     again = metrics.render().decode()  # nothing pending: the same counts
     assert _line(again, 'kvcm_ops_total{op="extend",result="ok"}').endswith(" 6.0")
+
+
+def test_deferred_durations_show_exactly_at_each_scrape_and_wait_bounded() -> None:
+    """The step channel's op durations wait in a list until the scrape, which replays each
+    into the histogram (its count and sum exact); more than ``MAX_OBSERVED`` never wait."""
+    state = ServiceState(KVCacheManager(CONFIG), 30.0)
+    metrics = state.metrics
+    child = metrics.latency.labels("/v1/step_columns")
+    for seconds in (0.001, 0.002, 0.004):
+        metrics.observe_later(child, seconds)
+    assert child._sum.get() == 0 and len(metrics._observed) == 3
+    text = metrics.render().decode()
+    route = 'route="/v1/step_columns"'
+    assert _line(text, f"kvcm_op_duration_seconds_count{{{route}}}").endswith(" 3.0")
+    total = float(_line(text, f"kvcm_op_duration_seconds_sum{{{route}}}").rsplit(" ", 1)[1])
+    assert abs(total - 0.007) < 1e-12 and metrics._observed == []
+    for _ in range(metrics.MAX_OBSERVED + 5):
+        metrics.observe_later(child, 0.001)
+    assert len(metrics._observed) == 5  # the first MAX_OBSERVED went in at once
+    assert child._sum.get() > 0.007 + (metrics.MAX_OBSERVED - 1) * 0.001

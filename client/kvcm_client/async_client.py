@@ -119,8 +119,8 @@ class AsyncKVCacheClient:
             assert fallback is not None
             return await self._run(fallback)
         self._channel.wake()
-        header = {"session": self.session_id, "generation": self.generation, "token": self._token}
-        answer = await self._channel.call(call, {k: v for k, v in header.items() if v is not None})
+        header = channel.header(self.session_id, self.generation, self._token)
+        answer = await self._channel.call(call, header)
         result = channel.result_of(call, answer)
         self.generation = pin(self.generation, answer.get("generation"))
         return result

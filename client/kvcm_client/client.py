@@ -145,8 +145,8 @@ class KVCacheClient:
             assert fallback is not None
             return self._run(fallback)
         self._channel.wake()
-        header = {"session": self.session_id, "generation": self.generation, "token": self._token}
-        answer = self._channel.call(call, {k: v for k, v in header.items() if v is not None})
+        header = channel.header(self.session_id, self.generation, self._token)
+        answer = self._channel.call(call, header)
         result = channel.result_of(call, answer)
         self.generation = pin(self.generation, answer.get("generation"))
         return result

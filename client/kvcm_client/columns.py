@@ -23,6 +23,11 @@ _RANGE = {"q": (-(2**63), 2**63 - 1), "i": (-(2**31), 2**31 - 1)}
 
 def _raw(values: Any, name: str, code: str) -> bytes:
     """Ints as little-endian bytes of ``code`` ('q' int64, 'i' int32)."""
+    kind = type(values)
+    if kind is array and values.typecode == code and _LITTLE:  # the usual: no abc checks
+        return values.tobytes()
+    if kind is list:
+        return _from_list(values, name, code)
     if isinstance(values, bytes | bytearray | memoryview):
         return bytes(values)
     dtype = getattr(values, "dtype", None)
@@ -38,6 +43,11 @@ def _raw(values: Any, name: str, code: str) -> bytes:
         raise InvalidArgument(f"{name} must be a sequence of ints", **{name: None})
     if isinstance(values, array) and values.typecode == code and _LITTLE:
         return values.tobytes()
+    return _from_list(values, name, code)
+
+
+def _from_list(values: Any, name: str, code: str) -> bytes:
+    """A sequence of Python ints (not bools) as ``_raw``'s bytes."""
     if bool in map(type, values):
         raise InvalidArgument(f"{name} must be ints, not bools", **{name: None})
     try:

@@ -62,14 +62,33 @@ OPS: dict[str, bool] = {
 }
 
 
-def pack(message: dict[str, Any]) -> bytes:
+def pack(message: dict[str, Any], packer: msgpack.Packer | None = None) -> bytes:
     """One frame: the length prefix, then ``message`` as msgpack. numpy integers and arrays
-    and pydantic models are sent as plain values (as the HTTP client's JSON does)."""
+    and pydantic models are sent as plain values (as the HTTP client's JSON does).
+    ``packer``: a connection's own (``packer()``), which saves making one per frame."""
     try:
-        body = msgpack.packb(message, default=_default)
+        body = (packer or msgpack.Packer(default=_default)).pack(message)
     except (TypeError, OverflowError, ValueError) as exc:
         raise InvalidArgument(f"cannot send this call over the step channel: {exc}") from None
     return HEADER.pack(len(body)) + body
+
+
+def packer() -> msgpack.Packer:
+    """A packer for ``pack``, for one connection (a packer is not safe to share between
+    threads; it empties itself after a failed pack)."""
+    return msgpack.Packer(default=_default)
+
+
+def header(session: str | None, generation: str | None, token: str | None) -> dict[str, str]:
+    """A request frame's ``session``, ``generation`` and ``token`` keys: those given."""
+    out = {}
+    if session is not None:
+        out["session"] = session
+    if generation is not None:
+        out["generation"] = generation
+    if token is not None:
+        out["token"] = token
+    return out
 
 
 def unpack(body: bytes) -> Any:
@@ -282,6 +301,7 @@ class StepSocket(_Doorbell):
         self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
         self._sock: socket.socket | None = None
         self._idle_since = None
+        self._packer = packer()
 
     def close(self) -> None:
         self._idle_since = None
@@ -310,7 +330,7 @@ class StepSocket(_Doorbell):
     def call(self, call: StepCall[Any], header: dict[str, Any]) -> dict[str, Any]:
         """Send ``call`` (with ``header``: session, generation, token) and return the answer
         map; ``ServiceUnavailable`` when the retries run out or a resend would be unsafe."""
-        frame = pack({"op": call.op, "args": call.args, **header})
+        frame = pack({"op": call.op, "args": call.args, **header}, self._packer)
         attempt = 0
         while True:
             try:

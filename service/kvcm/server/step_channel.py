@@ -205,7 +205,7 @@ class StepChannel:
             raise InvalidArgument("session must be a string")
         start = perf_counter()
         result = handler(args, session)
-        self._latency[op].observe(perf_counter() - start)
+        self.state.metrics.observe_later(self._latency[op], perf_counter() - start)
         self.state.notify_events()
         return result
 
