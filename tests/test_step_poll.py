@@ -97,11 +97,12 @@ def test_frame_poll_ends_on_bytes_on_any_connection_or_after_the_window() -> Non
             s.close()
 
 
-def _polls(url: str) -> dict[str, float]:
+def _polls(url: str, after: str = "answer") -> dict[str, float]:
+    """The polls after answers (or after doorbells), by how they ended."""
     text = httpx.get(f"{url}/metrics").text
     found = {"frame": 0.0, "timeout": 0.0}
     for line in text.splitlines():
-        if line.startswith("kvcm_step_channel_polls_total{"):
+        if line.startswith(f'kvcm_step_channel_polls_total{{after="{after}",'):
             ended = line.split('ended="', 1)[1].split('"', 1)[0]
             found[ended] = float(line.rsplit(" ", 1)[1])
     return found

@@ -72,7 +72,7 @@ class Channel:
     def _error(op: Any, exc: Exception) -> dict[str, Any]:
         return {"error": str(exc)}
 
-    def wait_for_frame(self) -> None:
+    def wait_for_frame(self, after: str) -> None:
         unsent = sum(c.transport.get_write_buffer_size() for c in self._connections)
         t0 = time.perf_counter()
         ended = self.poll.wait()

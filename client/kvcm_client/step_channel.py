@@ -28,7 +28,13 @@ from pydantic import TypeAdapter
 
 from ._calls import _default, _prompt
 from .columns import StepColumnsResult
-from .errors import InvalidArgument, KVCMError, ServiceUnavailable, error_from_dict
+from .errors import (
+    InvalidArgument,
+    KVCMError,
+    MalformedRequest,
+    ServiceUnavailable,
+    error_from_dict,
+)
 from .models import OpResult, RequestInfo
 
 T = TypeVar("T")
@@ -240,23 +246,46 @@ _READ = 1 << 16
 
 class _Doorbell:
     """When a socket's call rings the doorbell first: after an idle spell of its connection
-    longer than ``wake_after_ns`` (None: never). ``_idle_since`` is when the last answer
-    came (``perf_counter_ns``), None while a call is in flight, once the doorbell rang, and
-    without a connection: nothing to ring for then.
+    longer than ``wake_after_ns`` (None: never). ``_idle_since`` is when the connection
+    last had news for the service: an answer read, or a doorbell rung (the service is awake
+    from then); None while a call is in flight and without a connection: nothing to ring
+    for then. ``_rang``: a doorbell went out since the last answer was read.
 
     Example (300 us): answers at t = 0 and calls at t = 0.1 ms (no ring: the service is
-    still polling for it) and at t = 5 ms (ring, then build and send the frame).
+    still polling for it) and at t = 5 ms (ring, then build and send the frame; a call
+    that fails before its frame leaves the next one to ring again after 300 us).
+
+    A service older than the doorbell answers one ``malformed_request`` and closes (the
+    frame after it never runs): the first answer after a ring that says so turns the
+    doorbell off for this socket, and the call is sent again (``_refused``).
     """
 
     wake_after_ns: int | None
     _idle_since: int | None
+    _rang: bool
 
     def _ring_due(self) -> bool:
         since = self._idle_since
         if since is None or self.wake_after_ns is None:
             return False
-        self._idle_since = None  # once per call
-        return time.perf_counter_ns() - since > self.wake_after_ns
+        now = time.perf_counter_ns()
+        if now - since <= self.wake_after_ns:
+            return False
+        self._idle_since = now
+        self._rang = True
+        return True
+
+    def _refused(self, answer: dict[str, Any]) -> bool:
+        """Whether ``answer`` is an older service's refusal of the doorbell that went out
+        before it (then the doorbell is off from now on); clears ``_rang``."""
+        rang, self._rang = self._rang, False
+        error = answer.get("error")
+        if not rang or not answer.get("close") or type(error) is not dict:
+            return False
+        if error.get("code") != MalformedRequest.code:
+            return False
+        self.wake_after_ns = None
+        return True
 
     def wake(self) -> None:
         """Ring the doorbell if the connection has been idle longer than ``wake_after_s``:
@@ -301,6 +330,7 @@ class StepSocket(_Doorbell):
         self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
         self._sock: socket.socket | None = None
         self._idle_since = None
+        self._rang = False
         self._packer = packer()
 
     def close(self) -> None:
@@ -313,13 +343,13 @@ class StepSocket(_Doorbell):
         """``_Doorbell.wake``: ``DOORBELL`` without blocking; one that cannot go out at
         once is skipped (a part that went out is completed: the stream stays framed), and
         the call that follows finds a broken connection as it would have without it."""
-        if not self._ring_due():
-            return
         sock = self._sock
-        assert sock is not None
+        if sock is None or not self._ring_due():
+            return
         try:
             sent = sock.send(DOORBELL, socket.MSG_DONTWAIT)
         except OSError:  # full (nothing went out), or broken: the call finds out
+            self._rang = False
             return
         if sent < len(DOORBELL):
             try:
@@ -334,10 +364,14 @@ class StepSocket(_Doorbell):
         attempt = 0
         while True:
             try:
-                return self._exchange(frame)
+                answer = self._exchange(frame)
             except _Broken as exc:
                 self.close()
                 _give_up(self.path, call, attempt, self.retries, exc)
+            else:
+                if not self._refused(answer):
+                    return answer
+                continue  # an older service closed on the doorbell: the call never ran
             time.sleep(self.backoff_s * 2**attempt)
             attempt += 1
 
@@ -359,6 +393,7 @@ class StepSocket(_Doorbell):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             self._sock = sock
+            self._rang = False  # (kept across a close: the answer that closed is judged)
         return self._sock
 
     def _exchange(self, frame: bytes) -> dict[str, Any]:
@@ -437,12 +472,12 @@ class AsyncStepSocket(_Doorbell):
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._idle_since = None
+        self._rang = False
 
     def wake(self) -> None:
         """``_Doorbell.wake``: written to the stream's buffer (whole, between frames: the
         connection has no call in flight), not awaited."""
-        if self._ring_due():
-            assert self._conn is not None
+        if self._conn is not None and self._ring_due():
             self._conn[1].write(DOORBELL)
 
     async def aclose(self) -> None:
@@ -461,10 +496,14 @@ class AsyncStepSocket(_Doorbell):
             attempt = 0
             while True:
                 try:
-                    return await self._exchange(frame)
+                    answer = await self._exchange(frame)
                 except _Broken as exc:
                     await self.aclose()
                     _give_up(self.path, call, attempt, self.retries, exc)
+                else:
+                    if not self._refused(answer):
+                        return answer
+                    continue  # as in StepSocket.call
                 await asyncio.sleep(self.backoff_s * 2**attempt)
                 attempt += 1
 
@@ -476,6 +515,7 @@ class AsyncStepSocket(_Doorbell):
                 )
             except (OSError, TimeoutError) as exc:
                 raise _Broken(exc, sent=False) from None
+            self._rang = False  # as in StepSocket._connect
         reader, writer = self._conn
         self._idle_since = None
         try:

@@ -152,9 +152,10 @@ class Metrics:
         )
         self.step_channel_polls = Counter(
             "kvcm_step_channel_polls",
-            "Polls for a client's next frame after an answer (docs/step-channel.md), by how "
-            "they ended: frame, or timeout (the window spent on a core for nothing)",
-            ["ended"],
+            "Polls for a client's next frame (docs/step-channel.md), by what came before "
+            "(an answer, or the client's doorbell) and how they ended: frame, or timeout "
+            "(the window spent on a core for nothing)",
+            ["after", "ended"],
             registry=self.registry,
         )
         self.step_channel_connections = Counter(

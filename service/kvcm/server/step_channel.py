@@ -231,13 +231,15 @@ class StepChannel:
         metrics = self.state.metrics
         metrics.later(metrics.step_channel_frames, 1, WAKE, "ok")
 
-    def wait_for_frame(self) -> bool:
-        """Poll for a connection's next frame after an answer (``step_poll``), counting how
-        the poll ended: True for a frame, which the event loop then reads as any other."""
+    def wait_for_frame(self, after: str) -> bool:
+        """Poll for a connection's next frame after an answer or a doorbell (``after``:
+        the op answered, or ``WAKE``; ``step_poll``), counting how the poll ended: True for
+        a frame, which the event loop then reads as any other."""
         assert self.poll is not None
         metrics = self.state.metrics
         frame = self.poll.wait()
-        metrics.child(metrics.step_channel_polls, "frame" if frame else "timeout").inc()
+        label = "doorbell" if after == WAKE else "answer"
+        metrics.child(metrics.step_channel_polls, label, "frame" if frame else "timeout").inc()
         return frame
 
     def _error(self, label: str, exc: KVCMError) -> dict[str, Any]:
@@ -399,7 +401,7 @@ class _Connection(asyncio.Protocol):
             self._stop_timer()
             if poll and _nothing_unsent(channel._connections):
                 assert self.gaps is not None
-                self.gaps.poll_ended(op, channel.wait_for_frame())
+                self.gaps.poll_ended(op, channel.wait_for_frame(op))
 
     def _too_slow(self) -> None:
         """A frame did not arrive whole in time: drop it and the connection."""

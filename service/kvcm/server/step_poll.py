@@ -9,17 +9,17 @@ frames, and 99 us with it polling for up to 300 us after each answer (bench/RESU
 2026-12-05).
 
 The poll is adaptive, so that an engine whose next call comes milliseconds later pays
-nothing: the service polls after answering an op on a connection only when the last answer
-to that op on that connection was followed by the connection's next frame within the
-window. Keyed by op because engines alternate: a ``step_columns`` followed at once by a
-``slot_mappings``, then a long wait for the model. A poll that runs out of time turns the
-poll off for that op until a frame follows it within the window again, so at most every
-other answer is followed by a poll that runs out, and polls that keep running out back off
-exponentially (``GapPredictor``); an idle service never polls. The poll watches every
-connection of the channel (a frame on any of them ends it), yields the core between looks,
-and holds the event loop for at most the window: HTTP requests wait that long at most. On
-one CPU (the process's affinity) the service never polls: its client needs that core to send
-the frame the poll waits for.
+nothing for it (it rings the doorbell, below, instead): the service polls after answering an
+op on a connection only when the last answer to that op on that connection was followed by
+the connection's next frame within the window. Keyed by op because engines alternate: a
+``step_columns`` followed at once by a ``slot_mappings``, then a long wait for the model. A
+poll that runs out of time turns the poll off for that op until a frame follows it within
+the window again, so at most every other answer is followed by a poll that runs out, and
+polls that keep running out back off exponentially (``GapPredictor``); an idle service never
+polls. The poll watches every connection of the channel (a frame on any of them ends it),
+yields the core between looks, and holds the event loop for at most the window: HTTP
+requests wait that long at most. On one CPU (the process's affinity) the service never
+polls: its client needs that core to send the frame the poll waits for.
 
 Example (window 300 us): answers to ``step_columns`` followed by the next frame 120 us later
 are each followed by a poll that the frame ends; a client that then pauses for 20 ms makes
