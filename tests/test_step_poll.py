@@ -196,7 +196,39 @@ def test_a_doorbell_polls_unless_doorbells_back_off() -> None:
         if poll:
             gaps.poll_ended(WAKE, frame=i >= 14)
     assert [i for i, p in enumerate(polled) if p] == [0, 2, 6, 14, 15, 16, 17]
-    assert gaps.answered("extend") is False  # doorbells teach nothing about ops
+
+
+def test_a_doorbell_starts_a_burst_whose_first_answer_is_polled_for() -> None:
+    """After a doorbell the first answer is polled for although nothing says a frame comes
+    soon after that op (and it is skipping); the op's own back-off goes on (its skipped
+    poll is the next answer's); burst polls that run out back off on their own (misses at
+    bursts 0, 2, 6)."""
+    clock = Clock()
+    gaps = GapPredictor(300_000, clock)
+    assert not gaps.answered("step")  # no record of "step": no poll
+    gaps.poll_ended("step", frame=False)  # (as if one had run out: "step" skips its next)
+    clock.ns += 40_000_000
+    gaps.frame_began()
+    gaps.rang()
+    assert gaps.answered("step")  # the burst's poll
+    gaps.poll_ended("step", frame=True)
+    for polls in (False, True):  # frames soon after each answer: skipped once, then polled
+        clock.ns += 50_000
+        gaps.frame_began()
+        assert gaps.answered("step") is polls
+        if polls:
+            gaps.poll_ended("step", frame=True)
+    # A client that rings, makes one call and pauses: burst polls that run out.
+    polled = []
+    for _ in range(8):
+        clock.ns += 40_000_000
+        gaps.frame_began()
+        gaps.rang()
+        poll = gaps.answered("step")
+        polled.append(poll)
+        if poll:
+            gaps.poll_ended("step", frame=False)
+    assert [i for i, p in enumerate(polled) if p] == [0, 2, 6]
 
 
 def test_polls_that_keep_running_out_back_off_exponentially() -> None:
