@@ -229,6 +229,8 @@ def test_a_doorbell_starts_a_burst_whose_first_answer_is_polled_for() -> None:
         if poll:
             gaps.poll_ended("step", frame=False)
     assert [i for i, p in enumerate(polled) if p] == [0, 2, 6]
+    gaps.rang()  # another op's burst has a back-off of its own
+    assert gaps.answered("step_columns")
 
 
 def test_polls_that_keep_running_out_back_off_exponentially() -> None:

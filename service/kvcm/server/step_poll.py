@@ -44,9 +44,9 @@ DEFAULT_POLL_US = 300.0
 #: The key of the doorbell (a zero-length frame) in ``GapPredictor``'s back-off and in the
 #: frame metrics: the client rang it as a call began, so its frame follows.
 WAKE = "wake"
-#: The key, in ``GapPredictor``'s back-off, of the poll after the first answer that follows
-#: a doorbell (the client's burst may go on).
-BURST = "burst"
+#: The prefix of the keys, in ``GapPredictor``'s back-off, of the polls after the first
+#: answer to each op that follows a doorbell (the client's burst may go on): "burst step".
+BURST = "burst "
 
 
 class FramePoll:
@@ -86,7 +86,9 @@ class GapPredictor:
 
     A doorbell starts a burst: the first answer after it is polled for whatever the op's
     record says (a client back from an idle spell often sends several frames in a row, and
-    its op's record is of its last burst's end), with a back-off of its own (``BURST``).
+    its op's record is of its last burst's end), with a back-off of its own per op (``BURST``:
+    a client whose op lists take it a millisecond to read backs off there, not where its
+    columnar steps follow one another at once).
 
     Example: answers to ``step_columns`` 120 us apart, then a pause of 40 ms (the poll after
     the last answer runs out: the op skips its next poll), a doorbell, and answers 120 us
@@ -127,7 +129,7 @@ class GapPredictor:
         self.answered_ns = self.clock()
         if self.burst:
             self.burst = False
-            if self._due(BURST):
+            if self._due(BURST + op):
                 self.burst_poll = True
                 return True
         return self.soon.get(op, False) and self._due(op)
@@ -153,7 +155,7 @@ class GapPredictor:
         key = op
         if self.burst_poll:
             self.burst_poll = False
-            key = BURST
+            key = BURST + op
         if frame:
             self.misses[key] = 0
             return
