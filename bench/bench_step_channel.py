@@ -5,6 +5,7 @@
   python bench/bench_step_channel.py --by-replacements   # the channel alone, by replacements
   python bench/bench_step_channel.py --step-poll-us 0     # the service never polls (A/B)
   python bench/bench_step_channel.py --no-doorbell        # the clients never ring (A/B)
+  python bench/bench_step_channel.py --by-replacements --gap-ms 5   # a model pass between steps
 
 One ``kvcm serve`` (started here, with ``--step-socket``) and one in-process manager run the
 load test's step sequence (``loadtest.Scheduler``: +1 token for each of 256 requests, about two
@@ -232,12 +233,18 @@ def table(rows: dict[str, tuple[float, float]]) -> str:
 
 
 def by_replacements(
-    steps: int, num_requests: int, seed: int, poll_us: float | None = None, doorbell: bool = True
+    steps: int,
+    num_requests: int,
+    seed: int,
+    poll_us: float | None = None,
+    doorbell: bool = True,
+    gap_s: float = 0.0,
 ) -> str:
     """The typed ``step_columns`` over the step channel alone (no other variant between its
     steps), its p50 by the step's number of replacements: what a replacement adds, and what
     a decode step costs when the scheduler's own work runs between steps (the decode-only
-    variant has none)."""
+    variant has none). ``gap_s``: a sleep after each step, untimed (an engine's model pass:
+    the service is asleep when the next step comes)."""
     with tempfile.TemporaryDirectory(prefix="kvcm-sc-") as tmp:
         sock = Path(tmp) / "step.sock"
         url, proc, _ = start_server(num_requests, 1, *_serve_flags(sock, poll_us))
@@ -253,6 +260,8 @@ def by_replacements(
                 if i >= BLOCK:  # the first ones warm up
                     times.append(time.perf_counter() - t0)
                     counts.append(len(cols["allocate"]))
+                if gap_s:
+                    time.sleep(gap_s)
         finally:
             proc.terminate()
             proc.wait()
@@ -288,12 +297,19 @@ def main() -> None:
         action="store_true",
         help="the clients never ring the step channel's doorbell (step_wake_after_s=None)",
     )
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="with --by-replacements: sleep this long after each step (a model pass)",
+    )
     args = parser.parse_args()
     doorbell = not args.no_doorbell
     steps, num_requests = (30, 32) if args.quick else (args.steps, args.requests)
     if args.by_replacements:
         print(f"{num_requests} requests, {steps} steps; {platform.processor() or ''}")
-        print(by_replacements(steps, num_requests, args.seed, args.step_poll_us, doorbell))
+        gap_s = args.gap_ms / 1000
+        print(by_replacements(steps, num_requests, args.seed, args.step_poll_us, doorbell, gap_s))
         return
     rows, places = run(steps, num_requests, args.seed, args.step_poll_us, doorbell)
     print(f"{num_requests} requests, {steps} steps per variant; {platform.processor() or ''}")
