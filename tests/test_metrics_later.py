@@ -48,7 +48,8 @@ def test_deferred_counts_show_exactly_at_each_scrape() -> None:
 
 def test_deferred_durations_show_exactly_at_each_scrape_and_wait_bounded() -> None:
     """The step channel's op durations wait in a list until the scrape, which replays each
-    into the histogram (its count and sum exact); more than ``MAX_OBSERVED`` never wait."""
+    into the histogram (its count and sum exact); while ``MAX_OBSERVED`` wait, the next go
+    in at once."""
     state = ServiceState(KVCacheManager(CONFIG), 30.0)
     metrics = state.metrics
     child = metrics.latency.labels("/v1/step_columns")
@@ -62,5 +63,8 @@ def test_deferred_durations_show_exactly_at_each_scrape_and_wait_bounded() -> No
     assert abs(total - 0.007) < 1e-12 and metrics._observed == []
     for _ in range(metrics.MAX_OBSERVED + 5):
         metrics.observe_later(child, 0.001)
-    assert len(metrics._observed) == 5  # the first MAX_OBSERVED went in at once
-    assert child._sum.get() > 0.007 + (metrics.MAX_OBSERVED - 1) * 0.001
+    assert len(metrics._observed) == metrics.MAX_OBSERVED  # full: the last 5 went in at once
+    assert abs(child._sum.get() - (0.007 + 5 * 0.001)) < 1e-12
+    text = metrics.render().decode()
+    count = _line(text, f"kvcm_op_duration_seconds_count{{{route}}}")
+    assert count.endswith(f" {3 + metrics.MAX_OBSERVED + 5}.0")

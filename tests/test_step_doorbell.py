@@ -17,8 +17,16 @@ import pytest
 from servers import serve_process
 
 from kvcm_client import AsyncKVCacheClient, KVCacheClient
-from kvcm_client.errors import InvalidArgument, PayloadTooLarge
-from kvcm_client.step_channel import DOORBELL, HEADER, StepSocket, pack, unpack
+from kvcm_client.errors import InvalidArgument, MalformedRequest, PayloadTooLarge
+from kvcm_client.step_channel import (
+    DOORBELL,
+    HEADER,
+    AsyncStepSocket,
+    StepSocket,
+    free,
+    pack,
+    unpack,
+)
 
 ARGS = ("--default-model", "--num-blocks", "64", "--log-level", "warning")
 
@@ -407,3 +415,104 @@ def test_an_older_service_turns_the_doorbell_off_and_the_call_is_sent_again(
     asyncio.run(run())
     time.sleep(0.05)
     assert [x for x in old.seen[4:] if x != "refused"] == ["a", "b", "c"], old.seen
+
+
+def test_an_async_client_that_loses_the_refusal_sends_again_and_turns_the_doorbell_off(
+    tmp_path: Path,
+) -> None:
+    """The older service closes on the doorbell before the frame is written (a frame slow
+    to build): asyncio loses the refusal with the connection. The call is sent again at
+    once, even with no retries left, and after two such losses in a row the doorbell is
+    off; every call runs once."""
+    old = OldService(tmp_path / "s.sock")
+    old.start()
+
+    async def run() -> AsyncStepSocket:
+        sock = AsyncStepSocket(_path(old), 5.0, 0, 0.05, wake_after_s=0.001)
+        try:
+            for rid in "abcd":
+                await asyncio.sleep(0.01)
+                sock.wake()
+                time.sleep(0.02)  # building the frame: the older service closes meanwhile
+                assert (await sock.call(free(rid), {}))["result"] is None
+        finally:
+            await sock.aclose()
+        return sock
+
+    sock = asyncio.run(run())
+    time.sleep(0.05)
+    assert [x for x in old.seen if x != "refused"] == list("abcd")
+    assert sock.wake_after_ns is None and old.seen.count("refused") == 2
+
+
+def test_a_current_service_refusing_the_frame_itself_keeps_the_doorbell(tmp_path: Path) -> None:
+    """A frame the service cannot read (an int key in a map, refused by its strict unpack)
+    after a ring looks like an older service's refusal: the call is sent again without a
+    ring, refused again, and so the doorbell is turned back on; the caller gets the
+    typed error."""
+    sock = tmp_path / "step.sock"
+    args = (*ARGS, "--step-socket", str(sock))
+    with serve_process(*args) as (url, _, _), KVCacheClient(url, step_socket=sock) as kv:
+        kv.probe([1, 2, 3])
+        time.sleep(0.01)
+        with pytest.raises(MalformedRequest):
+            kv.step([{"op": "free", "request_id": "x", 1: 2}])
+        assert kv._channel is not None and kv._channel.wake_after_ns is not None
+        assert kv.probe([1, 2, 3]) == 0
+
+
+class Echo(Recorder):
+    """Answers each frame 50 ms late with its request id; with ``junk``, the first answer
+    is not msgpack."""
+
+    def __init__(self, path: Path, junk: bool = False) -> None:
+        super().__init__(path)
+        self.junk = junk
+
+    def _serve(self, conn: socket.socket) -> None:
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+            while len(data) >= 4 and len(data) >= 4 + HEADER.unpack_from(data)[0]:
+                (size,) = HEADER.unpack_from(data)
+                body, data = data[4 : 4 + size], data[4 + size :]
+                if not size:
+                    continue
+                time.sleep(0.05)
+                if self.junk:
+                    self.junk = False
+                    answer = HEADER.pack(3) + b"\xc1\xc1\xc1"
+                else:
+                    answer = pack({"result": unpack(body)["args"]["request_id"]})
+                try:
+                    conn.sendall(answer)
+                except OSError:  # the client closed meanwhile
+                    return
+
+
+def test_an_interrupted_call_does_not_leave_its_answer_to_the_next(tmp_path: Path) -> None:
+    """A call cancelled while it waits (async), or whose answer cannot be read (sync),
+    closes its connection: the next call reads its own answer, not the late one."""
+    echo = Echo(tmp_path / "a.sock")
+    echo.start()
+
+    async def run() -> list[object]:
+        sock = AsyncStepSocket(_path(echo), 5.0, 0, 0.05, wake_after_s=None)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(sock.call(free("a"), {}), 0.01)
+            return [(await sock.call(free(r), {}))["result"] for r in "bc"]
+        finally:
+            await sock.aclose()
+
+    assert asyncio.run(run()) == ["b", "c"]
+    junk = Echo(tmp_path / "s.sock", junk=True)
+    junk.start()
+    step = StepSocket(_path(junk), 5.0, 0, 0.05, wake_after_s=None)
+    try:
+        with pytest.raises(Exception) as info:
+            step.call(free("a"), {})
+        assert not isinstance(info.value, OSError)
+        assert [step.call(free(r), {})["result"] for r in "bc"] == ["b", "c"]
+    finally:
+        step.close()

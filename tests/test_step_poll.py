@@ -57,7 +57,7 @@ def test_ops_are_predicted_apart_so_an_alternating_engine_polls_only_where_it_he
         polled.append(gaps.answered("slot_mappings"))
         clock.ns += 20_000_000
         gaps.frame_began()
-    assert polled == [False, False] + [True, False] * 4
+    assert polled == [None, None] + ["step_columns", None] * 4
 
 
 def test_a_pipelined_frame_after_the_first_records_no_gap() -> None:
@@ -209,15 +209,15 @@ def test_a_doorbell_starts_a_burst_whose_first_answer_is_polled_for() -> None:
     gaps.poll_ended("step", frame=False)  # (as if one had run out: "step" skips its next)
     clock.ns += 40_000_000
     gaps.frame_began()
-    gaps.rang()
-    assert gaps.answered("step")  # the burst's poll
-    gaps.poll_ended("step", frame=True)
-    for polls in (False, True):  # frames soon after each answer: skipped once, then polled
+    assert gaps.rang() == WAKE
+    assert gaps.answered("step") == "burst step"  # the burst's poll, and its key
+    gaps.poll_ended("burst step", frame=True)
+    for polls in (None, "step"):  # frames soon after each answer: skipped once, then polled
         clock.ns += 50_000
         gaps.frame_began()
-        assert gaps.answered("step") is polls
+        assert gaps.answered("step") == polls
         if polls:
-            gaps.poll_ended("step", frame=True)
+            gaps.poll_ended(polls, frame=True)
     # A client that rings, makes one call and pauses: burst polls that run out.
     polled = []
     for _ in range(8):
@@ -227,10 +227,30 @@ def test_a_doorbell_starts_a_burst_whose_first_answer_is_polled_for() -> None:
         poll = gaps.answered("step")
         polled.append(poll)
         if poll:
-            gaps.poll_ended("step", frame=False)
+            gaps.poll_ended(poll, frame=False)
     assert [i for i, p in enumerate(polled) if p] == [0, 2, 6]
     gaps.rang()  # another op's burst has a back-off of its own
-    assert gaps.answered("step_columns")
+    assert gaps.answered("step_columns") == "burst step_columns"
+
+
+def test_a_poll_decided_but_not_run_carries_nothing_over() -> None:
+    """Each doorbell's frame comes late (its poll runs out) and the burst poll after the
+    answer is decided but not run (the answer partly unsent): the doorbells still back off
+    on their own schedule (misses at 0, 2, 6, 14: 4 polls in 16 doorbells)."""
+    clock = Clock()
+    gaps = GapPredictor(300_000, clock)
+    polled = []
+    for _ in range(16):
+        clock.ns += 5_000_000
+        gaps.frame_began()
+        poll = gaps.rang()
+        polled.append(poll)
+        if poll:
+            gaps.poll_ended(poll, frame=False)
+        clock.ns += 1_000_000
+        gaps.frame_began()
+        gaps.answered("slot_mappings")  # due, and not run: poll_ended is not called
+    assert [i for i, p in enumerate(polled) if p] == [0, 2, 6, 14]
 
 
 def test_polls_that_keep_running_out_back_off_exponentially() -> None:

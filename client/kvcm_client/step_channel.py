@@ -256,13 +256,29 @@ class _Doorbell:
     that fails before its frame leaves the next one to ring again after 300 us).
 
     A service older than the doorbell answers one ``malformed_request`` and closes (the
-    frame after it never runs): the first answer after a ring that says so turns the
-    doorbell off for this socket, and the call is sent again (``_refused``).
+    frame after it never runs). The first answer after a ring that says so turns the
+    doorbell off for this socket, and the call is sent again, without a ring; if that too is
+    refused, the frame was at fault, not the doorbell, which is turned back on (``_judged``).
+    The async client may lose that answer with the connection (asyncio drops what it read
+    once a write fails): a connection that breaks before the frame went out, right after a
+    ring, has the call sent again at once, and two such in a row, with no rung call answered
+    between, turn the doorbell off (``_lost``; a restart of the service makes one).
     """
 
     wake_after_ns: int | None
+    _wake_setting: int | None  # what the socket was made with
     _idle_since: int | None
     _rang: bool
+    _strikes: int  # connections lost right after a ring, in a row
+    _checking: bool  # the doorbell was turned off at a refusal: the next answer confirms
+
+    def _doorbell_init(self, wake_after_s: float | None) -> None:
+        self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
+        self._wake_setting = self.wake_after_ns
+        self._idle_since = None
+        self._rang = False
+        self._strikes = 0
+        self._checking = False
 
     def _ring_due(self) -> bool:
         since = self._idle_since
@@ -275,16 +291,39 @@ class _Doorbell:
         self._rang = True
         return True
 
-    def _refused(self, answer: dict[str, Any]) -> bool:
-        """Whether ``answer`` is an older service's refusal of the doorbell that went out
-        before it (then the doorbell is off from now on); clears ``_rang``."""
+    def _judged(self, answer: dict[str, Any]) -> bool:
+        """Whether to send the call again: ``answer`` refused the doorbell that went out
+        before it (an older service; the call never ran). Clears ``_rang``."""
         rang, self._rang = self._rang, False
         error = answer.get("error")
-        if not rang or not answer.get("close") or type(error) is not dict:
+        refusal = (
+            bool(answer.get("close"))
+            and type(error) is dict
+            and error.get("code") == MalformedRequest.code
+        )
+        if self._checking:  # the answer to the call sent again, without a ring
+            self._checking = False
+            if refusal:  # refused without a doorbell too: the frame's fault
+                self.wake_after_ns = self._wake_setting
             return False
-        if error.get("code") != MalformedRequest.code:
+        if rang and refusal:
+            self.wake_after_ns = None
+            self._checking = True
+            return True
+        if rang:
+            self._strikes = 0
+        return False
+
+    def _lost(self, exc: _Broken) -> bool:
+        """Whether to send the call again at once: its connection broke before the frame
+        went out, right after a ring (the refusal of an older service, lost). Clears
+        ``_rang``."""
+        rang, self._rang = self._rang, False
+        if not rang or exc.sent:
             return False
-        self.wake_after_ns = None
+        self._strikes += 1
+        if self._strikes >= 2:
+            self.wake_after_ns = None
         return True
 
     def wake(self) -> None:
@@ -327,10 +366,8 @@ class StepSocket(_Doorbell):
         self.retries = retries
         self.backoff_s = backoff_s
         self.spin_ns = int(spin_s * 1e9)
-        self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
+        self._doorbell_init(wake_after_s)
         self._sock: socket.socket | None = None
-        self._idle_since = None
-        self._rang = False
         self._packer = packer()
 
     def close(self) -> None:
@@ -367,9 +404,11 @@ class StepSocket(_Doorbell):
                 answer = self._exchange(frame)
             except _Broken as exc:
                 self.close()
+                if self._lost(exc):
+                    continue  # the frame never went out: at once, not an attempt
                 _give_up(self.path, call, attempt, self.retries, exc)
             else:
-                if not self._refused(answer):
+                if not self._judged(answer):
                     return answer
                 continue  # an older service closed on the doorbell: the call never ran
             time.sleep(self.backoff_s * 2**attempt)
@@ -399,6 +438,15 @@ class StepSocket(_Doorbell):
     def _exchange(self, frame: bytes) -> dict[str, Any]:
         sock = self._connect()
         self._idle_since = None
+        try:
+            return self._send_and_read(sock, frame)
+        except _Broken:
+            raise
+        except BaseException:  # interrupted: its answer may still come, out of step
+            self.close()
+            raise
+
+    def _send_and_read(self, sock: socket.socket, frame: bytes) -> dict[str, Any]:
         try:
             sock.sendall(frame)
         except OSError as exc:
@@ -468,11 +516,9 @@ class AsyncStepSocket(_Doorbell):
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
-        self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
+        self._doorbell_init(wake_after_s)
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
-        self._idle_since = None
-        self._rang = False
 
     def wake(self) -> None:
         """``_Doorbell.wake``: written to the stream's buffer (whole, between frames: the
@@ -499,9 +545,11 @@ class AsyncStepSocket(_Doorbell):
                     answer = await self._exchange(frame)
                 except _Broken as exc:
                     await self.aclose()
+                    if self._lost(exc):
+                        continue  # as in StepSocket.call
                     _give_up(self.path, call, attempt, self.retries, exc)
                 else:
-                    if not self._refused(answer):
+                    if not self._judged(answer):
                         return answer
                     continue  # as in StepSocket.call
                 await asyncio.sleep(self.backoff_s * 2**attempt)
@@ -518,6 +566,19 @@ class AsyncStepSocket(_Doorbell):
             self._rang = False  # as in StepSocket._connect
         reader, writer = self._conn
         self._idle_since = None
+        try:
+            return await self._send_and_read(reader, writer, frame)
+        except _Broken:
+            raise
+        except BaseException:  # cancelled or interrupted: its answer may still come
+            self._conn = None
+            self._idle_since = None
+            writer.close()
+            raise
+
+    async def _send_and_read(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, frame: bytes
+    ) -> dict[str, Any]:
         try:
             writer.write(frame)
             await writer.drain()

@@ -199,11 +199,13 @@ class Metrics:
     def observe_later(self, child: Any, seconds: float) -> None:
         """``child.observe(seconds)`` (a histogram's child) at the next scrape: a list
         append here instead of prometheus' bucket search and two locked adds (0.8 us a
-        step). Once ``MAX_OBSERVED`` wait, they go to prometheus at once."""
+        step). While ``MAX_OBSERVED`` wait, the next ones go to prometheus at once (one
+        at a time: no step pays for the others)."""
         observed = self._observed
-        observed.append((child, seconds))
-        if len(observed) >= self.MAX_OBSERVED:
-            self._flush_observed()
+        if len(observed) < self.MAX_OBSERVED:
+            observed.append((child, seconds))
+        else:
+            child.observe(seconds)
 
     def _flush_observed(self) -> None:
         observed, self._observed = self._observed, []

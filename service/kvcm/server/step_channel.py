@@ -233,8 +233,8 @@ class StepChannel:
 
     def wait_for_frame(self, after: str) -> bool:
         """Poll for a connection's next frame after an answer or a doorbell (``after``:
-        the op answered, or ``WAKE``; ``step_poll``), counting how the poll ended: True for
-        a frame, which the event loop then reads as any other."""
+        the poll's key, ``WAKE`` for a doorbell's; ``step_poll``), counting how the poll
+        ended: True for a frame, which the event loop then reads as any other."""
         assert self.poll is not None
         metrics = self.state.metrics
         frame = self.poll.wait()
@@ -366,7 +366,7 @@ class _Connection(asyncio.Protocol):
         """Answer every whole frame in the buffer; time the incomplete one, if any."""
         buffer = self.buffer
         channel = self.channel
-        poll = False  # after the last answer
+        poll: str | None = None  # after the last answer or doorbell: its poll's key
         while not self.closing and not self.paused and len(buffer) >= HEADER.size:
             (size,) = HEADER.unpack_from(buffer)
             limit = channel.limit()
@@ -378,8 +378,7 @@ class _Connection(asyncio.Protocol):
             if not size:  # the doorbell: no answer; the client's frame follows
                 del buffer[:end]
                 channel.rang()
-                op = WAKE
-                poll = self.gaps is not None and self.gaps.rang()
+                poll = None if self.gaps is None else self.gaps.rang()
                 continue
             if len(buffer) < end:
                 break
@@ -388,7 +387,7 @@ class _Connection(asyncio.Protocol):
             self._stop_timer()  # the next frame, if begun, gets a timer of its own
             answer, close, op = channel.handle(body)
             self._send(answer, close)
-            poll = self.gaps is not None and self.gaps.answered(op)
+            poll = None if self.gaps is None else self.gaps.answered(op)
         if self.closing or self.paused:
             # Paused, the buffer may hold whole frames that wait for the client to read:
             # no timer then; resuming looks again.
@@ -399,9 +398,9 @@ class _Connection(asyncio.Protocol):
                 self.timer = loop.call_later(channel.read_timeout, self._too_slow)
         else:
             self._stop_timer()
-            if poll and _nothing_unsent(channel._connections):
+            if poll is not None and _nothing_unsent(channel._connections):
                 assert self.gaps is not None
-                self.gaps.poll_ended(op, channel.wait_for_frame(op))
+                self.gaps.poll_ended(poll, channel.wait_for_frame(poll))
 
     def _too_slow(self) -> None:
         """A frame did not arrive whole in time: drop it and the connection."""

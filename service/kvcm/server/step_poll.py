@@ -104,7 +104,6 @@ class GapPredictor:
         "answered_ns",
         "answered_op",
         "burst",
-        "burst_poll",
         "clock",
         "misses",
         "skip",
@@ -121,25 +120,25 @@ class GapPredictor:
         self.answered_op: str | None = None
         self.answered_ns = 0
         self.burst = False  # a doorbell rang; no answer since
-        self.burst_poll = False  # the poll now running is the burst's
 
-    def answered(self, op: str) -> bool:
-        """An answer to ``op`` was sent; whether to poll for the next frame now."""
+    def answered(self, op: str) -> str | None:
+        """An answer to ``op`` was sent; whether to poll for the next frame now: the key the
+        poll counts under (``poll_ended``), or None."""
         self.answered_op = op
         self.answered_ns = self.clock()
         if self.burst:
             self.burst = False
-            if self._due(BURST + op):
-                self.burst_poll = True
-                return True
-        return self.soon.get(op, False) and self._due(op)
+            key = BURST + op
+            if self._due(key):
+                return key
+        return op if self.soon.get(op, False) and self._due(op) else None
 
-    def rang(self) -> bool:
-        """The doorbell rang; whether to poll for the frame it announces: yes, unless polls
-        after doorbells back off (``poll_ended(WAKE, ...)``: a client that rings and then
-        sends nothing within the window). A burst begins either way."""
+    def rang(self) -> str | None:
+        """The doorbell rang; whether to poll for the frame it announces: ``WAKE``, unless
+        polls after doorbells back off (a client that rings and then sends nothing within
+        the window), then None. A burst begins either way."""
         self.burst = True
-        return self._due(WAKE)
+        return WAKE if self._due(WAKE) else None
 
     def _due(self, key: str) -> bool:
         """Whether a poll counted under ``key`` runs, or is one its back-off skips."""
@@ -149,13 +148,10 @@ class GapPredictor:
             return False
         return True
 
-    def poll_ended(self, op: str, frame: bool) -> None:
-        """The poll after an answer to ``op`` (or after the doorbell: ``WAKE``) ended: by a
-        frame, or it ran out."""
-        key = op
-        if self.burst_poll:
-            self.burst_poll = False
-            key = BURST + op
+    def poll_ended(self, key: str, frame: bool) -> None:
+        """The poll counted under ``key`` (``answered``'s or ``rang``'s) ended: by a frame,
+        or it ran out. (A poll decided but not run, its answer partly unsent, is not
+        counted: nothing of it carries over.)"""
         if frame:
             self.misses[key] = 0
             return
