@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import threading
 import time
@@ -17,7 +18,12 @@ import pytest
 from servers import serve_process
 
 from kvcm_client import AsyncKVCacheClient, KVCacheClient
-from kvcm_client.errors import InvalidArgument, MalformedRequest, PayloadTooLarge
+from kvcm_client.errors import (
+    InvalidArgument,
+    MalformedRequest,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
 from kvcm_client.step_channel import (
     DOORBELL,
     HEADER,
@@ -365,7 +371,12 @@ def test_after_a_closing_answer_the_next_call_reconnects_without_ringing(
 
 class OldService(Recorder):
     """A service older than the doorbell: a zero-length frame is not msgpack, so it is
-    answered ``malformed_request`` and the connection closed, unread frames unrun."""
+    answered ``malformed_request`` and the connection closed, unread frames unrun
+    (``closed`` is set then)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.closed = threading.Event()
 
     def _serve(self, conn: socket.socket) -> None:
         data = b""
@@ -378,6 +389,8 @@ class OldService(Recorder):
                     self.seen.append("refused")
                     error = {"code": "malformed_request", "message": "not msgpack", "detail": {}}
                     conn.sendall(pack({"error": error, "status": 400, "close": True}))
+                    conn.close()
+                    self.closed.set()
                     return
                 self.seen.append(unpack(body)["args"]["request_id"])
                 conn.sendall(pack({"result": None, "generation": "g"}))
@@ -432,8 +445,10 @@ def test_an_async_client_that_loses_the_refusal_sends_again_and_turns_the_doorbe
         try:
             for rid in "abcd":
                 await asyncio.sleep(0.01)
+                old.closed.clear()
                 sock.wake()
-                time.sleep(0.02)  # building the frame: the older service closes meanwhile
+                if sock._rang:  # (not before "a": no connection; nor once it is off)
+                    assert old.closed.wait(5)  # building the frame: the service closes
                 assert (await sock.call(free(rid), {}))["result"] is None
         finally:
             await sock.aclose()
@@ -462,12 +477,7 @@ def test_a_current_service_refusing_the_frame_itself_keeps_the_doorbell(tmp_path
 
 
 class Echo(Recorder):
-    """Answers each frame 50 ms late with its request id; with ``junk``, the first answer
-    is not msgpack."""
-
-    def __init__(self, path: Path, junk: bool = False) -> None:
-        super().__init__(path)
-        self.junk = junk
+    """Answers each frame 50 ms late with its request id."""
 
     def _serve(self, conn: socket.socket) -> None:
         data = b""
@@ -479,11 +489,7 @@ class Echo(Recorder):
                 if not size:
                     continue
                 time.sleep(0.05)
-                if self.junk:
-                    self.junk = False
-                    answer = HEADER.pack(3) + b"\xc1\xc1\xc1"
-                else:
-                    answer = pack({"result": unpack(body)["args"]["request_id"]})
+                answer = pack({"result": unpack(body)["args"]["request_id"]})
                 try:
                     conn.sendall(answer)
                 except OSError:  # the client closed meanwhile
@@ -491,8 +497,8 @@ class Echo(Recorder):
 
 
 def test_an_interrupted_call_does_not_leave_its_answer_to_the_next(tmp_path: Path) -> None:
-    """A call cancelled while it waits (async), or whose answer cannot be read (sync),
-    closes its connection: the next call reads its own answer, not the late one."""
+    """A call cancelled (async) or interrupted (sync) while it waits for its answer closes
+    its connection: the next call reads its own answer, not the late one."""
     echo = Echo(tmp_path / "a.sock")
     echo.start()
 
@@ -506,13 +512,79 @@ def test_an_interrupted_call_does_not_leave_its_answer_to_the_next(tmp_path: Pat
             await sock.aclose()
 
     assert asyncio.run(run()) == ["b", "c"]
-    junk = Echo(tmp_path / "s.sock", junk=True)
-    junk.start()
-    step = StepSocket(_path(junk), 5.0, 0, 0.05, wake_after_s=None)
+    slow = Echo(tmp_path / "s.sock")
+    slow.start()
+    step = StepSocket(_path(slow), 5.0, 0, 0.05, wake_after_s=None)
+    _interrupt_after(0.01)
     try:
-        with pytest.raises(Exception) as info:
-            step.call(free("a"), {})
-        assert not isinstance(info.value, OSError)
+        with pytest.raises(KeyboardInterrupt):
+            step.call(free("a"), {})  # interrupted while it waits for its answer
+    finally:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    try:
+        assert step._sock is None and step._idle_since is None
         assert [step.call(free(r), {})["result"] for r in "bc"] == ["b", "c"]
+    finally:
+        step.close()
+
+
+def _interrupt_after(seconds: float) -> None:
+    """A KeyboardInterrupt in this (the main) thread after ``seconds``."""
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def test_an_interrupted_rung_call_leaves_no_ring_behind(tmp_path: Path) -> None:
+    """A call that rang and was cancelled (async) or interrupted (sync), then a service
+    that is gone: the failed reconnects are not taken for an older service's lost refusals
+    (twice would turn the doorbell off against a current service)."""
+    path = tmp_path / "s.sock"
+
+    async def cycle(sock: AsyncStepSocket, rid: str) -> None:
+        echo = Echo(path)
+        echo.start()
+        assert (await sock.call(free(rid + "1"), {}))["result"] == rid + "1"
+        await asyncio.sleep(0.01)
+        sock.wake()
+        with pytest.raises(TimeoutError):  # the caller's own timeout cancels the call
+            await asyncio.wait_for(sock.call(free(rid + "2"), {}), 0.01)
+        echo.listener.close()
+        path.unlink()  # the service goes away (a restart)
+        with pytest.raises(ServiceUnavailable):
+            await sock.call(free(rid + "3"), {})
+
+    async def run() -> AsyncStepSocket:
+        sock = AsyncStepSocket(str(path), 5.0, 0, 0.05, wake_after_s=0.001)
+        try:
+            for rid in "ab":
+                await cycle(sock, rid)
+        finally:
+            await sock.aclose()
+        return sock
+
+    assert asyncio.run(run()).wake_after_ns is not None
+    step = StepSocket(str(path), 5.0, 0, 0.05, wake_after_s=0.001)
+    try:
+        for rid in "ab":
+            echo = Echo(path)
+            echo.start()
+            assert step.call(free(rid + "1"), {})["result"] == rid + "1"
+            time.sleep(0.01)
+            step.wake()
+            _interrupt_after(0.01)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    step.call(free(rid + "2"), {})
+            finally:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            echo.listener.close()
+            path.unlink()
+            with pytest.raises(ServiceUnavailable):
+                step.call(free(rid + "3"), {})
+        assert step.wake_after_ns is not None
     finally:
         step.close()

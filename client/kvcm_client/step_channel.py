@@ -259,10 +259,11 @@ class _Doorbell:
     frame after it never runs). The first answer after a ring that says so turns the
     doorbell off for this socket, and the call is sent again, without a ring; if that too is
     refused, the frame was at fault, not the doorbell, which is turned back on (``_judged``).
-    The async client may lose that answer with the connection (asyncio drops what it read
-    once a write fails): a connection that breaks before the frame went out, right after a
-    ring, has the call sent again at once, and two such in a row, with no rung call answered
-    between, turn the doorbell off (``_lost``; a restart of the service makes one).
+    That answer can be lost with the connection (asyncio drops what it read once a write
+    fails; a service gone between the ring and the frame looks the same): a connection the
+    peer closed before the frame went out, right after a ring, has the call sent again at
+    once, and two such in a row, with no rung call answered between, turn the doorbell off
+    (``_lost``; a restart of the service makes one).
     """
 
     wake_after_ns: int | None
@@ -315,16 +316,22 @@ class _Doorbell:
         return False
 
     def _lost(self, exc: _Broken) -> bool:
-        """Whether to send the call again at once: its connection broke before the frame
-        went out, right after a ring (the refusal of an older service, lost). Clears
-        ``_rang``."""
+        """Whether to send the call again at once: its connection was closed by the peer
+        before the frame went out, right after a ring (the refusal of an older service,
+        lost). Clears ``_rang`` (and ``_checking``: the check it was is void)."""
         rang, self._rang = self._rang, False
-        if not rang or exc.sent:
+        self._checking = False
+        if not rang or exc.sent or not isinstance(exc.cause, ConnectionError):
             return False
         self._strikes += 1
         if self._strikes >= 2:
             self.wake_after_ns = None
         return True
+
+    def _interrupted(self) -> None:
+        """A call was cancelled or interrupted: what it rang and checked is void."""
+        self._rang = False
+        self._checking = False
 
     def wake(self) -> None:
         """Ring the doorbell if the connection has been idle longer than ``wake_after_s``:
@@ -416,6 +423,7 @@ class StepSocket(_Doorbell):
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
+            self._rang = False  # (kept across a close: the answer that closed is judged)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout)
             try:
@@ -423,6 +431,9 @@ class StepSocket(_Doorbell):
             except OSError as exc:
                 sock.close()
                 raise _Broken(exc, sent=False) from None
+            except BaseException:
+                sock.close()
+                raise
             # Blocking mode with the kernel's timeouts (see the class docstring); no timeout
             # (None) blocks, and at least 1 us is set (a zero timeval means no timeout).
             sock.settimeout(None)
@@ -432,7 +443,6 @@ class StepSocket(_Doorbell):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             self._sock = sock
-            self._rang = False  # (kept across a close: the answer that closed is judged)
         return self._sock
 
     def _exchange(self, frame: bytes) -> dict[str, Any]:
@@ -443,6 +453,7 @@ class StepSocket(_Doorbell):
         except _Broken:
             raise
         except BaseException:  # interrupted: its answer may still come, out of step
+            self._interrupted()
             self.close()
             raise
 
@@ -557,13 +568,13 @@ class AsyncStepSocket(_Doorbell):
 
     async def _exchange(self, frame: bytes) -> dict[str, Any]:
         if self._conn is None:
+            self._rang = False  # as in StepSocket._connect
             try:
                 self._conn = await asyncio.wait_for(
                     asyncio.open_unix_connection(self.path), self.timeout
                 )
             except (OSError, TimeoutError) as exc:
                 raise _Broken(exc, sent=False) from None
-            self._rang = False  # as in StepSocket._connect
         reader, writer = self._conn
         self._idle_since = None
         try:
@@ -571,6 +582,7 @@ class AsyncStepSocket(_Doorbell):
         except _Broken:
             raise
         except BaseException:  # cancelled or interrupted: its answer may still come
+            self._interrupted()
             self._conn = None
             self._idle_since = None
             writer.close()
