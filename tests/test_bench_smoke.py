@@ -150,3 +150,16 @@ def test_step_channel_timeline_quick_splits_every_frame() -> None:
             # call returns, so only their bounds are checked.
             assert min(handle, write, hot) > 0 and total > handle + write
             assert abs(wake) < total and abs(back) < total
+
+
+def test_cold_step_quick_prints_every_cell() -> None:
+    stdout = _bench("cold_step.py", "--quick")
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([\d.]+ \| [\d.]+ \| [\d.]+) \|$", stdout, re.M))
+    assert set(rows) == {"hot", "2 MiB sweep", "64 MiB sweep", "1 ms sleep"}, stdout
+
+
+def test_bench_step_channel_by_replacements_takes_a_gap_and_no_doorbell() -> None:
+    stdout = _bench(
+        "bench_step_channel.py", "--quick", "--by-replacements", "--gap-ms", "1", "--no-doorbell"
+    )
+    assert re.search(r"^\| all \| \d+ \| \d+ \(p99 \d+\) \|$", stdout, re.M), stdout
