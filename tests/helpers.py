@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from oracle import Oracle, OracleGroup
 
 from kvcm import KVCacheManager
+from kvcm_client.step_channel import HEADER
 
 
 class _NoMetric:
@@ -26,6 +31,43 @@ class ChannelState:
     its channel's ``ServiceState``: a fake channel's ``state``."""
 
     metrics = _ChannelMetrics()
+
+
+class FakeStepChannel(threading.Thread):
+    """A fake step channel on a Unix socket, for client tests: accepts connections one
+    after another and hands each to ``serve`` (which ``frames`` helps read)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(8)
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                self.serve(conn)
+
+    def serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def frames(conn: socket.socket) -> Iterator[bytes]:
+        """Each frame's body as it arrives whole (``b""``: a doorbell), until the client
+        closes."""
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+            while len(data) >= HEADER.size:
+                end = HEADER.size + HEADER.unpack_from(data)[0]
+                if len(data) < end:
+                    break
+                body, data = data[HEADER.size : end], data[end:]
+                yield body
 
 
 def layer(i: int, **kw: object) -> dict[str, object]:

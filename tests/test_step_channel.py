@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import msgpack
 import pytest
+from helpers import FakeStepChannel
 from servers import SyncOverAsync, serve_process
 
 from kvcm_client import AsyncKVCacheClient, KVCacheClient
@@ -302,27 +303,17 @@ def test_concurrent_clients_on_one_server(served: tuple[str, Path]) -> None:
         assert kv.stats().num_requests == 0
 
 
-class _Mute(threading.Thread):
-    """A fake channel: reads frames and closes each connection without answering."""
+class _Mute(FakeStepChannel):
+    """A fake channel: reads a frame and closes each connection without answering."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(daemon=True)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        self.listener.listen(8)
-        self.frames = 0
+        super().__init__(path)
+        self.frames_read = 0
 
-    def run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn:
-                (size,) = struct.unpack("<I", conn.recv(4))
-                while size:
-                    size -= len(conn.recv(size))
-                self.frames += 1
+    def serve(self, conn: socket.socket) -> None:
+        for _ in self.frames(conn):
+            self.frames_read += 1
+            return
 
 
 def test_a_step_is_not_resent_once_sent_but_a_read_is(sock_path: Path) -> None:
@@ -331,18 +322,18 @@ def test_a_step_is_not_resent_once_sent_but_a_read_is(sock_path: Path) -> None:
     with KVCacheClient("http://127.0.0.1:9", step_socket=sock_path, backoff_s=0.001) as kv:
         with pytest.raises(ServiceUnavailable):
             kv.step([{"op": "extend", "request_id": "a", "num_new_tokens": 1}])
-        assert mute.frames == 1
+        assert mute.frames_read == 1
         with pytest.raises(ServiceUnavailable):
             kv.slot_mappings(["a"])
-        assert mute.frames == 1 + 3  # retries=2: sent three times
+        assert mute.frames_read == 1 + 3  # retries=2: sent three times
     kv = SyncOverAsync(AsyncKVCacheClient("http://127.0.0.1:9", step_socket=sock_path))
     try:
         with pytest.raises(ServiceUnavailable):
             kv.extend_many(["a"])
-        assert mute.frames == 4 + 1
+        assert mute.frames_read == 4 + 1
         with pytest.raises(ServiceUnavailable):
             kv.probe([1, 2])
-        assert mute.frames == 5 + 3
+        assert mute.frames_read == 5 + 3
     finally:
         kv.close()
     mute.listener.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import FakeStepChannel
 from servers import serve_process
 
 from kvcm_client import AsyncKVCacheClient, KVCacheClient
@@ -37,43 +38,21 @@ from kvcm_client.step_channel import (
 ARGS = ("--default-model", "--num-blocks", "64", "--log-level", "warning")
 
 
-class Recorder(threading.Thread):
+class Recorder(FakeStepChannel):
     """A fake step channel: answers each frame ``{"result": None}`` and records, per
     connection, what came in order: ``"ring"`` for a doorbell, the op for a frame."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(daemon=True)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        self.listener.listen(4)
+        super().__init__(path)
         self.seen: list[str] = []
 
-    def run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn:
-                self._serve(conn)
-
-    def _serve(self, conn: socket.socket) -> None:
-        data = b""
-        while True:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return
-            data += chunk
-            while len(data) >= HEADER.size:
-                (size,) = HEADER.unpack_from(data)
-                if len(data) < HEADER.size + size:
-                    break
-                body, data = data[HEADER.size : HEADER.size + size], data[HEADER.size + size :]
-                if not size:
-                    self.seen.append("ring")
-                    continue
-                self.seen.append(unpack(body)["op"])
-                conn.sendall(pack({"result": None, "generation": "g"}))
+    def serve(self, conn: socket.socket) -> None:
+        for body in self.frames(conn):
+            if not body:
+                self.seen.append("ring")
+                continue
+            self.seen.append(unpack(body)["op"])
+            conn.sendall(pack({"result": None, "generation": "g"}))
 
 
 @pytest.fixture
@@ -324,20 +303,15 @@ class Closer(Recorder):
     """Answers each frame ``payload_too_large`` with ``close`` and closes, as a service
     refusing a frame does."""
 
-    def _serve(self, conn: socket.socket) -> None:
-        data = b""
-        while chunk := conn.recv(65536):
-            data += chunk
-            while len(data) >= 4 and len(data) >= 4 + HEADER.unpack_from(data)[0]:
-                (size,) = HEADER.unpack_from(data)
-                data = data[4 + size :]
-                if not size:
-                    self.seen.append("ring")
-                    continue
-                self.seen.append("frame")
-                error = {"code": PayloadTooLarge.code, "message": "too large", "detail": {}}
-                conn.sendall(pack({"error": error, "status": 413, "close": True}))
-                return
+    def serve(self, conn: socket.socket) -> None:
+        for body in self.frames(conn):
+            if not body:
+                self.seen.append("ring")
+                continue
+            self.seen.append("frame")
+            error = {"code": PayloadTooLarge.code, "message": "too large", "detail": {}}
+            conn.sendall(pack({"error": error, "status": 413, "close": True}))
+            return
 
 
 def test_after_a_closing_answer_the_next_call_reconnects_without_ringing(
@@ -378,22 +352,17 @@ class OldService(Recorder):
         super().__init__(path)
         self.closed = threading.Event()
 
-    def _serve(self, conn: socket.socket) -> None:
-        data = b""
-        while chunk := conn.recv(65536):
-            data += chunk
-            while len(data) >= 4 and len(data) >= 4 + HEADER.unpack_from(data)[0]:
-                (size,) = HEADER.unpack_from(data)
-                body, data = data[4 : 4 + size], data[4 + size :]
-                if not size:
-                    self.seen.append("refused")
-                    error = {"code": "malformed_request", "message": "not msgpack", "detail": {}}
-                    conn.sendall(pack({"error": error, "status": 400, "close": True}))
-                    conn.close()
-                    self.closed.set()
-                    return
-                self.seen.append(unpack(body)["args"]["request_id"])
-                conn.sendall(pack({"result": None, "generation": "g"}))
+    def serve(self, conn: socket.socket) -> None:
+        for body in self.frames(conn):
+            if not body:
+                self.seen.append("refused")
+                error = {"code": "malformed_request", "message": "not msgpack", "detail": {}}
+                conn.sendall(pack({"error": error, "status": 400, "close": True}))
+                conn.close()
+                self.closed.set()
+                return
+            self.seen.append(unpack(body)["args"]["request_id"])
+            conn.sendall(pack({"result": None, "generation": "g"}))
 
 
 def test_an_older_service_turns_the_doorbell_off_and_the_call_is_sent_again(
@@ -479,21 +448,15 @@ def test_a_current_service_refusing_the_frame_itself_keeps_the_doorbell(tmp_path
 class Echo(Recorder):
     """Answers each frame 50 ms late with its request id."""
 
-    def _serve(self, conn: socket.socket) -> None:
-        data = b""
-        while chunk := conn.recv(65536):
-            data += chunk
-            while len(data) >= 4 and len(data) >= 4 + HEADER.unpack_from(data)[0]:
-                (size,) = HEADER.unpack_from(data)
-                body, data = data[4 : 4 + size], data[4 + size :]
-                if not size:
-                    continue
-                time.sleep(0.05)
-                answer = pack({"result": unpack(body)["args"]["request_id"]})
-                try:
-                    conn.sendall(answer)
-                except OSError:  # the client closed meanwhile
-                    return
+    def serve(self, conn: socket.socket) -> None:
+        for body in self.frames(conn):
+            if not body:
+                continue
+            time.sleep(0.05)
+            try:
+                conn.sendall(pack({"result": unpack(body)["args"]["request_id"]}))
+            except OSError:  # the client closed meanwhile
+                return
 
 
 def test_an_interrupted_call_does_not_leave_its_answer_to_the_next(tmp_path: Path) -> None:

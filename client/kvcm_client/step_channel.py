@@ -71,15 +71,15 @@ OPS: dict[str, bool] = {
 def pack(message: dict[str, Any], packer: msgpack.Packer | None = None) -> bytes:
     """One frame: the length prefix, then ``message`` as msgpack. numpy integers and arrays
     and pydantic models are sent as plain values (as the HTTP client's JSON does).
-    ``packer``: a connection's own (``packer()``), which saves making one per frame."""
+    ``packer``: a connection's own (``new_packer()``), which saves making one per frame."""
     try:
-        body = (packer or msgpack.Packer(default=_default)).pack(message)
+        body = (packer or new_packer()).pack(message)
     except (TypeError, OverflowError, ValueError) as exc:
         raise InvalidArgument(f"cannot send this call over the step channel: {exc}") from None
     return HEADER.pack(len(body)) + body
 
 
-def packer() -> msgpack.Packer:
+def new_packer() -> msgpack.Packer:
     """A packer for ``pack``, for one connection (a packer is not safe to share between
     threads; it empties itself after a failed pack)."""
     return msgpack.Packer(default=_default)
@@ -273,7 +273,7 @@ class _Doorbell:
     _strikes: int  # connections lost right after a ring, in a row
     _checking: bool  # the doorbell was turned off at a refusal: the next answer confirms
 
-    def _doorbell_init(self, wake_after_s: float | None) -> None:
+    def __init__(self, wake_after_s: float | None) -> None:
         self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
         self._wake_setting = self.wake_after_ns
         self._idle_since = None
@@ -373,9 +373,9 @@ class StepSocket(_Doorbell):
         self.retries = retries
         self.backoff_s = backoff_s
         self.spin_ns = int(spin_s * 1e9)
-        self._doorbell_init(wake_after_s)
+        super().__init__(wake_after_s)
         self._sock: socket.socket | None = None
-        self._packer = packer()
+        self._packer = new_packer()
 
     def close(self) -> None:
         self._idle_since = None
@@ -527,7 +527,7 @@ class AsyncStepSocket(_Doorbell):
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
-        self._doorbell_init(wake_after_s)
+        super().__init__(wake_after_s)
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
 
