@@ -120,8 +120,8 @@ def test_onboarding_stops_where_free_slots_end() -> None:
     m.free("fill")
     m.allocate("hold", 16)  # 4 slots held: 2 free
     with pytest.raises(OutOfBlocks):
-        m.allocate("b", 17, token_ids=prompt)  # 2 onboarded, then 1 more block is needed
-    assert m.probe_tiers(prompt) == (8, 8)  # the 2 onboarded are on the device now
+        m.allocate("b", 17, token_ids=prompt)  # 2 could be onboarded, but 5 are needed
+    assert m.probe_tiers(prompt) == (0, 16)  # refused before any copy (issue 31)
     m.free("hold")
     assert m.allocate("b", 17, token_ids=prompt).num_hit_tokens == 16
 

@@ -51,7 +51,7 @@ from kvcm_client.errors import (
 from . import allocation, native, request_rows
 from .columnar_types import SECTIONS, ItemError, StepColumns, StepOutcome
 from .commits import commit_batch, commit_row
-from .suspension import suspend_row
+from .suspension import free_suspended, suspend_row
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -268,22 +268,21 @@ class _Run:
             self.item(section, i, lambda i=i, row=row: run(i, row))
 
     def frees(self) -> None:
-        """``each_of_few`` written out for a step's few frees (the usual step frees one or
-        two requests; a call and a closure less per free), else ``each_row``."""
-        m, freed, handles = self.m, self.out.freed_ids, self.cols.free
-        if handles.size > _FEW:
-            run = lambda _, row: freed.append(request_rows.free_row(m, row))  # noqa: E731
-            self.each_row("free", run, recheck=True)
-            return
+        """``each_of_few`` written out (a call and a closure less per free; liveness checked
+        as each item runs, since an earlier item may free the same request). A suspended
+        request is named by the handle it had, as in ``resume``, and freed as ``free()``
+        frees it: its host copies too."""
+        m, freed = self.m, self.out.freed_ids
         current = m._handle
         max_requests = current.size
-        for i, handle in enumerate(handles.tolist()):
+        for i, handle in enumerate(self.cols.free.tolist()):
             row = handle & request_rows.ROW_MASK
-            if row >= max_requests or current.item(row) != handle:
+            live = row < max_requests and current.item(row) == handle
+            if not live and handle not in m._suspended_handles:
                 self.unknown("free", i, handle)
                 continue
             try:
-                freed.append(request_rows.free_row(m, row))
+                freed.append(request_rows.free_row(m, row) if live else free_suspended(m, handle))
             except Exception as exc:
                 self.raised("free", i, exc)
 

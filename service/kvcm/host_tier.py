@@ -30,7 +30,7 @@ copies are batched and ordered with the blocks' copies.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -90,6 +90,29 @@ class HostStats(CopyStats):
     group)."""
     onboarded_states: int = 0
     """Live states copied back at a resume."""
+
+
+#: The counts an undo puts back (the copier's launch counts and times measure work that was
+#: done, undone or not, and stay).
+_UNDONE_COUNTS = tuple(f.name for f in fields(HostStats) if not f.name.startswith("copy_"))
+
+
+@dataclass(slots=True)
+class _Undo:
+    """What an all-or-nothing step's undo puts back in the host tier (``HostTier.begin``):
+    each pool group's index, free slots and held count as the step found them (copied when
+    the step first changes that group), the suspended states' free slots, the counts, and
+    the bytes of host slots that held a block or a suspended request's page when the step
+    reused them (``pages``: (pool group, host slot) -> each pool's row)."""
+
+    counts: tuple[int, ...]
+    state_free: deque[int]
+    lru: dict[int, OrderedDict[HostKey, int]] = field(default_factory=dict)
+    free: dict[int, deque[int]] = field(default_factory=dict)
+    held: dict[int, int] = field(default_factory=dict)
+    #: Host slots a block or suspended page left during the step (dropped, discarded).
+    released: dict[int, set[int]] = field(default_factory=dict)
+    pages: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
 
 
 class _Region:
@@ -163,6 +186,8 @@ class HostTier:
         self.lru: dict[int, OrderedDict[HostKey, int]] = {pg: OrderedDict() for pg in host_slots}
         #: Per pool group: host slots held by suspended requests (private, never dropped).
         self.held = dict.fromkeys(host_slots, 0)
+        #: Inside an all-or-nothing step: what its undo puts back (``begin``).
+        self._undo: _Undo | None = None
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -205,7 +230,81 @@ class HostTier:
         key, slot = self.lru[pool_group].popitem(last=False)
         self.free[pool_group].append(slot)
         self.stats.dropped_blocks += 1
+        if self._undo is not None:
+            self._undo.released[pool_group].add(slot)
         return key
+
+    # -- all-or-nothing steps ------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Record what an all-or-nothing step changes from now on, so that ``undo`` can put
+        it back (``kvcm.transactions``). Costs a copy of the suspended states' free slots;
+        a pool group's index and free slots are copied when the step first changes them.
+
+        Offloads are the only copies such a step makes (it neither onboards nor suspends or
+        resumes: those write device pages that an undo would give back to other owners).
+        Their copies read device slots and write free host slots, or slots the step itself
+        freed (a block the LRU dropped, a suspended request the step freed): the bytes of
+        those are kept before the copy overwrites them. Example: a full host of 2 slots
+        holding k1 (slot 0) and k2 (slot 1); a step evicts k3 from the device: k1 is
+        dropped, slot 0's bytes are kept, k3 is copied into slot 0. The step stops: the undo
+        waits for the copy, writes k1's bytes back into slot 0 and puts the index back."""
+        self._undo = _Undo(
+            tuple(getattr(self.stats, name) for name in _UNDONE_COUNTS), self.state_free.copy()
+        )
+
+    def end(self) -> None:
+        """The step is over (kept or undone): nothing is recorded any more."""
+        self._undo = None
+
+    def undo(self) -> None:
+        """Put back what the host tier held when ``begin`` ran: indices, free and held
+        slots, counts, and the bytes of every slot the step reused."""
+        undo = self._undo
+        assert undo is not None
+        self.copier.finish()  # the step's copies land before their slots are written back
+        for (pg, host_slot), rows in undo.pages.items():
+            for pool, row in zip(self.pools_of[pg], rows, strict=True):
+                self._row(pool, host_slot).copy_(row)
+        for pg, lru in undo.lru.items():
+            self.lru[pg] = lru
+            self.free[pg] = undo.free[pg]
+            self.held[pg] = undo.held[pg]
+        self.state_free = undo.state_free
+        for name, value in zip(_UNDONE_COUNTS, undo.counts, strict=True):
+            setattr(self.stats, name, value)
+        self.begin()  # a fresh record: what follows the undo, if anything, is undone alone
+
+    def _touch(self, pool_group: int) -> _Undo | None:
+        """Inside a step: the record, with this pool group's state copied on its first
+        change; None outside."""
+        undo = self._undo
+        if undo is not None and pool_group not in undo.lru:
+            undo.lru[pool_group] = self.lru[pool_group].copy()
+            undo.free[pool_group] = self.free[pool_group].copy()
+            undo.held[pool_group] = self.held[pool_group]
+            undo.released[pool_group] = set()
+        return undo
+
+    def _keep_pages(self, undo: _Undo, pool_group: int, host_slots: list[int]) -> None:
+        """Keep the bytes of those host slots a copy out is about to overwrite that held a
+        block or page when the step began (it released them); a slot a copy of this step
+        writes already was free then."""
+        released = undo.released[pool_group]
+        for h in host_slots:
+            if (
+                h in released
+                and (pool_group, h) not in undo.pages
+                and not self.copier.writing_host(pool_group, h)
+            ):
+                undo.pages[(pool_group, h)] = [
+                    self._row(pool, h).clone() for pool in self.pools_of[pool_group]
+                ]
+
+    def _row(self, pool: int, host_slot: int) -> torch.Tensor:
+        """Host slot ``host_slot`` of ``pool``'s region: ``[slot_bytes]`` uint8."""
+        region = self.regions[pool]
+        return region.chunks[host_slot // region.per_chunk][host_slot % region.per_chunk]
 
     # -- offload and onboard --------------------------------------------------------------------
 
@@ -216,6 +315,7 @@ class HostTier:
         device slots are handed out again."""
         if not self.num_slots.get(pool_group):
             return
+        undo = self._touch(pool_group)
         lru, free = self.lru[pool_group], self.free[pool_group]
         #: Keys this call stores -> their host slots, in order: a copy each. A key the loop
         #: itself drops again (a host with little room besides suspended requests) loses its
@@ -248,12 +348,15 @@ class HostTier:
         for group, keys in stored.items():
             self.log.host("block_stored", group, keys)
         if devices:
+            if undo is not None:
+                self._keep_pages(undo, pool_group, list(devices))
             self._copy_out(pool_group, list(devices.values()), list(devices))
 
     def reserve(self, pool_group: int, keys: list[HostKey]) -> list[int]:
         """Take blocks out of the index for onboarding: their host slots are then neither
         free nor indexed (copying in) until ``onboard`` frees them, so that offloads of the
         same op (the device slots the onboarding takes may evict) cannot drop them."""
+        assert self._undo is None, "an all-or-nothing step does not onboard"
         lru = self.lru[pool_group]
         return [lru.pop(key) for key in keys]
 
@@ -272,6 +375,7 @@ class HostTier:
     def hold(self, pool_group: int, device_slots: list[int]) -> list[int]:
         """Copy device slots (a suspended request's blocks) into private host slots, which
         no LRU drops; the caller checked ``room``."""
+        assert self._undo is None, "an all-or-nothing step does not suspend"
         free = self.free[pool_group]
         while len(free) < len(device_slots):
             old = self._drop_oldest(pool_group)
@@ -288,6 +392,9 @@ class HostTier:
 
     def discard(self, pool_group: int, host_slots: list[int]) -> None:
         """Free held host slots (a resumed or freed suspended request)."""
+        undo = self._touch(pool_group)
+        if undo is not None:
+            undo.released[pool_group].update(host_slots)
         self.free[pool_group].extendleft(host_slots)
         self.held[pool_group] -= len(host_slots)
 
@@ -357,13 +464,17 @@ def onboard_prefix(
     root: bytes,
     keys: list[bytes],
     cap: int,
+    capacity: int,
     data: bytes,
     lora_id: int | str | None,
     has_salt: bool,
     windows: list[tuple[int | None, int]],
 ) -> None:
     """Bring the host-resident blocks of a prompt's reusable prefix back to the device,
-    so that the hit that follows finds them there (docs/host-tier.md).
+    so that the hit that follows finds them there (docs/host-tier.md). ``OutOfBlocks``,
+    before anything changes, when the request (``capacity`` tokens with its lookahead)
+    would not fit with that hit: an allocate that refuses must not have onboarded, evicted
+    or logged anything.
 
     The prefix is the longest hit of at most ``cap`` blocks (the request computes at least
     its last token) whose needed blocks (``needed_blocks``: all of them, or a window's sinks
@@ -371,47 +482,31 @@ def onboard_prefix(
     blocks are pinned first (held once, out of the queue) so that the slots taken for the
     host blocks cannot evict them; the host blocks are reserved (out of the host index)
     before those slots are taken, since taking them may offload other blocks to a full
-    host. If the free slots do not cover both, the hit is cut to one they do cover.
+    host. A request that does not fit with this hit fits with no smaller one (a block less
+    in the hit is a new block more), so it is refused rather than cut.
+
     Example (tpb 4, 1 group): blocks 0-1 cached on the device, 2-3 on the host, a 17-token
     prompt: 2 slots are taken, the host pages copied into them and published; the allocate
-    then hits 16 tokens.
+    then hits 16 tokens. With 6 free slots (idle blocks 0-1 among them), a 25-token prompt
+    needs 7 (2 idle hits, 2 onboarded, 3 new): refused before any copy.
     """
     cache = c.cache
     tpb = c.tokens_per_block
-    groups = range(len(c.policies))
     b = tier_hit(cache, host, root, keys, cap, tpb, windows)
-    index = [cache.scope(g, root) for g in groups]
-
-    def plan(b: int) -> tuple[dict[int, list[int]], dict[int, list[int]], bool]:
-        """Per group the blocks to onboard and the idle device slots to pin for a hit of
-        b blocks, and whether the free slots cover both."""
-        gaps: dict[int, list[int]] = {}
-        pins: dict[int, list[int]] = {}
-        need: dict[int, int] = {}
-        for g, blocks in enumerate(needed_blocks(b, windows, tpb)):
-            pg = c.group_pool[g]
-            gaps[g] = [i for i in blocks if keys[i] not in index[g]]
-            idle = [index[g][keys[i]] for i in blocks if keys[i] in index[g]]
-            pins[pg] = pins.get(pg, []) + [s for s in idle if c.refs[pg][s] == 0]
-            need[pg] = need.get(pg, 0) + len(gaps[g])
-        fits = all(need[pg] + len(set(pins[pg])) <= c.pools[pg].num_free for pg in need)
-        return gaps, pins, fits
-
-    while b:
-        gaps, pins, fits = plan(b)
-        if not any(gaps.values()):
-            return  # the device serves this hit already
-        if fits:
-            break
-        b -= 1
-        while b and not all(
-            keys[i] in index[g] or host.holds(g, root, keys[i])
-            for g, blocks in enumerate(needed_blocks(b, windows, tpb))
-            for i in blocks
-        ):
-            b -= 1
     if not b:
         return
+    index = [cache.scope(g, root) for g in range(len(c.policies))]
+    gaps: dict[int, list[int]] = {}
+    pins: dict[int, list[int]] = {}
+    for g, blocks in enumerate(needed_blocks(b, windows, tpb)):
+        pg = c.group_pool[g]
+        gaps[g] = [i for i in blocks if keys[i] not in index[g]]
+        idle = [index[g][keys[i]] for i in blocks if keys[i] in index[g]]
+        pins[pg] = pins.get(pg, []) + [s for s in idle if c.refs[pg][s] == 0]
+    if not any(gaps.values()):
+        return  # the device serves this hit already
+    # Covers the onboarding too: its pinned and fresh slots are hit blocks the request holds.
+    c.check_fits(_request_need(c, b, index, keys, capacity, windows))
     pinned: dict[int, list[int]] = {}
     for pg, slots in pins.items():
         slots = sorted(set(slots))
@@ -447,3 +542,28 @@ def onboard_prefix(
     # Onboarded blocks become idle cached blocks; pinned ones idle again (queue tail).
     for pg, slots in (*taken.items(), *pinned.items()):
         c._unref(pg, np.array(slots, dtype=np.int64))
+
+
+def _request_need(
+    c: Coordinator,
+    b: int,
+    index: list[dict[bytes, int]],
+    keys: list[bytes],
+    capacity: int,
+    windows: list[tuple[int | None, int]],
+) -> list[int]:
+    """Free slots per pool group a new request of ``capacity`` tokens needs with a hit of
+    ``b`` blocks, some of them still on the host: counted as ``Coordinator.hit_need``
+    counts a hit, a block to onboard being one more hit block nobody holds (its fresh slot
+    comes out of the queue, as an idle cached one does). Example (tpb 4, one group): a hit
+    of 2 blocks, block 0 idle on the device and block 1 on the host, for 25 tokens: 7
+    blocks, 5 new + 2 unheld = 7."""
+    tpb = c.tokens_per_block
+    want = -(-capacity // tpb)
+    need = [0] * len(c.pools)
+    for g, blocks in enumerate(needed_blocks(b, windows, tpb)):
+        pg = c.group_pool[g]
+        refs, at = c.refs[pg], index[g]
+        unheld = sum(1 for i in blocks if keys[i] not in at or refs[at[keys[i]]] == 0)
+        need[pg] += max(want - b, 0) + unheld
+    return need

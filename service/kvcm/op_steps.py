@@ -57,6 +57,18 @@ def handles_of(m: KVCacheManager, request_ids: list[str]) -> np.ndarray:
     return handles
 
 
+def handles_or_suspended(m: KVCacheManager, request_ids: list[str]) -> np.ndarray:
+    """``handles_of``, with a suspended request named by the handle it gets back (what the
+    columnar ``free`` and ``resume`` take for one)."""
+    handles = handles_of(m, request_ids)
+    if m._suspended:
+        for i, r in enumerate(request_ids):
+            saved = m._suspended.get(r)
+            if saved is not None:
+                handles[i] = saved.handle
+    return handles
+
+
 def columns_of(
     m: KVCacheManager, piece: list[dict[str, Any]]
 ) -> tuple[StepColumns, dict[str, list[int]]]:
@@ -71,7 +83,7 @@ def columns_of(
     new = [op["num_new_tokens"] for op in ext]
     ahead = [op["lookahead"] for op in ext]
     cols = StepColumns(
-        free=handles_of(m, ids["free"]),
+        free=handles_or_suspended(m, ids["free"]),
         rewind=handles_of(m, ids["rewind"]),
         rewind_tokens=[piece[j]["num_tokens"] for j in where["rewind"]],
         commit=handles_of(m, ids["commit"]),
@@ -91,15 +103,8 @@ def columns_of(
         ),
         allocate=[{k: v for k, v in piece[j].items() if k != "op"} for j in where["allocate"]],
         suspend=handles_of(m, ids["suspend"]),
-        # A suspended request by the handle it gets back; others as any id (a live one
-        # is "not suspended", an unknown one unknown).
-        resume=np.array(
-            [
-                m._suspended[r].handle if r in m._suspended else int(h)
-                for r, h in zip(ids["resume"], handles_of(m, ids["resume"]), strict=True)
-            ],
-            dtype=np.int64,
-        ),
+        # A live id's handle: "not suspended"; an unknown one unknown.
+        resume=handles_or_suspended(m, ids["resume"]),
     )
     return cols, where
 

@@ -113,13 +113,26 @@ def _place_in_python(
     tpb = m.tokens_per_block
     c = m._coord
     if tokens is not None:
+        if block_keys is not None:  # (those of the hit are cached keys, so well formed)
+            _check_key_sizes(keys)
         # Not inside an all-or-nothing step: onboarding writes pages into device slots,
         # and an undo would give those slots back to the cache entries they had.
         if m._host is not None and m._undo is None:
             cap = hit_cap(len(keys), num_tokens, tpb)
             # Nothing past the last state checkpoint can be a hit: not worth a copy in.
             cap = state_requests.checkpointed_hit(m, root, keys, cap)
-            onboard_prefix(c, m._host, root, keys, cap, data, lora_id, has_salt, m._windows)
+            onboard_prefix(
+                c,
+                m._host,
+                root,
+                keys,
+                cap,
+                num_tokens + lookahead,
+                data,
+                lora_id,
+                has_salt,
+                m._windows,
+            )
         hit, hits, ends = state_requests.cut_to_checkpoint(
             m,
             root,
@@ -127,8 +140,6 @@ def _place_in_python(
             find_hit(c.cache, root, keys, num_tokens, tpb, m._windows),
             lambda n: find_hit(c.cache, root, keys, n, tpb, m._windows),
         )
-        if block_keys is not None:
-            _check_key_sizes(keys[hit:])
     if hit:
         need, idle = c.hit_need(hits, num_tokens + lookahead)
         c.check_fits(need)

@@ -179,6 +179,15 @@ def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
     return request_rows.info(m, request_id, row)
 
 
+def free_suspended(m: KVCacheManager, handle: int) -> str:
+    """Free the suspended request that had ``handle`` (a step's ``free`` names it so, as a
+    ``resume`` does): its host copies and its row; returns its id."""
+    request_id = m._suspended_handles[handle]
+    row = m._rows[request_id]
+    discard(m, request_id)
+    return request_rows.free_row(m, row)
+
+
 def discard(m: KVCacheManager, request_id: str) -> None:
     """Drop a request's host copies if it is suspended (it is being freed)."""
     saved = m._suspended.pop(request_id, None)

@@ -2,7 +2,10 @@
 
 A checkpoint copies the coordinator's host page tables and free lists and the manager's
 per-request maps; edits to lists shared with the checkpoint (a request's committed ids and
-block keys) register their own undo actions in ``_undo`` while a transaction runs.
+block keys) register their own undo actions in ``_undo`` while a transaction runs. The state
+layers and the host tier record their own changes (``StatePools.begin``, ``HostTier.begin``)
+and put them back, bytes included; the event log goes back with the prefix cache, so a
+follower never sees an event of an undone step.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ if TYPE_CHECKING:
     from .allocation import FirstAllocation
     from .manager import KVCacheManager
     from .publish import PrefixState
+    from .suspension import Suspended
 
 
 @dataclass(slots=True)
@@ -35,6 +39,8 @@ class _Checkpoint:
     committed: np.ndarray
     ids: list[str | None]
     handles: np.ndarray
+    suspended: dict[str, Suspended]
+    suspended_handles: dict[int, str]
 
 
 @contextmanager
@@ -56,10 +62,14 @@ def transaction(m: KVCacheManager) -> Iterator[Callable[[], None]]:
         hits=m._hits.copy(),
         ids=list(m._ids),
         handles=m._handle.copy(),
+        suspended=dict(m._suspended),
+        suspended_handles=dict(m._suspended_handles),
     )
     m._undo = []
     if m._state is not None:
         m._state.begin()
+    if m._host is not None:
+        m._host.begin()
 
     def undo() -> None:
         assert m._undo is not None
@@ -68,6 +78,8 @@ def transaction(m: KVCacheManager) -> Iterator[Callable[[], None]]:
         m._undo.clear()
         if m._state is not None:
             m._state.undo()
+        if m._host is not None:
+            m._host.undo()
         m._coord.restore(saved.coordinator)
         m._rows = dict(saved.rows)
         m._free_rows = list(saved.free_rows)
@@ -78,6 +90,8 @@ def transaction(m: KVCacheManager) -> Iterator[Callable[[], None]]:
         m._hits[:] = saved.hits
         m._ids = list(saved.ids)
         m._handle[:] = saved.handles
+        m._suspended = dict(saved.suspended)
+        m._suspended_handles = dict(saved.suspended_handles)
 
     try:
         yield undo
@@ -88,3 +102,5 @@ def transaction(m: KVCacheManager) -> Iterator[Callable[[], None]]:
         m._undo = None
         if m._state is not None:
             m._state.end()
+        if m._host is not None:
+            m._host.end()
