@@ -77,12 +77,14 @@ def _serve(path: Path, out: Path) -> None:
 
     def timed_send(self: Any, answer: dict[str, Any], close: bool) -> None:
         send(self, answer, close)
-        marks["s1"] = time.perf_counter_ns()
+        stamps.append((marks["start"], marks["h0"], marks["h1"], time.perf_counter_ns()))
 
     def timed_received(self: Any, data: bytes) -> None:
-        start = time.perf_counter_ns()
+        # One stamp per answered frame, from its first bytes: a loaded machine can deliver
+        # a frame in several reads (or none of it yet), so reads and frames do not pair.
+        if not self.buffer:
+            marks["start"] = time.perf_counter_ns()
         received(self, data)
-        stamps.append((start, marks["h0"], marks["h1"], marks["s1"]))
 
     channel.handle = timed_handle
     sc._Connection._send = timed_send  # type: ignore[method-assign]
