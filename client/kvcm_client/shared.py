@@ -13,13 +13,16 @@ Needs torch (the inference server has it); ``import kvcm_client`` alone does not
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from .errors import InvalidArgument, StaleGeneration
+from .errors import DeviceUnavailable, InvalidArgument, StaleGeneration
 from .models import SharedLayout, SharedSegment
+
+log = logging.getLogger(__name__)
 
 
 def require_torch() -> None:
@@ -31,6 +34,38 @@ def require_torch() -> None:
         raise ModuleNotFoundError(
             "attaching to the pools needs torch: pip install 'kvcm-client[attach]'", name="torch"
         ) from exc
+
+
+def cupy_for_ipc() -> Any:
+    """CuPy, which maps the service's CUDA IPC handles, or ``DeviceUnavailable`` naming CuPy.
+
+    There is no other way to map a CUDA pool here, so a missing or unusable CuPy is a typed
+    error that says why, rather than its import's own exception (``PermissionError`` when
+    ``$HOME`` is not writable for CuPy's kernel cache) surfacing from inside ``attach``.
+    """
+    try:
+        import cupy
+    except ModuleNotFoundError as exc:
+        if exc.name == "cupy":
+            raise DeviceUnavailable(
+                "mapping CUDA pools needs CuPy for CUDA IPC (e.g. pip install cupy-cuda12x)"
+            ) from None
+        raise _unusable_cupy(exc) from exc  # CuPy is there, something it imports is not
+    except Exception as exc:
+        raise _unusable_cupy(exc) from exc
+    return cupy
+
+
+def _unusable_cupy(exc: Exception) -> DeviceUnavailable:
+    """The error for an installed CuPy that cannot be used, logged on the way."""
+    message = (
+        "mapping CUDA pools needs CuPy for CUDA IPC, and CuPy is installed but unusable "
+        f"({type(exc).__name__}: {exc})"
+    )
+    if isinstance(exc, OSError):  # nearly always its kernel cache, ~/.cupy/kernel_cache
+        message += ": set CUPY_CACHE_DIR or HOME to a directory this user can write"
+    log.warning("%s", message)
+    return DeviceUnavailable(message)
 
 
 def _open(segment: SharedSegment) -> shared_memory.SharedMemory:
@@ -99,9 +134,9 @@ class Attachment:
         """Open a CUDA IPC handle on the local device with the segment's UUID (zero-copy)."""
         import base64
 
-        import cupy
         import torch
 
+        cupy = cupy_for_ipc()
         index = _device_with_uuid(segment.device_uuid or "")
         with cupy.cuda.Device(index):
             pointer = cupy.cuda.runtime.ipcOpenMemHandle(
@@ -172,8 +207,7 @@ class Attachment:
                 shm.close()
         self._segments.clear()
         if self._ipc:
-            import cupy
-
+            cupy = cupy_for_ipc()  # it opened them, so it imports
             for index, pointer in self._ipc:
                 with cupy.cuda.Device(index), contextlib.suppress(Exception):
                     cupy.cuda.runtime.ipcCloseMemHandle(pointer)
@@ -187,8 +221,7 @@ class Attachment:
 
 
 def _device_with_uuid(uuid: str) -> int:
-    import cupy
-
+    cupy = cupy_for_ipc()
     for index in range(cupy.cuda.runtime.getDeviceCount()):
         if bytes(cupy.cuda.runtime.getDeviceProperties(index)["uuid"]).hex() == uuid:
             return index

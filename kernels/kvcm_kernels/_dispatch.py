@@ -1,15 +1,21 @@
 """The one dispatch point: CuPy raw kernels for CUDA tensors, the torch reference otherwise.
 
-The GPU path is taken when every tensor argument lives on a CUDA device and CuPy imports;
+The GPU path is taken when every tensor argument lives on a CUDA device and CuPy is usable;
 ``KVCM_KERNELS=reference`` forces the reference (benchmarks use it to time torch ops on the
 GPU). Kernels launch on torch's current stream of the tensors' device, so they order with the
 torch work around them. Each ``.cu`` file is compiled once per process and device by
-``cupy.RawModule`` (and cached on disk by CuPy across processes).
+``cupy.RawModule`` (and cached on disk by CuPy across processes, in ``CUPY_CACHE_DIR`` or
+``~/.cupy/kernel_cache``).
+
+CuPy that is installed but unusable (its import creates that cache directory and raises
+``PermissionError`` when ``$HOME`` is not writable; no driver; no NVRTC) is not an error: the
+references run instead, after one warning on this module's logger that names the cause.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -19,15 +25,57 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).parent
+log = logging.getLogger(__name__)
+
+#: Compiled once when CuPy is first asked for: it needs what every launch needs (the driver,
+#: NVRTC, CuPy's kernel cache), so an unusable CuPy shows here, where the references can
+#: still take over, rather than at the first launch of a step.
+PROBE_SOURCE = 'extern "C" __global__ void kvcm_probe(int* out) { if (out) *out = 0; }'
 
 
 @functools.cache
 def _cupy() -> Any:
+    """CuPy, or None when the torch references must run (decided once per process).
+
+    Asked only once CUDA tensors are about. Not installed is the CPU install's normal case;
+    installed but failing to import or to compile the probe kernel is logged once as a
+    warning with the exception, so that a GPU deployment that runs the slower references
+    says why instead of raising in the middle of a step.
+    """
     try:
         import cupy
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name == "cupy":
+            log.info("CuPy is not installed (the gpu extra): kvcm_kernels runs the references")
+        else:  # CuPy is there, something it imports is not
+            _warn_unusable(exc)
+        return None
+    except Exception as exc:  # e.g. PermissionError creating its kernel cache under $HOME
+        _warn_unusable(exc)
+        return None
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+        cupy.RawModule(code=PROBE_SOURCE).get_function("kvcm_probe")
+    except Exception as exc:
+        _warn_unusable(exc)
         return None
     return cupy
+
+
+def _warn_unusable(exc: BaseException) -> None:
+    # An OSError is nearly always CuPy's kernel cache (~/.cupy/kernel_cache by default).
+    hint = (
+        " Set CUPY_CACHE_DIR (or HOME) to a directory this user can write."
+        if isinstance(exc, OSError)
+        else ""
+    )
+    log.warning(
+        "CuPy is installed but unusable (%s: %s): kvcm_kernels falls back to the torch "
+        "reference kernels, which are slower on the GPU.%s",
+        type(exc).__name__,
+        exc,
+        hint,
+    )
 
 
 def gpu_path(*tensors: torch.Tensor) -> bool:
