@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvcm.shared_memory import CudaSegments
+from kvcm.tier_copies import TierCopier
 from kvcm_client.errors import DeviceUnavailable
 from kvcm_client.shared import _device_with_uuid
 from kvcm_kernels import _dispatch, block_copy
@@ -165,3 +166,16 @@ def test_mapping_cuda_pools_in_the_consumer_refuses_with_a_typed_error(
         _device_with_uuid("00" * 16)  # the first CuPy call of attaching a CUDA pool
     assert "CuPy" in str(info.value) and "PermissionError" in str(info.value)
     assert _warnings(caplog, "kvcm_client.shared")
+
+
+def test_a_host_tier_on_cuda_refuses_with_a_typed_error_naming_cupy(
+    fake_cupy: Install, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The host tier's copies are CuPy kernels and raw CUDA calls: without a usable CuPy it
+    is refused where it is built, not with an ``AttributeError`` in the first step's copy."""
+    fake_cupy(RAISES_ON_IMPORT)
+    pool = torch.zeros(4, 64, dtype=torch.uint8)  # (the device is the copier's to check)
+    with caplog.at_level(logging.WARNING), pytest.raises(DeviceUnavailable) as info:
+        TierCopier([pool], {0: [pool.clone()]}, {0: [0]}, torch.device("cuda:0"))
+    assert "needs CuPy" in str(info.value) and info.value.detail == {"device": "cuda:0"}
+    assert _warnings(caplog, "kvcm_kernels._dispatch")  # and the log says why

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 import kvcm_kernels
+from kvcm_client.errors import DeviceUnavailable
 from kvcm_kernels.block_copy import MEMCPY_DEFAULT
 
 
@@ -96,11 +97,17 @@ class TierCopier:
         }
         self.device = device
         self._index = device.index if device.index is not None else 0
+        # Raw runtime handles: the step path makes four calls per launch, and each torch
+        # stream or event call costs several microseconds there.
+        self._rt = kvcm_kernels.block_copy.cuda_runtime() if self.cuda else None
+        if self.cuda and self._rt is None:  # (kvcm_kernels logged why, if CuPy is installed)
+            raise DeviceUnavailable(
+                "a host tier on CUDA needs CuPy (the gpu extra, e.g. cupy-cuda12x): its "
+                "copies are CuPy kernels and raw CUDA calls",
+                device=str(device),
+            )
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.stream is not None:
-            # Raw runtime handles: the step path makes four calls per launch, and each torch
-            # stream or event call costs several microseconds there.
-            self._rt = kvcm_kernels.block_copy.cuda_runtime()
             self._stream = int(self.stream.cuda_stream)
             flags = self._rt.eventDisableTiming
             with torch.cuda.device(self.stream.device):
