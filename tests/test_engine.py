@@ -1,7 +1,10 @@
 """A real model generates through kvcm (in process): every token equals transformers' own
-``generate``, under continuous batching with prefix hits, chunked prefill and preemption; a
-hybrid (Qwen3-Next) too, its recurrent state in kvcm's state slots, restored from state
-checkpoints at prefix hits and, preempted by suspend, from the host tier.
+``generate``, under continuous batching with prefix hits, chunked prefill and preemption; the
+hybrids too (Qwen3-Next's gated delta nets, Granite-4.0-H's, Nemotron-H's and Falcon-H1's
+Mamba-2, Jamba's Mamba-1), their recurrent state in kvcm's state slots, restored from state
+checkpoints at prefix hits and, preempted by suspend, from the host tier. A model with
+recurrent layers of a family the engine does not run (Zamba2, Bamba) is refused with
+``UnsupportedFamily`` before it runs.
 
 The oracle is transformers itself: ``reference_outputs`` runs ``model.generate`` (greedy, its
 own dense cache) on each prompt alone; the engine runs all 16 requests interleaved on kvcm.
@@ -18,11 +21,15 @@ from kvcm import KVCacheManager
 from kvcm_engine import (
     FAMILIES,
     HYBRIDS,
+    STATE_PATHS,
     Backend,
+    BuiltModel,
     CacheMiss,
     Engine,
     Request,
+    StatePath,
     StepTables,
+    UnsupportedFamily,
     build_model,
     hybrid_unsupported,
     kvcm_layers,
@@ -276,3 +283,149 @@ def test_a_request_that_cannot_fit_alone_is_an_error_not_a_hang() -> None:
     with pytest.raises(RuntimeError, match="req-000 does not fit the pool"):
         engine.run([Request("req-000", list(range(1, 41)), 4)])
     assert m.request_ids() == []
+
+
+# -- hybrid families: their layouts, Jamba's token-by-token chunks, refused families ----------
+
+
+def _attention(layer_id: int, kv_heads: int = 2, head_dim: int = 16) -> dict:
+    return {
+        "layer_id": layer_id,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "kv_factor": 2,
+        "dtype": "fp32",
+    }
+
+
+@pytest.mark.parametrize(
+    "family,attention,state_ids,shapes",
+    [
+        # 3 gated delta nets: conv 2 * (2 key heads * 16) + 4 value heads * 16 = 128 channels,
+        # recurrent [4 value heads, 16, 16].
+        ("qwen3_next", [3], [0, 1, 2], {"conv": (128, 3), "recurrent": (4, 16, 16)}),
+        # Mamba-2: d_inner 4 heads * 32 = 128; conv 128 + 2 * 1 group * d_state 8 = 144.
+        ("granitemoehybrid", [1], [0, 2], {"conv": (144, 3), "ssm": (4, 32, 8)}),
+        # "M*M-" (saved as layers_block_type, no num_hidden_layers): conv 128 + 2 * 2 * 8.
+        ("nemotron_h", [1], [0, 2], {"conv": (160, 3), "ssm": (4, 32, 8)}),
+        # Attention and a mixer in both layers: the mixers' states are kvcm layers 2 and 3.
+        ("falcon_h1", [0, 1], [2, 3], {"conv": (144, 3), "ssm": (4, 32, 8)}),
+        # Mamba-1: d_inner 2 * 64 = 128; conv [128, 4 - 1], ssm [128, d_state 8].
+        ("jamba", [1], [0, 2], {"conv": (128, 3), "ssm": (128, 8)}),
+    ],
+)
+def test_the_hybrid_families_layouts(
+    family: str, attention: list[int], state_ids: list[int], shapes: dict
+) -> None:
+    """Each tiny hybrid's kvcm layout, from the config.json its transformers config class
+    writes (so the spellings of transformers 5.x): attention layers of 2 KV heads x 16 in
+    fp32, and state layers whose conv keeps kernel - 1 = 3 columns, the SSM state in fp32."""
+    built = build_model(family)
+    layout = kvcm_layers(built.hf_config)
+    assert layout["layers"] == [_attention(i) for i in attention]
+    assert [s.layer_id for s in layout["state_layers"]] == state_ids
+    for spec in layout["state_layers"]:
+        assert {b.name: (b.shape, b.dtype) for b in spec.buffers} == {
+            name: (shape, "fp32") for name, shape in shapes.items()
+        }
+
+
+def test_jamba_runs_a_chunk_that_continues_a_state_token_by_token() -> None:
+    """Jamba's Mamba-1 scan starts a multi-token forward from zeros: a chunk from position 0
+    runs in one forward, a chunk that continues a state one forward per token. A 40-token
+    prompt in chunks of 16 then 2 tokens: forwards 1 (0..15) + 16 (16..31) + 8 (32..39) + 1
+    (decode) = 26. A second request with the same prompt hits the state checkpoint at 32
+    (commits ended at 16, 32 and 40; the hit stays below the prompt's 40) and runs 8 + 1."""
+    built = _build("jamba")
+    prompt = list(range(1, 41))
+    m = manager_for(built, num_blocks=200)
+    engine = Engine(built, Backend.in_process(m), chunk=CHUNK, max_batch_tokens=48)
+    (a,) = engine.run([Request("a", prompt, 2)])
+    assert engine.stats.forwards == 26
+    assert a.output == reference_outputs(built, [Request("x", prompt, 2)])["x"]
+    (b,) = [r for r in engine.run([Request("b", prompt, 2)]) if r.request_id == "b"]
+    assert b.hit_tokens == 32
+    assert engine.stats.forwards == 26 + 8 + 1
+    assert b.output == a.output
+
+
+def test_jamba_without_token_by_token_chunks_generates_other_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The negative control: Jamba run as if its scan continued a cached state (one forward
+    per chunk, as the gated delta net and Mamba-2 run) loses the state of every chunk after
+    the first and of every prefix hit: some requests' tokens differ from transformers'."""
+    built = _build("jamba")
+    expected = reference_outputs(built, make_requests(16))
+    monkeypatch.setitem(STATE_PATHS, "jamba", StatePath("Mamba-1", scan_continues=True))
+    engine = Engine(built, Backend.in_process(manager_for(built)), chunk=CHUNK)
+    got = {r.request_id: r.output for r in engine.run(make_requests(16))}
+    assert sum(got[k] != expected[k] for k in expected) > 0
+
+
+def _tiny(model_type: str, **fields) -> BuiltModel:
+    """A tiny transformers model of a family kvcm_engine has no entry for."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, **fields)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return BuiltModel(model_type, model, {**config.to_dict(), "model_type": model_type})
+
+
+@pytest.mark.parametrize(
+    "built_fn,evidence",
+    [
+        # Mamba-2 layers and shared attention blocks ("hybrid"): it ended in a KeyError.
+        (
+            lambda: _tiny(
+                "zamba2",
+                num_hidden_layers=2,
+                layers_block_type=["mamba", "hybrid"],
+                num_attention_heads=4,
+                mamba_d_state=8,
+                n_mamba_heads=4,
+                mamba_headdim=32,
+            ),
+            "layers_block_type has hybrid, linear_attention",  # "mamba", as Zamba2Config saves it
+        ),
+        (
+            lambda: _tiny(
+                "bamba",
+                num_hidden_layers=2,
+                attn_layer_indices=[1],
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                mamba_n_heads=4,
+                mamba_d_head=32,
+                mamba_d_state=8,
+            ),
+            "mamba_d_state is set",
+        ),
+    ],
+    ids=["zamba2", "bamba"],
+)
+def test_a_family_whose_state_path_the_engine_lacks_is_refused(built_fn, evidence: str) -> None:
+    """Not a KeyError deep in the model, nor wrong tokens: ``UnsupportedFamily``, naming the
+    family, what shows its recurrent layers and the families the engine runs, from
+    ``kvcm_layers`` (the in-process layout) and from the engine itself (any backend)."""
+    built = built_fn()
+    with pytest.raises(UnsupportedFamily) as exc:
+        kvcm_layers(built.hf_config)
+    assert exc.value.family == built.family and exc.value.evidence == evidence
+    assert str(exc.value) == (
+        f"the example engine does not run model_type {built.family!r}: it has recurrent "
+        f"layers ({evidence}) and the engine implements the state of falcon_h1, "
+        "granitemoehybrid, jamba, nemotron_h, qwen3_next only (besides attention-only models)"
+    )
+    llama = manager_for(build_model("llama"))  # whatever kvcm holds, the engine refuses
+    with pytest.raises(UnsupportedFamily):
+        Engine(built, Backend.in_process(llama))
+
+
+def test_an_attention_model_on_a_hybrid_layout_and_a_hybrid_without_state_are_refused() -> None:
+    qwen = _build("qwen3_next")
+    llama = build_model("llama")
+    with pytest.raises(UnsupportedFamily, match="kvcm holds state layers for it"):
+        Engine(llama, Backend.in_process(manager_for(qwen)))
+    with pytest.raises(ValueError, match="gated delta net layers: register it"):
+        Engine(qwen, Backend.in_process(manager_for(llama)))

@@ -272,3 +272,167 @@ def test_manager_builds_from_each_fixture(name: str) -> None:
     info = m.allocate("r0", 20)
     assert info.num_tokens == 20
     m.free("r0")
+
+
+# -- configs as the installed transformers writes them (issue 31, item 10) ---------------------
+
+
+def _saved_by_transformers(published: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """The config.json the installed transformers' own config class writes for ``published``
+    (``AutoConfig.for_model(...).save_pretrained``): its current spellings (Nemotron-H's
+    ``layers_block_type`` without ``num_hidden_layers``, Granite's ``linear_attention``)."""
+    transformers = pytest.importorskip("transformers")
+    fields = {k: v for k, v in published.items() if k not in ("architectures", "model_type")}
+    config = transformers.AutoConfig.for_model(published["model_type"], **fields)
+    config.save_pretrained(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_the_published_and_the_transformers_saved_config_give_the_same_layers(
+    name: str, tmp_path: Path
+) -> None:
+    """Each family's published config.json and the one transformers' config class saves
+    from it describe one model: the same layers and state layers, on 1 and 2 ranks."""
+    published = _config(name)
+    saved = _saved_by_transformers(published, tmp_path)
+    for tp in (1, 2):
+        assert hybrid_layers_from_hf_config(saved, tensor_parallel=tp) == (
+            hybrid_layers_from_hf_config(published, tensor_parallel=tp)
+        )
+
+
+def test_nemotron_h_8b_saved_by_transformers_has_layers_block_type_and_no_layer_count(
+    tmp_path: Path,
+) -> None:
+    saved = _saved_by_transformers(_config("nemotron-h-8b-base-8k.json"), tmp_path)
+    assert saved.get("num_hidden_layers") is None and "hybrid_override_pattern" not in saved
+    assert len(saved["layers_block_type"]) == 52
+    attn, state = hybrid_layers_from_hf_config(saved)
+    # "M-M-M-M*-...": '*' (full_attention) at 7, 18, 29, 40; 'M' (linear_attention) 24 layers.
+    assert [la["layer_id"] for la in attn] == [7, 18, 29, 40]
+    mamba = [0, 2, 4, 6, 9, 11, 13, 15, 17, 20, 22, 24, 26, 28, 31, 33, 35, 37, 39, 42]
+    assert [s.layer_id for s in state] == [*mamba, 44, 46, 48, 50]
+    assert _attention(attn) == {(8, 128, "bf16")}  # head_dim 128 (saved as head_dim)
+    assert _shapes(state[0]) == {"conv": ((10240, 3), "bf16"), "ssm": ((128, 64, 128), "fp32")}
+    # num_hidden_layers written as null means the same as left out.
+    assert hybrid_layers_from_hf_config(saved | {"num_hidden_layers": None}) == (attn, state)
+
+
+def test_a_tiny_nemotron_h_from_its_config_class_with_moe_and_mlp_layers() -> None:
+    """Built with transformers' NemotronHConfig from the published pattern spelling; every
+    kind: M (linear_attention), * (full_attention), - (mlp) and E (moe)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.NemotronHConfig(
+        hybrid_override_pattern="M*M-ME",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        n_groups=2,
+        ssm_state_size=8,
+        conv_kernel=4,
+        dtype="bfloat16",
+    ).to_dict()
+    assert config["layers_block_type"] == [
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "mlp",
+        "linear_attention",
+        "moe",
+    ]
+    attn, state = hybrid_layers_from_hf_config(config)
+    assert attn == [
+        {"layer_id": 1, "num_kv_heads": 2, "head_dim": 16, "kv_factor": 2, "dtype": "bf16"}
+    ]
+    assert [s.layer_id for s in state] == [0, 2, 4]  # no state for the MLP and the MoE layer
+    # d_inner = 4 heads * 32 = 128; conv_dim = 128 + 2 * 2 groups * 8 = 160; kernel 4 - 1.
+    assert _shapes(state[0]) == {"conv": ((160, 3), "bf16"), "ssm": ((4, 32, 8), "fp32")}
+    # The published spelling of the same model gives the same layers.
+    pattern = {k: v for k, v in config.items() if k != "layers_block_type"}
+    assert hybrid_layers_from_hf_config(
+        pattern | {"hybrid_override_pattern": "M*M-ME", "num_hidden_layers": 6}
+    ) == (attn, state)
+
+
+def test_nemotron_h_layers_block_type_refusals() -> None:
+    saved = _config("nemotron-h-8b-base-8k.json")
+    pattern = saved.pop("hybrid_override_pattern")
+    names = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+    saved["layers_block_type"] = [names[c] for c in pattern]
+    assert len(hybrid_layers_from_hf_config(saved)[1]) == 24  # with num_hidden_layers 52 too
+    with pytest.raises(InvalidArgument, match="layers_block_type has 52 layers") as exc:
+        hybrid_layers_from_hf_config(saved | {"num_hidden_layers": 51})
+    assert exc.value.detail["field"] == "layers_block_type"
+    with pytest.raises(UnsupportedModel) as unknown:
+        hybrid_layers_from_hf_config(
+            saved | {"layers_block_type": ["conv", "full_attention"], "num_hidden_layers": None}
+        )
+    assert unknown.value.detail["layer_id"] == 0
+    for bad in ("M*", [], [1] * 5000):
+        with pytest.raises(InvalidArgument):
+            hybrid_layers_from_hf_config(
+                saved | {"layers_block_type": bad, "num_hidden_layers": None}
+            )
+    # Neither spelling: the error names the published field.
+    del saved["layers_block_type"]
+    with pytest.raises(InvalidArgument) as missing:
+        hybrid_layers_from_hf_config(saved)
+    assert missing.value.detail["field"] == "hybrid_override_pattern"
+
+
+def test_granite_4_layer_types_as_transformers_saves_them() -> None:
+    """GraniteMoeHybridConfig turns the published "mamba" / "attention" into
+    "linear_attention" / "full_attention": both read the same."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GraniteMoeHybridConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+    ).to_dict()
+    assert config["layer_types"] == [
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+    ]
+    attn, state = hybrid_layers_from_hf_config(config)
+    # hidden 64 / 4 heads = head_dim 16; no dtype: bf16.
+    assert attn == [
+        {"layer_id": 1, "num_kv_heads": 2, "head_dim": 16, "kv_factor": 2, "dtype": "bf16"}
+    ]
+    assert [s.layer_id for s in state] == [0, 2, 3]
+    # d_inner = mamba_expand 2 * 64 = 128 = 4 * 32; conv_dim = 128 + 2 * 1 * 8 = 144.
+    assert _shapes(state[0]) == {"conv": ((144, 3), "bf16"), "ssm": ((4, 32, 8), "fp32")}
+    published = config | {"layer_types": ["mamba", "attention", "mamba", "mamba"]}
+    assert hybrid_layers_from_hf_config(published) == (attn, state)
+    tiny = _config("granite-4.0-h-tiny.json")
+    renamed = [
+        "full_attention" if t == "attention" else "linear_attention" for t in tiny["layer_types"]
+    ]
+    assert hybrid_layers_from_hf_config(tiny | {"layer_types": renamed}) == (
+        hybrid_layers_from_hf_config(tiny)
+    )
+
+
+def test_the_hybrid_families_are_the_ones_layers_from_hf_config_points_here() -> None:
+    """``kvcm.model_config.HYBRID_FAMILIES`` (which ``layers_from_hf_config`` refuses, naming
+    this module) is exactly what this module reads."""
+    from kvcm import hf_state
+    from kvcm.model_config import HYBRID_FAMILIES, HYBRID_IMPORT
+
+    assert set(hf_state._KINDS) == HYBRID_FAMILIES
+    module, name = HYBRID_IMPORT.rsplit(".", 1)
+    assert module == hf_state.__name__ and getattr(hf_state, name) is hybrid_layers_from_hf_config
+    assert all(hf_state.is_hybrid(_config(fixture)) for fixture in HYBRIDS)

@@ -201,3 +201,93 @@ def test_hostile_configs_are_invalid_arguments(change: dict[str, Any], field: st
     with pytest.raises(InvalidArgument) as exc:
         layers_from_hf_config(llama | change)
     assert exc.value.detail["field"] == field
+
+
+# -- hybrids and configs as the installed transformers writes them (issue 31, item 10) -------
+
+HYBRID_FIXTURES = [
+    "ai21-jamba-1.5-mini.json",
+    "nemotron-h-8b-base-8k.json",
+    "qwen3-next-80b-a3b-instruct.json",
+    "granite-4.0-h-tiny.json",
+    "falcon-h1-7b.json",
+]
+
+
+def _saved_by_transformers(published: dict[str, Any]) -> dict[str, Any]:
+    """What the installed transformers' config class of ``published`` writes (``to_dict``)."""
+    transformers = pytest.importorskip("transformers")
+    fields = {k: v for k, v in published.items() if k not in ("architectures", "model_type")}
+    return transformers.AutoConfig.for_model(published["model_type"], **fields).to_dict()
+
+
+@pytest.mark.parametrize("name", HYBRID_FIXTURES)
+def test_a_hybrid_is_refused_with_the_function_that_reads_it(name: str) -> None:
+    """Read as attention only, the published Jamba, Nemotron-H, Qwen3-Next and Falcon-H1
+    configs gave one attention layer per hidden layer: a wrong layout and no error. Every
+    hybrid, published or as transformers saves it, is refused, naming the hybrid import."""
+    published = _config(name)
+    for config in (published, _saved_by_transformers(published)):
+        with pytest.raises(UnsupportedModel) as exc:
+            layers_from_hf_config(config)
+        assert "kvcm.hf_state.hybrid_layers_from_hf_config" in exc.value.message
+        assert exc.value.detail == {
+            "model_type": published["model_type"],
+            "use": "kvcm.hf_state.hybrid_layers_from_hf_config",
+        }
+
+
+def test_a_hybrid_of_a_family_kvcm_does_not_read_is_refused() -> None:
+    """Zamba2 (Mamba-2 layers with shared attention blocks, ``layers_block_type``) is no
+    family kvcm reads: an attention-only reading would page a KV cache for every layer."""
+    transformers = pytest.importorskip("transformers")
+    zamba2 = transformers.Zamba2Config(
+        hidden_size=64,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        num_attention_heads=4,
+        mamba_d_state=8,
+    ).to_dict()
+    with pytest.raises(UnsupportedModel) as exc:
+        layers_from_hf_config(zamba2)
+    assert exc.value.detail == {"field": "layers_block_type", "model_type": "'zamba2'"}
+    assert "not a hybrid family kvcm reads" in exc.value.message
+    # A recurrent layer kind in layer_types names the hybrid import and the families it reads.
+    llama = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    with pytest.raises(UnsupportedModel) as kinds:
+        layers_from_hf_config(llama | {"layer_types": ["linear_attention", "full_attention"]})
+    assert kinds.value.detail["layer_id"] == 0
+    assert "kvcm.hf_state.hybrid_layers_from_hf_config" in kinds.value.message
+
+
+def test_deepseek_v3_2_as_transformers_5_saves_it() -> None:
+    """DeepseekV32Config of transformers 5.x writes layer_types "indexed_attention" (its name
+    for "deepseek_sparse_attention"): the same 61 latent layers with the indexer key."""
+    published = _config("deepseek-v3.2.json")
+    saved = _saved_by_transformers(published)
+    assert set(saved["layer_types"]) == {"indexed_attention"}
+    assert layers_from_hf_config(saved) == layers_from_hf_config(published)
+    # Without the indexer's fields it stays refused, as deepseek_sparse_attention is.
+    plain = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    with pytest.raises(UnsupportedModel):
+        layers_from_hf_config(plain | {"layer_types": ["indexed_attention"] * 2})
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gemma-3-4b-it.json",
+        "gemma-2-9b.json",
+        "gpt-oss-20b.json",
+        "llama-3.1-8b.json",
+        "mistral-7b-v0.1.json",
+        "mistral-7b-instruct-v0.3.json",
+        "qwen2.5-7b-instruct.json",
+        "deepseek-v2-lite.json",
+    ],
+)
+def test_attention_models_read_the_same_as_transformers_saves_them(name: str) -> None:
+    published = _config(name)
+    assert layers_from_hf_config(_saved_by_transformers(published)) == (
+        layers_from_hf_config(published)
+    )

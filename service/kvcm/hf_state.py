@@ -8,17 +8,27 @@ two, with the model's real layer ids, for five families (``model_type``):
 
 - ``jamba`` (Jamba, Jamba-1.5): layer ``i`` is attention when
   ``i % attn_layer_period == attn_layer_offset``, else Mamba-1.
-- ``nemotron_h`` (Nemotron-H): ``hybrid_override_pattern``, one character per layer:
-  ``M`` Mamba-2, ``*`` attention, ``-`` MLP and ``E`` MoE (no cache at all).
+- ``nemotron_h`` (Nemotron-H): as published, ``hybrid_override_pattern``, one character per
+  layer: ``M`` Mamba-2, ``*`` attention, ``-`` MLP and ``E`` MoE (no cache at all). As
+  transformers 5.x's ``NemotronHConfig`` saves it, ``layers_block_type`` instead, one name per
+  layer (``linear_attention``, ``full_attention``, ``mlp``, ``moe``), and no
+  ``num_hidden_layers`` (absent or null: the list's length is the layer count; a count that is
+  given must match it). The list wins over the pattern when both are there, as in
+  transformers.
 - ``qwen3_next`` (Qwen3-Next): ``layer_types`` (``linear_attention`` = gated delta net,
   ``full_attention``) or, when the config leaves it out as the published one does, every
   ``full_attention_interval``-th layer is attention (``(i + 1) % interval == 0``), as
   ``Qwen3NextConfig`` derives it.
-- ``granitemoehybrid`` (Granite-4.0-H): ``layer_types`` of ``mamba`` (Mamba-2) / ``attention``.
+- ``granitemoehybrid`` (Granite-4.0-H): ``layer_types`` of ``mamba`` (Mamba-2) / ``attention``
+  as published, ``linear_attention`` / ``full_attention`` as transformers 5.x saves them
+  (``remap_legacy_layer_types``).
 - ``falcon_h1`` (Falcon-H1): every layer runs attention *and* a Mamba-2 mixer side by side.
   Layer ``i``'s attention keeps id ``i``; its mixer's state gets id ``num_hidden_layers + i``
   (kvcm wants ids unique across ``layers`` and ``state_layers``; this keeps the attention ids
   the model's own and puts the state ids right after them, in the same order).
+
+A family's config as published and as the installed transformers' config class saves it
+(``save_pretrained``) give the same layers (``tests/test_hf_state.py`` reads both).
 
 State shapes per request and per rank, as vLLM's ``MambaStateShapeCalculator``
 (``vllm/model_executor/layers/mamba/mamba_utils.py``) sizes them and transformers' modeling
@@ -57,7 +67,9 @@ model dtype, as in vLLM): it accumulates over the whole
 sequence, and fp32 is what vLLM defaults Nemotron-H to ("only float32 is known to have no
 accuracy issues"). vLLM's generic ``mamba_ssm_cache_dtype="auto"`` would use the model dtype
 for the other families; an engine run that way passes ``state_dtype="bf16"``. Attention layers
-come from ``layers_from_hf_config`` (``kv_dtype``, KV heads divided or replicated over ranks).
+are read as ``layers_from_hf_config`` reads them (``kv_dtype``, KV heads divided or replicated
+over ranks), through ``attention_layers_from_hf_config``: ``layers_from_hf_config`` itself
+refuses a hybrid and names this module's ``hybrid_layers_from_hf_config``.
 
 Worked example: Granite-4.0-H-Tiny (40 layers, attention at 5, 15, 25 and 35; hidden 1536,
 Mamba-2 with 48 heads of 64, one group, d_state 128, kernel 4; 12 attention heads, 4 KV heads,
@@ -75,7 +87,7 @@ from typing import Any
 from kvcm_client.errors import InvalidArgument, UnsupportedModel
 from kvcm_client.state import StateBuffer, StateLayerSpec
 
-from .model_config import MAX_LAYERS, layers_from_hf_config
+from .model_config import MAX_LAYERS, attention_layers_from_hf_config
 
 #: config / torch spellings of the dtypes a state buffer may have.
 _STATE_DTYPES = {
@@ -92,6 +104,25 @@ _STATE_DTYPES = {
 #: attention layers of these families are full attention, and their ``layer_types`` name
 #: recurrent kinds that function does not know.
 _ATTENTION_ONLY_DROP = ("layer_types", "sliding_window", "sliding_window_pattern")
+
+#: Nemotron-H's layer names (``layers_block_type``, transformers 5.x) and its published
+#: pattern characters, as kvcm's kinds (``none``: an MLP or MoE layer, no cache).
+_NEMOTRON_H_NAMES = {
+    "linear_attention": "mamba",
+    "full_attention": "attention",
+    "mlp": "none",
+    "moe": "none",
+}
+_NEMOTRON_H_PATTERN = {"M": "mamba", "*": "attention", "-": "none", "E": "none"}
+
+#: Granite-4.0-H's ``layer_types``: published (``mamba`` / ``attention``) and transformers
+#: 5.x's names for the same (``linear_attention`` / ``full_attention``).
+_GRANITE_NAMES = {
+    "mamba": "mamba",
+    "attention": "attention",
+    "linear_attention": "mamba",
+    "full_attention": "attention",
+}
 
 
 def _shown(value: Any) -> str:
@@ -225,7 +256,19 @@ def _head_dim_auto(cfg: dict[str, Any], d_inner: int, heads: int) -> int:
     return _int(cfg, "mamba_d_head")
 
 
-def _kinds_jamba(cfg: dict[str, Any], n: int) -> list[str]:
+def _layer_count(cfg: dict[str, Any]) -> int:
+    """``num_hidden_layers``, at most ``MAX_LAYERS`` (checked before any per-layer list)."""
+    n = _int(cfg, "num_hidden_layers")
+    if n > MAX_LAYERS:
+        raise InvalidArgument(
+            f"model config: num_hidden_layers must be at most {MAX_LAYERS}, got {n}",
+            field="num_hidden_layers",
+        )
+    return n
+
+
+def _kinds_jamba(cfg: dict[str, Any]) -> list[str]:
+    n = _layer_count(cfg)
     period, offset = _int(cfg, "attn_layer_period"), cfg.get("attn_layer_offset")
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
         raise InvalidArgument(
@@ -236,35 +279,56 @@ def _kinds_jamba(cfg: dict[str, Any], n: int) -> list[str]:
     return ["attention" if i % period == offset else "mamba" for i in range(n)]
 
 
-def _kinds_nemotron_h(cfg: dict[str, Any], n: int) -> list[str]:
+def _kinds_nemotron_h(cfg: dict[str, Any]) -> list[str]:
+    """Nemotron-H's kinds from ``layers_block_type`` (transformers 5.x; ``layer_types``, its
+    alias in ``NemotronHConfig``, too) or else the published ``hybrid_override_pattern``."""
+    for key in ("layers_block_type", "layer_types"):
+        if cfg.get(key) is not None:
+            types = cfg[key]
+            if not isinstance(types, list) or not 0 < len(types) <= MAX_LAYERS:
+                raise InvalidArgument(
+                    f"model config: {key} must be a list of 1 to {MAX_LAYERS} layer kinds, "
+                    f"got {_shown(types)}",
+                    field=key,
+                )
+            if cfg.get("num_hidden_layers") is not None and _layer_count(cfg) != len(types):
+                raise InvalidArgument(
+                    f"model config: {key} has {len(types)} layers for num_hidden_layers "
+                    f"{cfg['num_hidden_layers']}",
+                    field=key,
+                )
+            return _kinds_listed(cfg, len(types), _NEMOTRON_H_NAMES, key)
     pattern = cfg.get("hybrid_override_pattern")
     if not isinstance(pattern, str):
         raise InvalidArgument(
-            "model config: hybrid_override_pattern must be a string",
+            "model config: hybrid_override_pattern (or layers_block_type) must be given, "
+            f"as a string (a list), got {_shown(pattern)}",
             field="hybrid_override_pattern",
         )
+    n = _layer_count(cfg)
     if len(pattern) != n:
         raise InvalidArgument(
             f"model config: hybrid_override_pattern has {len(pattern)} layers for {n}",
             field="hybrid_override_pattern",
         )
-    names = {"M": "mamba", "*": "attention", "-": "none", "E": "none"}
     for i, char in enumerate(pattern):
-        if char not in names:
+        if char not in _NEMOTRON_H_PATTERN:
             raise UnsupportedModel(
                 f"model config: layer {i} is {char!r} in hybrid_override_pattern; kvcm knows "
                 "M (Mamba-2), * (attention), - (MLP) and E (MoE)",
                 layer_id=i,
             )
-    return [names[c] for c in pattern]
+    return [_NEMOTRON_H_PATTERN[c] for c in pattern]
 
 
-def _kinds_listed(cfg: dict[str, Any], n: int, names: dict[str, str]) -> list[str]:
-    types = cfg.get("layer_types")
+def _kinds_listed(
+    cfg: dict[str, Any], n: int, names: dict[str, str], key: str = "layer_types"
+) -> list[str]:
+    types = cfg.get(key)
     if not isinstance(types, list) or len(types) != n:
         raise InvalidArgument(
-            f"model config: layer_types must be a list of {n} layer kinds, got {_shown(types)}",
-            field="layer_types",
+            f"model config: {key} must be a list of {n} layer kinds, got {_shown(types)}",
+            field=key,
         )
     for i, kind in enumerate(types):
         if kind not in names:
@@ -276,28 +340,30 @@ def _kinds_listed(cfg: dict[str, Any], n: int, names: dict[str, str]) -> list[st
     return [names[k] for k in types]
 
 
-def _kinds_qwen3_next(cfg: dict[str, Any], n: int) -> list[str]:
+def _kinds_qwen3_next(cfg: dict[str, Any]) -> list[str]:
+    n = _layer_count(cfg)
     if cfg.get("layer_types") is not None:
         return _kinds_listed(cfg, n, {"linear_attention": "gdn", "full_attention": "attention"})
     interval = _int(cfg, "full_attention_interval")
     return ["attention" if (i + 1) % interval == 0 else "gdn" for i in range(n)]
 
 
-def _kinds_granite(cfg: dict[str, Any], n: int) -> list[str]:
-    return _kinds_listed(cfg, n, {"mamba": "mamba", "attention": "attention"})
+def _kinds_granite(cfg: dict[str, Any]) -> list[str]:
+    return _kinds_listed(cfg, _layer_count(cfg), _GRANITE_NAMES)
 
 
-def _kinds_falcon_h1(cfg: dict[str, Any], n: int) -> list[str]:
+def _kinds_falcon_h1(cfg: dict[str, Any]) -> list[str]:
     if cfg.get("attn_layer_indices") is not None:
         raise UnsupportedModel(
             "model config: Falcon-H1 with attn_layer_indices; kvcm models attention beside the "
             "mixer on every layer",
             field="attn_layer_indices",
         )
-    return ["both"] * n
+    return ["both"] * _layer_count(cfg)
 
 
-_KINDS: dict[str, Callable[[dict[str, Any], int], list[str]]] = {
+#: Per family: its layers' kinds (``attention``, ``mamba``, ``gdn``, ``both`` or ``none``).
+_KINDS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "jamba": _kinds_jamba,
     "nemotron_h": _kinds_nemotron_h,
     "qwen3_next": _kinds_qwen3_next,
@@ -358,9 +424,12 @@ def _state_buffers(
     )
 
 
-def _attention_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config ``layers_from_hf_config`` reads for this family's (full) attention layers."""
+def _attention_config(cfg: dict[str, Any], n: int) -> dict[str, Any]:
+    """The config ``attention_layers_from_hf_config`` reads for this family's (full)
+    attention layers: ``n`` of them (Nemotron-H as transformers 5.x saves it has no
+    ``num_hidden_layers``)."""
     attn = {k: v for k, v in cfg.items() if k not in _ATTENTION_ONLY_DROP}
+    attn["num_hidden_layers"] = n
     if attn.get("head_dim") is None and cfg.get("attention_head_dim") is not None:
         attn["head_dim"] = cfg["attention_head_dim"]  # Nemotron-H's spelling
     return attn
@@ -379,10 +448,11 @@ def hybrid_layers_from_hf_config(
 ) -> tuple[list[dict[str, Any]], list[StateLayerSpec]]:
     """(attention LayerSpec dicts, StateLayerSpecs) for one rank of a hybrid model.
 
-    Attention dicts are those ``layers_from_hf_config`` gives, for the attention layers only,
-    with their real layer ids; the state layers carry the recurrent layers' real ids (Falcon-H1:
-    ``num_hidden_layers + i``, see the module docstring). ``state_dtype`` sets the SSM /
-    recurrent state's dtype (default fp32, or what the config pins).
+    Attention dicts are those ``layers_from_hf_config`` gives an attention model, for the
+    attention layers only, with their real layer ids; the state layers carry the recurrent
+    layers' real ids (Falcon-H1: ``num_hidden_layers + i``, see the module docstring).
+    ``state_dtype`` sets the SSM / recurrent state's dtype (default fp32, or what the config
+    pins).
     """
     if not isinstance(config, dict):
         raise InvalidArgument("model config must be a JSON object")
@@ -400,13 +470,8 @@ def hybrid_layers_from_hf_config(
             f"({', '.join(sorted(_KINDS))})",
             model_type=_shown(family),
         )
-    n = _int(config, "num_hidden_layers")
-    if n > MAX_LAYERS:
-        raise InvalidArgument(
-            f"model config: num_hidden_layers must be at most {MAX_LAYERS}, got {n}",
-            field="num_hidden_layers",
-        )
-    kinds = kinds_of(config, n)
+    kinds = kinds_of(config)
+    n = len(kinds)
     conv_dtype, ssm_dtype = _dtypes(config, state_dtype)
     attention_ids = [i for i, k in enumerate(kinds) if k in ("attention", "both")]
     state_ids = [
@@ -414,8 +479,8 @@ def hybrid_layers_from_hf_config(
     ]
     layers: list[dict[str, Any]] = []
     if attention_ids:
-        every = layers_from_hf_config(
-            _attention_config(config), kv_dtype=kv_dtype, tensor_parallel=tensor_parallel
+        every = attention_layers_from_hf_config(
+            _attention_config(config, n), kv_dtype=kv_dtype, tensor_parallel=tensor_parallel
         )
         layers = [every[i] for i in attention_ids]
     state: list[StateLayerSpec] = []

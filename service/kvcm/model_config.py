@@ -19,14 +19,23 @@ Only the attention shape matters to kvcm, so only these fields are read:
   per 128 of them, whatever the KV dtype (as DeepSeek's reference, vLLM and SGLang store it):
   extra buffers ``index_key`` and ``index_key_scale``.
 - Sliding windows, first match wins: ``layer_types`` (``sliding_attention`` /
-  ``full_attention`` per layer; ``deepseek_sparse_attention`` is full attention over the
-  latent); ``sliding_window_pattern`` P (Gemma 3: every P-th layer is full, the others slide);
-  ``model_type == "gemma2"`` (even layers slide); else ``sliding_window`` on every layer, unless
-  ``use_sliding_window`` is false, and only from layer ``max_window_layers`` on when that is
-  given (Qwen2).
+  ``full_attention`` per layer; ``deepseek_sparse_attention``, which transformers 5.x writes
+  ``indexed_attention``, is full attention over the latent); ``sliding_window_pattern`` P
+  (Gemma 3: every P-th layer is full, the others slide); ``model_type == "gemma2"`` (even
+  layers slide); else ``sliding_window`` on every layer, unless ``use_sliding_window`` is
+  false, and only from layer ``max_window_layers`` on when that is given (Qwen2).
 - ``torch_dtype`` (or ``dtype``) picks the KV dtype unless ``kv_dtype`` overrides it.
 - ``max_position_embeddings`` is the model's longest sequence: ``max_seq_len_from_hf_config``
   gives it to the service as ``max_seq_len`` unless one is given explicitly.
+
+Hybrid models (attention plus recurrent state layers: Mamba, gated delta nets) are refused
+here with an ``UnsupportedModel`` that names ``kvcm.hf_state.hybrid_layers_from_hf_config``,
+which gives their attention layers and their state layers together. Read as attention only,
+a hybrid's config would give one attention layer per hidden layer (published Jamba,
+Nemotron-H, Qwen3-Next and Falcon-H1 configs have no per-layer kinds this function reads):
+a wrong layout, not an error. A hybrid is a ``model_type`` of ``HYBRID_FAMILIES`` or a config
+with a field that only recurrent layers have (``_RECURRENT_FIELDS``, e.g. Zamba2's
+``layers_block_type``); a ``layer_types`` entry that is not attention is refused the same way.
 
 Tensor parallelism divides the KV heads: 8 KV heads on 4 ranks are 2 per rank; 8 on 16 ranks
 are replicated, 1 per rank. Worked example: Llama-3.1-8B (32 layers, 8 KV heads, hidden 4096
@@ -111,6 +120,30 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+#: ``model_type`` of the hybrid families ``kvcm.hf_state`` reads (its ``_KINDS``, which a test
+#: checks against this): their configs go to ``hybrid_layers_from_hf_config``.
+HYBRID_FAMILIES = frozenset({"falcon_h1", "granitemoehybrid", "jamba", "nemotron_h", "qwen3_next"})
+
+#: The function that reads a hybrid's config, as error messages name it.
+HYBRID_IMPORT = "kvcm.hf_state.hybrid_layers_from_hf_config"
+
+#: Fields that describe recurrent layers (Mamba's state, a layer-kind pattern of a hybrid, a
+#: gated delta net's conv): a config with one is a hybrid, also of a family kvcm does not read
+#: (Zamba, Zamba2, Bamba, ...), and its attention-only reading would be wrong.
+_RECURRENT_FIELDS = (
+    "hybrid_override_pattern",
+    "layers_block_type",
+    "attn_layer_period",
+    "attn_layer_indices",
+    "mamba_d_state",
+    "ssm_state_size",
+    "linear_conv_kernel_dim",
+)
+
+#: ``layer_types`` entries of full attention over an MLA latent with a sparse-attention indexer
+#: (DeepSeek-V3.2: published ``deepseek_sparse_attention``, transformers 5.x's name for it).
+_INDEXED = frozenset({"deepseek_sparse_attention", "indexed_attention"})
+
 #: Most hidden layers a config may name: a config comes over the network too (a registration),
 #: and every layer becomes a spec (the largest published models have under 200).
 MAX_LAYERS = 4096
@@ -173,18 +206,19 @@ def _windows(cfg: dict[str, Any], n: int) -> list[int | None]:
             )
         out: list[int | None] = []
         for i, kind in enumerate(types):
-            if kind == "full_attention" or (
-                kind == "deepseek_sparse_attention" and "index_head_dim" in cfg
-            ):
+            if kind == "full_attention" or (kind in _INDEXED and "index_head_dim" in cfg):
                 out.append(None)
             elif kind == "sliding_attention":
                 out.append(_int(cfg, "sliding_window"))
             else:
                 raise UnsupportedModel(
-                    f"model config: layer {i} is {_shown(kind)}; kvcm models full and "
-                    "sliding attention only",
+                    f"model config: layer {i} is {_shown(kind)}; layers_from_hf_config "
+                    "models full and sliding attention only (the state layers of a hybrid "
+                    f"come from {HYBRID_IMPORT}, for model_type "
+                    f"{', '.join(sorted(HYBRID_FAMILIES))})",
                     layer_id=i,
                     layer_type=_shown(kind),
+                    use=HYBRID_IMPORT,
                 )
         return out
     if window is None:
@@ -245,13 +279,60 @@ def max_seq_len_from_hf_config(config: dict[str, Any]) -> int | None:
     )
 
 
+def _refuse_hybrid(cfg: dict[str, Any]) -> None:
+    """Refuse a hybrid's config (see the module docstring): an ``UnsupportedModel`` naming the
+    function that reads its state layers, or saying that kvcm reads no state of its family."""
+    family = cfg.get("model_type")
+    if family in HYBRID_FAMILIES:
+        raise UnsupportedModel(
+            f"model config: model_type {family!r} is a hybrid of attention and recurrent state "
+            f"layers; {HYBRID_IMPORT} gives both lists (layers_from_hf_config gives "
+            "attention layers only)",
+            model_type=family,
+            use=HYBRID_IMPORT,
+        )
+    for field in _RECURRENT_FIELDS:
+        if cfg.get(field) is not None:
+            raise UnsupportedModel(
+                f"model config: {field} describes recurrent state layers, and model_type "
+                f"{_shown(family)} is not a hybrid family kvcm reads (it reads "
+                f"{', '.join(sorted(HYBRID_FAMILIES))} through {HYBRID_IMPORT})",
+                field=field,
+                model_type=_shown(family),
+            )
+
+
 def layers_from_hf_config(
     config: dict[str, Any],
     kv_dtype: str | None = None,
     tensor_parallel: int = 1,
 ) -> list[dict[str, Any]]:
-    """LayerSpec dicts (layer ids 0..n-1) for one rank of the model ``config`` describes."""
+    """LayerSpec dicts (layer ids 0..n-1) for one rank of the model ``config`` describes.
+
+    A hybrid (attention and state layers) is an ``UnsupportedModel`` that names
+    ``kvcm.hf_state.hybrid_layers_from_hf_config``: read as attention only, its layout would
+    be wrong without an error.
+    """
     cfg = _text_config(config)
+    _refuse_hybrid(cfg)
+    return _layers(cfg, kv_dtype, tensor_parallel)
+
+
+def attention_layers_from_hf_config(
+    config: dict[str, Any],
+    kv_dtype: str | None = None,
+    tensor_parallel: int = 1,
+) -> list[dict[str, Any]]:
+    """Every hidden layer of ``config`` read as attention, hybrid or not: what
+    ``kvcm.hf_state`` picks a hybrid's attention layers from (it has dropped the fields that
+    name recurrent layer kinds). Not a model's layout on its own: use
+    ``layers_from_hf_config``."""
+    return _layers(_text_config(config), kv_dtype, tensor_parallel)
+
+
+def _layers(
+    cfg: dict[str, Any], kv_dtype: str | None, tensor_parallel: int
+) -> list[dict[str, Any]]:
     if tensor_parallel < 1:
         raise InvalidArgument("tensor_parallel must be >= 1", tensor_parallel=tensor_parallel)
     n = _int(cfg, "num_hidden_layers", MAX_LAYERS)

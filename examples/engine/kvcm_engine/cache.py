@@ -21,10 +21,10 @@ A sliding-window group with window W reads positions from ``first_query - W + 1`
 page kvcm does not hold: a window released too early or a missing page would otherwise only
 show as wrong tokens.
 
-Recurrent layers (a hybrid model's gated delta nets) ask the cache for their conv window and
-recurrent state (``get_conv_state``, ``get_recurrent_state``) and hand back the new ones
-(``update_conv_state``, ``update_recurrent_state``, or in place in a one-token step).
-``StepStates`` gathers the forward's requests' live states from kvcm's state views (their
+Recurrent layers (a hybrid model's gated delta nets and Mamba mixers) ask the cache for their
+conv window and recurrent state (``get_conv_state``, ``get_recurrent_state``) and hand back
+the new ones (``update_conv_state``, ``update_recurrent_state``, or in place in a one-token
+step). ``StepStates`` gathers the forward's requests' live states from kvcm's state views (their
 state slots) before the forward and writes them back after it. kvcm keeps ``kernel - 1`` past
 inputs per conv window (transformers' own cache keeps ``kernel``; the oldest one never enters
 an output): a forward's causal conv runs over ``[window, new inputs]``, so its outputs for the
@@ -198,7 +198,10 @@ class KVCMCache:
 
     ``view(layer_id, role)`` is kvcm's pool view of that layer and role
     ``[num_slots, tokens_per_block, heads, head_dim]`` (the in-process manager's or an
-    attachment's ``layer_view``); ``states``: the recurrent layers' states, for a hybrid.
+    attachment's ``layer_view``); ``states``: the recurrent layers' states, for a hybrid;
+    ``state_ids``: the kvcm state layer of each of the model's recurrent layers, by the
+    model's layer index (default: the same id; Falcon-H1's mixer of layer i is kvcm's state
+    layer ``num_hidden_layers + i``, its attention keeping id i).
     """
 
     def __init__(
@@ -207,11 +210,13 @@ class KVCMCache:
         layers: dict[int, LayerInfo],
         tables: StepTables,
         states: StepStates | None = None,
+        state_ids: dict[int, int] | None = None,
     ) -> None:
         self._view = view
         self._layers = layers
         self._tables = tables
         self._states = states
+        self._state_ids = state_ids or {}
 
     def update(
         self,
@@ -250,7 +255,7 @@ class KVCMCache:
 
     def _state(self, layer_idx: int) -> list[torch.Tensor]:
         assert self._states is not None, "a recurrent layer in a model without state layers"
-        return self._states.states[layer_idx]
+        return self._states.states[self._state_ids.get(layer_idx, layer_idx)]
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         """The batch's conv windows ``[R, conv_dim, kernel - 1]`` (zeros for a new request:

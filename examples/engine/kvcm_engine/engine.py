@@ -11,13 +11,18 @@ tables. The logits of each request's last column pick its next token (greedy).
 Two backends give the same engine: ``Backend.in_process(manager)`` and
 ``Backend.sidecar(client)`` (HTTP for the calls, the attached pools for the memory).
 
-A hybrid model (state layers: Qwen3-Next's gated delta nets) also runs its recurrent layers
-on kvcm's state slots (``StepStates``: gathered before the forward, written back after it).
-Its requests run in forwards of equal token counts, never left-padded: a padding column would
-go through the recurrence and change the state (attention masks it; a recurrent layer has no
-mask that undoes an input). Decodes batch together (one token each), prefill chunks go with
-the chunks of their own length. Its scheduler ends prefill chunks on block boundaries
-(``align``), where kvcm checkpoints the state for prefix hits.
+A hybrid model (state layers: gated delta nets, Mamba-2 or Mamba-1 mixers; the families of
+``models.STATE_PATHS``) also runs its recurrent layers on kvcm's state slots
+(``StepStates``: gathered before the forward, written back after it). Its requests run in
+forwards of equal token counts, never left-padded: a padding column would go through the
+recurrence and change the state (attention masks it; a recurrent layer has no mask that
+undoes an input). Decodes batch together (one token each), prefill chunks go with the chunks
+of their own length. Its scheduler ends prefill chunks on block boundaries (``align``), where
+kvcm checkpoints the state for prefix hits. A family whose multi-token scan starts from a
+zero state (Jamba's Mamba-1) runs a chunk that continues a state (from a position above 0:
+a prompt's later chunks, the prefill after a prefix hit or a resume) one token per forward
+(``_forwards``); a model with recurrent layers of a family the engine does not implement is
+refused (``UnsupportedFamily``) when the engine is made.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from .cache import KVCMCache, LayerInfo, StepStates, StepTables
-from .models import BuiltModel, hybrid_unsupported
+from .models import BuiltModel, UnsupportedFamily, hybrid_unsupported, state_path
 from .scheduler import Request, Scheduler, Work
 
 
@@ -176,7 +181,16 @@ class Engine:
     ) -> None:
         self.model = built.model
         self.backend = backend
+        family = built.hf_config.get("model_type")
+        self._path = state_path(built.hf_config)  # UnsupportedFamily: a state path not here
         self._hybrid = backend.state_view is not None
+        if self._hybrid and self._path is None:
+            raise UnsupportedFamily(family, "kvcm holds state layers for it")
+        if self._path is not None and not self._hybrid:
+            raise ValueError(
+                f"{family} has {self._path.mixer} layers: register it with kvcm as a hybrid "
+                "(kvcm.hf_state), so that kvcm holds their state"
+            )
         if self._hybrid and (why := hybrid_unsupported()) is not None:
             raise RuntimeError(why)
         self.scheduler = Scheduler(
@@ -191,25 +205,45 @@ class Engine:
         config = self.model.config
         self._device = next(self.model.parameters()).device
         self._dtype = next(self.model.parameters()).dtype
-        types = getattr(config, "layer_types", None)
-        # Models with several layer types take a mask per type (a dict); the others one mask.
-        # A recurrent layer type (a state layer in kvcm) takes none: its batches are unpadded.
-        self._mask_groups: dict[str, int | None] | None = None
-        if types and len(set(types)) > 1:
-            groups: dict[str, int | None] = {}
-            for layer, kind in enumerate(types):
-                info = backend.layers.get(layer)
-                if info is None and layer not in backend.state_buffers:
-                    raise ValueError(f"layer {layer} ({kind}) is not one of kvcm's layers")
-                g = None if info is None else info.group
-                if groups.setdefault(kind, g) != g:
-                    raise ValueError(f"layers of type {kind} are in several kvcm layer groups")
-            self._mask_groups = groups
-        elif len(backend.windows) != 1:
-            raise ValueError("a model with one layer type needs one kvcm layer group")
+        # The model's recurrent layer i keeps its state in kvcm state layer _state_ids[i].
+        offset = (
+            config.num_hidden_layers
+            if self._path is not None and self._path.state_ids_after_attention
+            else 0
+        )
+        self._state_ids = {layer - offset: layer for layer in backend.state_buffers}
+        self._mask_groups = self._masks(getattr(config, "layer_types", None))
         params = inspect.signature(self.model.forward).parameters
         # transformers renamed past_key_values to cache in 5.x.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def _masks(self, types: Sequence[str] | None) -> dict[str, int | None] | None:
+        """Which kvcm layer group's mask each layer type takes (a dict), or None where the
+        model takes one mask. Models with several layer types take a mask per type; a
+        recurrent type (a state layer in kvcm) and a cacheless one (Nemotron-H's MLP and MoE
+        layers) take none: a hybrid's batches are unpadded. A hybrid always gets the dict, with
+        ``full_attention`` and ``linear_attention`` (Falcon-H1's one type, ``hybrid``, runs
+        both; its model reads those two keys)."""
+        b = self.backend
+        if not self._hybrid and not (types and len(set(types)) > 1):
+            if len(b.windows) != 1:
+                raise ValueError("a model with one layer type needs one kvcm layer group")
+            return None
+        groups: dict[str, int | None] = {}
+        for layer, kind in enumerate(types or []):
+            info = b.layers.get(layer)
+            if info is None and layer not in self._state_ids and kind not in ("mlp", "moe"):
+                raise ValueError(f"layer {layer} ({kind}) is not one of kvcm's layers")
+            g = None if info is None else info.group
+            if groups.setdefault(kind, g) != g:
+                raise ValueError(f"layers of type {kind} are in several kvcm layer groups")
+        if self._hybrid:
+            groups.setdefault("linear_attention", None)
+            if "full_attention" not in groups:
+                if len(b.windows) != 1:
+                    raise ValueError("a hybrid's attention layers need one kvcm layer group")
+                groups["full_attention"] = 0
+        return groups
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -244,7 +278,8 @@ class Engine:
             tables = self.backend.page_tables()
             kvcm_s += time.perf_counter() - t
             t = time.perf_counter()
-            next_tokens.update(self._forward(batch, slots, tables))
+            for work, work_slots in self._forwards(batch, slots):
+                next_tokens.update(self._forward(work, work_slots, tables))
             self.stats.model_s += time.perf_counter() - t
         self.scheduler.finish_step(plan, next_tokens)
         self.stats.kvcm_s += kvcm_s
@@ -258,10 +293,35 @@ class Engine:
             return []
         if not self._hybrid:
             return [plan]
-        by_count: dict[int, list[Work]] = {}
+        by_count: dict[tuple[int, bool], list[Work]] = {}
         for w in plan:
-            by_count.setdefault(w.count, []).append(w)
+            by_count.setdefault((w.count, self._token_by_token(w)), []).append(w)
         return list(by_count.values())
+
+    def _token_by_token(self, w: Work) -> bool:
+        """Whether ``w`` runs one token per forward: it continues a state (from a position
+        above 0) with several tokens, in a family whose multi-token scan starts from zeros."""
+        path = self._path
+        return path is not None and not path.scan_continues and w.start > 0 and w.count > 1
+
+    def _forwards(
+        self, batch: list[Work], slots: torch.Tensor
+    ) -> list[tuple[list[Work], torch.Tensor]]:
+        """The forwards of one batch (equal counts, for a hybrid) and their slot mappings
+        (``slots`` ``[groups, sum(counts)]``, request after request): the batch in one, or,
+        for work that runs token by token, one forward per token position j with each
+        request's token j (columns ``i * count + j``). Example: 2 requests of 3 tokens from
+        positions 8 and 20 give forwards of (8, 20), (9, 21), (10, 22), one token each."""
+        if not self._token_by_token(batch[0]):
+            return [(batch, slots)]
+        count = batch[0].count
+        return [
+            (
+                [Work(w.request, w.start + j, 1) for w in batch],
+                slots[:, [i * count + j for i in range(len(batch))]],
+            )
+            for j in range(count)
+        ]
 
     @torch.no_grad()
     def _forward(
@@ -299,7 +359,7 @@ class Engine:
                 [w.request.kv_id for w in plan], [w.request.row for w in plan]
             )
             states = StepStates(b.state_view, b.state_buffers, state_slots)
-        cache = KVCMCache(b.view, b.layers, step_tables, states)
+        cache = KVCMCache(b.view, b.layers, step_tables, states, self._state_ids)
         out = self.model(
             input_ids=ids.to(self._device),
             position_ids=pos.to(self._device),
