@@ -198,3 +198,32 @@ def test_the_async_client_attaches_and_detaches(service: tuple[str, object]) -> 
     attached, after, mean = asyncio.run(run())
     assert attached == [os.getpid()] and after == []
     assert mean == 2.0  # zero queries: uniform weights over values that are all 2
+
+
+def test_an_attach_whose_mapping_fails_leaves_no_consumer(
+    service: tuple[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service hears of a consumer before it maps (so that pools are not freed under it);
+    a mapping that fails (CUDA pools and no usable CuPy, say) unregisters it again, or the
+    service would wait on a consumer that never was."""
+    import asyncio
+
+    from kvcm_client import AsyncKVCacheClient, shared
+    from kvcm_client.errors import DeviceUnavailable
+
+    def fails(*_: object, **__: object) -> None:
+        raise DeviceUnavailable("mapping CUDA pools needs CuPy")
+
+    monkeypatch.setattr(shared, "Attachment", fails)
+    with KVCacheClient(service[0]) as kv:
+        with pytest.raises(DeviceUnavailable):
+            kv.attach()
+        assert kv.consumers() == []
+
+    async def run() -> list[object]:
+        async with AsyncKVCacheClient(service[0]) as kv:
+            with pytest.raises(DeviceUnavailable):
+                await kv.attach()
+            return list(await kv.consumers())
+
+    assert asyncio.run(run()) == []

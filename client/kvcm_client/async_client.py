@@ -377,7 +377,12 @@ class AsyncKVCacheClient:
         require_torch()
         layout = await self.pools(rank)
         info = await self._run(calls.register_consumer(os.getpid(), layout.generation))
-        attachment = Attachment(layout)
+        try:
+            attachment = Attachment(layout)
+        except BaseException:  # as in the sync client: a mapping that failed leaves no consumer
+            with contextlib.suppress(UnknownConsumer, StaleGeneration):
+                await self._run(calls.unregister_consumer(info.consumer_id))
+            raise
         attachment.consumer_id = info.consumer_id  # type: ignore[attr-defined]
         return attachment
 

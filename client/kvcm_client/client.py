@@ -438,11 +438,15 @@ class KVCacheClient:
         require_torch()  # before the service hears of this consumer
         layout = self.pools(rank)
         info = self._run(calls.register_consumer(os.getpid(), layout.generation))
-        return Attachment(
-            layout,
-            on_close=lambda: self._unregister(info.consumer_id),
-            check=lambda: check_same_generation(layout.generation, self.check_generation()),
-        )
+        try:
+            return Attachment(
+                layout,
+                on_close=lambda: self._unregister(info.consumer_id),
+                check=lambda: check_same_generation(layout.generation, self.check_generation()),
+            )
+        except BaseException:  # nothing mapped (no CuPy for CUDA pools, say): no consumer
+            self._unregister(info.consumer_id)
+            raise
 
     def _unregister(self, consumer_id: str) -> None:
         # Already gone: a retried delete, a consumer the service forgot (thought dead, or of
