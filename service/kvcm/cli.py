@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
+import signal
 import socket
 import stat
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -254,36 +259,214 @@ def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
     return "\n\n".join(out)
 
 
-def _bind_tcp(host: str, port: int) -> tuple[socket.socket, str]:
+class CommandError(Exception):
+    """A failure a person fixes from its message alone (a busy port, a missing folder): ``main``
+    prints it as one line, ``kvcm: <message>``, exit status 2, without a traceback. The message
+    names what failed (the flag, the address or path) and, where there is one, the way out."""
+
+
+def _where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listen_error(host: str, port: int, exc: OSError, port_flag: str, host_flag: str) -> str:
+    """Why ``host:port`` cannot be bound, for people: the OS says only "Address already in
+    use", not which address, nor which flag picks another."""
+    if exc.errno == errno.EADDRINUSE:
+        why = f"address already in use (another kvcm? choose another {port_flag})"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        why = f"{host} is not an address of this machine (check {host_flag})"
+    elif exc.errno == errno.EACCES and 0 < port < 1024:
+        why = f"permission denied: ports below 1024 need privileges (choose another {port_flag})"
+    elif isinstance(exc, socket.gaierror):
+        why = f"cannot resolve {host}: {exc.strerror} (check {host_flag})"
+    else:
+        why = (exc.strerror or str(exc)).lower()
+    return f"cannot listen on {_where(host, port)}: {why}"
+
+
+def _bind_tcp(
+    host: str, port: int, port_flag: str = "--port", host_flag: str = "--host"
+) -> tuple[socket.socket, str]:
+    """A TCP socket bound to ``host:port`` and its URL; a ``CommandError`` naming the address
+    and the flags (``port_flag``, ``host_flag``) where it cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CommandError(_listen_error(host, port, exc, port_flag, host_flag)) from None
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
     return sock, f"http://{shown}:{bound_port}"
 
 
-def _bind(settings: Settings) -> tuple[socket.socket, str]:
-    """Bind the listening socket here, so ``--port 0`` can report the port it got."""
+#: The longest Unix socket path bind() takes (``sun_path``: 108 bytes on Linux, 104 elsewhere).
+_SUN_PATH = 108 if sys.platform.startswith("linux") else 104
+
+
+def check_socket_path(flag: str, path: Path) -> None:
+    """Refuse, naming ``flag``, a Unix socket path that cannot be bound: bind() says only "No
+    such file or directory" for a missing folder, and the step socket is bound in the
+    application's startup, where a failure is a uvicorn traceback. Checked before the model is
+    built, so that a wrong path fails at once."""
+    folder = path.parent
+    if not folder.exists():
+        raise CommandError(
+            f"{flag} {path}: the folder {folder} does not exist (create it, or choose another path)"
+        )
+    if not folder.is_dir():
+        raise CommandError(f"{flag} {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CommandError(f"{flag} {path}: cannot create a socket in {folder}: permission denied")
+    size = len(os.fsencode(path))
+    if size > _SUN_PATH:
+        raise CommandError(
+            f"{flag} {path}: too long for a Unix socket ({size} bytes, at most {_SUN_PATH}): "
+            "choose a shorter path"
+        )
+
+
+def _clear_stale_uds(path: Path) -> None:
+    """Remove a socket file at ``path`` that nobody listens on (left by a process that died);
+    refuse one a running process serves on (it is not ours to take over), or a path that is
+    not a socket (not ours to delete)."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise CommandError(
+            f"--uds {path}: exists and is not a socket (remove it, or choose another path)"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # stale: nobody accepts on it
+        return
+    except OSError:
+        pass  # a listener that does not answer in time (stopped? busy?) is still a listener
+    finally:
+        probe.close()
+    raise CommandError(
+        f"--uds {path}: another process serves on it (another kvcm? stop it, or choose another "
+        "path)"
+    )
+
+
+@dataclass(frozen=True)
+class OwnSocket:
+    """A Unix socket file this process created: its path and identity (device, inode)."""
+
+    path: Path
+    ident: tuple[int, int]
+
+    @classmethod
+    def of(cls, path: Path) -> OwnSocket:
+        st = path.lstat()
+        return cls(path, (st.st_dev, st.st_ino))
+
+    def remove(self) -> None:
+        """Remove the socket file, if the file at the path is still the one this process
+        created: one that replaced it (someone removed ours and another service bound the
+        path, or put something else there) is not ours to delete."""
+        try:
+            st = self.path.lstat()
+        except FileNotFoundError:
+            return
+        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self.ident:
+            self.path.unlink(missing_ok=True)
+
+
+def _bind(settings: Settings) -> tuple[socket.socket, str, OwnSocket | None]:
+    """Bind the listening socket here, so ``--port 0`` can report the port it got. For
+    ``--uds`` (its path checked already: ``check_socket_path``), also the socket file made,
+    for ``serve`` to remove at exit."""
     if settings.uds is not None:
         path = settings.uds
-        if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
-            path.unlink()  # a stale socket from a previous run
+        _clear_stale_uds(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o117)  # rw for owner and group only
         try:
             sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
+            raise CommandError(f"--uds {path}: cannot bind: {exc.strerror or exc}") from None
         finally:
             os.umask(old)
-        return sock, f"unix:{path}"
-    return _bind_tcp(settings.host, settings.port)
+        return sock, f"unix:{path}", OwnSocket.of(path)
+    sock, url = _bind_tcp(settings.host, settings.port)
+    return sock, url, None
+
+
+def _say(line: str) -> None:
+    """Print a status line; where stdout's reader is gone (``kvcm serve | head -1``), go on
+    serving with stdout silenced instead of failing on the next line."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        _silence_stdout()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null once its reader is gone, so that nothing written later, nor
+    the flush at exit, fails again (Python would print "Exception ignored ... BrokenPipeError")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a file descriptor (a test's capture)
+        pass
+
+
+def _app(settings: Settings) -> Any:
+    """The app (``app_from_settings``), with a ZeroMQ bind failure or a missing pyzmq named as
+    ``--kv-events-zmq``'s: pyzmq's own errors do not say which option they come from."""
+    from .server.app import app_from_settings
+
+    if settings.kv_events_zmq is None:
+        return app_from_settings(settings)
+    flag = f"--kv-events-zmq {settings.kv_events_zmq}"
+    try:
+        import zmq
+    except ImportError:
+        raise CommandError(f"{flag}: needs pyzmq (pip install pyzmq)") from None
+    try:
+        return app_from_settings(settings)
+    except zmq.ZMQError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            why = "address already in use (another kvcm? choose another address)"
+        elif exc.errno == errno.EINVAL:
+            why = "not an endpoint ZeroMQ can bind (e.g. tcp://127.0.0.1:5557)"
+        else:
+            why = str(exc.strerror or exc).lower()
+        raise CommandError(f"{flag}: cannot bind: {why}") from None
 
 
 def serve(settings: Settings) -> int:
+    """Run the service until SIGTERM or SIGINT, then shut down gracefully and return 0.
+
+    Both signals end alike, quietly, with 0, whenever they come (``_StopRequest`` before the
+    server handles them): uvicorn would re-raise the signal after its shutdown, which kills the
+    process by SIGTERM, and makes SIGINT a ``KeyboardInterrupt`` traceback out of the asyncio
+    runner. The ``--uds`` socket file is removed at exit (the step channel removes its own);
+    only the file this process created, never one that replaced it."""
+    stop = _StopRequest()
+    try:
+        with stop.handling():
+            return _serve(settings, stop)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _serve(settings: Settings, stop: _StopRequest) -> int:
     import uvicorn
 
-    from .server.app import app_from_settings, create_probe_app
+    from .server.app import create_probe_app
     from .server.protocol import with_deadline
 
     class MainServer(uvicorn.Server):
@@ -294,6 +477,23 @@ def serve(settings: Settings) -> int:
             app.state.kvcm.begin_shutdown()
             super().handle_exit(sig, frame)
 
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            """uvicorn's, less its re-raising of the signal once shut down: a stop that was
+            asked for and done is a success, whichever of the two signals asked."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            if stop.requested:  # a signal during the start whose KeyboardInterrupt was lost
+                self.handle_exit(signal.SIGTERM, None)
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
     class ProbeServer(uvicorn.Server):
         """The probe listener: the main server owns the signals and stops it on exit."""
 
@@ -301,10 +501,15 @@ def serve(settings: Settings) -> int:
         def capture_signals(self) -> Iterator[None]:
             yield
 
+    # The paths first: a wrong one fails at once, not after the model is built.
+    if settings.uds is not None:
+        check_socket_path("--uds", settings.uds)
+    if settings.step_socket is not None:
+        check_socket_path("--step-socket", settings.step_socket)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = app_from_settings(settings)
+    app = _app(settings)
     if settings.uds is None and settings.host not in ("127.0.0.1", "::1", "localhost"):
         logging.getLogger("kvcm").warning(
             "binding to %s: reachable beyond this host%s",
@@ -315,50 +520,94 @@ def serve(settings: Settings) -> int:
         from .server.step_channel import clear_stale
 
         clear_stale(settings.step_socket)  # a live one: refused here, before anything starts
-    sock, url = _bind(settings)
-    # Listen before printing the URL: a client that connects at once waits in the backlog
-    # until the server accepts, instead of being refused.
-    sock.listen(2048)
-    config = uvicorn.Config(
-        app,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=5,
-        http=with_deadline(settings.request_timeout),
-        workers=1,  # the pools and the state live in this one process
-    )
-    main = MainServer(config)
-    probe: uvicorn.Server | None = None
-    if settings.metrics_port is not None:
-        probe_sock, probe_url = _bind_tcp(settings.metrics_host, settings.metrics_port)
-        probe_sock.listen(128)
-        probe = ProbeServer(
-            uvicorn.Config(
-                create_probe_app(app),
-                log_level="warning",
-                lifespan="off",
-                http=with_deadline(settings.request_timeout),
-            )
+    sock, url, own = _bind(settings)
+    probe_sock: socket.socket | None = None
+    try:
+        # Listen before printing the URL: a client that connects at once waits in the backlog
+        # until the server accepts, instead of being refused.
+        sock.listen(2048)
+        config = uvicorn.Config(
+            app,
+            log_level=settings.log_level,
+            access_log=settings.access_log,
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=5,
+            http=with_deadline(settings.request_timeout),
+            workers=1,  # the pools and the state live in this one process
         )
-        print(f"kvcm: probes and metrics on {probe_url}", flush=True)
-    print(f"kvcm: serving on {url}", flush=True)
-    print(f"kvcm: step path in {native.summary()}", flush=True)
+        main = MainServer(config)
+        probe: uvicorn.Server | None = None
+        if settings.metrics_port is not None:
+            probe_sock, probe_url = _bind_tcp(
+                settings.metrics_host, settings.metrics_port, "--metrics-port", "--metrics-host"
+            )
+            probe_sock.listen(128)
+            probe = ProbeServer(
+                uvicorn.Config(
+                    create_probe_app(app),
+                    log_level="warning",
+                    lifespan="off",
+                    http=with_deadline(settings.request_timeout),
+                )
+            )
+            _say(f"kvcm: probes and metrics on {probe_url}")
+        _say(f"kvcm: serving on {url}")
+        _say(f"kvcm: step path in {native.summary()}")
 
-    async def run() -> None:
-        if probe is None:
-            await main.serve(sockets=[sock])
-            return
-        probing = asyncio.create_task(probe.serve(sockets=[probe_sock]))
-        try:
-            await main.serve(sockets=[sock])
-        finally:
-            probe.should_exit = True
-            await probing
+        async def run() -> None:
+            if probe is None:
+                await main.serve(sockets=[sock])
+                return
+            probing = asyncio.create_task(probe.serve(sockets=[probe_sock]))
+            try:
+                await main.serve(sockets=[sock])
+            finally:
+                probe.should_exit = True
+                await probing
 
-    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(run())
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+            runner.run(run())
+    finally:
+        sock.close()
+        if probe_sock is not None:
+            probe_sock.close()
+        if own is not None:
+            own.remove()
     return 0
+
+
+class _StopRequest:
+    """SIGINT and SIGTERM while the server does not handle them (starting, or done): each one
+    is recorded and raises ``KeyboardInterrupt``, so that the start stops where it is and the
+    ``finally`` blocks run (the socket file is removed); ``serve`` then ends quietly with 0.
+    (SIGTERM's default action would kill the process on the spot, leaving the socket file;
+    SIGINT's ``KeyboardInterrupt`` would end in a traceback.)
+
+    A ``KeyboardInterrupt`` raised where Python ignores exceptions (a ``__del__``, a weakref
+    callback) is lost, and the start would go on to serve: ``requested`` stays set, and the
+    server stops as soon as it handles signals itself (``MainServer.capture_signals``)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        raise KeyboardInterrupt
+
+    @contextmanager
+    def handling(self) -> Iterator[None]:
+        """Handle both signals inside this block (the main thread's only: signals are
+        delivered there; elsewhere, as before)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._handler) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 #: Settings fields whose flag is not the field's name with dashes.
@@ -384,6 +633,8 @@ def describe_errors(exc: ValidationError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``kvcm`` command ``argv`` and return its exit status: 0, or 2 for an error a
+    person fixes (one line on stderr, no traceback)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["serve", *argv]
@@ -393,30 +644,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "route":
         return run_route(args)
     try:
-        settings = _settings(args)
         if args.command == "estimate":
-            from .manager import KVCacheManager
-
-            if not settings.has_model:
-                print("no model source given: sizing the embedded default model\n")
-                settings = settings.model_copy(update={"default_model": True})
-            config = settings.manager_config().model_copy(update={"share": False})
-            manager = KVCacheManager(config, check_budget=False)
-            longest = config.max_seq_len - config.max_lookahead
-            seq_lens = args.seq_len or sorted({min(n, longest) for n in (1024, 4096, longest)})
-            print(report(manager, seq_lens))
-            try:
-                manager.check_budget()
-            except KVCMError as exc:
-                print(f"\nwarning: {exc.code}: {exc.message}")
-            return 0
-        return serve(settings)
+            return estimate(_settings(args), args.seq_len)
+        return serve(_settings(args))
+    except KeyboardInterrupt:
+        # Ctrl-C on an estimate (serve handles its own): quietly, with the status a shell
+        # gives a command SIGINT stopped.
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # stdout's reader left (kvcm estimate | head -1): it has what it wanted, and nothing
+        # failed that a script should stop for (with set -o pipefail, a nonzero status would
+        # fail a pipeline that did what was asked), so end quietly with 0.
+        _silence_stdout()
+        return 0
     except ValidationError as exc:
         print(f"kvcm: invalid config: {describe_errors(exc)}", file=sys.stderr)
         return 2
     except KVCMError as exc:
         print(f"kvcm: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"kvcm: cannot serve: {exc}", file=sys.stderr)
+    except CommandError as exc:
+        print(f"kvcm: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"kvcm: cannot {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def estimate(settings: Settings, seq_lens: list[int] | None) -> int:
+    """``kvcm estimate``: print the layout and the sizing table (of the default model where
+    ``settings`` name no source), and a warning where the budget is too small to serve."""
+    from .manager import KVCacheManager
+
+    if not settings.has_model:
+        print("no model source given: sizing the embedded default model\n")
+        settings = settings.model_copy(update={"default_model": True})
+    config = settings.manager_config().model_copy(update={"share": False})
+    manager = KVCacheManager(config, check_budget=False)
+    longest = config.max_seq_len - config.max_lookahead
+    sizes = seq_lens or sorted({min(n, longest) for n in (1024, 4096, longest)})
+    print(report(manager, sizes))
+    try:
+        manager.check_budget()
+    except KVCMError as exc:
+        print(f"\nwarning: {exc.code}: {exc.message}")
+    return 0

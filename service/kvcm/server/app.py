@@ -619,10 +619,14 @@ def create_probe_app(main: FastAPI) -> FastAPI:
     """A second app over the same state with only the probe routes.
 
     ``kvcm serve --metrics-port`` serves it on its own TCP socket, so that kubelet probes and
-    Prometheus reach a service whose API listens on a Unix socket only.
+    Prometheus reach a service whose API listens on a Unix socket only. Its errors (an unknown
+    path, a method a probe does not take) have the service's JSON shape with a stable ``code``
+    (``not_found``, ``method_not_allowed``), as docs/service.md promises of every error, not
+    FastAPI's ``{"detail": ...}``.
     """
     app = FastAPI(title="kvcm probes", openapi_url=None, docs_url=None, redoc_url=None)
     add_probe_routes(app, main.state.kvcm)
+    install_error_handlers(app, log)
     return app
 
 

@@ -97,8 +97,10 @@ class Settings(BaseSettings):
     kv_dtype: DType | None = None
     tensor_parallel: int = Field(default=1, ge=1)
     # -- sizing overrides --
-    memory: int | None = None
-    host_memory: int | None = None
+    # A zero budget is refused here, so that the error names --memory (KVCM_MEMORY), not the
+    # ManagerConfig field it becomes.
+    memory: int | None = Field(default=None, gt=0)
+    host_memory: int | None = Field(default=None, gt=0)
     """A host tier of this many bytes (``ManagerConfig.host_memory_bytes``, docs/host-tier.md)."""
     num_blocks: int | None = Field(default=None, gt=0)
     tokens_per_block: int | None = Field(default=None, gt=0)
@@ -183,9 +185,9 @@ class Settings(BaseSettings):
         if self.config is not None:
             return self._config_file()
         if self.layers is not None:
-            source = {"layers": _read_json(self.layers)}
+            source = {"layers": _source(self.layers, "--layers")}
         elif self.hf_model_config is not None:
-            source = {"hf_config": _read_json(self.hf_model_config)}
+            source = {"hf_config": _source(self.hf_model_config, "--model-config")}
         elif self.default_model:
             source = {"layers": DEFAULT_CONFIG["layers"]}
         else:
@@ -197,9 +199,14 @@ class Settings(BaseSettings):
     def _config_file(self) -> ManagerConfig:
         """A ``ManagerConfig`` file, with the flags that were given over it."""
         assert self.config is not None
-        raw: dict[str, Any] = dict(_read_json(self.config))
-        if self.kv_dtype is not None:
-            raw["layers"] = [{**layer, "dtype": self.kv_dtype} for layer in raw["layers"]]
+        raw: dict[str, Any] = dict(_source(self.config, "--config"))
+        layers = raw.get("layers")
+        if self.kv_dtype is not None and isinstance(layers, list):
+            # (Not a list, or not a list of objects: the validation below says so.)
+            raw["layers"] = [
+                {**layer, "dtype": self.kv_dtype} if isinstance(layer, dict) else layer
+                for layer in layers
+            ]
         for key in (
             "tokens_per_block",
             "device",
@@ -224,6 +231,53 @@ class Settings(BaseSettings):
         elif self.num_blocks is not None:
             raw["memory_bytes"], raw["num_blocks"] = None, self.num_blocks
         return ManagerConfig.model_validate(raw)
+
+
+#: Keys only a Hugging Face ``config.json`` has (transformers writes the first two in every one).
+_HF_KEYS = (
+    "model_type",
+    "architectures",
+    "transformers_version",
+    "num_hidden_layers",
+    "text_config",
+)
+#: What each model source flag takes, for the hint of a file given to the wrong one.
+_TAKES = {
+    "--config": "a ManagerConfig",
+    "--layers": "a list of layer specs",
+    "--model-config": "a Hugging Face config.json",
+}
+
+
+def _kind(data: Any) -> str | None:
+    """The model source flag ``data`` (a parsed JSON file) is meant for, by its shape; None
+    where it does not look like any of them."""
+    if isinstance(data, list):
+        return "--layers"
+    if isinstance(data, dict):
+        if any(key in data for key in _HF_KEYS):
+            return "--model-config"
+        if "layers" in data:
+            return "--config"
+    return None
+
+
+def _source(path: Path, flag: str) -> Any:
+    """The JSON file given to a model source ``flag``, refused in one line that names the flag
+    it belongs to where it plainly holds another source's kind (a Hugging Face config given to
+    ``--config``): validated as the wrong kind, it fails field by field (a line for each of an
+    HF config's keys) or with a traceback, and never says which flag was meant."""
+    data = _read_json(path)
+    kind = _kind(data)
+    if kind is not None and kind != flag:
+        raise InvalidArgument(
+            f"{flag} {path} looks like {_TAKES[kind]}: give it with {kind} "
+            f"({flag} takes {_TAKES[flag]})",
+            path=str(path),
+        )
+    if flag == "--config" and not isinstance(data, dict):
+        raise InvalidArgument(f"--config {path} must hold a JSON object (a ManagerConfig)")
+    return data
 
 
 def _read_json(path: Path) -> Any:
