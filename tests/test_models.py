@@ -1,9 +1,33 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvcm import LayerSpec, ManagerConfig
+from kvcm_client.models import (
+    MAX_COUNT,
+    MAX_REQUEST_ID,
+    AllocateOp,
+    CommitManyRequest,
+    CommitOp,
+    ConsumerRequest,
+    Documented,
+    ExtendManyRequest,
+    ExtendOp,
+    FreeOp,
+    MultimodalInput,
+    PageIndicesRequest,
+    ProbeRequest,
+    RequestIds,
+    RequestRef,
+    ResumeOp,
+    RewindOp,
+    SlotMappingRequest,
+    StepRequest,
+    SuspendOp,
+)
 
 
 def _error(exc: pytest.ExceptionInfo[ValidationError]) -> tuple[str, str]:
@@ -120,3 +144,80 @@ def test_sizes_must_be_positive(field: str) -> None:
 def test_max_blocks_per_request_rounds_up() -> None:
     cfg = ManagerConfig.model_validate(_cfg(tokens_per_block=16, max_seq_len=33))
     assert cfg.max_blocks_per_request == 3
+
+
+# -- wire models: strict strings, documented ranges ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "where"),
+    [
+        (AllocateOp, {"request_id": b"a", "num_tokens": 1}, ("request_id",)),
+        (ExtendOp, {"request_id": b"a", "num_new_tokens": 1}, ("request_id",)),
+        (RewindOp, {"request_id": b"a", "num_tokens": 1}, ("request_id",)),
+        (CommitOp, {"request_id": b"a", "token_ids": []}, ("request_id",)),
+        (FreeOp, {"request_id": b"a"}, ("request_id",)),
+        (SuspendOp, {"request_id": b"a"}, ("request_id",)),
+        (ResumeOp, {"request_id": b"a"}, ("request_id",)),
+        (RequestRef, {"request_id": b"a"}, ("request_id",)),
+        (ExtendManyRequest, {"request_ids": ["a", b"b"]}, ("request_ids", 1)),
+        (CommitManyRequest, {"request_ids": [b"a"], "token_ids": [[]]}, ("request_ids", 0)),
+        (PageIndicesRequest, {"request_ids": [b"a"], "layer_id": 0}, ("request_ids", 0)),
+        (PageIndicesRequest, {"request_ids": [], "layer_id": 0, "role": b"key"}, ("role",)),
+        (SlotMappingRequest, {"request_ids": [b"a"]}, ("request_ids", 0)),
+        (RequestIds, {"request_ids": [b"a"]}, ("request_ids", 0)),
+        (MultimodalInput, {"digest": b"d", "start": 0, "length": 1}, ("digest",)),
+        (ProbeRequest, {"token_ids": [], "block_keys": [b"ab" * 32]}, ("block_keys", 0)),
+        (ConsumerRequest, {"pid": 1, "generation": b"g"}, ("generation",)),
+    ],
+)
+def test_wire_strings_refuse_bytes(
+    model: type[BaseModel], data: dict[str, Any], where: tuple[str | int, ...]
+) -> None:
+    """Lax pydantic would decode bytes (msgpack binary on the step channel): refused."""
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate(data)
+    err = exc.value.errors()[0]
+    assert err["type"] == "string_type" and err["loc"] == where, err
+    assert model.model_validate(_text(data))  # the same with str passes
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, dict):
+        return {k: _text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_text(v) for v in value]
+    return value
+
+
+def test_documented_ranges_are_published_but_left_to_the_manager() -> None:
+    """``Documented`` puts its keywords in the schema only: the models take a count out of
+    range (the manager refuses it with the error every path shares), but never a bool or a
+    float, which are type errors."""
+    schema = AllocateOp.model_json_schema()["properties"]
+    assert schema["num_tokens"]["minimum"] == 1
+    assert schema["num_tokens"]["maximum"] == MAX_COUNT
+    assert schema["request_id"] == {
+        "maxLength": MAX_REQUEST_ID,
+        "minLength": 1,
+        "title": "Request Id",
+        "type": "string",
+    }
+    op = AllocateOp(request_id="", num_tokens=0, lookahead=-1, token_ids=[-1, 2**40])
+    assert (op.num_tokens, op.lookahead, op.request_id) == (0, -1, "")
+    for bad in (True, 2.0):
+        with pytest.raises(ValidationError):
+            AllocateOp.model_validate({"request_id": "a", "num_tokens": bad})
+    assert repr(Documented({"minimum": 1})) == "Documented({'minimum': 1})"
+
+
+def test_a_step_op_needs_its_op_in_the_schema_as_in_validation() -> None:
+    """An op's own route may leave ``op`` out (it has a default); a step picks the model by
+    it, so the step's schema requires it, as validation does."""
+    assert "op" not in AllocateOp.model_json_schema().get("required", [])
+    items = StepRequest.model_json_schema()["properties"]["ops"]["items"]
+    assert items["required"] == ["op"] and len(items["oneOf"]) == 7
+    with pytest.raises(ValidationError, match="discriminator"):
+        StepRequest.model_validate({"ops": [{"request_id": "a", "num_tokens": 1}]})

@@ -5,11 +5,18 @@ The document is walked route by route (every status each route can answer, every
 error it documents: each error it answers is listed for its route, with its code, and every
 code the document lists was seen (all but ``internal_error``, which only a bug produces, and
 which one sample provokes with a broken manager method instead).
+
+The limits the service enforces are in the document (a walk of every request body and query),
+with the service's own constants, and the manager enforces exactly those; a seeded
+positive-only schemathesis run (``KVCM_OPENAPI_CASES``, default 200) checks that no request
+the document calls valid gets a 422 the schema could have prevented.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import layer
+from hypothesis import strategies as st
 from servers import serve_in_thread
 
 from kvcm import KVCacheManager
@@ -460,3 +468,439 @@ def test_unknown_routes_and_methods_keep_the_error_body() -> None:
         assert check(http.get("/v1/nope")) == (404, "not_found")
         assert check(http.put("/v1/allocate")) == (405, "method_not_allowed")
         assert http.put("/v1/allocate").headers["allow"] == "POST"
+
+
+# -- limits: the document states what the service enforces ---------------------------------------
+
+#: Integers of request bodies and queries without an upper bound in the document, and why.
+_NO_MAXIMUM = {
+    "layer_id": "any id: one the model lacks is unknown_layer (404), the model's to say",
+    "start": "a multimodal item past the prompt touches no block",
+    "length": "a multimodal item past the prompt touches no block",
+    "num_requests": "any number answers whether they fit",
+    "rank": "below the model's number of ranks (its description)",
+}
+#: Routes whose body the walk leaves out: a registration's rules are the config's own
+#: validators (cross-field: exactly one source, nvfp4 shapes, layer ids), not counts.
+_UNWALKED = {("POST", "/v1/model")}
+
+
+def _leaves(
+    doc: dict[str, Any], schema: dict[str, Any], where: str, seen: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every (location, schema) of an integer or string in ``schema``, through refs."""
+    components = doc["components"]["schemas"]
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[1]
+        if name not in seen:
+            yield from _leaves(doc, components[name], name, seen | {name})
+        return
+    if schema.get("type") in ("integer", "string"):
+        yield where, schema
+    for key in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(key, []):
+            yield from _leaves(doc, branch, where, seen)
+    if "items" in schema:
+        yield from _leaves(doc, schema["items"], f"{where}[]", seen)
+    for name, sub in schema.get("properties", {}).items():
+        yield from _leaves(doc, sub, f"{where}.{name}", seen)
+
+
+def _request_leaves(doc: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(route, location, schema) of every integer and string a request carries: bodies and
+    query parameters."""
+    for method, path, op in _operations(doc):
+        if (method, path) in _UNWALKED:
+            continue
+        route = f"{method} {path}"
+        body = op.get("requestBody")
+        if body is not None:
+            for where, schema in _leaves(doc, body["content"]["application/json"]["schema"], ""):
+                yield route, where, schema
+        for param in op.get("parameters", []):
+            if param["in"] == "query":
+                for where, schema in _leaves(doc, param["schema"], f"?{param['name']}"):
+                    yield route, where, schema
+
+
+def test_every_count_and_request_id_of_a_request_has_its_documented_range(
+    doc: dict[str, Any],
+) -> None:
+    """A walk of every request body and query: each integer has a lower bound and (unless
+    ``_NO_MAXIMUM`` says why not) an upper one, so a new count cannot ship without its
+    range; each request id has the service's length."""
+    from kvcm.manager import MAX_REQUEST_ID
+
+    ids = 0
+    for route, where, schema in _request_leaves(doc):
+        name = where.rsplit(".", 1)[-1].removesuffix("[]").lstrip("?")
+        if schema["type"] == "integer":
+            assert "minimum" in schema or "exclusiveMinimum" in schema, (route, where)
+            if name not in _NO_MAXIMUM:
+                assert "maximum" in schema, (route, where)
+        elif name in ("request_id", "request_ids"):
+            ids += 1
+            assert (schema["minLength"], schema["maxLength"]) == (1, MAX_REQUEST_ID), where
+    assert ids >= 20  # every op route, the id lists and the three queries
+
+
+def _props(doc: dict[str, Any], model: str) -> dict[str, Any]:
+    props: dict[str, Any] = doc["components"]["schemas"][model]["properties"]
+    return props
+
+
+def _ints(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    """The integer schemas of a field: itself, its items, its anyOf branches (and theirs)."""
+    if schema.get("type") == "integer":
+        return [schema]
+    out = []
+    for branch in schema.get("anyOf", []):
+        out += _ints(branch)
+    if "items" in schema:
+        out += _ints(schema["items"])
+    return out
+
+
+def test_the_limits_are_the_service_s_own_constants(doc: dict[str, Any]) -> None:
+    """Each documented limit is the constant the service checks with (imported from the
+    service's modules, which take them from ``kvcm_client.specs``)."""
+    from kvcm.counts import MAX_COUNT
+    from kvcm.hashing import KEY_BYTES
+    from kvcm.manager import MAX_STEP_OPS, MAX_STEP_OTHER_OPS
+    from kvcm.server.app import default_body_limit
+
+    positive, non_negative = (1, MAX_COUNT), (0, MAX_COUNT)
+    ranges = {
+        ("AllocateOp", "num_tokens"): positive,
+        ("AllocateOp", "lookahead"): non_negative,
+        ("AllocateOp", "token_ids"): (0, 2**31 - 1),
+        ("ExtendOp", "num_new_tokens"): positive,
+        ("ExtendOp", "lookahead"): non_negative,
+        ("RewindOp", "num_tokens"): positive,
+        ("CommitOp", "token_ids"): (0, 2**31 - 1),
+        ("ExtendManyRequest", "num_new_tokens"): positive,
+        ("ExtendManyRequest", "lookahead"): non_negative,
+        ("CommitManyRequest", "token_ids"): (0, 2**31 - 1),
+        ("StepColumnsRequest", "rewind_tokens"): positive,
+        ("StepColumnsRequest", "num_new_tokens"): positive,
+        ("StepColumnsRequest", "lookahead"): non_negative,
+        ("StepColumnsRequest", "extend"): (-(2**63), 2**63 - 1),
+        ("SlotMappingRequest", "num_tokens"): non_negative,
+        ("ProbeRequest", "token_ids"): (0, 2**31 - 1),
+        ("ProbeTiersRequest", "token_ids"): (0, 2**31 - 1),
+        ("AllocateOp", "lora_id"): (-(2**63), 2**63 - 1),
+    }
+    for (model, field), (low, high) in ranges.items():
+        schemas = _ints(_props(doc, model)[field])
+        assert schemas, (model, field)
+        for schema in schemas:
+            assert (schema["minimum"], schema["maximum"]) == (low, high), (model, field)
+
+    step = _props(doc, "StepRequest")["ops"]
+    assert step["maxItems"] == MAX_STEP_OPS and step["items"]["required"] == ["op"]
+    assert f"{MAX_STEP_OPS} ops" in step["description"]
+    assert f"{MAX_STEP_OTHER_OPS} of them other than extends" in step["description"]
+    columns = _props(doc, "StepColumnsRequest")
+    assert columns["extend"]["maxItems"] == MAX_STEP_OPS
+    for section in ("free", "rewind", "commit", "commit_tokens", "allocate", "suspend", "resume"):
+        assert columns[section]["maxItems"] == MAX_STEP_OTHER_OPS, section
+    for model in ("ExtendManyRequest", "CommitManyRequest"):
+        assert _props(doc, model)["request_ids"]["uniqueItems"] is True, model
+    for model in ("AllocateOp", "ProbeRequest"):
+        keys = _props(doc, model)["block_keys"]["anyOf"][0]["items"]
+        assert keys["pattern"] == f"^[0-9a-fA-F]{{{2 * KEY_BYTES}}}$", model
+    slot_mapping = doc["paths"]["/v1/slot_mapping"]["post"]["requestBody"]["content"]
+    ref = slot_mapping["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    assert "layer_id" in doc["components"]["schemas"][ref]["required"]
+    assert "layer_id" not in doc["components"]["schemas"]["SlotMappingRequest"]["required"]
+
+    # What depends on the model is said in words.
+    for model, field in (
+        ("AllocateOp", "num_tokens"),
+        ("ExtendOp", "num_new_tokens"),
+        ("ProbeRequest", "token_ids"),
+    ):
+        assert "max_seq_len" in _props(doc, model)[field]["description"], (model, field)
+    estimate = {p["name"]: p for p in doc["paths"]["/v1/estimate"]["get"]["parameters"]}
+    assert "max_seq_len" in estimate["seq_len"]["description"]
+    events = {p["name"]: p for p in doc["paths"]["/v1/events"]["get"]["parameters"]}
+    assert (events["after"]["schema"]["minimum"], events["after"]["schema"]["maximum"]) == (
+        0,
+        2**63 - 1,
+    )
+    assert events["limit"]["schema"]["maximum"] == MAX_COUNT
+
+    # The body limit's note and the function the app sizes it with.
+    note = doc["paths"]["/v1/allocate"]["post"]["responses"]["413"]["description"]
+    assert "1 MiB and 64 KiB + 8 bytes per token of the model's max_seq_len" in note
+    assert default_body_limit(0) == 1 << 20
+    assert default_body_limit(10**6) == (64 << 10) + 8 * 10**6
+    sessions = doc["paths"]["/v1/sessions"]["post"]["responses"]["429"]["description"]
+    assert f"{Leases.MAX_SESSIONS} sessions" in sessions
+
+
+def test_a_stale_query_limit_fails_the_document(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``QUERY_LIMITS`` names parameters by hand: one the app lacks fails ``create_app``."""
+    from kvcm.server import openapi
+
+    table = dict(openapi.QUERY_LIMITS)
+    table["GET", "/v1/stats"] = {"nope": {"minimum": 0}}
+    monkeypatch.setattr(openapi, "QUERY_LIMITS", table)
+    with pytest.raises(RuntimeError, match=r"GET /v1/stats\?nope"):
+        create_app(KVCacheManager(CONFIG))
+    table.pop(("GET", "/v1/stats"))
+    table["GET", "/v1/nope"] = {}
+    with pytest.raises(RuntimeError, match="GET /v1/nope"):
+        create_app(KVCacheManager(CONFIG))
+
+
+def test_the_manager_enforces_the_documented_bounds_exactly() -> None:
+    """At each documented bound the count check passes, one past it the manager refuses
+    with ``invalid_argument``: the document and the checks cannot part."""
+    from kvcm_client.errors import InvalidArgument, SequenceTooLong
+    from kvcm_client.models import (
+        INT64_MAX,
+        MAX_COUNT,
+        MAX_REQUEST_ID,
+        MAX_STEP_OPS,
+        MAX_STEP_OTHER_OPS,
+        MAX_TOKEN_ID,
+    )
+
+    m = KVCacheManager(CONFIG)
+    m.allocate("x" * MAX_REQUEST_ID, 1)
+    for rid in ("", "x" * (MAX_REQUEST_ID + 1)):
+        with pytest.raises(InvalidArgument, match="request_id"):
+            m.allocate(rid, 1)
+    with pytest.raises(SequenceTooLong):  # past the count check, stopped by max_seq_len
+        m.allocate("n", MAX_COUNT)
+    for n in (0, MAX_COUNT + 1):
+        with pytest.raises(InvalidArgument, match="num_tokens"):
+            m.allocate("n", n)
+    assert m.probe([0, MAX_TOKEN_ID]) == 0
+    for bad in (-1, MAX_TOKEN_ID + 1):
+        with pytest.raises(InvalidArgument, match="token ids"):
+            m.probe([1, bad])
+    assert m.probe([1, 2], lora_id=INT64_MAX) == 0
+    with pytest.raises(InvalidArgument, match="lora_id"):
+        m.probe([1, 2], lora_id=INT64_MAX + 1)
+    m.events(after=INT64_MAX, limit=MAX_COUNT)
+    for kw in ({"after": INT64_MAX + 1}, {"after": -1}, {"limit": 0}, {"limit": MAX_COUNT + 1}):
+        with pytest.raises(InvalidArgument):
+            m.events(**kw)
+    key = "ab" * 32
+    assert m.probe(list(range(4)), block_keys=[key]) == 0
+    with pytest.raises(InvalidArgument, match="32-byte"):
+        m.allocate("k", 4, token_ids=list(range(4)), block_keys=[key[:-2]])
+    with pytest.raises(InvalidArgument, match="start >= 0 and length > 0"):
+        m.probe([1], multimodal=[{"digest": "d", "start": 0, "length": 0}])
+    extends = [{"op": "extend", "request_id": "nope", "num_new_tokens": 1}]
+    assert len(m.step(extends * MAX_STEP_OPS)) == MAX_STEP_OPS
+    with pytest.raises(InvalidArgument, match="at most"):
+        m.step(extends * (MAX_STEP_OPS + 1))
+    frees = [{"op": "free", "request_id": "nope"}]
+    assert len(m.step(frees * MAX_STEP_OTHER_OPS)) == MAX_STEP_OTHER_OPS
+    with pytest.raises(InvalidArgument, match="at most"):
+        m.step(frees * (MAX_STEP_OTHER_OPS + 1))
+    with pytest.raises(InvalidArgument, match="at most"):
+        m.step_columns(free=[0] * (MAX_STEP_OTHER_OPS + 1))
+    assert m.step_columns(free=[-(2**63), 2**63 - 1]).status["free"].tolist() == [4, 4]
+
+
+# -- a schema-valid request gets no 422 the schema could have prevented ---------------------------
+
+#: Cases of the positive run over all routes; ``KVCM_OPENAPI_CASES`` for a longer one.
+POSITIVE_CASES = int(os.environ.get("KVCM_OPENAPI_CASES", "200"))
+LIVE_IDS = ("live0", "live1")
+#: ``invalid_argument`` messages a schema-valid request may get, and why no schema can say
+#: them: they depend on the model, on state, or on two fields together.
+NOT_STATABLE = [
+    (r"token_ids has \d+ ids for num_tokens=", "two fields: one id per token"),
+    (r"commit_many got \d+ request ids and \d+ token id lists", "two fields: one list per id"),
+    (r"must be an int or \d+ ints", "two fields: one count per id or handle"),
+    (r"\d+ commits and \d+ token id lists", "two fields: one list per commit"),
+    (r"block_keys must be the \d+ keys", "two fields and the model: one key per full block"),
+    (r"per_layer needs mode='kernel'", "two fields"),
+    (r"all-or-nothing step", "two fields: atomic and suspend or resume ops"),
+    (r"a step takes at most", "all sections together"),
+    (r"seq_len must be in \[1, max_seq_len - lookahead", "the model's max_seq_len"),
+    (r"rank -?\d+: this manager has \d+ ranks", "the model's ranks"),
+    (r"has no role", "the layer's roles"),
+    (r"pad_to must be in \[0, \d+\]", "the model: max_requests x max_seq_len"),
+    (r"pad_to=\d+ is below the \d+ tokens", "state: the tokens mapped"),
+    (r"num_tokens exceeds a request's length", "state"),
+    (r"rewind removes at most", "state: the request's length"),
+    (r"more do not fit", "state: the uncommitted tokens"),
+    (r"is not suspended", "state"),
+    (r"needs a host tier", "the model: host_memory_bytes"),
+]
+#: Codes a schema-valid request may get besides ``invalid_argument``: lookups and state
+#: (400 ``malformed_request`` and 413 ``payload_too_large`` are not among them).
+STATE_CODES = {
+    "unknown_request",
+    "unknown_session",
+    "unknown_consumer",
+    "unknown_layer",
+    "duplicate_request",
+    "request_suspended",
+    "sequence_too_long",
+    "out_of_blocks",
+    "max_requests_reached",
+    "rewind_past_window",
+    "rewind_into_shared_block",
+    "state_not_rewindable",
+    "prefix_cache_in_use",
+    "stale_generation",
+    "limit_reached",
+    "step_aborted",  # the other ops of an all-or-nothing step that one op failed
+}
+
+
+def _whole(value: Any) -> Any:
+    """``value`` with JSON's whole floats (``2.0``) as ints (``2``): the same value to JSON
+    Schema (2020-12 counts ``2.0`` as an integer), which schemathesis sends on purpose. The
+    service takes counts as integers spelled as such (strict, as in process), a rule no
+    schema can state: its 422 says so, and ``test_a_whole_float_is_refused_as_documented``
+    checks it."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole(v) for v in value]
+    return value
+
+
+def _nudged(value: Any, rng: random.Random, generation: str, key: str = "") -> Any:
+    """Schema-valid values nudged to live ids and the real generation (also schema-valid),
+    so that a case gets past the lookups half the time."""
+    if isinstance(value, dict):
+        return {k: _nudged(v, rng, generation, k) for k, v in value.items()}
+    if key == "request_ids" and isinstance(value, list):
+        return rng.sample(LIVE_IDS, rng.randint(0, len(LIVE_IDS)))
+    if isinstance(value, list):
+        return [_nudged(v, rng, generation, key) for v in value]
+    if key == "request_id" and rng.random() < 0.7:
+        return rng.choice(LIVE_IDS)
+    if key == "generation" and rng.random() < 0.7:
+        return generation
+    return value
+
+
+def _statable(code: str, message: str) -> bool:
+    """Whether an error is one a schema could have prevented."""
+    if code in STATE_CODES:
+        return False
+    if code != "invalid_argument":
+        return True
+    return not any(re.search(pattern, message) for pattern, _ in NOT_STATABLE)
+
+
+def _restock(http: httpx.Client) -> None:
+    for rid in http.get("/v1/requests").json()["request_ids"]:
+        http.post("/v1/free", json={"request_id": rid}, headers=AUTH)
+    for rid in LIVE_IDS:
+        body = {"request_id": rid, "num_tokens": 9, "token_ids": list(range(9))}
+        http.post("/v1/allocate", json=body, headers=AUTH).raise_for_status()
+
+
+class PositiveRun:
+    """Sends schemathesis's cases to a live service and keeps what it answered: statuses,
+    and the errors a schema could have prevented (``problems``)."""
+
+    def __init__(self, http: httpx.Client, url: str, generation: str, doc: dict[str, Any]) -> None:
+        self.http = http
+        self.url = url
+        self.generation = generation
+        self.doc = doc
+        self.statuses: dict[int, int] = {}
+        self.problems: list[str] = []
+
+    def send(self, case: Any, rng: random.Random) -> None:
+        kw = case.as_transport_kwargs(base_url=self.url)
+        path = case.operation.path
+        # The case's headers are the token and the lease header: the real token, and no
+        # lease (a random one would only be unknown_session).
+        headers = dict(AUTH)
+        params = dict(kw.get("params") or {})
+        if path == "/v1/events":
+            params["timeout_s"] = 0  # a wait, not a case
+        if "request_id" in params and rng.random() < 0.7:
+            params["request_id"] = rng.choice(LIVE_IDS)
+        body = kw.get("json")
+        if body is not None:
+            body = _nudged(_whole(body), rng, self.generation)
+        resp = self.http.request(kw["method"], kw["url"], params=params, headers=headers, json=body)
+        self.statuses[resp.status_code] = self.statuses.get(resp.status_code, 0) + 1
+        shown = f"{kw['method']} {path} params={params} body={json.dumps(body)[:300]}"
+        listed = documented_statuses(self.doc, kw["method"], path)
+        assert resp.status_code in listed and resp.status_code != 500, (shown, resp.text)
+        errors: list[tuple[str, str]] = []
+        if resp.status_code >= 400:
+            answer = resp.json()
+            errors.append((answer["code"], answer["message"]))
+        elif path == "/v1/step":
+            errors += [
+                (r["error"]["code"], r["error"]["message"])
+                for r in resp.json()["results"]
+                if r["error"] is not None
+            ]
+        elif path == "/v1/step_columns":
+            errors += [(e["code"], e["message"]) for e in resp.json()["errors"]]
+        for code, message in errors:
+            if _statable(code, message):
+                self.problems.append(f"{shown}\n  -> {resp.status_code} {code}: {message}")
+
+
+def test_a_schema_valid_request_gets_no_422_the_schema_could_state() -> None:
+    """A seeded positive-only schemathesis run against a live service: every 4xx a case
+    gets is a lookup, a state or a rule of the model or of two fields together
+    (``NOT_STATABLE``, ``STATE_CODES``), also inside step results; never a range, a length,
+    a count of items or a required field the document leaves out. ``POST /v1/model`` is left
+    out: it would replace the model the other cases aim at."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+    from schemathesis import GenerationMode
+
+    assert not STATE_CODES - set(ERRORS_BY_CODE), STATE_CODES - set(ERRORS_BY_CODE)
+    manager = KVCacheManager(CONFIG | {"share": True, "host_memory_bytes": 1 << 12})
+    app = create_app(manager, api_token=TOKEN)
+    routes = sorted(key for key in ROUTES if key != ("POST", "/v1/model"))
+    per_route = max(2, -(-POSITIVE_CASES // len(routes)))
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+        run = PositiveRun(http, url, manager.generation, app.openapi())
+        for method, path in routes:
+            _restock(http)
+            strategy = schema[path][method].as_strategy(GenerationMode.POSITIVE)
+            hypothesis_settings = settings(
+                max_examples=per_route,
+                deadline=None,
+                database=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
+            cases = given(case=strategy, salt=st.integers(0, 2**32 - 1))(
+                lambda case, salt: run.send(case, random.Random(salt))
+            )
+            seed(0)(hypothesis_settings(cases))()
+    print(f"positive run: {len(routes)} routes, statuses {sorted(run.statuses.items())}")
+    assert sum(run.statuses.values()) >= len(routes) * 2, run.statuses
+    assert not run.problems, f"{len(run.problems)} schema-valid requests refused:\n" + "\n".join(
+        run.problems[:30]
+    )
+
+
+def test_a_whole_float_is_refused_as_documented(doc: dict[str, Any]) -> None:
+    """JSON Schema counts ``2.0`` as an integer; the service does not (strict counts, the
+    same refusal as in process), and its 422 says so on every body route."""
+    note = doc["paths"]["/v1/extend"]["post"]["responses"]["422"]["description"]
+    assert "such as 2.0, is refused" in note
+    with (
+        serve_in_thread(create_app(KVCacheManager(CONFIG))) as url,
+        httpx.Client(base_url=url) as http,
+    ):
+        http.post("/v1/allocate", json={"request_id": "a", "num_tokens": 1})
+        resp = http.post("/v1/extend", json={"request_id": "a", "num_new_tokens": 2.0})
+        assert (resp.status_code, resp.json()["code"]) == (422, "invalid_argument")
+        assert resp.json()["detail"]["errors"][0]["type"] == "int_type"

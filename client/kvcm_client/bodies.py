@@ -9,7 +9,23 @@ from pydantic import Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
 from .results import AllocateOp, Estimate, Layout, Op, OpResult
-from .specs import Count, DType, LayerSpec, ManagerConfig, Role, _Frozen
+from .specs import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STEP_OPS,
+    MAX_STEP_OTHER_OPS,
+    Documented,
+    DType,
+    LayerSpec,
+    ManagerConfig,
+    NonNegCount,
+    PositiveCount,
+    RequestId,
+    Role,
+    StrictStr,
+    TokenId,
+    _Frozen,
+)
 from .state import SharedStateBuffer, StateLayerSpec
 
 # --- service wire bodies ----------------------------------------------------------------------
@@ -17,11 +33,23 @@ from .state import SharedStateBuffer, StateLayerSpec
 # bodies of their own routes, so the in-process ``step`` and the wire share one schema.
 
 
+_STEP_LIMIT = (
+    f"at most {MAX_STEP_OPS} ops, at most {MAX_STEP_OTHER_OPS} of them other than extends "
+    "(else invalid_argument: split the step)"
+)
+_ATOMIC = "All or nothing (then without suspends and resumes, which copy pages)"
+#: An op of a step: its ``op`` is required there (it picks the model), while the body of an
+#: op's own route may leave it out.
+StepOp = Annotated[Op, Documented({"required": ["op"]})]
+
+
 class StepRequest(_Frozen):
     """``atomic``: all or nothing. ``brief``: successful extends answer without ``request``."""
 
-    ops: list[Op]
-    atomic: Annotated[bool, Strict()] = False
+    ops: Annotated[list[StepOp], Documented({"maxItems": MAX_STEP_OPS})] = Field(
+        description=f"The ops, run in order: {_STEP_LIMIT}"
+    )
+    atomic: Annotated[bool, Strict()] = Field(False, description=_ATOMIC)
     brief: Annotated[bool, Strict()] = False
 
 
@@ -29,26 +57,39 @@ class StepResponse(_Frozen):
     results: list[OpResult]
 
 
-Handle = Annotated[int, Strict()]
+#: A request's handle (``RequestInfo.handle``): an int64; one no live request has is that
+#: item's ``unknown_request``.
+Handle = Annotated[int, Strict(), Documented({"minimum": INT64_MIN, "maximum": INT64_MAX})]
+#: A section of extends, and one of other ops: each at most what a whole step takes.
+_Extends = Annotated[list[Handle], Documented({"maxItems": MAX_STEP_OPS})]
+_Others = Annotated[list[Handle], Documented({"maxItems": MAX_STEP_OTHER_OPS})]
+_ONE_PER = "One int for every item, or one per item of the section {}, in its order"
 
 
 class StepColumnsRequest(_Frozen):
     """A columnar step (docs/requests.md#the-columnar-step): requests by handle, sections
     run commit, free, rewind, suspend, resume, extend, allocate; counts are one int or one
-    per handle."""
+    per handle. All sections together take at most ``MAX_STEP_OPS`` items, at most
+    ``MAX_STEP_OTHER_OPS`` of them outside ``extend``."""
 
-    free: list[Handle] = []
-    rewind: list[Handle] = []
-    rewind_tokens: Count | list[Count] = 1
-    commit: list[Handle] = []
-    commit_tokens: list[list[Count]] = []
-    extend: list[Handle] = []
-    num_new_tokens: Count | list[Count] = 1
-    lookahead: Count | list[Count] = 0
-    allocate: list[AllocateOp] = []
-    suspend: list[Handle] = []
-    resume: list[Handle] = []
-    atomic: Annotated[bool, Strict()] = False
+    free: _Others = []
+    rewind: _Others = []
+    rewind_tokens: PositiveCount | list[PositiveCount] = Field(
+        1, description=_ONE_PER.format("rewind") + "; fewer than the request's tokens"
+    )
+    commit: _Others = []
+    commit_tokens: Annotated[list[list[TokenId]], Documented({"maxItems": MAX_STEP_OTHER_OPS})] = (
+        Field([], description="One token id list per item of commit, in its order")
+    )
+    extend: _Extends = []
+    num_new_tokens: PositiveCount | list[PositiveCount] = Field(
+        1, description=_ONE_PER.format("extend")
+    )
+    lookahead: NonNegCount | list[NonNegCount] = Field(0, description=_ONE_PER.format("extend"))
+    allocate: Annotated[list[AllocateOp], Documented({"maxItems": MAX_STEP_OTHER_OPS})] = []
+    suspend: _Others = []
+    resume: _Others = []
+    atomic: Annotated[bool, Strict()] = Field(False, description=_ATOMIC)
 
 
 class ItemErrorInfo(_Frozen):
@@ -76,34 +117,65 @@ class StepColumnsResponse(_Frozen):
     failed: tuple[str, int] | None = None
 
 
+#: Request ids that must be distinct (one op each of a batch).
+DistinctRequestIds = Annotated[list[RequestId], Documented({"uniqueItems": True})]
+_PER_ID = "One int for every request, or one per request id, in their order"
+
+
 class ExtendManyRequest(_Frozen):
-    request_ids: list[str]
-    num_new_tokens: Count | list[Count] = 1
-    lookahead: Count | list[Count] = 0
+    request_ids: DistinctRequestIds
+    num_new_tokens: PositiveCount | list[PositiveCount] = Field(1, description=_PER_ID)
+    lookahead: NonNegCount | list[NonNegCount] = Field(0, description=_PER_ID)
 
 
 class CommitManyRequest(_Frozen):
     """``commit_many``: ``token_ids[i]`` are committed to ``request_ids[i]``."""
 
-    request_ids: list[str]
-    token_ids: list[list[Count]]
+    request_ids: DistinctRequestIds
+    token_ids: list[list[TokenId]] = Field(
+        description="One token id list per request id, in their order"
+    )
+
+
+#: A layer id in a request (``LayerSpec.layer_id``, not negative): one the model lacks is
+#: ``unknown_layer``, the manager's to say.
+LayerId = Annotated[int, Strict(), Documented({"minimum": 0})]
+_LAYER = "One of the model's layer ids with a KV cache (GET /v1/layout), else unknown_layer"
 
 
 class PageIndicesRequest(_Frozen):
-    request_ids: list[str]
-    layer_id: Count
-    role: Role = "key"
+    request_ids: list[RequestId]
+    layer_id: LayerId = Field(description=_LAYER)
+    role: StrictStr = Field("key", description="One of the layer's roles (GET /v1/layout)")
     mode: Literal["slot", "kernel"] = "slot"
-    per_layer: bool = False
+    per_layer: bool = Field(False, description="Needs mode 'kernel'")
 
 
 class SlotMappingRequest(_Frozen):
-    """``layer_id`` None maps every layer group (``slot_mappings``)."""
+    """``layer_id`` None maps every layer group (``slot_mappings``); ``slot_mapping`` needs
+    one (``OneLayerSlotMappingRequest`` documents its body)."""
 
-    request_ids: list[str]
-    layer_id: Count | None = None
-    num_tokens: Count | list[Count] | None = None
-    pad_to: Count | None = None
+    request_ids: list[RequestId]
+    layer_id: LayerId | None = Field(None, description=_LAYER)
+    num_tokens: NonNegCount | list[NonNegCount] | None = Field(
+        None,
+        description="New tokens to map, at most each request's length: "
+        + _PER_ID
+        + "; None: the tokens its latest allocate or extend added",
+    )
+    pad_to: NonNegCount | None = Field(
+        None,
+        description="Pad the mapping with -1 to this many entries: at least the tokens "
+        "mapped, at most the model's max_requests x max_seq_len",
+    )
+
+
+class OneLayerSlotMappingRequest(SlotMappingRequest):
+    """The body of ``POST /v1/slot_mapping`` as its document states it: ``layer_id``
+    required. The route parses ``SlotMappingRequest`` and refuses one without a layer
+    (``invalid_argument``); the schema says so up front."""
+
+    layer_id: LayerId = Field(description=_LAYER)
 
 
 class IndexRows(_Frozen):
@@ -117,7 +189,7 @@ class IndexRow(_Frozen):
 
 
 class RequestIds(_Frozen):
-    request_ids: list[str]
+    request_ids: list[RequestId]
 
 
 class SessionRequest(_Frozen):
@@ -288,7 +360,7 @@ class SharedLayout(_Frozen):
 class ConsumerRequest(_Frozen):
     pid: Annotated[int, Strict(), Field(gt=0, le=2**31 - 1)]
     """A process id (pid_t is a 32-bit int)."""
-    generation: str
+    generation: StrictStr
 
 
 class ConsumerInfo(_Frozen):

@@ -21,6 +21,9 @@ from .bodies import (
     Consumers as Consumers,
 )
 from .bodies import (
+    DistinctRequestIds as DistinctRequestIds,
+)
+from .bodies import (
     EmptyBody as EmptyBody,
 )
 from .bodies import (
@@ -42,10 +45,16 @@ from .bodies import (
     ItemErrorInfo as ItemErrorInfo,
 )
 from .bodies import (
+    LayerId as LayerId,
+)
+from .bodies import (
     ModelInfo as ModelInfo,
 )
 from .bodies import (
     ModelRegistration as ModelRegistration,
+)
+from .bodies import (
+    OneLayerSlotMappingRequest as OneLayerSlotMappingRequest,
 )
 from .bodies import (
     PageIndicesRequest as PageIndicesRequest,
@@ -81,6 +90,9 @@ from .bodies import (
     StepColumnsResponse as StepColumnsResponse,
 )
 from .bodies import (
+    StepOp as StepOp,
+)
+from .bodies import (
     StepRequest as StepRequest,
 )
 from .bodies import (
@@ -94,6 +106,9 @@ from .bodies import (
 )
 from .results import (
     AllocateOp as AllocateOp,
+)
+from .results import (
+    BlockKey as BlockKey,
 )
 from .results import (
     BufferInfo as BufferInfo,
@@ -136,6 +151,9 @@ from .results import (
 )
 from .results import (
     Layout as Layout,
+)
+from .results import (
+    LoraId as LoraId,
 )
 from .results import (
     MultimodalInput as MultimodalInput,
@@ -192,10 +210,34 @@ from .results import (
     SuspendOp as SuspendOp,
 )
 from .specs import (
+    BLOCK_KEY_BYTES as BLOCK_KEY_BYTES,
+)
+from .specs import (
     DTYPE_BITS as DTYPE_BITS,
 )
 from .specs import (
+    INT64_MAX as INT64_MAX,
+)
+from .specs import (
+    INT64_MIN as INT64_MIN,
+)
+from .specs import (
+    MAX_COUNT as MAX_COUNT,
+)
+from .specs import (
     MAX_RANKS as MAX_RANKS,
+)
+from .specs import (
+    MAX_REQUEST_ID as MAX_REQUEST_ID,
+)
+from .specs import (
+    MAX_STEP_OPS as MAX_STEP_OPS,
+)
+from .specs import (
+    MAX_STEP_OTHER_OPS as MAX_STEP_OTHER_OPS,
+)
+from .specs import (
+    MAX_TOKEN_ID as MAX_TOKEN_ID,
 )
 from .specs import (
     NVFP4_GROUP as NVFP4_GROUP,
@@ -210,6 +252,9 @@ from .specs import (
     Count as Count,
 )
 from .specs import (
+    Documented as Documented,
+)
+from .specs import (
     DType as DType,
 )
 from .specs import (
@@ -222,13 +267,22 @@ from .specs import (
     ManagerConfig as ManagerConfig,
 )
 from .specs import (
+    NonNegCount as NonNegCount,
+)
+from .specs import (
     NonNegInt as NonNegInt,
 )
 from .specs import (
     PosInt as PosInt,
 )
 from .specs import (
+    PositiveCount as PositiveCount,
+)
+from .specs import (
     RankSpec as RankSpec,
+)
+from .specs import (
+    RequestId as RequestId,
 )
 from .specs import (
     Role as Role,
@@ -238,6 +292,12 @@ from .specs import (
 )
 from .specs import (
     StandardRole as StandardRole,
+)
+from .specs import (
+    StrictStr as StrictStr,
+)
+from .specs import (
+    TokenId as TokenId,
 )
 from .specs import (
     _Frozen as _Frozen,

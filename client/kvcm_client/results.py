@@ -7,7 +7,20 @@ from typing import Annotated, Literal
 
 from pydantic import Field, Strict
 
-from .specs import Count, Role, _Frozen
+from .specs import (
+    BLOCK_KEY_BYTES,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_TOKEN_ID,
+    Documented,
+    NonNegCount,
+    PositiveCount,
+    RequestId,
+    Role,
+    StrictStr,
+    TokenId,
+    _Frozen,
+)
 from .state import StateGroupEstimate
 
 # --- requests ---------------------------------------------------------------------------------
@@ -16,7 +29,7 @@ from .state import StateGroupEstimate
 class RequestInfo(_Frozen):
     """A request after an op: its page-table row, length and reserved capacity in tokens."""
 
-    request_id: str
+    request_id: RequestId
     row: int
     num_tokens: int
     capacity: int
@@ -36,59 +49,92 @@ class MultimodalInput(_Frozen):
     """A multimodal item at prompt positions [start, start + length); ``digest`` names its
     content (e.g. a hash of the image), so equal tokens with other images do not share KV."""
 
-    digest: str
-    start: Count
-    length: Count
+    digest: StrictStr
+    start: Annotated[int, Strict(), Documented({"minimum": 0})]
+    length: Annotated[int, Strict(), Documented({"minimum": 1})]
+
+
+#: A LoRA adapter's id: an int64 or a str (both strict: true, 2.0 and bytes are refused).
+LoraId = (
+    Annotated[int, Strict(), Documented({"minimum": INT64_MIN, "maximum": INT64_MAX})] | StrictStr
+)
+#: A block key on the wire: its bytes in hex (``kvcm.block_keys``). In process the manager
+#: also takes the raw bytes (``KVCacheManager.allocate``), the op models only the hex.
+BlockKey = Annotated[
+    str, Strict(), Documented({"pattern": f"^[0-9a-fA-F]{{{2 * BLOCK_KEY_BYTES}}}$"})
+]
+#: What the document says of a prompt's token ids beyond their range.
+_PROMPT_IDS = (
+    f"token ids in [0, {MAX_TOKEN_ID}]; at most the model's max_seq_len of them "
+    "(GET /v1/model: config.max_seq_len), else sequence_too_long"
+)
+_BLOCK_KEYS = (
+    f"The prompt's block keys (kvcm.block_keys: {BLOCK_KEY_BYTES} bytes each, in hex), one per "
+    "full block of token_ids: len(token_ids) // tokens_per_block of the model's; saves hashing"
+)
+_MAX_SEQ_LEN = "the model's max_seq_len (GET /v1/model: config.max_seq_len), else sequence_too_long"
 
 
 class AllocateOp(_Frozen):
     op: Literal["allocate"] = "allocate"
-    request_id: str
-    num_tokens: Count
-    token_ids: list[Count] | None = None
-    lookahead: Count = 0
-    lora_id: Annotated[int, Strict()] | Annotated[str, Strict()] | None = None
-    cache_salt: Annotated[str, Strict()] | None = None
+    request_id: RequestId
+    num_tokens: PositiveCount = Field(
+        description=f"The request's tokens; with lookahead at most {_MAX_SEQ_LEN}"
+    )
+    token_ids: list[TokenId] | None = Field(
+        None, description=f"The prompt, exactly num_tokens ids: {_PROMPT_IDS}"
+    )
+    lookahead: NonNegCount = Field(0, description="Draft slots reserved past the tokens")
+    lora_id: LoraId | None = None
+    cache_salt: StrictStr | None = None
     multimodal: list[MultimodalInput] | None = None
-    block_keys: list[str] | None = None
+    block_keys: list[BlockKey] | None = Field(None, description=_BLOCK_KEYS)
 
 
 class ExtendOp(_Frozen):
     op: Literal["extend"] = "extend"
-    request_id: str
-    num_new_tokens: Count
-    lookahead: Count = 0
+    request_id: RequestId
+    num_new_tokens: PositiveCount = Field(
+        description="Tokens added; the request's tokens, these and lookahead at most "
+        + _MAX_SEQ_LEN
+    )
+    lookahead: NonNegCount = Field(0, description="Draft slots reserved past the tokens")
 
 
 class RewindOp(_Frozen):
     op: Literal["rewind"] = "rewind"
-    request_id: str
-    num_tokens: Count
+    request_id: RequestId
+    num_tokens: PositiveCount = Field(
+        description="Tokens dropped from the end: fewer than the request has (free drops all)"
+    )
 
 
 class CommitOp(_Frozen):
     op: Literal["commit"] = "commit"
-    request_id: str
-    token_ids: list[Count]
+    request_id: RequestId
+    token_ids: list[TokenId] = Field(
+        description=f"Token ids in [0, {MAX_TOKEN_ID}], at most the request's tokens not "
+        "committed yet"
+    )
 
 
 class FreeOp(_Frozen):
     op: Literal["free"] = "free"
-    request_id: str
+    request_id: RequestId
 
 
 class SuspendOp(_Frozen):
     """Move the request's blocks to the host tier (docs/host-tier.md)."""
 
     op: Literal["suspend"] = "suspend"
-    request_id: str
+    request_id: RequestId
 
 
 class ResumeOp(_Frozen):
     """Bring a suspended request's blocks back into new device slots."""
 
     op: Literal["resume"] = "resume"
-    request_id: str
+    request_id: RequestId
 
 
 Op = Annotated[
@@ -359,11 +405,11 @@ class IndexSnapshot(_Frozen):
 
 
 class ProbeRequest(_Frozen):
-    token_ids: list[Count]
-    lora_id: Annotated[int, Strict()] | Annotated[str, Strict()] | None = None
-    cache_salt: Annotated[str, Strict()] | None = None
+    token_ids: list[TokenId] = Field(description=f"The prompt: {_PROMPT_IDS}")
+    lora_id: LoraId | None = None
+    cache_salt: StrictStr | None = None
     multimodal: list[MultimodalInput] | None = None
-    block_keys: list[str] | None = None
+    block_keys: list[BlockKey] | None = Field(None, description=_BLOCK_KEYS)
 
 
 class ProbeResult(_Frozen):
@@ -371,9 +417,9 @@ class ProbeResult(_Frozen):
 
 
 class ProbeTiersRequest(_Frozen):
-    token_ids: list[Count]
-    lora_id: Annotated[int, Strict()] | Annotated[str, Strict()] | None = None
-    cache_salt: Annotated[str, Strict()] | None = None
+    token_ids: list[TokenId] = Field(description=f"The prompt: {_PROMPT_IDS}")
+    lora_id: LoraId | None = None
+    cache_salt: StrictStr | None = None
 
 
 class ProbeTiersResult(_Frozen):
@@ -387,4 +433,4 @@ class ProbeTiersResult(_Frozen):
 class RequestRef(_Frozen):
     """A request by id (``/v1/suspend``, ``/v1/resume``)."""
 
-    request_id: str
+    request_id: RequestId

@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, Strict, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
 
 from .state import StateLayerSpec
 
@@ -39,9 +40,75 @@ NVFP4_GROUP = 16
 
 PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
+
+# --- limits the manager enforces, published by the wire models' JSON schema -------------------
+# The service imports these (the client never imports the service), so the document and the
+# checks read one number.
+
+#: Longest request id in characters: ids are echoed in results and kept per request
+#: (``kvcm.allocation`` checks it; the C core has its own copy in allocate.c).
+MAX_REQUEST_ID = 256
+#: Largest count (tokens, positions, lookahead) any op takes. Counts are bounded before any
+#: arithmetic, so that no int64 sum of a few of them can wrap (2**63 - 1 + 2 would).
+MAX_COUNT = 2**31 - 1
+#: Largest token id: ids are kept and hashed as int32 (``kvcm.hashing.token_bytes``).
+MAX_TOKEN_ID = 2**31 - 1
+#: int64's range: request handles, int LoRA ids, KV event sequence numbers.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+#: Most ops in one step, and most of them that are not extends (``KVCacheManager.step``):
+#: bounds the work (and the event-loop time) of one service call to tens of ms
+#: (bench/loop_latency.py). Extends run batched at well under a microsecond each;
+#: allocates, frees, commits and rewinds cost about 10 us each. A scheduler step has an
+#: extend per running request and a few of the others.
+MAX_STEP_OPS = 8192
+MAX_STEP_OTHER_OPS = 1024
+#: Bytes of a block key (SHA-256); on the wire a key is its hex (``kvcm.hashing.KEY_BYTES``).
+BLOCK_KEY_BYTES = 32
+
+
+class Documented:
+    """JSON-schema keywords (``minimum``, ``maxLength``, ``required``, ``description``, ...)
+    that a field's schema publishes while pydantic does not check them.
+
+    Ranges of ops are the manager's to check, so that a call in process, over HTTP and over
+    the step channel is refused with the same error (``invalid_argument`` naming the
+    argument, never a pydantic message); the OpenAPI document must still state them, or a
+    request the document calls valid gets a 422. ``Annotated[int, Strict(),
+    Documented({"minimum": 1})]`` is such a field: strict on type, documented on range.
+    """
+
+    __slots__ = ("keywords",)
+
+    def __init__(self, keywords: dict[str, Any]) -> None:
+        self.keywords = keywords
+
+    def __repr__(self) -> str:
+        return f"Documented({self.keywords!r})"
+
+    def __get_pydantic_json_schema__(
+        self, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = dict(handler(core_schema))
+        schema.update(self.keywords)
+        return schema
+
+
 #: Counts in ops: strict, so 2.0 and true are refused on the wire as they are in process.
 #: Ranges are the manager's to check, so both paths raise the same error.
 Count = Annotated[int, Strict()]
+#: A count of at least 1 (tokens an op adds or removes), as the manager checks it.
+PositiveCount = Annotated[int, Strict(), Documented({"minimum": 1, "maximum": MAX_COUNT})]
+#: A count of at least 0 (lookahead, tokens of a slot mapping), as the manager checks it.
+NonNegCount = Annotated[int, Strict(), Documented({"minimum": 0, "maximum": MAX_COUNT})]
+#: A token id (int32, not negative), as the manager checks it.
+TokenId = Annotated[int, Strict(), Documented({"minimum": 0, "maximum": MAX_TOKEN_ID})]
+#: A str that stays one: msgpack binary (the step channel) and bytes in process are refused,
+#: not decoded (pydantic's lax mode would turn b"a" into "a").
+StrictStr = Annotated[str, Strict()]
+#: A request id: a str (strict, see ``StrictStr``) of 1 to ``MAX_REQUEST_ID`` characters. An
+#: allocate refuses other ids (``invalid_argument``); other ops answer ``unknown_request``.
+RequestId = Annotated[str, Strict(), Documented({"minLength": 1, "maxLength": MAX_REQUEST_ID})]
 
 
 class _Frozen(BaseModel):

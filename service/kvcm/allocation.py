@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 from kvcm_client.errors import DuplicateRequest, InvalidArgument, RequestLimitReached
 from kvcm_client.models import RequestInfo
 
+# Longest request id: the wire models' schema publishes it (also in allocate.c).
+from kvcm_client.specs import MAX_REQUEST_ID as MAX_REQUEST_ID
+
 from . import native, native_rows, prefix_reuse, request_rows, state_requests
 from .counts import _count
 from .hashing import MultimodalItem, multimodal_items, root_key
@@ -20,8 +23,6 @@ from .publish import PrefixState
 if TYPE_CHECKING:
     from .manager import KVCacheManager
 
-#: Longest request id: ids are echoed in results and kept per request (also in allocate.c).
-MAX_REQUEST_ID = 256
 
 #: The root key of requests without a LoRA or a salt: the C core keys only those.
 _ROOT = root_key()

@@ -13,9 +13,9 @@ import numpy as np
 
 from kvcm_client.errors import InvalidArgument
 
-#: Largest count (tokens, positions, lookahead) any op takes. Counts are bounded before any
-#: arithmetic, so that no int64 sum of a few of them can wrap (2**63 - 1 + 2 would).
-MAX_COUNT = 2**31 - 1
+# The largest count (tokens, positions, lookahead) any op takes: the wire models' schema
+# publishes it, so it lives with them; re-exported here for the service's modules.
+from kvcm_client.specs import MAX_COUNT as MAX_COUNT
 
 
 def _shown(value: int) -> int | str:

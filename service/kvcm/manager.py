@@ -45,6 +45,11 @@ from kvcm_client.models import (
 )
 from kvcm_client.models import Layout as LayoutInfo
 
+# Most ops in one step, and most of them that are not extends (``step``): the wire models'
+# schema publishes them, so they live with them. Re-exported: tests patch them here.
+from kvcm_client.specs import MAX_STEP_OPS as MAX_STEP_OPS
+from kvcm_client.specs import MAX_STEP_OTHER_OPS as MAX_STEP_OTHER_OPS
+
 from . import (
     allocation,
     assembly,
@@ -75,14 +80,6 @@ from .publish import PrefixState
 from .shared_memory import CudaSegments, SharedSegments
 from .suspension import Suspended
 from .views import TablesAndViews
-
-#: Most ops in one step, and most of them that are not extends: bounds the work (and the
-#: event-loop time) of one service call to tens of ms (bench/loop_latency.py). Extends run
-#: batched at well under a microsecond each; allocates, frees, commits and rewinds cost about
-#: 10 us each. A scheduler step has an extend per running request and a few of the others.
-MAX_STEP_OPS = 8192
-MAX_STEP_OTHER_OPS = 1024
-
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -12,6 +12,13 @@ route, so a new route cannot ship undocumented. Every error response is the ``Er
 (``{code, message, detail}``), its ``code`` narrowed to the codes of that status on that route;
 FastAPI's ``HTTPValidationError`` is gone (the service never answers with it).
 
+A request the document calls valid gets no 422 for a reason a schema can state: the wire
+models publish the limits the manager enforces (``kvcm_client.specs.Documented``),
+``QUERY_LIMITS`` those of query parameters (FastAPI documents their types only) and
+``DOCUMENTED_BODIES`` a route's body where it needs more than the model it parses. Limits that
+depend on the model (``max_seq_len``, its layers and roles) or on state are in the fields'
+descriptions and the error responses'.
+
 ``/docs`` is a self-contained page (``docs.html``: no CDN, no external URL) that reads
 ``/openapi.json`` and renders routes, parameters, bodies, schemas and statuses.
 """
@@ -59,6 +66,10 @@ from kvcm_client.errors import (
     UnknownSession,
     UnsupportedModel,
 )
+from kvcm_client.models import OneLayerSlotMappingRequest, SlotMappingRequest
+from kvcm_client.specs import INT64_MAX, MAX_COUNT, MAX_REQUEST_ID
+
+from .leases import Leases
 
 _JSON = "application/json"
 ERROR_SCHEMA = "Error"
@@ -113,8 +124,34 @@ _GROW = (*_REQUEST, SequenceTooLong, OutOfBlocks)
 #: A path id with a '/' (as %2F) names no route: 404 ``not_found``.
 _PATH_ID = (NotFound,)
 
-_OP = {"body": True, "auth": True, "session": True}
-_READ = {"body": True}
+#: The body limit (``app.default_body_limit``; tests/test_openapi.py holds the two to it).
+_BODY_LIMIT = (
+    (
+        PayloadTooLarge,
+        "the body is over the service's limit, checked before it is parsed: `kvcm serve "
+        "--max-body-bytes`, by default the larger of 1 MiB and 64 KiB + 8 bytes per token of "
+        "the model's max_seq_len",
+    ),
+)
+#: What a 422 ``invalid_argument`` means on any route, and besides on suspend and resume.
+_INVALID = (
+    "an argument is out of its range or of the wrong type (the schema states both; an integer "
+    "written with a fraction or an exponent, such as 2.0, is refused), or does not fit the "
+    "model or the request's state (the field's description says how); detail.errors lists the "
+    "fields when the body or query failed validation"
+)
+_NO_HOST_TIER = "; the manager has no host tier (host_memory_bytes)"
+
+
+def _notes(invalid: str) -> tuple[tuple[type[KVCMError], str], ...]:
+    """A body route's notes, with more reasons for its ``invalid_argument``."""
+    return (*_BODY_LIMIT, (InvalidArgument, _INVALID + invalid))
+
+
+#: An op route: a body, the token, the lease header; ``_OP`` with the body limit's note.
+_OP_ROUTE: dict[str, Any] = {"body": True, "auth": True, "session": True}
+_OP: dict[str, Any] = {**_OP_ROUTE, "notes": _BODY_LIMIT}
+_READ: dict[str, Any] = {"body": True, "notes": _BODY_LIMIT}
 
 #: route (method, path) -> what it can answer besides success. The one table; see the module doc.
 ROUTES: dict[tuple[str, str], RouteDoc] = {
@@ -129,8 +166,14 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/commit"): RouteDoc(_LIVE, **_OP),
     ("POST", "/v1/commit_many"): RouteDoc(_LIVE, **_OP),
     ("POST", "/v1/free"): RouteDoc(_REQUEST, **_OP),
-    ("POST", "/v1/suspend"): RouteDoc((*_LIVE, InvalidArgument, OutOfBlocks), **_OP),
-    ("POST", "/v1/resume"): RouteDoc((*_REQUEST, InvalidArgument, OutOfBlocks), **_OP),
+    ("POST", "/v1/suspend"): RouteDoc(
+        (*_LIVE, InvalidArgument, OutOfBlocks), **_OP_ROUTE, notes=_notes(_NO_HOST_TIER)
+    ),
+    ("POST", "/v1/resume"): RouteDoc(
+        (*_REQUEST, InvalidArgument, OutOfBlocks),
+        **_OP_ROUTE,
+        notes=_notes(f"{_NO_HOST_TIER}; the request is not suspended"),
+    ),
     # Op errors are results of a step (200), not its status.
     ("POST", "/v1/step"): RouteDoc(_MODEL, **_OP),
     ("POST", "/v1/step_columns"): RouteDoc(_MODEL, **_OP),
@@ -139,7 +182,9 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/slot_mappings"): RouteDoc(_LIVE, **_READ),
     ("POST", "/v1/probe"): RouteDoc((*_MODEL, SequenceTooLong), **_READ),
     ("POST", "/v1/probe_tiers"): RouteDoc((*_MODEL, SequenceTooLong), **_READ),
-    ("POST", "/v1/reset_prefix_cache"): RouteDoc((*_MODEL, PrefixCacheInUse), body=True, auth=True),
+    ("POST", "/v1/reset_prefix_cache"): RouteDoc(
+        (*_MODEL, PrefixCacheInUse), body=True, auth=True, notes=_BODY_LIMIT
+    ),
     ("GET", "/v1/events"): RouteDoc((InvalidArgument, *_MODEL, KVEventsDisabled), auth=True),
     ("GET", "/v1/index/snapshot"): RouteDoc(_MODEL, auth=True),
     ("GET", "/v1/layout"): RouteDoc(_MODEL),
@@ -152,11 +197,26 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     # 422 when the manager was built without share=True.
     ("GET", "/v1/pools"): RouteDoc((InvalidArgument, *_MODEL)),
     ("POST", "/v1/consumers"): RouteDoc(
-        (StaleGeneration, LimitReached, *_MODEL), body=True, auth=True
+        (StaleGeneration, LimitReached, *_MODEL),
+        body=True,
+        auth=True,
+        notes=(
+            *_BODY_LIMIT,
+            (LimitReached, "the table of attached consumers is full: detach one first"),
+        ),
     ),
     ("GET", "/v1/consumers"): RouteDoc(),
     ("DELETE", "/v1/consumers/{consumer_id}"): RouteDoc((UnknownConsumer, *_PATH_ID), auth=True),
-    ("POST", "/v1/sessions"): RouteDoc((LimitReached,), body=True, body_required=False, auth=True),
+    ("POST", "/v1/sessions"): RouteDoc(
+        (LimitReached,),
+        body=True,
+        body_required=False,
+        auth=True,
+        notes=(
+            *_BODY_LIMIT,
+            (LimitReached, f"{Leases.MAX_SESSIONS} sessions are open: close one or let it expire"),
+        ),
+    ),
     ("GET", "/v1/sessions/{session_id}"): RouteDoc((UnknownSession, *_PATH_ID)),
     ("POST", "/v1/sessions/{session_id}/renew"): RouteDoc((UnknownSession, *_PATH_ID), auth=True),
     ("DELETE", "/v1/sessions/{session_id}"): RouteDoc((UnknownSession, *_PATH_ID), auth=True),
@@ -165,6 +225,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
         (InsufficientMemory, UnsupportedModel, DeviceUnavailable, RequestsLive),
         body=True,
         auth=True,
+        notes=_BODY_LIMIT,
     ),
     ("GET", "/v1/model"): RouteDoc(_MODEL),
     ("GET", "/livez"): RouteDoc(),
@@ -180,11 +241,50 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("GET", "/metrics"): RouteDoc(),
 }
 
+_REQUEST_ID = {"minLength": 1, "maxLength": MAX_REQUEST_ID}
+_MAX_SEQ_LEN = "the model's max_seq_len (GET /v1/model: config.max_seq_len)"
+
+#: What the document says of query parameters beyond their types: route -> parameter ->
+#: JSON-schema keywords of its value (the manager checks them), or ``description`` of the
+#: parameter. ``build`` fails on a parameter the app lacks, so the table cannot go stale.
+QUERY_LIMITS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
+    ("GET", "/v1/events"): {
+        "after": {"minimum": 0, "maximum": INT64_MAX},
+        "limit": {"minimum": 1, "maximum": MAX_COUNT},
+        "timeout_s": {
+            "description": "Seconds to wait for an event when there is none (a finite "
+            "number; at most 60 are waited, 0 or less: none)"
+        },
+    },
+    ("GET", "/v1/estimate"): {
+        "seq_len": {
+            "minimum": 1,
+            "maximum": MAX_COUNT,
+            "description": f"At most {_MAX_SEQ_LEN} less the lookahead",
+        },
+        "num_requests": {"minimum": 0},
+        "prefill_chunk": {"minimum": 1, "maximum": MAX_COUNT},
+        "lookahead": {"minimum": 0, "maximum": MAX_COUNT},
+    },
+    ("GET", "/v1/pools"): {
+        "rank": {"minimum": 0, "description": "Below the model's number of ranks"},
+    },
+    ("GET", "/v1/request"): {"request_id": _REQUEST_ID},
+    ("GET", "/v1/block_table"): {"request_id": _REQUEST_ID},
+    ("GET", "/v1/committed_tokens"): {"request_id": _REQUEST_ID},
+}
+
+#: Bodies the document states more precisely than the model the route parses: the route
+#: refuses what the documented model's extra rules exclude. ``/v1/slot_mapping`` shares
+#: ``SlotMappingRequest`` with ``/v1/slot_mappings`` but needs its ``layer_id``.
+DOCUMENTED_BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "/v1/slot_mapping": (SlotMappingRequest, OneLayerSlotMappingRequest),
+}
+
 #: Codes that a route-specific note explains better than the class's docstring.
 _NOTES = {
     NotFound: "the path id holds a '/' (sent as %2F), so the path names no route",
-    InvalidArgument: "an argument is out of its range or of the wrong type; detail.errors "
-    "lists the fields when the body or query failed validation",
+    InvalidArgument: _INVALID,
     Unauthorized: "the route needs 'Authorization: Bearer <KVCM_API_TOKEN>' (only when the "
     "service runs with a token)",
     InternalError: "a bug in kvcm: the service logged it",
@@ -271,6 +371,7 @@ def build(
         routes=app.routes,
     )
     components = schema.setdefault("components", {}).setdefault("schemas", {})
+    bodies = _documented_bodies(bodies)
     _, defs = models_json_schema(
         [(model, "validation") for model in bodies.values()],
         ref_template="#/components/schemas/{model}",
@@ -299,12 +400,45 @@ def build(
     missing = set(table) - seen
     if missing:
         raise RuntimeError(f"the ROUTES table names routes the app lacks: {sorted(missing)}")
+    if routes is None:  # the sidecar's document: its query parameters' limits
+        _query_limits(schema)
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     text = json.dumps(schema)
     if "HTTPValidationError" in text:  # pragma: no cover - a route of FastAPI's own making
         raise RuntimeError("the document still refers to HTTPValidationError")
     return schema
+
+
+def _documented_bodies(bodies: dict[str, type[BaseModel]]) -> dict[str, type[BaseModel]]:
+    """``bodies`` with ``DOCUMENTED_BODIES``' models where a route parses the model they
+    refine (a route that parses another model keeps it: the refinement no longer holds)."""
+    out = dict(bodies)
+    for path, (parsed, documented) in DOCUMENTED_BODIES.items():
+        if out.get(path) is parsed:
+            out[path] = documented
+    return out
+
+
+def _query_limits(schema: dict[str, Any]) -> None:
+    """Add ``QUERY_LIMITS`` to the query parameters' schemas (the integer or string branch
+    of an optional one's ``anyOf``, so that leaving it out stays valid)."""
+    for (method, path), limits in QUERY_LIMITS.items():
+        operation = schema["paths"].get(path, {}).get(method.lower())
+        if operation is None:
+            raise RuntimeError(f"QUERY_LIMITS names {method} {path}, which the app lacks")
+        params = {p["name"]: p for p in operation.get("parameters", []) if p["in"] == "query"}
+        for name, keywords in limits.items():
+            param = params.get(name)
+            if param is None:
+                raise RuntimeError(f"QUERY_LIMITS names {method} {path}?{name}, which it lacks")
+            keywords = dict(keywords)
+            if "description" in keywords:
+                param["description"] = keywords.pop("description")
+            value = param["schema"]
+            branches = [b for b in value.get("anyOf", [value]) if b.get("type") != "null"]
+            for branch in branches:
+                branch.update(keywords)
 
 
 def _document(
