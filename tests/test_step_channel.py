@@ -135,7 +135,7 @@ def test_socket_mode_and_a_live_or_stale_socket(served: tuple[str, Path], tmp_pa
     assert oct(path.stat().st_mode & 0o777) == "0o660"
     # A second service on the same, live, socket refuses to start.
     with (
-        pytest.raises(RuntimeError, match="in use by a running process"),
+        pytest.raises(RuntimeError, match="another process serves on it"),
         serve_process(*ARGS, "--step-socket", str(path)),
     ):
         pass

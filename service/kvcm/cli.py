@@ -17,12 +17,10 @@ import logging
 import os
 import signal
 import socket
-import stat
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -34,7 +32,9 @@ from kvcm_client.errors import KVCMError
 from . import native
 from .router.cli import add_commands as add_router_commands
 from .router.cli import run_route, run_router
+from .server import unix_socket
 from .server.settings import Settings
+from .server.unix_socket import OwnSocket
 
 if TYPE_CHECKING:
     from .manager import KVCacheManager
@@ -329,76 +329,19 @@ def check_socket_path(flag: str, path: Path) -> None:
         )
 
 
-def _clear_stale_uds(path: Path) -> None:
-    """Remove a socket file at ``path`` that nobody listens on (left by a process that died);
-    refuse one a running process serves on (it is not ours to take over), or a path that is
-    not a socket (not ours to delete)."""
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise CommandError(
-            f"--uds {path}: exists and is not a socket (remove it, or choose another path)"
-        )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        path.unlink(missing_ok=True)  # stale: nobody accepts on it
-        return
-    except OSError:
-        pass  # a listener that does not answer in time (stopped? busy?) is still a listener
-    finally:
-        probe.close()
-    raise CommandError(
-        f"--uds {path}: another process serves on it (another kvcm? stop it, or choose another "
-        "path)"
-    )
-
-
-@dataclass(frozen=True)
-class OwnSocket:
-    """A Unix socket file this process created: its path and identity (device, inode)."""
-
-    path: Path
-    ident: tuple[int, int]
-
-    @classmethod
-    def of(cls, path: Path) -> OwnSocket:
-        st = path.lstat()
-        return cls(path, (st.st_dev, st.st_ino))
-
-    def remove(self) -> None:
-        """Remove the socket file, if the file at the path is still the one this process
-        created: one that replaced it (someone removed ours and another service bound the
-        path, or put something else there) is not ours to delete."""
-        try:
-            st = self.path.lstat()
-        except FileNotFoundError:
-            return
-        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self.ident:
-            self.path.unlink(missing_ok=True)
-
-
 def _bind(settings: Settings) -> tuple[socket.socket, str, OwnSocket | None]:
     """Bind the listening socket here, so ``--port 0`` can report the port it got. For
     ``--uds`` (its path checked already: ``check_socket_path``), also the socket file made,
     for ``serve`` to remove at exit."""
     if settings.uds is not None:
         path = settings.uds
-        _clear_stale_uds(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o117)  # rw for owner and group only
         try:
-            sock.bind(str(path))
+            sock, own = unix_socket.bind(path, "--uds")
+        except FileExistsError as exc:  # a live socket, or not a socket: the message says
+            raise CommandError(str(exc)) from None
         except OSError as exc:
-            sock.close()
             raise CommandError(f"--uds {path}: cannot bind: {exc.strerror or exc}") from None
-        finally:
-            os.umask(old)
-        return sock, f"unix:{path}", OwnSocket.of(path)
+        return sock, f"unix:{path}", own
     sock, url = _bind_tcp(settings.host, settings.port)
     return sock, url, None
 
@@ -517,9 +460,10 @@ def _serve(settings: Settings, stop: _StopRequest) -> int:
             "" if settings.api_token else "; set KVCM_API_TOKEN to require a token",
         )
     if settings.step_socket is not None:
-        from .server.step_channel import clear_stale
-
-        clear_stale(settings.step_socket)  # a live one: refused here, before anything starts
+        try:  # a live one: refused here, before anything starts
+            unix_socket.clear_stale(settings.step_socket, "--step-socket")
+        except FileExistsError as exc:
+            raise CommandError(str(exc)) from None
     sock, url, own = _bind(settings)
     probe_sock: socket.socket | None = None
     try:

@@ -17,12 +17,9 @@ frame is on its way (``step_poll``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import os
-import socket
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
@@ -60,6 +57,7 @@ from ..columnar_parse import columns_from_wire
 from ..ops import plain_step
 from .state import ServiceState
 from .step_poll import DEFAULT_POLL_US, WAKE, FramePoll, GapPredictor
+from .unix_socket import OwnSocket, bind
 
 log = logging.getLogger("kvcm.step_channel")
 
@@ -73,37 +71,6 @@ def _table(values: Any) -> dict[str, Any]:
         values = values.cpu().numpy()
     array = np.ascontiguousarray(values, dtype="<i8")
     return {"dtype": "int64", "shape": list(array.shape), "data": array.tobytes()}
-
-
-def clear_stale(path: Path) -> None:
-    """Remove a stale socket at ``path`` (nobody accepts on it: its process is gone); refuse
-    (``FileExistsError``) a live one or a path that is not a socket. ``kvcm serve`` calls it
-    before starting, so that a refusal is one line and exit status 2."""
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise FileExistsError(f"step socket {path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # stale: left behind by a process that is gone
-        else:
-            raise FileExistsError(f"step socket {path} is in use by a running process")
-        finally:
-            probe.close()
-
-
-def bind(path: Path) -> socket.socket:
-    """A listening Unix socket at ``path``, mode 0660 (``clear_stale`` first)."""
-    clear_stale(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o117)  # rw for owner and group only
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
-    sock.listen(128)
-    return sock
 
 
 class StepChannel:
@@ -124,7 +91,8 @@ class StepChannel:
         #: The poll after an answer (``step_poll``); None: sleep in the loop at once.
         self.poll = FramePoll(poll_us) if poll_us > 0 and _cpus() > 1 else None
         self.server: asyncio.AbstractServer | None = None
-        self.path: Path | None = None
+        #: The socket file ``start`` made, removed by ``stop``.
+        self.socket_file: OwnSocket | None = None
         self._connections: set[_Connection] = set()
         m = state.metrics
         self._latency = {op: m.latency.labels(f"/v1/{op}") for op in OPS}
@@ -145,9 +113,10 @@ class StepChannel:
         }
 
     async def start(self, path: Path) -> None:
-        self.path = path
+        sock, self.socket_file = bind(path, "--step-socket")
+        sock.listen(128)
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_unix_server(lambda: _Connection(self), sock=bind(path))
+        self.server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
         log.info("step channel on %s", path)
 
     async def stop(self) -> None:
@@ -158,9 +127,8 @@ class StepChannel:
         for conn in list(self._connections):
             conn.close()
         await self.server.wait_closed()
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+        if self.socket_file is not None:
+            self.socket_file.remove()
 
     # -- one frame -----------------------------------------------------------------------------
 
