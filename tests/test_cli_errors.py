@@ -199,37 +199,48 @@ def test_sigint_and_sigterm_stop_alike_and_remove_the_sockets(
 
 
 def test_another_services_socket_is_neither_taken_over_nor_removed(tmp_path: Path) -> None:
-    """A second ``kvcm serve --uds`` on a live socket is refused (it used to unlink it and
-    serve there, cutting the first service off); and at exit a service removes its socket
-    file only while it is still the one it made."""
-    uds = tmp_path / "kvcm.sock"
-    with serve_process("--uds", str(uds), uds=uds, model=False) as (_, proc, lines):
-        second = subprocess.run(
-            [sys.executable, "-m", "kvcm", "serve", "--uds", str(uds)],
-            capture_output=True,
-            text=True,
-            timeout=PATIENCE,
-        )
-        assert second.returncode == 2 and "Traceback" not in second.stderr
-        assert second.stderr.endswith(
-            f"kvcm: --uds {uds}: another process serves on it (another kvcm? stop it, or "
-            "choose another path)\n"
-        )
+    """A second ``kvcm serve`` on a live ``--uds`` or ``--step-socket`` is refused (it used
+    to unlink the ``--uds`` one and serve there, cutting the first service off); and at exit
+    a service removes its socket files only while they are still the ones it made."""
+    uds, step = tmp_path / "kvcm.sock", tmp_path / "step.sock"
+    args = ("--uds", str(uds), "--step-socket", str(step))
+    with serve_process(*args, uds=uds, model=False) as (_, proc, lines):
+        for flag, path, other_args in (
+            ("--uds", uds, ()),
+            ("--step-socket", step, ("--uds", str(tmp_path / "other.sock"))),
+        ):
+            second = subprocess.run(
+                [sys.executable, "-m", "kvcm", "serve", *other_args, flag, str(path)],
+                capture_output=True,
+                text=True,
+                timeout=PATIENCE,
+            )
+            assert second.returncode == 2 and "Traceback" not in second.stderr
+            assert second.stderr.endswith(
+                f"kvcm: {flag} {path}: another process serves on it (another kvcm? stop it, "
+                "or choose another path)\n"
+            )
         transport = httpx.HTTPTransport(uds=str(uds))
         with httpx.Client(base_url="http://kvcm", transport=transport) as http:
             assert http.get("/livez").status_code == 200  # the first one still has it
-        # Someone removes the service's socket file and binds the path for another server.
+        # Someone removes the service's socket files and binds the paths for other servers.
         uds.unlink()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
+        step.unlink()
+        with (
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other,
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other_step,
+        ):
             other.bind(str(uds))
             other.listen(1)
+            other_step.bind(str(step))
+            other_step.listen(1)
             proc.send_signal(signal.SIGTERM)
             proc.wait(PATIENCE)
             assert proc.returncode == 0, "".join(lines)
-            assert uds.is_socket()  # the other server's: still there
-            other.settimeout(PATIENCE)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-                client.connect(str(uds))  # and still its
+            for path in (uds, step):
+                assert path.is_socket()  # the other servers': still there
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                    client.connect(str(path))  # and still theirs
 
 
 #: ``kvcm serve`` with a signal sent to itself at a chosen point of its start (argv[1]):
