@@ -113,12 +113,16 @@ class AsyncKVCacheClient:
         if self._channel is not None:
             await self._channel.aclose()
 
-    async def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T] | None) -> T:
+    async def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T]) -> T:
         """As ``KVCacheClient._fast``."""
         if self._channel is None:
-            assert fallback is not None
             return await self._run(fallback)
         self._channel.wake()
+        return await self._over_channel(call)
+
+    async def _over_channel(self, call: channel.StepCall[T]) -> T:
+        """As ``KVCacheClient._over_channel``."""
+        assert self._channel is not None
         header = channel.header(self.session_id, self.generation, self._token)
         answer = await self._channel.call(call, header)
         result = channel.result_of(call, answer)
@@ -245,7 +249,7 @@ class AsyncKVCacheClient:
         if self._channel is None:
             return await self._run(calls.step_columns(columns))
         self._channel.wake()  # before the frame is built (docs/step-channel.md)
-        return await self._fast(channel.step_columns(wire_columns(**columns)), None)
+        return await self._over_channel(channel.step_columns(wire_columns(**columns)))
 
     async def suspend(self, request_id: str) -> RequestInfo:
         return await self._fast(channel.suspend(request_id), calls.suspend(request_id))

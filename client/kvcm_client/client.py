@@ -139,12 +139,18 @@ class KVCacheClient:
         if self._channel is not None:
             self._channel.close()
 
-    def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T] | None) -> T:
+    def _fast(self, call: channel.StepCall[T], fallback: calls.Call[T]) -> T:
         """``call`` over the step channel if this client has one, else ``fallback`` (HTTP)."""
         if self._channel is None:
-            assert fallback is not None
             return self._run(fallback)
         self._channel.wake()
+        return self._over_channel(call)
+
+    def _over_channel(self, call: channel.StepCall[T]) -> T:
+        """``call`` over the step channel, its doorbell already rung if due (``wake``, once
+        per call: a second one, after a frame that took longer than the window to build,
+        would only wake the service again)."""
+        assert self._channel is not None
         header = channel.header(self.session_id, self.generation, self._token)
         answer = self._channel.call(call, header)
         result = channel.result_of(call, answer)
@@ -286,7 +292,7 @@ class KVCacheClient:
             suspend=suspend,
             resume=resume,
         )
-        return self._fast(channel.step_columns(args), None)
+        return self._over_channel(channel.step_columns(args))
 
     def suspend(self, request_id: str) -> RequestInfo:
         """``KVCacheManager.suspend``: the request's blocks to the host tier."""
