@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every bench script's --quick mode, in subprocesses
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -23,6 +23,8 @@ from servers import serve_process
 
 from kvcm.cli import main
 
+pytestmark = pytest.mark.slow  # real kvcm serve processes: signals, sockets and start errors
+
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 #: Seconds a process test waits for a step whose speed it does not measure.
 PATIENCE = 120

@@ -11,7 +11,10 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from servers import serve_process
+
+pytestmark = pytest.mark.slow  # the client installed alone into a fresh virtualenv
 
 ROOT = Path(__file__).resolve().parents[1]
 

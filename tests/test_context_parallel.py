@@ -600,6 +600,7 @@ def helix_through_attachments(url: str, cp: int) -> None:
             assert json.loads(proc.stdout) == (mine + [-1] * 8)[:8]
 
 
+@pytest.mark.slow
 def test_a_process_per_cp_rank_maps_its_own_pools_and_tables(tmp_path: Path) -> None:
     with serve_process("--config", str(cp_config(tmp_path, 3))) as (url, _, _):
         helix_through_attachments(url, 3)

@@ -44,6 +44,8 @@ import pytest
 
 from kvcm.cli import build_parser
 
+pytestmark = pytest.mark.slow  # every doc example, some starting servers
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "client" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PYTHON = {"python", "py", "python3"}

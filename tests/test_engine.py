@@ -37,6 +37,8 @@ from kvcm_engine import (
     reference_outputs,
 )
 
+pytestmark = pytest.mark.slow  # the example engine against transformers' generate, model by model
+
 CHUNK = 16
 
 

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 from servers import serve_process
 
 from kvcm_client import KVCacheClient
@@ -23,6 +24,8 @@ from kvcm_engine import (
     make_requests,
     reference_outputs,
 )
+
+pytestmark = pytest.mark.slow  # the example engine through a real kvcm serve
 
 SIZING = {
     "tokens_per_block": 4,

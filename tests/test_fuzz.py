@@ -46,6 +46,8 @@ from kvcm.server.app import create_app
 from kvcm.server.openapi import ROUTES
 from kvcm_client.models import ManagerConfig
 
+pytestmark = pytest.mark.slow  # schemathesis against a live server
+
 CASES = int(os.environ.get("KVCM_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("KVCM_FUZZ_SEED", "0"))
 PER_OPERATION = max(2, -(-CASES // len(ROUTES)))

@@ -126,6 +126,7 @@ def test_onboarding_stops_where_free_slots_end() -> None:
     assert m.allocate("b", 17, token_ids=prompt).num_hit_tokens == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("seed", "cycles", "windowed", "deferred", "state"),
     [(0, 100_000, False, False, False), (1, 6000, False, False, False),
@@ -323,6 +324,7 @@ def run_cycles(
     return stats
 
 
+@pytest.mark.slow
 def test_the_service_offloads_and_onboards_and_says_so() -> None:
     """A real ``kvcm serve``: the registered model has a host tier; stats and metrics show
     the blocks that went to the host and came back."""
@@ -371,6 +373,7 @@ def test_the_service_offloads_and_onboards_and_says_so() -> None:
         assert 'kvcm_host_slots{pool_group="0"}' in text
 
 
+@pytest.mark.slow
 def test_kvcm_serve_host_memory_flag_and_suspend_over_the_step_channel(tmp_path: Path) -> None:
     import httpx
     from servers import serve_process

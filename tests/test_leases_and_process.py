@@ -21,6 +21,8 @@ from kvcm_client import KVCacheClient
 from kvcm_client.errors import ServiceUnavailable, UnknownRequest, UnknownSession
 from kvcm_client.models import AllocateOp, FreeOp, StepRequest
 
+pytestmark = pytest.mark.slow  # real kvcm serve processes: leases, signals
+
 CONFIG = {
     "layers": [layer(0)],
     "tokens_per_block": 4,

@@ -310,6 +310,7 @@ def every_rank_against_dense(url: str) -> None:
             kv.pools(rank=4)
 
 
+@pytest.mark.slow
 def test_a_process_per_rank_maps_its_own_ranks_pools(ranked_service: str) -> None:
     a_process_per_rank(ranked_service)
 

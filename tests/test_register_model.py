@@ -74,6 +74,7 @@ def _no_model(resp: httpx.Response) -> bool:
     return resp.status_code == 503 and resp.json()["code"] == "no_model"
 
 
+@pytest.mark.slow
 def test_a_served_process_without_a_model_waits_for_a_registration() -> None:
     with (
         serve_process("--log-level", "warning", model=False) as (url, _, _),
@@ -234,6 +235,7 @@ def test_serve_without_a_model_checks_its_device_at_start(
     assert "kvcm: device_unavailable: device 'cuda:99' asked for" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_wait_for_model_returns_once_another_client_registers_and_times_out_typed() -> None:
     args = ("--num-blocks", "33", "--log-level", "warning")
     with serve_process(*args, model=False) as (url, _, _), KVCacheClient(url) as kv:

@@ -17,6 +17,8 @@ from servers import serve_process
 from kvcm_client import KVCacheClient, attach
 from kvcm_client.errors import StaleGeneration
 
+pytestmark = pytest.mark.slow  # real kvcm serve processes killed and restarted
+
 ARGS = ("--num-blocks", "64", "--max-seq-len", "256", "--layers")
 
 

@@ -38,6 +38,8 @@ from kvcm_client.errors import IndexUnavailable
 from kvcm_client.router import AsyncRouterClient, RouterClient
 from kvcm_client.routing import GroupHit, RouteResult, SidecarStatus
 
+pytestmark = pytest.mark.slow  # kvcm router and sidecars on a real redis-server
+
 T = TypeVar("T")
 TPB = 4
 NAMES = ("a", "b", "c")

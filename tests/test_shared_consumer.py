@@ -20,6 +20,8 @@ from kvcm_client.errors import StaleGeneration
 from kvcm_client.paged_attention import attention, key_mask, write_kv
 from kvcm_client.shared import Attachment
 
+pytestmark = pytest.mark.slow  # a real service and consumer processes mapping its pools
+
 TPB = 4
 LAYERS = [
     {"layer_id": 0, "num_kv_heads": 2, "head_dim": 8, "dtype": "fp32"},  # full, GQA 2:1

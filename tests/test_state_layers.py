@@ -683,6 +683,7 @@ def _consumer(m: KVCacheManager) -> Iterator[Callable[[int, list[int]], None]]:
         child.wait(10)
 
 
+@pytest.mark.slow
 def test_a_consumer_process_runs_the_model_on_the_shared_state() -> None:
     """The same, with the model in a process of its own that maps the state through
     ``kvcm_client.attach`` (POSIX shared memory): the scheduler here allocates and commits,
@@ -706,6 +707,7 @@ def test_a_consumer_process_runs_the_model_on_the_shared_state() -> None:
         m.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["in_process", "consumer_process"])
 def test_the_toy_recurrence_survives_a_suspend_while_others_fill_the_device(where: str) -> None:
     """Prefill "a", suspend it to the host, fill the device with two other requests (every

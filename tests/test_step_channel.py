@@ -31,6 +31,8 @@ from kvcm_client.errors import (
 )
 from kvcm_client.step_channel import HEADER, pack, unpack
 
+pytestmark = pytest.mark.slow  # real kvcm serve processes over the step channel
+
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = (
     "--default-model",

@@ -181,6 +181,7 @@ def _polls(url: str) -> tuple[float, float]:
     )
 
 
+@pytest.mark.slow
 def test_a_real_service_counts_doorbells_and_polls_for_their_frames(tmp_path: Path) -> None:
     """A client calling every 5 ms (each gap over the 300 us window) rings before each call
     but its connection's first: 20 doorbells, each counted. A poll after a doorbell ends by
@@ -203,6 +204,7 @@ def test_a_real_service_counts_doorbells_and_polls_for_their_frames(tmp_path: Pa
         assert kv.request("a").num_tokens == 21
 
 
+@pytest.mark.slow
 def test_a_burst_after_a_doorbell_finds_the_service_polling(tmp_path: Path) -> None:
     """Pairs of calls every 5 ms: the doorbell's poll, then the poll after the pair's first
     answer (the burst's), which the second frame ends; nothing of the op's record would
@@ -244,6 +246,7 @@ def _ring_all(path: Path, data: bytes, answers: int) -> list[dict[str, object]]:
         return got
 
 
+@pytest.mark.slow
 def test_doorbells_get_no_answer_and_one_that_announces_nothing_backs_off(
     tmp_path: Path,
 ) -> None:
@@ -471,6 +474,7 @@ def test_an_async_client_that_loses_the_refusal_sends_again_and_turns_the_doorbe
     assert sock.wake_after_ns is None and old.seen.count("refused") == 2
 
 
+@pytest.mark.slow
 def test_a_current_service_refusing_the_frame_itself_keeps_the_doorbell(tmp_path: Path) -> None:
     """A frame the service cannot read (an int key in a map, refused by its strict unpack)
     after a ring looks like an older service's refusal: the call is sent again without a

@@ -120,6 +120,7 @@ TWO_CPUS = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [pytest.param("300", marks=TWO_CPUS), "0"])
 def test_a_service_polls_for_a_back_to_back_client_and_not_for_a_spaced_one(
     tmp_path_factory: pytest.TempPathFactory, window: str
@@ -166,6 +167,7 @@ def test_a_service_polls_for_a_back_to_back_client_and_not_for_a_spaced_one(
     assert spaced["timeout"] - back_to_back["timeout"] <= 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
 def test_a_service_on_one_cpu_never_polls(tmp_path: Path) -> None:
     """Pinned to one CPU (the service inherits it), the client needs the core the poll would
