@@ -24,7 +24,7 @@ from kvcm.ops import OP_FIELDS
 from kvcm.server.app import create_app
 from kvcm.server.state import ServiceState
 from kvcm.server.step_channel import StepChannel
-from kvcm_client.errors import InvalidArgument
+from kvcm_client.errors import InvalidArgument, UnknownRequest
 from kvcm_client.models import MAX_REQUEST_ID
 from kvcm_client.step_channel import HEADER, OPS, pack
 
@@ -167,6 +167,34 @@ def test_in_process_steps_refuse_a_binary_id_as_allocate_does() -> None:
     length = m.request("a").num_tokens
     assert m.step([_decoded(_STEP_OPS[1])])[0].ok
     assert m.request("a").num_tokens == length + 1
+
+
+def test_in_process_methods_refuse_a_binary_id_as_allocate_does() -> None:
+    """The manager's per-request methods name a non-str id ``invalid_argument`` as
+    ``allocate`` and the wire models do (they answered ``unknown_request``), and change
+    nothing; a str id no request has stays ``unknown_request``."""
+    _, m = _service()
+    calls = {
+        "extend": lambda rid: m.extend(rid, 1),
+        "rewind": lambda rid: m.rewind(rid, 1),
+        "commit": lambda rid: m.commit(rid, [1]),
+        "free": lambda rid: m.free(rid),
+        "suspend": lambda rid: m.suspend(rid),
+        "resume": lambda rid: m.resume(rid),
+        "request": lambda rid: m.request(rid),
+        "block_table": lambda rid: m.block_table(rid),
+        "committed_tokens": lambda rid: m.committed_tokens(rid),
+        "extend_many": lambda rid: m.extend_many([rid]),
+        "slot_mapping": lambda rid: m.slot_mapping([rid], layer_id=0),
+    }
+    for name, call in calls.items():
+        for bad in (b"a", b"s", 7):
+            before = manager_state(m)
+            with pytest.raises(InvalidArgument, match="a request id is a string"):
+                call(bad)
+            assert same(before, manager_state(m)), (name, bad)
+        with pytest.raises(UnknownRequest):
+            call("nobody")
 
 
 def test_json_strings_still_work_over_http() -> None:

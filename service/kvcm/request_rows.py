@@ -44,13 +44,24 @@ def row_of(m: KVCacheManager, request_id: str, suspended: bool = False) -> int:
     try:
         found = m._rows[request_id]
     except (KeyError, TypeError):
-        shown = str(request_id)[:64]
-        raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
+        raise _not_found(request_id) from None
     if not suspended and request_id in m._suspended:
         raise RequestSuspended(
             f"request {request_id!r} is suspended: resume it first", request_id=request_id
         )
     return found
+
+
+def _not_found(request_id: object) -> InvalidArgument | UnknownRequest:
+    """The error for an id no live request has: ``invalid_argument`` for one that is not a
+    string (bytes among them), as ``allocate`` and the wire models refuse it, so that every
+    path names it alike; else ``unknown_request``."""
+    if not isinstance(request_id, str):
+        return InvalidArgument(
+            f"a request id is a string, not {type(request_id).__name__}", request_id=None
+        )
+    shown = request_id[:64]
+    return UnknownRequest(f"unknown request {shown!r}", request_id=shown)
 
 
 def rows_of(m: KVCacheManager, request_ids: Sequence[str]) -> np.ndarray:
@@ -63,8 +74,7 @@ def rows_of(m: KVCacheManager, request_ids: Sequence[str]) -> np.ndarray:
         found = np.fromiter((rows[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
     except (KeyError, TypeError):
         missing = next(r for r in request_ids if not isinstance(r, str) or r not in rows)
-        shown = str(missing)[:64]
-        raise UnknownRequest(f"unknown request {shown!r}", request_id=shown) from None
+        raise _not_found(missing) from None
     if m._suspended:
         for r in request_ids:
             if r in m._suspended:
