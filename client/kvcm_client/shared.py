@@ -36,35 +36,42 @@ def require_torch() -> None:
         ) from exc
 
 
-def cupy_for_ipc() -> Any:
-    """CuPy, which maps the service's CUDA IPC handles, or ``DeviceUnavailable`` naming CuPy.
+def cupy_for_ipc(
+    purpose: str = "mapping CUDA pools",
+    install: str = "e.g. pip install cupy-cuda12x",
+    logger: logging.Logger = log,
+) -> Any:
+    """CuPy, which CUDA IPC goes through, or ``DeviceUnavailable`` naming CuPy and why.
 
-    There is no other way to map a CUDA pool here, so a missing or unusable CuPy is a typed
-    error that says why, rather than its import's own exception (``PermissionError`` when
-    ``$HOME`` is not writable for CuPy's kernel cache) surfacing from inside ``attach``.
+    There is no other way to share or map a CUDA pool (the allocations and their IPC
+    handles are CuPy's runtime calls), so a missing or unusable CuPy is a typed error rather
+    than its import's own exception (``PermissionError`` when ``$HOME`` is not writable for
+    CuPy's kernel cache) surfacing from inside ``attach`` or a registration. An unusable one
+    is logged too (to ``logger``: the service's log, for its side), since an error answered
+    over HTTP would not reach that log otherwise. ``purpose`` and ``install`` word the
+    message: the consumer's "mapping", the service's "sharing" and its ``gpu`` extra.
     """
     try:
         import cupy
     except ModuleNotFoundError as exc:
         if exc.name == "cupy":
-            raise DeviceUnavailable(
-                "mapping CUDA pools needs CuPy for CUDA IPC (e.g. pip install cupy-cuda12x)"
-            ) from None
-        raise _unusable_cupy(exc) from exc  # CuPy is there, something it imports is not
+            raise DeviceUnavailable(f"{purpose} needs CuPy ({install}) for CUDA IPC") from None
+        # CuPy is there, something it imports is not.
+        raise _unusable_cupy(exc, purpose, logger) from exc
     except Exception as exc:
-        raise _unusable_cupy(exc) from exc
+        raise _unusable_cupy(exc, purpose, logger) from exc
     return cupy
 
 
-def _unusable_cupy(exc: Exception) -> DeviceUnavailable:
+def _unusable_cupy(exc: Exception, purpose: str, logger: logging.Logger) -> DeviceUnavailable:
     """The error for an installed CuPy that cannot be used, logged on the way."""
     message = (
-        "mapping CUDA pools needs CuPy for CUDA IPC, and CuPy is installed but unusable "
+        f"{purpose} needs CuPy for CUDA IPC, and CuPy is installed but unusable "
         f"({type(exc).__name__}: {exc})"
     )
     if isinstance(exc, OSError):  # nearly always its kernel cache, ~/.cupy/kernel_cache
         message += ": set CUPY_CACHE_DIR or HOME to a directory this user can write"
-    log.warning("%s", message)
+    logger.warning("%s", message)
     return DeviceUnavailable(message)
 
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from kvcm_client.errors import DeviceUnavailable, InsufficientMemory
+from kvcm_client import shared
+from kvcm_client.errors import InsufficientMemory
 from kvcm_client.models import SharedSegment
 
 CUDA_ALIGN = 2 << 20
@@ -132,37 +133,9 @@ def device_uuid(index: int) -> str:
 
 
 def cupy_for_ipc() -> Any:
-    """CuPy, which CUDA IPC goes through, or ``DeviceUnavailable`` that names CuPy and why.
-
-    Sharing CUDA pools has no fallback (the allocations and their IPC handles come from CuPy's
-    runtime calls), so an unusable CuPy refuses the share with a typed error rather than
-    letting its import's exception through (``PermissionError`` when ``$HOME`` is not writable
-    for its kernel cache). The cause is logged as well: an error answered to a registration
-    over HTTP would not reach the sidecar's log otherwise.
-    """
-    try:
-        import cupy
-    except ModuleNotFoundError as exc:
-        if exc.name == "cupy":
-            raise DeviceUnavailable(
-                "sharing CUDA pools needs CuPy (the gpu extra) for CUDA IPC"
-            ) from None
-        raise _unusable_cupy(exc) from exc  # CuPy is there, something it imports is not
-    except Exception as exc:
-        raise _unusable_cupy(exc) from exc
-    return cupy
-
-
-def _unusable_cupy(exc: Exception) -> DeviceUnavailable:
-    """The error for an installed CuPy that cannot be used, logged on the way."""
-    message = (
-        "sharing CUDA pools needs CuPy for CUDA IPC, and CuPy is installed but unusable "
-        f"({type(exc).__name__}: {exc})"
-    )
-    if isinstance(exc, OSError):  # nearly always its kernel cache, ~/.cupy/kernel_cache
-        message += ": set CUPY_CACHE_DIR or HOME to a directory this user can write"
-    _log.warning("%s", message)
-    return DeviceUnavailable(message)
+    """CuPy for sharing CUDA pools, or ``DeviceUnavailable`` naming CuPy and why, logged in
+    the service's log (``kvcm_client.shared.cupy_for_ipc``)."""
+    return shared.cupy_for_ipc("sharing CUDA pools", "the gpu extra", _log)
 
 
 class CudaSegments:
