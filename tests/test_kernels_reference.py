@@ -79,6 +79,35 @@ def test_slot_mapping_reference_for_all_groups_at_once(rng: np.random.Generator)
         assert got[g].tolist() == single.tolist()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_host_slot_mapping_equals_the_reference(seed: int) -> None:
+    """``slot_mapping_host`` (the CPU manager's numpy path) against the torch reference on
+    random tables of several groups, -1 and null-page entries, empty and padded batches."""
+    rng = np.random.default_rng(seed)
+    groups, cols, tpb = int(rng.integers(1, 4)), 9, int(rng.choice([1, 4, 16]))
+    tables = rng.integers(-1, 60, size=(groups, 30, cols)).astype(np.int32)
+    n = int(rng.integers(0, 12))
+    rows = rng.choice(30, size=n, replace=False).astype(np.int64)
+    counts = rng.integers(0, 6, size=n)
+    positions = rng.integers(0, cols * tpb, size=int(counts.sum())).astype(np.int64)
+    qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    pad_to = int(counts.sum()) + int(rng.integers(0, 4))
+    for min_live in (0, 1):
+        want = kvcm_kernels.slot_mapping(
+            torch.from_numpy(tables),
+            torch.from_numpy(rows),
+            torch.from_numpy(qsl),
+            torch.from_numpy(positions),
+            tpb,
+            pad_to,
+            min_live=min_live,
+        )
+        got = kvcm_kernels.slot_mapping_host(
+            tables, np.repeat(rows, counts), positions, tpb, pad_to, min_live
+        )
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("n", [0, 1, 300])
 def test_apply_page_table_edits_reference(rng: np.random.Generator, n: int) -> None:
     tables = _random_table(rng, 3 * 20, 16).view(3, 20, 16)

@@ -12,7 +12,7 @@ from .kv_copy import TokenCopyPool, copy_tokens
 from .page_indices import kernel_page_indices
 from .page_table_edits import apply_page_table_edits
 from .pointers import layer_pointers
-from .slot_mapping import slot_mapping
+from .slot_mapping import slot_mapping, slot_mapping_host
 from .step_tables import apply_edits_and_map_slots
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "pieces",
     "segments",
     "slot_mapping",
+    "slot_mapping_host",
 ]

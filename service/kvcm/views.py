@@ -213,15 +213,8 @@ class TablesAndViews(LayoutDescriptors):
             pad_to = total
         elif _count("pad_to", pad_to, 0, self.max_step_tokens) < total:
             raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
-        # rows | query_start_loc | positions | pending table edits in one pinned buffer, read
-        # in place by one launch that applies the edits and maps the slots (on CUDA).
         n = rows.size
         edits = self._tables.take_pending()
-        ends = np.cumsum([n, n + 1, total, edits.size])
-        packed = np.empty(int(ends[-1]), dtype=np.int64)
-        packed[: ends[0]] = rows
-        packed[ends[0]] = 0
-        np.cumsum(counts, out=packed[ends[0] + 1 : ends[1]])
         items, offsets = segments(counts)
         positions = (length - counts)[items] + offsets
         if self.cp > 1:  # this rank's pages only: other ranks' tokens map to -1
@@ -229,12 +222,27 @@ class TablesAndViews(LayoutDescriptors):
             positions = local_positions(
                 positions, self.tokens_per_block, self.cp, self.cp_rank, width
             )
+        tables = self._tables.tensor
+        if not edits.size and tables.device.type == "cpu":  # the tables are host arrays
+            first = group or 0
+            window = tables.numpy()[first : first + (1 if group is not None else len(tables))]
+            mapped = kvcm_kernels.slot_mapping_host(
+                window, rows[items], positions, self.tokens_per_block, pad_to, self._min_live
+            )
+            return torch.from_numpy(mapped if group is None else mapped[0])
+        # rows | query_start_loc | positions | pending table edits in one pinned buffer, read
+        # in place by one launch that applies the edits and maps the slots (on CUDA).
+        ends = np.cumsum([n, n + 1, total, edits.size])
+        packed = np.empty(int(ends[-1]), dtype=np.int64)
+        packed[: ends[0]] = rows
+        packed[ends[0]] = 0
+        np.cumsum(counts, out=packed[ends[0] + 1 : ends[1]])
         packed[ends[1] : ends[2]] = positions
         packed[ends[2] :] = edits.reshape(-1)
         uploader = self._tables.uploader
         staged = torch.from_numpy(packed) if uploader is None else uploader.stage(packed)
         out = kvcm_kernels.apply_edits_and_map_slots(
-            self._tables.tensor,
+            tables,
             staged[ends[2] :].view(-1, 4),
             staged[: ends[0]],
             staged[ends[0] : ends[1]],
