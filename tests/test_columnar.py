@@ -560,3 +560,102 @@ def test_reshaping_one_outcome_s_statuses_leaves_later_steps_alone() -> None:
     second = m.step_columns(extend=handles)
     assert second.status["extend"].shape == (2,)
     assert second.to_json()["status"]["extend"] == [0, 0]
+
+
+def test_map_slots_maps_each_successful_item_s_computed_tokens() -> None:
+    """``map_slots``: the step's extends' new tokens, then its allocates' past their hits,
+    failed items left out; exactly what ``slot_mappings`` gives for those requests and
+    counts after the step (tokens_per_block 4, a window of 8 beside full attention)."""
+    m = manager([layer(0, sliding_window=8), layer(1)], num_blocks=40, null_page=True)
+    first = m.step_columns(
+        allocate=[
+            {"request_id": "a", "num_tokens": 9, "token_ids": list(range(9))},
+            {"request_id": "b", "num_tokens": 3},
+        ],
+        map_slots=True,
+    )
+    assert first.slot_mapping.shape == (2, 12)
+    assert first.slot_mapping.tolist() == m.slot_mappings(["a", "b"], [9, 3]).tolist()
+    ha, hb = first.handles.tolist()
+    m.commit("a", list(range(9)))
+    out = m.step_columns(
+        extend=[ha, 12345, hb],  # the middle one names nothing: no tokens
+        num_new_tokens=[2, 1, 5],
+        allocate=[
+            {"request_id": "c", "num_tokens": 11, "token_ids": list(range(11))},  # hits 8
+            {"request_id": "d", "num_tokens": 999},  # too long: no tokens
+        ],
+        map_slots=True,
+    )
+    assert out.status["extend"].tolist()[1] != 0 and out.status["allocate"].tolist()[1] != 0
+    assert out.hit_tokens.tolist()[0] == 8
+    want = m.slot_mappings(["a", "b", "c"], [2, 5, 3])
+    assert out.slot_mapping.shape == (2, 10) and out.slot_mapping.tolist() == want.tolist()
+    assert (out.slot_mapping[0, :2] >= 0).all()  # a's tokens 9, 10: in a's window
+    nothing = m.step_columns(free=[ha], map_slots=True)
+    assert nothing.slot_mapping.shape == (2, 0)
+    without = m.step_columns(extend=[hb])
+    assert without.slot_mapping is None
+    with pytest.raises(InvalidArgument, match="map_slots"):
+        m.step_columns(extend=[hb], map_slots=1)  # type: ignore[arg-type]
+
+
+def test_an_atomic_step_that_stops_maps_nothing() -> None:
+    m = manager([layer(0)], num_blocks=8)
+    h = m.step_columns(allocate=[{"request_id": "a", "num_tokens": 4}]).handles[0]
+    out = m.step_columns(extend=[h, 999], atomic=True, map_slots=True)
+    assert out.failed is not None and out.slot_mapping.shape == (1, 0)
+    assert m.request("a").num_tokens == 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_map_slots_on_random_steps_equals_slot_mappings(seed: int) -> None:
+    """Random steps of extends (some past the pool or the length limit), allocates with
+    shared prefixes (hits) and frees, with a sliding window: every step's mapping equals
+    ``slot_mappings`` of its successful items with their computed counts."""
+    rng = np.random.default_rng(seed)
+    m = manager(
+        [layer(0, sliding_window=8, sink_tokens=2), layer(1)],
+        num_blocks=48,
+        max_requests=6,
+        max_seq_len=48,
+        null_page=bool(seed % 2),
+    )
+    prompts = [rng.integers(0, 50, 40).tolist() for _ in range(3)]
+    live: dict[int, str] = {}
+    count = 0
+    for _ in range(60):
+        handles = list(live)
+        extend = [h for h in handles if rng.random() < 0.7]
+        new = [int(rng.integers(1, 12)) for _ in extend]
+        allocate = []
+        for _ in range(int(rng.integers(0, 3))):
+            p = prompts[rng.integers(0, 3)]
+            n = int(rng.integers(1, 30))
+            allocate.append({"request_id": f"r{count}", "num_tokens": n, "token_ids": p[:n]})
+            count += 1
+        free = [h for h in handles if h not in extend and rng.random() < 0.3]
+        out = m.step_columns(
+            free=free, extend=extend, num_new_tokens=new or 1, allocate=allocate, map_slots=True
+        )
+        for h in free:
+            del live[h]
+        ids, counts = [], []
+        for h, n, status in zip(extend, new, out.status["extend"].tolist(), strict=True):
+            if not status:
+                ids.append(live[h])
+                counts.append(n)
+        for op, status, h, hit in zip(
+            allocate,
+            out.status["allocate"].tolist(),
+            out.handles.tolist(),
+            out.hit_tokens.tolist(),
+            strict=True,
+        ):
+            if not status:
+                live[h] = op["request_id"]
+                ids.append(op["request_id"])
+                counts.append(op["num_tokens"] - hit)
+                m.commit(op["request_id"], op["token_ids"][hit:])
+        want = m.slot_mappings(ids, counts)
+        assert out.slot_mapping.tolist() == want.tolist()

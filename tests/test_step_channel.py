@@ -394,18 +394,31 @@ def _columnar_scenario(kv: KVCacheClient) -> list[Any]:
     ha, hb = first.handles
     out.append((first.ok, first.status, first.hit_tokens, first.allocate_new_blocks))
     step = kv.step_columns(
-        commit=[ha], commit_tokens=[list(range(20))], extend=[ha, hb], num_new_tokens=[1, 30]
+        commit=[ha],
+        commit_tokens=[list(range(20))],
+        extend=[ha, hb],
+        num_new_tokens=[1, 30],
+        map_slots=True,
     )
     out.append((step.ok, step.status, step.new_blocks))
+    # The step's own mapping: a's new token, then b's 30, as slot_mappings maps them.
+    assert step.slot_mapping is not None
+    mapped = [g.tolist() for g in step.slot_mapping]
+    assert mapped == kv.slot_mappings(["a", "b"], [1, 30])
+    out.append(mapped)
     # c reuses a's committed block; b's stale handle after its free names nothing.
     step = kv.step_columns(
         free=[hb],
         extend=[hb],
         allocate=[{"request_id": "c", "num_tokens": 17, "token_ids": list(range(17))}],
+        map_slots=True,
     )
     out.append(
         (step.ok, step.codes("extend"), step.hit_tokens, [e.error.code for e in step.errors])
     )
+    assert step.slot_mapping is not None  # c's one token past its 16-token hit only
+    out.append([g.tolist() for g in step.slot_mapping])
+    assert out[-1] == kv.slot_mappings(["c"], [1])
     out.append(kv.block_table("a"))
     out.append(kv.block_table("c"))
     return out
@@ -432,10 +445,10 @@ def test_columnar_steps_answer_the_same_over_http_and_the_socket(
         {**none, "commit": [0], "extend": [0, 0], "allocate": []},
         [0, 2],  # b: 40 -> 70 tokens, 3 -> 5 blocks
     )
-    assert over_socket[2][1:] == (["unknown_request"], [16], ["unknown_request"])
+    assert over_socket[3][1:] == (["unknown_request"], [16], ["unknown_request"])
     # The default model has the null page (slot 0). c hits a's first block and takes the
     # queue's head (b's blocks went to its tail).
-    assert over_socket[3] == [[1, 2]] and over_socket[4] == [[1, 8]]
+    assert over_socket[5] == [[1, 2]] and over_socket[6] == [[1, 8]]
 
 
 def test_columnar_bad_input_is_refused_whole_over_the_socket(served: tuple[str, Path]) -> None:

@@ -90,6 +90,14 @@ class StepColumnsRequest(_Frozen):
     suspend: _Others = []
     resume: _Others = []
     atomic: Annotated[bool, Strict()] = Field(False, description=_ATOMIC)
+    map_slots: Annotated[bool, Strict()] = Field(
+        False,
+        description=(
+            "Also answer slot_mapping: every layer group's slots of the tokens computed for "
+            "this step (each successful extend's new tokens, then each successful "
+            "allocate's past its hit)"
+        ),
+    )
 
 
 class ItemErrorInfo(_Frozen):
@@ -115,6 +123,8 @@ class StepColumnsResponse(_Frozen):
     allocate_new_blocks: list[int]
     errors: list[ItemErrorInfo] = []
     failed: tuple[str, int] | None = None
+    slot_mapping: list[list[int]] | None = None
+    """With ``map_slots``: ``[groups][tokens]``, -1 where a window released the page."""
 
 
 #: Request ids that must be distinct (one op each of a batch).

@@ -271,10 +271,13 @@ class KVCacheClient:
         suspend: Any = (),
         resume: Any = (),
         atomic: bool = False,
+        map_slots: bool = False,
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when
-        this client has one (raw int64 arrays), else ``POST /v1/step_columns``."""
+        this client has one (raw int64 arrays), else ``POST /v1/step_columns``.
+        ``map_slots=True``: ``.slot_mapping`` of the step's computed tokens, in the same
+        round trip."""
         if self._channel is None:
             return self._run(calls.step_columns(given_fields(locals())))
         self._channel.wake()  # before the frame is built (docs/step-channel.md)
@@ -291,6 +294,7 @@ class KVCacheClient:
             atomic=atomic,
             suspend=suspend,
             resume=resume,
+            map_slots=map_slots,
         )
         return self._over_channel(channel.step_columns(args))
 

@@ -79,6 +79,7 @@ def wire_columns(
     atomic: bool = False,
     suspend: Any = (),
     resume: Any = (),
+    map_slots: bool = False,
 ) -> dict[str, Any]:
     """The ``args`` map of a ``step_columns`` frame. Empty sections are left out."""
     args: dict[str, Any] = {}
@@ -105,6 +106,8 @@ def wire_columns(
         args["resume"] = _raw(resume, "resume", "q")
     if atomic:
         args["atomic"] = atomic
+    if map_slots:
+        args["map_slots"] = map_slots
     return args
 
 
@@ -220,6 +223,31 @@ class StepColumnsResult:
     def failed(self) -> tuple[str, int] | None:
         f = self._raw.get("failed")
         return None if f is None else (f[0], f[1])
+
+    @property
+    def slot_mapping(self) -> list[array] | None:
+        """With ``map_slots``: per layer group, the slots of the tokens computed for this step
+        (each successful extend's new tokens, then each successful allocate's past its hit)
+        as an int64 ``array('q')``, -1 where a window released the page: a buffer that
+        ``numpy.asarray`` or ``torch.frombuffer`` reads without a copy (``numpy.array(...)``
+        of the list is ``[groups, tokens]``). None without ``map_slots``."""
+        if "slot_mapping" not in self._cache:
+            raw = self._raw.get("slot_mapping")
+            if raw is None:
+                return None
+            if isinstance(raw, list):  # HTTP's JSON lists
+                self._cache["slot_mapping"] = [array("q", group) for group in raw]
+            else:  # the step channel's raw little-endian int64 bytes, [groups, tokens]
+                groups, tokens = raw["shape"]
+                data, width = raw["data"], 8 * tokens
+                rows = []
+                for g in range(groups):
+                    row = array("q", data[g * width : (g + 1) * width])
+                    if not _LITTLE:  # pragma: no cover
+                        row.byteswap()
+                    rows.append(row)
+                self._cache["slot_mapping"] = rows
+        return self._cache["slot_mapping"]
 
     def __repr__(self) -> str:
         return f"StepColumnsResult(ok={self.ok}, errors={self.errors!r})"

@@ -443,6 +443,39 @@ def execute(
     return _Run(m, cols, stop_on_error, sizes).run()
 
 
+def mapped_tokens(
+    lengths: np.ndarray, cols: StepColumns, out: StepOutcome
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tokens of a step's items that the engine computes now, as page-table rows, first
+    positions and counts: each successful extend's ``num_new_tokens`` (the last ones of its
+    request; ``lengths``: every row's length after the step), then each successful
+    allocate's tokens past its hit (from the first allocation, for a retry); failed items
+    add none. What ``map_slots`` maps, in that order.
+
+    Example: extends of rows 3 and 5 by one token each (row 5's failed), row 3 at 9 tokens
+    after the step, and an allocate of 20 tokens with a 16-token hit in row 0: rows [3, 0],
+    starts [8, 16], counts [1, 4].
+    """
+    ok = out.status["extend"] == 0
+    rows = cols.extend[ok] & request_rows.ROW_MASK
+    new = cols.num_new_tokens
+    if type(new) is int:
+        counts = np.full(rows.size, new, dtype=np.int64)
+    elif type(new) is list:  # unchecked ints: those of successful items are counts
+        counts = np.array([n for n, fine in zip(new, ok.tolist(), strict=True) if fine], np.int64)
+    else:
+        counts = new[ok]
+    starts = lengths[rows] - counts
+    done = np.flatnonzero(out.status["allocate"] == 0)
+    if done.size:
+        hits = out.hit_tokens[done]
+        wanted = np.array([cols.allocate[i]["num_tokens"] for i in done.tolist()], np.int64)
+        rows = np.concatenate([rows, out.handles[done] & request_rows.ROW_MASK])
+        starts = np.concatenate([starts, hits])
+        counts = np.concatenate([counts, wanted - hits])
+    return rows, starts, counts
+
+
 def run_columns(
     m: KVCacheManager, cols: StepColumns, atomic: bool, sizes: dict[str, int] | None = None
 ) -> StepOutcome:

@@ -167,6 +167,7 @@ _WIRE_KEYS = frozenset(
         "lookahead",
         "allocate",
         "atomic",
+        "map_slots",
         "suspend",
         "resume",
     }

@@ -88,6 +88,11 @@ class StepOutcome:
     firsts: list[Any] = field(default_factory=list)
     """Per allocate, its ``kvcm.allocation.FirstAllocation`` (None where it failed): what
     ``infos`` are built from when someone reads them."""
+    slot_mapping: Any = None
+    """With ``map_slots``: the slot mapping (a tensor on the manager's device, int64
+    ``[groups, tokens]``) of the tokens the engine computes for this step's items: each
+    successful extend's new tokens, then each successful allocate's past its hit, in item
+    order (``kvcm.columnar.mapped_tokens``); None without."""
 
     @property
     def infos(self) -> list[Any]:
@@ -109,6 +114,11 @@ class StepOutcome:
             "allocate_new_blocks": self.allocate_new_blocks.tolist(),
             "errors": [e.to_dict() for e in self.errors],
             "failed": None if self.failed is None else list(self.failed),
+            **(
+                {}
+                if self.slot_mapping is None
+                else {"slot_mapping": self.slot_mapping.cpu().tolist()}
+            ),
         }
 
     def to_wire(self) -> dict[str, Any]:
@@ -128,6 +138,9 @@ class StepOutcome:
             out["errors"] = [e.to_dict() for e in self.errors]
         if self.failed is not None:
             out["failed"] = list(self.failed)
+        if self.slot_mapping is not None:
+            mapping = self.slot_mapping.cpu().numpy()
+            out["slot_mapping"] = {"shape": list(mapping.shape), "data": _wire(mapping, _I8)}
         return out
 
 

@@ -64,7 +64,7 @@ from . import (
 )
 from .allocation import MAX_REQUEST_ID as MAX_REQUEST_ID  # re-exported: tests read it
 from .allocation import FirstAllocation
-from .columnar import run_columns
+from .columnar import mapped_tokens, run_columns
 from .columnar_parse import parse_columns
 from .columnar_types import StepOutcome
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
@@ -351,6 +351,7 @@ class KVCacheManager:
         suspend: Sequence[int] | np.ndarray = (),
         resume: Sequence[int] | np.ndarray = (),
         atomic: bool = False,
+        map_slots: bool = False,
     ) -> StepOutcome:
         """One scheduler step as arrays: the primary API (docs/requests.md#the-columnar-step).
 
@@ -367,12 +368,18 @@ class KVCacheManager:
         Example: ``m.step_columns(free=[h0], extend=[h1, h2], allocate=[{"request_id": "c",
         "num_tokens": 9}])`` frees h0's request, adds a token to two others, starts "c";
         ``out.status["extend"]`` is ``[0, 0]`` when both fit, ``out.handles[0]`` is c's handle.
+
+        ``map_slots=True`` also maps the tokens the engine computes for this step
+        (``out.slot_mapping``: every layer group's slots of each successful extend's new
+        tokens, then each successful allocate's past its hit; ``kvcm.columnar.mapped_tokens``),
+        as ``slot_mappings`` would, in the same call: one round trip per step for a sidecar.
         """
         # Settles as ``_settles`` does, written out: the wrapper's argument passing costs a
         # step's twelve keywords a third of a microsecond.
         try:
-            if type(atomic) is not bool:
-                raise InvalidArgument(f"atomic must be a bool, got {type(atomic).__name__}")
+            if type(atomic) is not bool or type(map_slots) is not bool:
+                name = "atomic" if type(atomic) is not bool else "map_slots"
+                raise InvalidArgument(f"{name} must be a bool")
             cols = parse_columns(
                 free,
                 rewind,
@@ -392,7 +399,12 @@ class KVCacheManager:
             total = sum(sizes.values())
             if total > MAX_STEP_OPS or total - sizes["extend"] > MAX_STEP_OTHER_OPS:
                 self._check_step_size(total, total - sizes["extend"])
-            return run_columns(self, cols, atomic, sizes)
+            out = run_columns(self, cols, atomic, sizes)
+            if map_slots:
+                rows, starts, counts = mapped_tokens(self._coord.num_tokens, cols, out)
+                out.slot_mapping = self._views.map_tokens(rows, starts, counts)
+                self._sync_other_ranks()
+            return out
         finally:
             _settle(self)
 

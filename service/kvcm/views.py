@@ -209,14 +209,36 @@ class TablesAndViews(LayoutDescriptors):
             if rows.size and bool((counts > length).any()):
                 raise InvalidArgument("num_tokens exceeds a request's length")
         total = int(counts.sum())
+        if pad_to is not None and _count("pad_to", pad_to, 0, self.max_step_tokens) < total:
+            raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
+        return self.map_tokens(rows, length - counts, counts, pad_to, group)
+
+    def map_tokens(
+        self,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        pad_to: int | None = None,
+        group: int | None = None,
+    ) -> torch.Tensor:
+        """The slot mapping of positions ``[starts[i], starts[i] + counts[i])`` of the
+        request in page-table row ``rows[i]``, request after request: int64 ``[groups,
+        pad_to]`` (``[pad_to]`` for one ``group``), ``pad_to`` at least the tokens (default:
+        exactly them). The caller checked the rows and ranges. On CUDA one launch also
+        applies the table edits pending since the last one; on the CPU, whose tables are the
+        manager's arrays, numpy maps them.
+
+        Example (tokens_per_block 4, one group): rows [3, 0], starts [6, 0], counts [1, 2],
+        row 3's table [5, 9, ...], row 0's [2, ...]: position 6 of row 3 is slot 9 offset 2
+        (38), positions 0 and 1 of row 0 are 8 and 9: [[38, 8, 9]].
+        """
+        total = int(counts.sum())
         if pad_to is None:
             pad_to = total
-        elif _count("pad_to", pad_to, 0, self.max_step_tokens) < total:
-            raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
         n = rows.size
         edits = self._tables.take_pending()
         items, offsets = segments(counts)
-        positions = (length - counts)[items] + offsets
+        positions = starts[items] + offsets
         if self.cp > 1:  # this rank's pages only: other ranks' tokens map to -1
             width = self._tables.tensor.shape[2]
             positions = local_positions(

@@ -1,12 +1,13 @@
 """The engine: a transformers model that keeps its KV cache in kvcm, run step by step.
 
 Per step (``Engine.step``): the scheduler makes kvcm's step call (commit, free, extend,
-allocate); the engine asks kvcm for the slot mapping of the tokens it computes
-(``slot_mappings``, which also brings the shared page tables up to date), reads the page tables
-in place (``page_tables``: the in-process manager's tensor, or the attached shared/IPC
-memory), and runs one forward of the model with a ``KVCMCache``: the model's attention
-writes the new keys and values at the slot mapping and reads the history through the page
-tables. The logits of each request's last column pick its next token (greedy).
+allocate), whose answer carries the slot mapping of the tokens the engine computes
+(``map_slots``: one call per step; on a GPU the call also brings the page tables up to
+date); the engine reads the page tables in place (``page_tables``: the in-process manager's
+tensor, or the attached shared/IPC memory), and runs one forward of the model with a
+``KVCMCache``: the model's attention writes the new keys and values at the slot mapping and
+reads the history through the page tables. The logits of each request's last column pick its
+next token (greedy).
 
 Two backends give the same engine: ``Backend.in_process(manager)`` and
 ``Backend.sidecar(client)`` (HTTP for the calls, the attached pools for the memory).
@@ -33,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from .cache import KVCMCache, LayerInfo, StepStates, StepTables
@@ -45,7 +47,8 @@ class Backend:
     """Where the calls go and where the memory is."""
 
     kvcm: Any
-    """``step``, ``probe`` and ``slot_mappings``: a ``KVCacheManager`` or ``KVCacheClient``."""
+    """``step_columns`` (with ``map_slots``) and ``probe``: a ``KVCacheManager`` or
+    ``KVCacheClient``."""
     view: Callable[[int, str], torch.Tensor]
     page_tables: Callable[[], torch.Tensor]
     layers: dict[int, LayerInfo]
@@ -269,12 +272,10 @@ class Engine:
         kvcm_s = time.perf_counter() - begin
         self.stats.steps += 1
         next_tokens: dict[str, int] = {}
+        mappings: dict[int, torch.Tensor] = {}
         for batch in self._batches(plan):
             t = time.perf_counter()
-            ids = [w.request.kv_id for w in batch]
-            counts = [w.count for w in batch]
-            slots = torch.as_tensor(self.backend.kvcm.slot_mappings(ids, counts))
-            self.scheduler.stats.kvcm_calls += 1
+            slots = self._slots(batch, mappings)
             tables = self.backend.page_tables()
             kvcm_s += time.perf_counter() - t
             t = time.perf_counter()
@@ -284,6 +285,20 @@ class Engine:
         self.scheduler.finish_step(plan, next_tokens)
         self.stats.kvcm_s += kvcm_s
         self.stats.step_s.append(time.perf_counter() - begin)
+
+    def _slots(self, batch: list[Work], mappings: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The batch's slot mapping ``[groups, sum(counts)]``, request after request, cut from
+        the mappings the step's kvcm calls answered (``Scheduler.slots_of``): a tensor in
+        process, per group an int64 buffer from a client (``mappings`` keeps each one's
+        tensor for the step's other batches)."""
+        parts = []
+        for w in batch:
+            mapping, column = self.scheduler.slots_of[w.request.request_id]
+            tensor = mappings.get(id(mapping))
+            if tensor is None:
+                tensor = mappings[id(mapping)] = _as_tensor(mapping)
+            parts.append(tensor[:, column : column + w.count])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _batches(self, plan: list[Work]) -> list[list[Work]]:
         """The forwards of a step: the whole plan in one, left-padded; a hybrid model's in
@@ -379,6 +394,14 @@ class Engine:
                 done[w.request.request_id] = token
                 self.stats.tokens_generated += 1
         return done
+
+
+def _as_tensor(mapping: Any) -> torch.Tensor:
+    """A step's slot mapping as an int64 tensor ``[groups, tokens]``: the manager's tensor as
+    it is, a client's int64 buffer per group stacked."""
+    if isinstance(mapping, torch.Tensor):
+        return mapping
+    return torch.from_numpy(np.array(mapping, dtype=np.int64))
 
 
 def reference_outputs(built: BuiltModel, requests: Sequence[Request]) -> dict[str, list[int]]:

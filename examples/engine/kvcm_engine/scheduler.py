@@ -6,7 +6,8 @@ columnar ``step_columns`` call (docs/requests.md#the-columnar-step) with, in its
 ``commit`` of the tokens computed in the previous step (their blocks become reusable
 prefixes), ``free`` of finished requests, ``extend`` of running ones and ``allocate`` of new
 ones (with their token ids, so they reuse cached prefixes). Running requests are named by
-their kvcm handle; only new ones by id.
+their kvcm handle; only new ones by id. The call asks for the slot mapping of the tokens it
+adds (``map_slots``), so the engine needs no other call for it (``slots_of``).
 
 When an ``extend`` finds no free block (``out_of_blocks``) the newest running request is
 preempted: freed, and put back at the head of the queue to be recomputed later from its
@@ -130,6 +131,9 @@ class Scheduler:
         self._to_free: list[Request] = []
         self.suspended: deque[Request] = deque()  # the longest suspended first
         self.stats = SchedulerStats()
+        #: This step's slot mapping per planned request (by ``request_id``): the mapping its
+        #: kvcm call answered (``map_slots``) and the column its tokens start at.
+        self.slots_of: dict[str, tuple[Any, int]] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -170,6 +174,7 @@ class Scheduler:
         for r, n in admits:
             r.admissions += 1
             allocate.append({"request_id": r.kv_id, "num_tokens": n, "token_ids": r.seq[:n]})
+        self.slots_of = {}
         out = self._call(
             commit=commit,
             commit_tokens=commit_tokens,
@@ -178,6 +183,9 @@ class Scheduler:
             extend=[w.request.handle for w in plan],
             num_new_tokens=[w.count for w in plan] or 1,
             allocate=allocate,
+        )
+        column = self._mapped(
+            out, [w for w, status in zip(plan, out.status["extend"], strict=True) if not status]
         )
         for r, status in zip(resume, out.status["resume"], strict=True):
             if not status:  # back, with its blocks and state; it computes from the next step
@@ -204,6 +212,8 @@ class Scheduler:
             self.stats.admitted += 1
             self.running.append(r)
             plan.append(Work(r, r.computed, n - r.computed))
+            self.slots_of[r.request_id] = (out.slot_mapping, column)
+            column += n - hit
         if admits and not self.running:
             # Nothing runs, so nothing will free blocks: the head of the queue can never fit.
             r, n = admits[0]
@@ -242,11 +252,21 @@ class Scheduler:
                 n = aligned
         return n
 
+    def _mapped(self, out: Any, extended: list[Work]) -> int:
+        """Record where the successful extends' tokens are in ``out``'s slot mapping (they
+        come first, in order); returns the column the allocates' tokens start at."""
+        column = 0
+        for w in extended:
+            self.slots_of[w.request.request_id] = (out.slot_mapping, column)
+            column += w.count
+        return column
+
     def _call(self, **columns: Any) -> Any:
-        """One ``step_columns`` call; any failure but "no room" for an extend, an allocate,
-        a suspend or a resume is a bug here."""
+        """One ``step_columns`` call, with the slot mapping of the tokens it adds
+        (``map_slots``: no second call for it); any failure but "no room" for an extend, an
+        allocate, a suspend or a resume is a bug here."""
         self.stats.kvcm_calls += 1
-        out = self.kvcm.step_columns(**columns)
+        out = self.kvcm.step_columns(**columns, map_slots=True)
         if not out.ok:
             bad = [
                 e
@@ -286,6 +306,9 @@ class Scheduler:
             for w, status in zip(failed, out.status["extend"], strict=True):
                 if not status:
                     w.request.held += w.count
+            self._mapped(
+                out, [w for w, s in zip(failed, out.status["extend"], strict=True) if not s]
+            )
             failed = [w for w, status in zip(failed, out.status["extend"], strict=True) if status]
         return plan
 
