@@ -3,8 +3,8 @@
 An op that raises, and an all-or-nothing step that stops, leave every count, index, event and
 byte as they were: no block offloaded or onboarded, no host slot taken or freed, no KV event a
 router could follow. The random test compares the whole state before and after every refused
-op and keeps a checksum of every block's KV, so that an undo that put back the bookkeeping
-but not the bytes (a host slot a refused step reused) is caught too.
+op, the bytes of every host slot in use included, so that an undo that put back the
+bookkeeping but not the bytes (a host slot a refused step overwrote) is caught too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import layer, manager, manager_state, same
 
-from kvcm import KVCacheManager, KVCMError, OutOfBlocks
+from kvcm import InvalidArgument, KVCacheManager, KVCMError, OutOfBlocks
 from kvcm_client.errors import status_of
 from kvcm_client.models import AllocateOp, ExtendOp, FreeOp
 
@@ -142,6 +142,113 @@ def test_a_step_frees_a_suspended_request_as_free_does() -> None:
     )
     assert not results[0].ok and same(everything(m), before)
     assert m.resume("c").num_tokens == 5
+
+
+def test_an_atomic_step_offloads_only_into_slots_free_when_it_began() -> None:
+    """What makes its undo exact and cheap: within an all-or-nothing step, a block evicted
+    while the host is full is dropped (the host keeps its blocks, no byte of them is
+    overwritten), and the slots of a suspended request the step frees are reused only after
+    it. The same step, not atomic, offloads at the cost of the host's oldest blocks."""
+    slot_bytes = host_manager(4).layout.pool_groups[0].slot_bytes
+    prompts = [list(range(k * 100, k * 100 + 9)) for k in range(3)]
+
+    def filled(atomic: bool) -> tuple[KVCacheManager, list[Any]]:
+        """p0's two blocks on the (full) host, p1's two cached on the device; then a step
+        that takes every device slot, evicting p1's."""
+        m = manager([layer(0)], num_blocks=4, host_memory_bytes=2 * slot_bytes)
+        for i, p in enumerate(prompts[:2]):
+            m.allocate(f"p{i}", 9, token_ids=p)
+            m.commit(f"p{i}", p)
+            m.free(f"p{i}")
+            if i == 0:
+                m.allocate("f", 16)  # p0's blocks to the host
+                m.free("f")
+        assert m._host is not None and m._host.num_used(0) == 2
+        assert m.probe_tiers(prompts[0]) == (0, 8) and m.probe_tiers(prompts[1]) == (8, 0)
+        return m, m.step([{"op": "allocate", "request_id": "x", "num_tokens": 16}], atomic=atomic)
+
+    m, results = filled(atomic=True)
+    assert results[0].ok and m.host_stats()["host_used"] == {0: 2}
+    assert m.probe_tiers(prompts[0]) == (0, 8)  # the host kept p0's blocks: p1's dropped
+    assert m.host_stats()["dropped_blocks"] == 2
+    m, results = filled(atomic=False)
+    assert results[0].ok and m.probe_tiers(prompts[0]) == (0, 0)  # dropped for p1's
+    assert m.probe_tiers(prompts[1]) == (0, 8)
+
+
+def test_an_atomic_step_does_not_reuse_the_slots_of_a_suspended_request_it_frees() -> None:
+    m = manager([layer(0)], num_blocks=4, host_memory_bytes=65536)
+    m.allocate("s", 8)
+    m.suspend("s")  # 2 host slots held
+    m.allocate("a", 9, token_ids=list(range(9)))
+    m.commit("a", list(range(9)))
+    m.free("a")  # a's 2 blocks cached on the device
+    host = m._host
+    assert host is not None
+    free_before = list(host.free[0])
+    out = m.step(
+        [
+            {"op": "free", "request_id": "s"},
+            {"op": "allocate", "request_id": "x", "num_tokens": 16},  # evicts a's blocks
+        ],
+        atomic=True,
+    )
+    assert all(r.ok for r in out)
+    stored = list(host.lru[0].values())
+    assert stored == free_before[::-1][:2]  # taken from the free list, not s's slots
+    assert host.held[0] == 0 and len(host.free[0]) + len(stored) == host.num_slots[0]
+
+
+def test_a_tier_hit_is_cut_where_state_layers_resume_before_it_onboards() -> None:
+    """A host hit of 5 blocks when the state's checkpoints are every 8 blocks resumes at 0:
+    the allocate checks its fit with that hit, refuses before any copy when it does not
+    fit, and ``probe_tiers`` says what it would onboard (nothing)."""
+    shape: dict[str, Any] = {
+        "num_blocks": 10,
+        "max_requests": 4,
+        "max_seq_len": 64,
+        "state_checkpoint_stride": 8,
+        **{k: v for k, v in STATE.items() if k == "state_layers"},
+    }
+    slot_bytes = manager([layer(0)], **shape).layout.pool_groups[0].slot_bytes
+    m = manager([layer(0)], host_memory_bytes=6 * slot_bytes, **shape)
+    prompt = list(range(100, 140))
+    m.allocate("a", 33, token_ids=prompt[:33])
+    m.commit("a", prompt[:33])  # blocks 0-7, a checkpoint at block 8's boundary
+    m.free("a")
+    m.allocate("f", 40)  # takes every slot: a's blocks go to the host, which keeps 5
+    m.free("f")
+    m.allocate("b", 9, token_ids=prompt[:9])
+    m.commit("b", prompt[:9])  # b holds blocks 0-1 on the device
+    device, host = m.probe_tiers(prompt[:33])
+    assert device == 0 and host == 0  # no checkpoint below the tiers' 5 blocks
+    before = everything(m)
+    with pytest.raises(OutOfBlocks):
+        m.allocate("c", 33, token_ids=prompt[:33])  # 9 blocks, 7 free: nothing onboarded
+    assert same(everything(m), before)
+
+
+def test_repeated_caller_given_block_keys_are_refused_before_anything() -> None:
+    from kvcm import block_keys
+
+    m = host_manager(6)
+    prompt = list(range(13))
+    m.allocate("a", 9, token_ids=prompt[:9])
+    m.commit("a", prompt[:9])
+    m.free("a")
+    m.allocate("f", 24)
+    m.free("f")  # a's blocks on the host
+    k0 = block_keys(prompt[:9], 4)[0]
+    before = everything(m)
+    with pytest.raises(InvalidArgument, match="repeat"):
+        m.allocate("c", 13, token_ids=prompt, block_keys=[k0, k0, k0])
+    assert same(everything(m), before)
+
+
+def test_the_prefix_cache_is_not_reset_inside_a_transaction() -> None:
+    m = host_manager(4)
+    with m.transaction(), pytest.raises(InvalidArgument, match="transaction"):
+        m.reset_prefix_cache()
 
 
 # -- the class: every refused op, at random ---------------------------------------------------

@@ -103,6 +103,19 @@ LAYOUTS: dict[str, list[dict[str, object]]] = {
 IDS = ["a", "r1", "r2", "r3", "r4", "r5", "r6", "x" * MAX_REQUEST_ID]
 #: Request ids no request can have.
 BAD_IDS: list[Any] = ["", "x" * (MAX_REQUEST_ID + 1), "y" * 100_000, 5, None, b"r1", ("r1",)]
+
+
+def unknown(rid: Any) -> Outcome:
+    """What naming a request no request has raises: ``UnknownRequest``, or
+    ``InvalidArgument`` for an id that is not a string (kvcm.request_rows)."""
+    return Outcome(must=(UnknownRequest if isinstance(rid, str) else InvalidArgument,))
+
+
+def first_unknown(ids: Any, live: Any) -> Any:
+    """The first of ``ids`` no live request has (what the manager names), or None."""
+    return next((r for r in ids if not isinstance(r, str) or r not in live), None)
+
+
 #: Counts at and past every bound, and values of the wrong type.
 EDGE: list[Any] = [
     0,
@@ -769,7 +782,7 @@ class ManagerMachine(RuleBasedStateMachine):
         la = data.draw(st.sampled_from(EDGE) if bad == "lookahead" else st.integers(0, 3))
         req = self.reqs.get(rid) if isinstance(rid, str) else None
         if req is None:
-            outcome = Outcome(must=(UnknownRequest,))
+            outcome = unknown(rid)
         elif not (is_count(n, 1) and is_count(la, 0)):
             outcome = Outcome(must=(InvalidArgument,))
         elif req.num_tokens + n + la > MAX_SEQ:
@@ -841,8 +854,8 @@ class ManagerMachine(RuleBasedStateMachine):
         items: list[tuple[Req, int, int]] = []
         if not isinstance(ids, list | tuple):
             outcome = Outcome(must=(InvalidArgument,))
-        elif any(not isinstance(r, str) or r not in self.reqs for r in ids):
-            outcome = Outcome(must=(UnknownRequest,))
+        elif (missing := first_unknown(ids, self.reqs)) is not None:
+            outcome = unknown(missing)
         elif len(set(ids)) != len(ids) or not (
             is_counts(n, len(ids), 1) and is_counts(la, len(ids), 0)
         ):
@@ -865,9 +878,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.grown(req, a, b)
             self.fill()
 
-    def rewind_outcome(self, req: Req | None, n: Any) -> Outcome:
+    def rewind_outcome(self, req: Req | None, n: Any, rid: Any) -> Outcome:
+        """``rid``: the id it was called with (what names an unknown one)."""
         if req is None:
-            return Outcome(must=(UnknownRequest,))
+            return unknown(rid)
         if not is_count(n, 1) or n >= req.num_tokens:
             return Outcome(must=(InvalidArgument,))
         new_len = req.num_tokens - n
@@ -902,7 +916,7 @@ class ManagerMachine(RuleBasedStateMachine):
         req = self.reqs.get(rid) if isinstance(rid, str) else None
         most = req.num_tokens if req else 4
         n = data.draw(st.sampled_from(EDGE) if bad == "n" else st.integers(1, max(most - 1, 1)))
-        outcome = self.rewind_outcome(req, n)
+        outcome = self.rewind_outcome(req, n, rid)
         plan = None
         if not outcome.must:
             plan = self.drop_plan(req, blocks(req.num_tokens - n + req.lookahead))
@@ -928,7 +942,7 @@ class ManagerMachine(RuleBasedStateMachine):
         elif bad == "tokens":
             tokens = data.draw(st.sampled_from([[-1], [2**31], [1.5], "ab", 5, None, [None]]))
         if req is None:
-            outcome = Outcome(must=(UnknownRequest,))
+            outcome = unknown(rid)
         elif not is_tokens(tokens) or req.committed + len(tokens) > req.num_tokens:
             outcome = Outcome(must=(InvalidArgument,))
         else:
@@ -944,7 +958,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """Free a request (an unknown id now and then); ``finish``: a live one."""
         rid = self.draw_id(data, not finish and rarely(data, 6))
         known = isinstance(rid, str) and rid in self.reqs
-        outcome = Outcome() if known else Outcome(must=(UnknownRequest,))
+        outcome = Outcome() if known else unknown(rid)
         plan = self.drop_plan(self.reqs[rid], 0) if known else None
         _, err = self.attempt("free", outcome, lambda: self.m.free(rid))
         if err is None:
@@ -1056,8 +1070,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def copy_outcome(self, ids: Any, src: Any, dst: Any) -> Outcome:
         if not isinstance(ids, list):
             return Outcome(must=(InvalidArgument,))
-        if any(not isinstance(r, str) or r not in self.reqs for r in ids):
-            return Outcome(must=(UnknownRequest,))
+        if (missing := first_unknown(ids, self.reqs)) is not None:
+            return unknown(missing)
         if not (is_counts(src, len(ids), 0) and is_counts(dst, len(ids), 0)):
             return Outcome(must=(InvalidArgument,))
         reqs = [self.reqs[r] for r in ids]

@@ -99,20 +99,19 @@ _UNDONE_COUNTS = tuple(f.name for f in fields(HostStats) if not f.name.startswit
 
 @dataclass(slots=True)
 class _Undo:
-    """What an all-or-nothing step's undo puts back in the host tier (``HostTier.begin``):
-    each pool group's index, free slots and held count as the step found them (copied when
-    the step first changes that group), the suspended states' free slots, the counts, and
-    the bytes of host slots that held a block or a suspended request's page when the step
-    reused them (``pages``: (pool group, host slot) -> each pool's row)."""
+    """An all-or-nothing step's journal in the host tier (``HostTier.begin``): what its undo
+    takes back, and what its end applies. Per pool group: the blocks its offloads stored
+    (key, host slot, in order), the blocks to move to the LRU's end (already on the host,
+    evicted again from the device), and the host slots its frees of suspended requests gave
+    up (held back until the step ends); the counts, held slots and free state slots as the
+    step found them."""
 
     counts: tuple[int, ...]
+    held: dict[int, int]
     state_free: deque[int]
-    lru: dict[int, OrderedDict[HostKey, int]] = field(default_factory=dict)
-    free: dict[int, deque[int]] = field(default_factory=dict)
-    held: dict[int, int] = field(default_factory=dict)
-    #: Host slots a block or suspended page left during the step (dropped, discarded).
-    released: dict[int, set[int]] = field(default_factory=dict)
-    pages: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    stored: dict[int, list[tuple[HostKey, int]]] = field(default_factory=dict)
+    touched: dict[int, list[HostKey]] = field(default_factory=dict)
+    released: dict[int, list[list[int]]] = field(default_factory=dict)
 
 
 class _Region:
@@ -230,92 +229,72 @@ class HostTier:
         key, slot = self.lru[pool_group].popitem(last=False)
         self.free[pool_group].append(slot)
         self.stats.dropped_blocks += 1
-        if self._undo is not None:
-            self._undo.released[pool_group].add(slot)
         return key
 
     # -- all-or-nothing steps ------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Record what an all-or-nothing step changes from now on, so that ``undo`` can put
-        it back (``kvcm.transactions``). Costs a copy of the suspended states' free slots;
-        a pool group's index and free slots are copied when the step first changes them.
+        """Journal what an all-or-nothing step changes from now on (``kvcm.transactions``):
+        its undo takes it back exactly, at a cost in proportion to what the step did.
 
         Offloads are the only copies such a step makes (it neither onboards nor suspends or
-        resumes: those write device pages that an undo would give back to other owners).
-        Their copies read device slots and write free host slots, or slots the step itself
-        freed (a block the LRU dropped, a suspended request the step freed): the bytes of
-        those are kept before the copy overwrites them. Example: a full host of 2 slots
-        holding k1 (slot 0) and k2 (slot 1); a step evicts k3 from the device: k1 is
-        dropped, slot 0's bytes are kept, k3 is copied into slot 0. The step stops: the undo
-        waits for the copy, writes k1's bytes back into slot 0 and puts the index back."""
+        resumes: those write device pages that an undo would hand back to other owners), and
+        within the step they store blocks only into host slots that were free when it began:
+        no cached host block is dropped for room (a block evicted while the host is full is
+        dropped instead), the slots of suspended requests the step frees stay unused until
+        it ends, and a host block evicted again from the device moves to the LRU's end when
+        the step ends. So no byte that the undo gives back is ever overwritten, and the undo
+        is: the stored keys out of the index, their slots free again. Example: a full host
+        and an atomic step that evicts k3 from the device: k3 is dropped, not copied, and
+        the host keeps its blocks, whether the step stops or not."""
         self._undo = _Undo(
-            tuple(getattr(self.stats, name) for name in _UNDONE_COUNTS), self.state_free.copy()
+            tuple(getattr(self.stats, name) for name in _UNDONE_COUNTS),
+            dict(self.held),
+            self.state_free.copy(),
         )
 
     def end(self) -> None:
-        """The step is over (kept or undone): nothing is recorded any more."""
-        self._undo = None
+        """The step is over: what its journal defers (LRU moves, freed suspended slots)
+        happens now; after an undo there is nothing left to do."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        for pg, keys in undo.touched.items():
+            lru = self.lru[pg]
+            for key in keys:
+                if key in lru:
+                    lru.move_to_end(key)
+        for pg, parts in undo.released.items():
+            for host_slots in parts:
+                self.free[pg].extendleft(host_slots)
 
     def undo(self) -> None:
-        """Put back what the host tier held when ``begin`` ran: indices, free and held
-        slots, counts, and the bytes of every slot the step reused."""
+        """Put back what the host tier held when ``begin`` ran: the stored blocks out of the
+        index (their copies waited for, their slots free again, in the free list's order),
+        held and free state slots, counts."""
         undo = self._undo
         assert undo is not None
-        self.copier.finish()  # the step's copies land before their slots are written back
-        for (pg, host_slot), rows in undo.pages.items():
-            for pool, row in zip(self.pools_of[pg], rows, strict=True):
-                self._row(pool, host_slot).copy_(row)
-        for pg, lru in undo.lru.items():
-            self.lru[pg] = lru
-            self.free[pg] = undo.free[pg]
-            self.held[pg] = undo.held[pg]
+        self.copier.finish()  # no slot goes back to the free list with a copy in flight
+        for pg, stored in undo.stored.items():
+            lru, free = self.lru[pg], self.free[pg]
+            for key, host_slot in reversed(stored):
+                del lru[key]
+                free.append(host_slot)  # taken from the right, in reverse: the same order
+        self.held = undo.held
         self.state_free = undo.state_free
         for name, value in zip(_UNDONE_COUNTS, undo.counts, strict=True):
             setattr(self.stats, name, value)
-        self.begin()  # a fresh record: what follows the undo, if anything, is undone alone
-
-    def _touch(self, pool_group: int) -> _Undo | None:
-        """Inside a step: the record, with this pool group's state copied on its first
-        change; None outside."""
-        undo = self._undo
-        if undo is not None and pool_group not in undo.lru:
-            undo.lru[pool_group] = self.lru[pool_group].copy()
-            undo.free[pool_group] = self.free[pool_group].copy()
-            undo.held[pool_group] = self.held[pool_group]
-            undo.released[pool_group] = set()
-        return undo
-
-    def _keep_pages(self, undo: _Undo, pool_group: int, host_slots: list[int]) -> None:
-        """Keep the bytes of those host slots a copy out is about to overwrite that held a
-        block or page when the step began (it released them); a slot a copy of this step
-        writes already was free then."""
-        released = undo.released[pool_group]
-        for h in host_slots:
-            if (
-                h in released
-                and (pool_group, h) not in undo.pages
-                and not self.copier.writing_host(pool_group, h)
-            ):
-                undo.pages[(pool_group, h)] = [
-                    self._row(pool, h).clone() for pool in self.pools_of[pool_group]
-                ]
-
-    def _row(self, pool: int, host_slot: int) -> torch.Tensor:
-        """Host slot ``host_slot`` of ``pool``'s region: ``[slot_bytes]`` uint8."""
-        region = self.regions[pool]
-        return region.chunks[host_slot // region.per_chunk][host_slot % region.per_chunk]
-
-    # -- offload and onboard --------------------------------------------------------------------
+        self.begin()  # a fresh journal: what follows the undo, if anything, is undone alone
 
     def offload(self, pool_group: int, entries: list[tuple[int, HostKey]]) -> None:
         """Copy evicted device blocks (device slot, key) to host slots, dropping the host's
         least recently used blocks when it is full (a block finds no room at all only when
         suspended requests hold every host slot: it is dropped then). Called before the
-        device slots are handed out again."""
+        device slots are handed out again. Inside an all-or-nothing step, only into slots
+        free when it began, journaled (``begin``)."""
         if not self.num_slots.get(pool_group):
             return
-        undo = self._touch(pool_group)
+        undo = self._undo
         lru, free = self.lru[pool_group], self.free[pool_group]
         #: Keys this call stores -> their host slots, in order: a copy each. A key the loop
         #: itself drops again (a host with little room besides suspended requests) loses its
@@ -325,10 +304,13 @@ class HostTier:
         devices: dict[int, int] = {}
         for slot, key in entries:
             if key in lru:  # already on the host (it was onboarded and kept a copy)
-                lru.move_to_end(key)
+                if undo is None:
+                    lru.move_to_end(key)
+                else:
+                    undo.touched.setdefault(pool_group, []).append(key)
                 continue
             if not free:
-                if not lru:  # every host slot is held by a suspended request: dropped
+                if not lru or undo is not None:  # no room it may take: dropped
                     self.stats.dropped_blocks += 1
                     continue
                 old = self._drop_oldest(pool_group)
@@ -340,6 +322,8 @@ class HostTier:
             devices[h] = slot
             fresh[key] = h
             lru[key] = h
+            if undo is not None:
+                undo.stored.setdefault(pool_group, []).append((key, h))
         for group, keys in removed.items():
             self.log.host("block_removed", group, keys)
         stored: dict[int, list[bytes]] = {}
@@ -348,8 +332,6 @@ class HostTier:
         for group, keys in stored.items():
             self.log.host("block_stored", group, keys)
         if devices:
-            if undo is not None:
-                self._keep_pages(undo, pool_group, list(devices))
             self._copy_out(pool_group, list(devices.values()), list(devices))
 
     def reserve(self, pool_group: int, keys: list[HostKey]) -> list[int]:
@@ -391,12 +373,13 @@ class HostTier:
         self.discard(pool_group, host_slots)
 
     def discard(self, pool_group: int, host_slots: list[int]) -> None:
-        """Free held host slots (a resumed or freed suspended request)."""
-        undo = self._touch(pool_group)
-        if undo is not None:
-            undo.released[pool_group].update(host_slots)
-        self.free[pool_group].extendleft(host_slots)
+        """Free held host slots (a resumed or freed suspended request); inside an
+        all-or-nothing step, when it ends (``begin``)."""
         self.held[pool_group] -= len(host_slots)
+        if self._undo is not None:
+            self._undo.released.setdefault(pool_group, []).append(host_slots)
+            return
+        self.free[pool_group].extendleft(host_slots)
 
     # -- suspended requests' state -------------------------------------------------------------
 
@@ -422,6 +405,7 @@ class HostTier:
         self.state_free.appendleft(host_slot)
 
     def clear(self) -> None:
+        assert self._undo is None, "the prefix cache is not reset inside an all-or-nothing step"
         for pg, lru in self.lru.items():
             self.free[pg].extend(lru.values())
             lru.clear()
@@ -463,7 +447,7 @@ def onboard_prefix(
     host: HostTier,
     root: bytes,
     keys: list[bytes],
-    cap: int,
+    b: int,
     capacity: int,
     data: bytes,
     lora_id: int | str | None,
@@ -476,9 +460,9 @@ def onboard_prefix(
     would not fit with that hit: an allocate that refuses must not have onboarded, evicted
     or logged anything.
 
-    The prefix is the longest hit of at most ``cap`` blocks (the request computes at least
-    its last token) whose needed blocks (``needed_blocks``: all of them, or a window's sinks
-    and last blocks) every layer group holds on the device or the host. Its idle device
+    The prefix is a hit of ``b`` blocks whose needed blocks (``needed_blocks``: all of them,
+    or a window's sinks and last blocks) every layer group holds on the device or the host
+    (``tier_hit``, cut where state layers can resume: ``kvcm.prefix_reuse``). Its idle device
     blocks are pinned first (held once, out of the queue) so that the slots taken for the
     host blocks cannot evict them; the host blocks are reserved (out of the host index)
     before those slots are taken, since taking them may offload other blocks to a full
@@ -492,7 +476,6 @@ def onboard_prefix(
     """
     cache = c.cache
     tpb = c.tokens_per_block
-    b = tier_hit(cache, host, root, keys, cap, tpb, windows)
     if not b:
         return
     index = [cache.scope(g, root) for g in range(len(c.policies))]

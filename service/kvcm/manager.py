@@ -236,6 +236,8 @@ class KVCacheManager:
                 f"{len(self._rows)} requests hold blocks; free them first",
                 num_requests=len(self._rows),
             )
+        if self._undo is not None:  # (its undo would leave the host tier's index empty)
+            raise InvalidArgument("the prefix cache cannot be reset inside a transaction")
         self._coord.cache.clear()
         if self._host is not None:
             self._host.clear()

@@ -118,15 +118,12 @@ def _place_in_python(
         # Not inside an all-or-nothing step: onboarding writes pages into device slots,
         # and an undo would give those slots back to the cache entries they had.
         if m._host is not None and m._undo is None:
-            cap = hit_cap(len(keys), num_tokens, tpb)
-            # Nothing past the last state checkpoint can be a hit: not worth a copy in.
-            cap = state_requests.checkpointed_hit(m, root, keys, cap)
             onboard_prefix(
                 c,
                 m._host,
                 root,
                 keys,
-                cap,
+                _tier_hit(m, root, keys, hit_cap(len(keys), num_tokens, tpb)),
                 num_tokens + lookahead,
                 data,
                 lora_id,
@@ -202,10 +199,24 @@ def probe_tiers(
         return find_hit(cache, root, keys, n, tpb, m._windows, True)
 
     device, _, _ = state_requests.cut_to_checkpoint(m, root, keys, find(len(tokens)), find)
-    host = m._host
-    cap = state_requests.checkpointed_hit(m, root, keys, cap)  # state resumes only there
-    both = 0 if host is None else tier_hit(cache, host, root, keys, cap, tpb, m._windows)
+    both = 0 if m._host is None else _tier_hit(m, root, keys, cap)
     return device * tpb, max(both - device, 0) * tpb
+
+
+def _tier_hit(m: KVCacheManager, root: bytes, keys: list[bytes], cap: int) -> int:
+    """The longest hit of at most ``cap`` blocks that the device and the host tier serve
+    together (``tier_hit``), cut where state layers can resume (as ``cut_to_checkpoint``
+    cuts a device hit): nothing past it is worth a copy in, and an allocate checks its fit
+    with the hit it will place. Example: stride 8, checkpoints at block 8; the tiers hold
+    blocks 0-4: ``tier_hit`` gives 5, the cut 0 (no checkpoint below 5)."""
+    host = m._host
+    assert host is not None
+    c = m._coord
+    tpb = m.tokens_per_block
+    b = tier_hit(c.cache, host, root, keys, cap, tpb, m._windows)
+    while b and (cut := state_requests.checkpointed_hit(m, root, keys, b)) < b:
+        b = tier_hit(c.cache, host, root, keys, cut, tpb, m._windows)
+    return b
 
 
 def check_prompt(m: KVCacheManager, token_ids: Any, num_tokens: int | None) -> None:
@@ -259,6 +270,10 @@ def _keys_of(
             f"block_keys must be the {full} keys of the full blocks of token_ids",
             num_keys=len(keys),
         )
+    if len(set(keys)) != len(keys):
+        # A prompt's keys chain through their parents, so they never repeat; repeated ones
+        # would place one cached block at several positions of the request.
+        raise InvalidArgument("block_keys repeat a key: they must be distinct")
     return keys
 
 
