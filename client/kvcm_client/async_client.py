@@ -385,7 +385,7 @@ class AsyncKVCacheClient:
         try:
             attachment = Attachment(layout)
         except BaseException:  # as in the sync client: a mapping that failed leaves no consumer
-            with contextlib.suppress(UnknownConsumer, StaleGeneration):
+            with contextlib.suppress(Exception):  # the mapping's error is the one to see
                 await self._run(calls.unregister_consumer(info.consumer_id))
             raise
         attachment.consumer_id = info.consumer_id  # type: ignore[attr-defined]

@@ -455,7 +455,8 @@ class KVCacheClient:
                 check=lambda: check_same_generation(layout.generation, self.check_generation()),
             )
         except BaseException:  # nothing mapped (no CuPy for CUDA pools, say): no consumer
-            self._unregister(info.consumer_id)
+            with contextlib.suppress(Exception):  # the mapping's error is the one to see
+                self._unregister(info.consumer_id)
             raise
 
     def _unregister(self, consumer_id: str) -> None:

@@ -59,8 +59,13 @@ def clear_stale(path: Path, flag: str) -> None:
     except (ConnectionRefusedError, FileNotFoundError):
         path.unlink(missing_ok=True)  # stale: left behind by a process that is gone
         return
+    except PermissionError:
+        raise FileExistsError(
+            f"{flag} {path}: a socket this user may not open (another user's? choose another "
+            "path)"
+        ) from None
     except OSError:
-        pass
+        pass  # a listener that does not answer in time (stopped? busy?) is still a listener
     finally:
         probe.close()
     raise FileExistsError(
