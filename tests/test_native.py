@@ -577,3 +577,44 @@ def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None
     assert c.tables[0][5, 1] == head[0] and c.tables[0][6, 4] == head[1]
     assert c.refs[0][head[:2]].tolist() == [1, 1]
     assert c.pools[0].free_order()[0] == head[2]
+
+
+@built
+@pytest.mark.parametrize("seed", range(5))
+def test_map_slots_equals_the_numpy_mapping(seed: int) -> None:
+    """``map_slots`` (the CPU's step mapping in C) against ``slot_mapping_host`` (numpy) on
+    random tables of several groups with -1 and null-page entries, items of 0 tokens
+    included; rows and blocks outside the tables are refused with nothing written."""
+    import kvcm_kernels
+
+    core = native._built
+    assert core is not None
+    rng = np.random.default_rng(seed)
+    groups, table_rows, cols, tpb = int(rng.integers(1, 4)), 12, 7, int(rng.choice([1, 4, 16]))
+    tables = rng.integers(-1, 90, size=(groups, table_rows, cols)).astype(np.int32)
+    n = int(rng.integers(0, 8))
+    rows = rng.integers(0, table_rows, n).astype(np.int64)
+    counts = rng.integers(0, 5, n).astype(np.int64)
+    starts = np.array(
+        [int(rng.integers(0, cols * tpb - c + 1)) for c in counts.tolist()], dtype=np.int64
+    )
+    total = int(counts.sum())
+    for min_live in (0, 1):
+        out = np.full((groups, total), 7, dtype=np.int64)
+        core.map_slots(tables, table_rows, cols, rows, starts, counts, tpb, min_live, out)
+        items = np.repeat(np.arange(n), counts)
+        offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        want = kvcm_kernels.slot_mapping_host(
+            tables, rows[items], starts[items] + offsets, tpb, total, min_live
+        )
+        assert out.tolist() == want.tolist()
+    bad_row = np.array([table_rows], dtype=np.int64)
+    past = np.array([cols * tpb - 1], dtype=np.int64)
+    out = np.full((groups, 2), 7, dtype=np.int64)
+    for r, s in ((bad_row, np.zeros(1, np.int64)), (np.zeros(1, np.int64), past)):
+        with pytest.raises(ValueError, match="outside"):
+            core.map_slots(tables, table_rows, cols, r, s, np.array([2]), tpb, 0, out)
+        assert (out == 7).all()
+    with pytest.raises(ValueError, match="groups, tokens"):
+        wrong = np.empty((groups, total + 1), dtype=np.int64)
+        core.map_slots(tables, table_rows, cols, rows, starts, counts, tpb, 0, wrong)

@@ -23,6 +23,7 @@ from kvcm_client.models import (
     Role,
 )
 
+from . import native
 from .context_parallel import local_count, local_lengths, local_positions
 from .coordinator import Coordinator, segments
 from .counts import _count, _counts
@@ -237,6 +238,28 @@ class TablesAndViews(LayoutDescriptors):
             pad_to = total
         n = rows.size
         edits = self._tables.take_pending()
+        tables = self._tables.tensor
+        host = not edits.size and tables.device.type == "cpu"  # the manager's own arrays
+        if host and self.cp == 1 and native.core is not None:  # one C call
+            first = group or 0
+            window = tables.numpy()[first : first + (1 if group is not None else len(tables))]
+            mapped = np.empty((len(window), total), dtype=np.int64)
+            native.core.map_slots(
+                window,
+                window.shape[1],
+                window.shape[2],
+                np.ascontiguousarray(rows, dtype=np.int64),
+                np.ascontiguousarray(starts, dtype=np.int64),
+                np.ascontiguousarray(counts, dtype=np.int64),
+                self.tokens_per_block,
+                self._min_live,
+                mapped,
+            )
+            if pad_to > total:
+                mapped = np.concatenate(
+                    [mapped, np.full((len(window), pad_to - total), -1, np.int64)], axis=1
+                )
+            return torch.from_numpy(mapped if group is None else mapped[0])
         items, offsets = segments(counts)
         positions = starts[items] + offsets
         if self.cp > 1:  # this rank's pages only: other ranks' tokens map to -1
@@ -244,8 +267,7 @@ class TablesAndViews(LayoutDescriptors):
             positions = local_positions(
                 positions, self.tokens_per_block, self.cp, self.cp_rank, width
             )
-        tables = self._tables.tensor
-        if not edits.size and tables.device.type == "cpu":  # the tables are host arrays
+        if host:
             first = group or 0
             window = tables.numpy()[first : first + (1 if group is not None else len(tables))]
             mapped = kvcm_kernels.slot_mapping_host(

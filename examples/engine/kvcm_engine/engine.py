@@ -297,8 +297,12 @@ class Engine:
             tensor = mappings.get(id(mapping))
             if tensor is None:
                 tensor = mappings[id(mapping)] = _as_tensor(mapping)
-            parts.append(tensor[:, column : column + w.count])
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            if parts and parts[-1][0] is tensor and parts[-1][2] == column:
+                parts[-1][2] = column + w.count  # the columns go on: one slice
+            else:
+                parts.append([tensor, column, column + w.count])
+        slices = [t[:, a:b] for t, a, b in parts]
+        return slices[0] if len(slices) == 1 else torch.cat(slices, dim=1)
 
     def _batches(self, plan: list[Work]) -> list[list[Work]]:
         """The forwards of a step: the whole plan in one, left-padded; a hybrid model's in

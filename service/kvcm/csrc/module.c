@@ -18,6 +18,7 @@
  * - allocate_one: a step's allocate of the usual kind, its records included; prompt_keys:
  *   a step's prompts keyed two at a time for it (allocate.c).
  * - commit_run: a step's commits and the blocks they fill (commits.c).
+ * - map_slots: the slot mapping of a step's tokens on the CPU's page tables (slots.c).
  *
  * This file holds the module's method table; native.h the declarations the files share,
  * context.h (context.c) the coordinator's arrays and free queues as they read them.
@@ -46,6 +47,7 @@ static PyMethodDef methods[] = {
     {"row_start", kvcm_row_start, METH_VARARGS, "A new row's prefix hit and blocks."},
     {"allocate_one", kvcm_allocate_one, METH_VARARGS, "A step's allocate of the usual kind."},
     {"prompt_keys", kvcm_prompt_keys, METH_VARARGS, "A step's prompts keyed two at a time."},
+    {"map_slots", kvcm_map_slots, METH_VARARGS, "Slot mappings of host page tables."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

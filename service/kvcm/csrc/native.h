@@ -55,4 +55,7 @@ PyObject *kvcm_prompt_keys(PyObject *self, PyObject *args);
 /* commits.c: a step's commits and the blocks they fill */
 PyObject *kvcm_commit_run(PyObject *self, PyObject *args);
 
+/* slots.c: slot mappings of host page tables */
+PyObject *kvcm_map_slots(PyObject *self, PyObject *args);
+
 #endif
