@@ -10,17 +10,22 @@ chunk ``--chunk``), three ways, in the same run:
 - ``transformers``: the baseline, transformers' own ``generate`` with its dense cache on the
   whole batch at once (left-padded, greedy): no paging, no prefix reuse, static batching;
 - ``kvcm in-process``: the example engine (kvcm_engine) with the manager in this process;
-- ``kvcm sidecar``: the same engine driving a ``kvcm serve`` process on loopback through the
-  typed HTTP client, its pools and page tables attached (shared memory on the CPU, CUDA IPC
-  on a GPU);
-- ``kvcm sidecar, step channel``: the same with the client's step-path calls (``step``,
-  ``probe``, ``slot_mappings``) over the service's Unix-socket step channel
-  (docs/step-channel.md).
+- ``kvcm sidecar, HTTP``: the same engine driving a ``kvcm serve`` process on loopback through
+  the typed HTTP client, its pools and page tables attached (shared memory on the CPU, CUDA
+  IPC on a GPU);
+- ``kvcm sidecar, step channel``: the same with the client's step-path calls
+  (``step_columns`` with the step's slot mapping, ``probe``) over the service's Unix-socket
+  step channel (docs/step-channel.md);
+- ``kvcm sidecar, step channel, busy-poll``: the same against a service in busy-poll mode
+  (``--step-spin-s``), which needs a core of its own: on a machine whose cores the model's
+  threads take, it competes with them.
 
-Per way: generated tokens per second, steps, mean and p50 step time, and the share of the
-step spent in kvcm calls (the ``step`` call with its ``probe``s, the slot mapping, reading
-the tables), with the kvcm time per step. Every kvcm run's tokens are checked against the
-baseline's (they must be equal; a mismatch is reported, not hidden).
+Per way: generated tokens per second, steps, mean and p50 step time, and kvcm's time per step
+(its ``step_columns`` call with the probes of new requests, the mapping cut per forward,
+reading the tables): mean, p50 and p99, its share of the step, and the calls made. Every kvcm
+run's tokens are checked against the baseline's (they must be equal; a mismatch is reported,
+not hidden). ``--gap-ms`` sleeps after each step (untimed in the step): an engine whose model
+pass is that much longer, so that the sidecar sleeps between steps as it does beside a GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import re
 import socket
@@ -119,6 +125,15 @@ def engine_run(built: Any, backend: Backend, args: argparse.Namespace) -> dict[s
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.requests,
     )
+    gap = getattr(args, "gap_ms", 0.0) / 1000
+    if gap:  # a longer model pass after each step (untimed): the engine's cadence
+        step = engine.step
+
+        def paced() -> None:
+            step()
+            time.sleep(gap)
+
+        engine.step = paced  # type: ignore[method-assign]
     requests = make_requests(args.requests, seed=1, **_workload(args))
     _sync(args.device)
     begin = time.perf_counter()
@@ -127,7 +142,10 @@ def engine_run(built: Any, backend: Backend, args: argparse.Namespace) -> dict[s
     wall = time.perf_counter() - begin
     steps = np.array(engine.stats.step_s) * 1e3
     s = engine.stats
+    kvcm = np.array(s.kvcm_step_s) * 1e3
     return {
+        "kvcm_ms_p50": float(np.percentile(kvcm, 50)),
+        "kvcm_ms_p99": float(np.percentile(kvcm, 99)),
         "tokens": {r.request_id: r.output for r in done},
         "wall_s": wall,
         "tok_s": s.tokens_generated / wall,
@@ -170,12 +188,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def sidecar(args: argparse.Namespace, step_socket: Path) -> tuple[subprocess.Popen[str], str]:
-    """``kvcm serve`` with no model, on loopback and with a step channel at ``step_socket``;
-    the engine registers its model."""
+def sidecar(
+    args: argparse.Namespace, step_socket: Path, flags: list[str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """``kvcm serve`` with no model, on loopback and with a step channel at ``step_socket``
+    (and ``flags``); the engine registers its model."""
     port = _free_port()
     cmd = [sys.executable, "-m", "kvcm", "serve", "--port", str(port), "--device", args.device]
-    cmd += ["--step-socket", str(step_socket)]
+    cmd += ["--step-socket", str(step_socket), *(flags or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -196,6 +216,13 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long after each step (a longer model pass; tok/s then counts it)",
+    )
+    p.add_argument("--spin-s", type=float, default=0.1, help="the busy-poll sidecar's spin")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args()
@@ -217,16 +244,21 @@ def main() -> None:
     manager = KVCacheManager({"layers": layers, "device": args.device, **kv_settings(args)})
     rows.append({"way": "kvcm in-process", **measured(built, Backend.in_process(manager), args)})
     manager.close()
-    step_socket = Path(tempfile.mkdtemp()) / "step.sock"
-    proc, url = sidecar(args, step_socket)
-    try:
-        for way, channel in (("kvcm sidecar", None), ("kvcm sidecar, step channel", step_socket)):
-            with KVCacheClient(url, step_socket=channel) as client:
+    ways = [
+        ("kvcm sidecar, HTTP", [], False),
+        ("kvcm sidecar, step channel", [], True),
+        ("kvcm sidecar, step channel, busy-poll", ["--step-spin-s", str(args.spin_s)], True),
+    ]
+    for way, flags, channel in ways:
+        step_socket = Path(tempfile.mkdtemp()) / "step.sock"
+        proc, url = sidecar(args, step_socket, flags)
+        try:
+            with KVCacheClient(url, step_socket=step_socket if channel else None) as client:
                 client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
                 rows.append({"way": way, **measured(built, Backend.sidecar(client), args)})
-    finally:
-        proc.terminate()
-        proc.wait(10)
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
     for row in rows:
         tokens = row.pop("tokens")
@@ -236,23 +268,25 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if kind == "cuda" else platform.processor() or "cpu"
     print(
         f"# bench_engine {datetime.date.today()} {gpu} {dtype} requests={args.requests} "
-        f"new_tokens={args.new_tokens} chunk={args.chunk}"
+        f"new_tokens={args.new_tokens} chunk={args.chunk} gap_ms={args.gap_ms:g} "
+        f"cpus={len(os.sched_getaffinity(0))}"
     )
     print(
         "| way | tok/s | vs transformers | steps | step ms mean / p50 | kvcm ms/step "
-        "| kvcm share | hits | preempt | match |"
+        "| kvcm ms p50 / p99 | kvcm share | calls | hits | preempt | match |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = row["tok_s"] / rows[0]["tok_s"]
         if "step_ms_mean" in row:
             step = f"{row['step_ms_mean']:.2f} / {row['step_ms_p50']:.2f}"
             kv = (
-                f"{row['kvcm_ms_per_step']:.3f} | {row['kvcm_share']:.1%} | "
+                f"{row['kvcm_ms_per_step']:.3f} | {row['kvcm_ms_p50']:.3f} / "
+                f"{row['kvcm_ms_p99']:.3f} | {row['kvcm_share']:.1%} | {row['kvcm_calls']} | "
                 f"{row['hit_tokens']} | {row['preemptions']}"
             )
         else:
-            step, kv = "-", "- | - | - | -"
+            step, kv = "-", "- | - | - | - | - | -"
         print(
             f"| {row['way']} | {row['tok_s']:.0f} | {ratio:.2f}x | {row['steps']} | {step} "
             f"| {kv} | {row['match']} |"

@@ -96,18 +96,21 @@ def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> No
     assert out.stdout.strip() == "[]"
 
 
-def test_bench_engine_quick_runs_four_ways_with_equal_tokens() -> None:
-    stdout = _bench("bench_engine.py", "--quick")
+def test_bench_engine_quick_runs_every_way_with_equal_tokens() -> None:
+    stdout = _bench("bench_engine.py", "--quick", "--gap-ms", "1")
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
     ways = [row.split("|")[1].strip() for row in rows[1:]]
     assert ways == [
         "transformers (dense cache, static batch)",
         "kvcm in-process",
-        "kvcm sidecar",
+        "kvcm sidecar, HTTP",
         "kvcm sidecar, step channel",
+        "kvcm sidecar, step channel, busy-poll",
     ]
-    # Every kvcm way generated the baseline's tokens for all 4 requests.
-    assert [row.split("|")[-2].strip() for row in rows[2:]] == ["4", "4", "4"]
+    # Every kvcm way generated the baseline's tokens for all 4 requests, one step call per
+    # step and a probe per request (9 calls: the slot mappings come with the steps).
+    assert [row.split("|")[-2].strip() for row in rows[2:]] == ["4"] * 4
+    assert [row.split("|")[-5].strip() for row in rows[2:]] == ["9"] * 4
 
 
 def test_bench_host_tier_quick_compares_with_a_plain_copy() -> None:
@@ -165,3 +168,14 @@ def test_bench_step_channel_by_replacements_takes_a_gap_and_no_doorbell() -> Non
         "bench_step_channel.py", "--quick", "--by-replacements", "--gap-ms", "1", "--no-doorbell"
     )
     assert re.search(r"^\| all \| \d+ \| \d+ \(p99 \d+\) \|$", stdout, re.M), stdout
+
+
+def test_bench_cadence_quick_measures_the_step_against_its_echo() -> None:
+    stdout = _bench("bench_cadence.py", "--gap-ms", "2", "--steps", "50")
+    row = r"^\| (kvcm step channel, [\w -]+) \| .* \| ([\d.]+)x / ([\d.]+)x \| ([\d.]+) \|$"
+    rows = re.findall(row, stdout, re.M)
+    names = [r[0] for r in rows]
+    # Both modes at both cadences, each against its echo; the busy-poll server burnt CPU.
+    assert names == ["kvcm step channel, default", "kvcm step channel, busy-poll mode"] * 2
+    assert all(float(p50) > 0 and float(p99) > 0 for _, p50, p99, _ in rows), stdout
+    assert float(rows[1][3]) > 0.2, stdout  # busy-poll mode at 2 ms: spinning, a core's share

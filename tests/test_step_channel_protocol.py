@@ -20,6 +20,7 @@ class FakeChannel:
     read_timeout = 0.3
     state = ChannelState()
     poll = None  # no poll after answers (``step_poll``; tests/test_step_poll.py)
+    spin_ns = 0  # no busy poll either
 
     def __init__(self) -> None:
         self._connections: set[Any] = set()

@@ -164,6 +164,33 @@ def test_a_frame_slow_to_build_still_rings_once(
     assert recorder.seen == ["free", *once, "free", *once]
 
 
+class SpinningRecorder(Recorder):
+    """A ``Recorder`` whose answers say it busy-polls 0.2 s after each (``spin``)."""
+
+    def serve(self, conn: socket.socket) -> None:
+        for body in self.frames(conn):
+            if not body:
+                self.seen.append("ring")
+                continue
+            self.seen.append(unpack(body)["op"])
+            conn.sendall(pack({"result": None, "generation": "g", "spin": 0.2}))
+
+
+def test_no_ring_within_a_busy_polling_service_s_spin(tmp_path: Path) -> None:
+    """A service in busy-poll mode says how long it polls after each answer: a call within
+    that (after 50 ms idle, past the 10 ms window) does not ring, one after it (0.3 s) does."""
+    rec = SpinningRecorder(tmp_path / "step.sock")
+    rec.start()
+    with KVCacheClient("http://127.0.0.1:9", step_socket=_path(rec), step_wake_after_s=0.01) as kv:
+        kv.free("a")
+        time.sleep(0.05)
+        kv.free("b")  # the service still spins: no ring
+        time.sleep(0.3)
+        kv.free("c")  # its spin ran out: ring
+    time.sleep(0.05)
+    assert rec.seen == ["free", "free", "ring", "free"]
+
+
 def _metric(url: str, name: str, **labels: str) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     for line in httpx.get(f"{url}/metrics").text.splitlines():

@@ -272,6 +272,7 @@ class _Doorbell:
     _rang: bool
     _strikes: int  # connections lost right after a ring, in a row
     _checking: bool  # the doorbell was turned off at a refusal: the next answer confirms
+    _awake_ns: int  # the service busy-polls this long after its last answer (its ``spin``)
 
     def __init__(self, wake_after_s: float | None) -> None:
         self.wake_after_ns = None if wake_after_s is None else int(wake_after_s * 1e9)
@@ -280,13 +281,17 @@ class _Doorbell:
         self._rang = False
         self._strikes = 0
         self._checking = False
+        self._awake_ns = 0
 
     def _ring_due(self) -> bool:
+        """Whether this call rings: the connection idle longer than ``wake_after_ns``, and
+        not within a busy-polling service's spin (its answers say how long it polls after
+        each: ``spin``; docs/step-channel.md, "Busy-poll mode"), where a ring only costs."""
         since = self._idle_since
         if since is None or self.wake_after_ns is None:
             return False
         now = time.perf_counter_ns()
-        if now - since <= self.wake_after_ns:
+        if now - since <= self.wake_after_ns or now - since < self._awake_ns:
             return False
         self._idle_since = now
         self._rang = True
@@ -294,7 +299,11 @@ class _Doorbell:
 
     def _judged(self, answer: dict[str, Any]) -> bool:
         """Whether to send the call again: ``answer`` refused the doorbell that went out
-        before it (an older service; the call never ran). Clears ``_rang``."""
+        before it (an older service; the call never ran). Clears ``_rang``; notes how long
+        the service busy-polls after its answers (``spin``, seconds; 0 when it says none:
+        nine tenths of it, the service's spin having begun before the answer was read)."""
+        spin = answer.get("spin")
+        self._awake_ns = int(spin * 0.9e9) if type(spin) is float else 0
         rang, self._rang = self._rang, False
         error = answer.get("error")
         refusal = (

@@ -144,6 +144,15 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     (
+        "--step-spin-s",
+        {
+            "type": float,
+            "help": "busy-poll mode: after each answer poll this long for the step channel's "
+            "next frame (e.g. 0.1; burns a core while steps come: pin the sidecar to its "
+            "own; 0: off)",
+        },
+    ),
+    (
         "--kv-events-zmq",
         {
             "help": "also publish KV events in vLLM's format on a ZeroMQ PUB socket bound "
@@ -596,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         # gives a command SIGINT stopped.
         return 128 + signal.SIGINT
     except BrokenPipeError:
+        if args.command != "estimate":  # serve silences its stdout itself (_say): a bug
+            raise
         # stdout's reader left (kvcm estimate | head -1): it has what it wanted, and nothing
         # failed that a script should stop for (with set -o pipefail, a nonzero status would
         # fail a pipeline that did what was asked), so end quietly with 0.

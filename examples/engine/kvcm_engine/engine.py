@@ -167,6 +167,8 @@ class EngineStats:
     model_s: float = 0.0
     wall_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
+    kvcm_step_s: list[float] = field(default_factory=list)
+    """Each step's time in kvcm (its calls, the mapping cut per batch, the tables read)."""
 
 
 class Engine:
@@ -284,6 +286,7 @@ class Engine:
             self.stats.model_s += time.perf_counter() - t
         self.scheduler.finish_step(plan, next_tokens)
         self.stats.kvcm_s += kvcm_s
+        self.stats.kvcm_step_s.append(kvcm_s)
         self.stats.step_s.append(time.perf_counter() - begin)
 
     def _slots(self, batch: list[Work], mappings: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -124,6 +124,7 @@ def create_app(
     defaults: Mapping[str, Any] | None = None,
     step_socket: Path | None = None,
     step_poll_us: float = DEFAULT_POLL_US,
+    step_spin_s: float = 0.0,
     request_timeout: float = 10.0,
     kv_events_zmq: str | None = None,
 ) -> FastAPI:
@@ -133,7 +134,8 @@ def create_app(
     ``defaults``: what a registered model takes where it says nothing (``ServiceState``).
     ``step_socket``: also serve the step channel there (``step_channel``), with the same
     token and body limit, each frame due whole within ``request_timeout`` seconds, polling
-    up to ``step_poll_us`` for a client's next frame (``step_poll``).
+    up to ``step_poll_us`` for a client's next frame (``step_poll``), or ``step_spin_s``
+    after every answer (busy-poll mode, ``StepChannel.spin``).
     ``kv_events_zmq``: also publish the KV events in vLLM's format on a ZeroMQ PUB socket
     bound there (``vllm_events``)."""
     state = ServiceState(
@@ -151,7 +153,12 @@ def create_app(
         return max_body_bytes
 
     channel = StepChannel(
-        state, api_token.encode() if api_token else None, body_limit, request_timeout, step_poll_us
+        state,
+        api_token.encode() if api_token else None,
+        body_limit,
+        request_timeout,
+        step_poll_us,
+        step_spin_s,
     )
 
     @asynccontextmanager
@@ -671,6 +678,7 @@ def app_from_settings(settings: Any) -> FastAPI:
         defaults=settings.registration_defaults(manager.config if manager else None),
         step_socket=settings.step_socket,
         step_poll_us=settings.step_poll_us,
+        step_spin_s=settings.step_spin_s,
         request_timeout=settings.request_timeout,
         kv_events_zmq=settings.kv_events_zmq,
     )

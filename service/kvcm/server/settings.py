@@ -128,6 +128,11 @@ class Settings(BaseSettings):
     """Microseconds the step channel polls for a client's next frame after an answer, where
     the last answer to that op was followed by the next frame that soon
     (docs/step-channel.md); 0: never."""
+    step_spin_s: float = Field(default=0.0, ge=0, le=60)
+    """Busy-poll mode of the step channel: after each answer, poll for the next frame for
+    this many seconds whatever came before, so that a step after a model pass finds the
+    service awake (docs/step-channel.md, "Busy-poll mode"); it burns a core while steps keep
+    coming. 0: off (the adaptive ``step_poll_us`` only)."""
     kv_events_zmq: str | None = None
     """Also publish the KV events in vLLM's format on a ZeroMQ PUB socket bound here, e.g.
     ``tcp://127.0.0.1:5557`` (docs/prefix-reuse.md#vllms-event-format; needs pyzmq)."""

@@ -62,11 +62,12 @@ class FramePoll:
     def remove(self, fd: int) -> None:
         self._poll.unregister(fd)
 
-    def wait(self) -> bool:
-        """Poll until a connection has bytes to read (True) or the window passes (False),
-        yielding the core between looks: a client that shares it gets to send its frame."""
+    def wait(self, window_ns: int | None = None) -> bool:
+        """Poll until a connection has bytes to read (True) or the window passes (False;
+        ``window_ns``, default this poll's), yielding the core between looks: a client that
+        shares it gets to send its frame."""
         poll = self._poll.poll
-        until = perf_counter_ns() + self.window_ns
+        until = perf_counter_ns() + (self.window_ns if window_ns is None else window_ns)
         while not poll(0):
             if perf_counter_ns() >= until:
                 return False

@@ -1,0 +1,252 @@
+"""The step channel at an engine's cadence, against the floor: a bare echo at the same cadence.
+
+  python bench/bench_cadence.py                  # 5 ms and back to back, 2000 steps (~2 min)
+  python bench/bench_cadence.py --gap-ms 10 --steps 1000
+  python bench/bench_cadence.py --quick          # a smoke run
+
+An engine calls its KV-cache manager once per forward pass, every 5-30 ms, not back to back:
+between two steps the service sleeps, and a sleeping service pays a wake-up and cold caches
+on the next step. The floor for that is what a bare Python echo over a Unix socket pays at
+the same cadence, measured here in the same run: a 4 KiB frame, echoed by a server that
+blocks in ``recv`` (what a service that sleeps between frames can hope for) and by one that
+busy-polls a non-blocking socket for ``--spin-s`` after each frame (what a service on a core
+of its own can; it blocks again after that, so that it burns no core while the others run). Then the
+step itself: ``step_columns(extend=handles)`` of 256 requests (+1 token each, the decode
+step) from the typed client over the step channel of a ``kvcm serve``, in its default mode
+(it sleeps between steps: adaptive polls and the client's doorbell only) and in its busy-poll
+mode (``--step-spin-s``: it polls for the next frame for that long after each answer).
+
+Every variant runs at each cadence (``--gap-ms``, and 0: back to back), alternating in
+blocks so the machine's drift hits them alike. Per variant: p50, p99 and p99.9 of the round
+trip in microseconds, the ratio of the step's to the echo's (the blocking echo's for the
+default mode, the busy one's for the busy-poll mode), and the CPU the server used per wall
+second (1.0: a whole core), from /proc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from kvcm_client import KVCacheClient
+
+ROOT = Path(__file__).resolve().parent.parent
+FRAME = 4096
+REQUESTS = 256
+BLOCK = 100
+
+#: The echo server: blocking, or busy-polling for ``SPIN_S`` after each frame (then blocking
+#: until the next, as the busy-poll mode does, so that it burns no core while the other
+#: variants run).
+ECHO = r"""
+import socket, struct, sys, time
+path, spin_s = sys.argv[1], float(sys.argv[2])
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(1)
+print("ready", flush=True)
+conn, _ = srv.accept()
+spin_until = 0.0
+
+def read(n):
+    global spin_until
+    data = b""
+    while len(data) < n:
+        busy = time.monotonic() < spin_until
+        conn.setblocking(not busy)
+        try:
+            chunk = conn.recv(n - len(data))
+        except BlockingIOError:
+            continue  # look again at once
+        if not chunk:
+            sys.exit(0)
+        data += chunk
+    return data
+
+while True:
+    (size,) = struct.unpack("<I", read(4))
+    body = read(size)
+    conn.sendall(struct.pack("<I", size) + body)
+    spin_until = time.monotonic() + spin_s
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds a process has run so far, every thread (/proc/PID/schedstat: ns, where
+    /proc/PID/stat counts 10 ms ticks, too coarse for a block of back-to-back calls)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+class Variant:
+    """One thing timed at a cadence: ``call()`` makes one round trip; ``pid`` is the server
+    whose CPU is counted; ``spin_s``: how long the server busy-polls after a call (the next
+    variant waits that out, so that no variant runs beside another's spinning server)."""
+
+    def __init__(self, name: str, pid: int, call: Callable[[], None], spin_s: float) -> None:
+        self.name = name
+        self.pid = pid
+        self.call = call
+        self.spin_s = spin_s
+        self.times: dict[float, list[float]] = {}
+        self.cpu: dict[float, tuple[float, float]] = {}  # gap -> (cpu seconds, wall seconds)
+
+    def block(self, gap_s: float, n: int) -> None:
+        times = self.times.setdefault(gap_s, [])
+        cpu0, wall0 = _cpu_seconds(self.pid), time.perf_counter()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.call()
+            times.append(time.perf_counter() - t0)
+            if gap_s:
+                time.sleep(gap_s)
+        cpu, wall = self.cpu.get(gap_s, (0.0, 0.0))
+        self.cpu[gap_s] = (
+            cpu + _cpu_seconds(self.pid) - cpu0,
+            wall + time.perf_counter() - wall0,
+        )
+        if self.spin_s:
+            time.sleep(self.spin_s + 0.02)  # its server's spin runs out before the next
+
+
+@contextmanager
+def echo_server(tmp: Path, spin_s: float) -> Iterator[Variant]:
+    busy = spin_s > 0
+    path = tmp / f"echo-{'busy' if busy else 'blocking'}.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ECHO, str(path), str(spin_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(str(path))
+        frame = struct.pack("<I", FRAME - 4) + os.urandom(FRAME - 4)
+
+        def call() -> None:
+            client.sendall(frame)
+            got = 0
+            while got < FRAME:
+                got += len(client.recv(FRAME - got))
+
+        name = f"echo, {'busy-polling' if busy else 'blocking'} server"
+        yield Variant(name, proc.pid, call, spin_s)
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def kvcm_server(tmp: Path, name: str, spin_s: float, steps: int) -> Iterator[Variant]:
+    """``kvcm serve`` with a step channel and room for 256 requests to grow by ``steps``
+    tokens each; the variant is the typed client's decode step over the channel."""
+    layers = tmp / "layers.json"
+    layers.write_text(json.dumps([{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}]))
+    sock = tmp / f"{name}.sock"
+    seq = 32 + steps + 64
+    blocks = REQUESTS * (-(-seq // 16)) + 64
+    cmd = [sys.executable, "-m", "kvcm", "serve", "--port", "0", "--layers", str(layers)]
+    cmd += ["--num-blocks", str(blocks), "--max-requests", str(REQUESTS)]
+    cmd += ["--max-seq-len", str(seq), "--step-socket", str(sock), "--log-level", "warning"]
+    if spin_s:
+        cmd += ["--step-spin-s", str(spin_s)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:
+            if "serving on" in line:
+                url = line.split("serving on", 1)[1].split()[0]
+                break
+        if url is None:
+            raise RuntimeError(f"kvcm serve exited with {proc.wait()}")
+        with KVCacheClient(url, step_socket=sock) as kv:
+            out = kv.step_columns(
+                allocate=[{"request_id": f"r{i}", "num_tokens": 32} for i in range(REQUESTS)]
+            )
+            handles = array("q", out.handles)
+
+            def call() -> None:
+                if not kv.step_columns(extend=handles).ok:
+                    raise RuntimeError(f"{name}: a decode step failed")
+
+            yield Variant(name, proc.pid, call, spin_s)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _row(v: Variant, gap: float, floor: Variant | None) -> str:
+    t = np.asarray(v.times[gap]) * 1e6
+    p50, p99, p999 = np.percentile(t, [50, 99, 99.9])
+    cpu, wall = v.cpu[gap]
+    ratio = "-"
+    if floor is not None:
+        f50, f99 = np.percentile(np.asarray(floor.times[gap]) * 1e6, [50, 99])
+        ratio = f"{p50 / f50:.2f}x / {p99 / f99:.2f}x"
+    return f"| {v.name} | {p50:.0f} | {p99:.0f} | {p999:.0f} | {ratio} | {cpu / wall:.2f} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gap-ms", type=float, default=5.0, help="the engine's cadence")
+    parser.add_argument("--steps", type=int, default=2000, help="timed calls per variant")
+    parser.add_argument("--spin-s", type=float, default=0.1, help="the busy-poll mode's spin")
+    parser.add_argument("--quick", action="store_true", help="200 steps")
+    args = parser.parse_args()
+    steps = 200 if args.quick else args.steps
+    gaps = [args.gap_ms / 1000, 0.0]
+    with tempfile.TemporaryDirectory(prefix="kvcm-cad-") as name:
+        tmp = Path(name)
+        with (
+            echo_server(tmp, 0.0) as blocking,
+            echo_server(tmp, args.spin_s) as busy,
+            kvcm_server(tmp, "kvcm step channel, default", 0.0, 2 * steps) as default,
+            kvcm_server(tmp, "kvcm step channel, busy-poll mode", args.spin_s, 2 * steps) as spin,
+        ):
+            variants = [blocking, busy, default, spin]
+            for gap in gaps:
+                for v in variants:  # warm-up
+                    v.block(gap, 20)
+                    v.times[gap].clear()
+                    v.cpu[gap] = (0.0, 0.0)
+                done = 0
+                while done < steps:
+                    n = min(BLOCK, steps - done)
+                    for v in variants:
+                        v.block(gap, n)
+                    done += n
+    floors = {default.name: blocking, spin.name: busy}
+    print(f"# bench_cadence {platform.node()} {platform.processor() or platform.machine()}")
+    print(f"{REQUESTS}-request decode step_columns; {steps} calls per variant and cadence")
+    for gap in gaps:
+        cadence = f"a call every {gap * 1000:g} ms" if gap else "back to back"
+        print(f"\n{cadence}")
+        print("| variant | p50 us | p99 us | p99.9 us | / its echo, p50 / p99 | server CPU |")
+        print("|---|---|---|---|---|---|")
+        for v in variants:
+            print(_row(v, gap, floors.get(v.name)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The step channel's busy-poll mode (``kvcm serve --step-spin-s``, docs/step-channel.md): after
+an answer the service polls for the next frame for the spin's length, handing the event loop
+back between slices, and stops when the spin runs out with no frame."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+from helpers import layer
+
+from kvcm import KVCacheManager
+from kvcm.server.state import ServiceState
+from kvcm.server.step_channel import StepChannel
+from kvcm_client.columns import wire_columns
+from kvcm_client.step_channel import HEADER, pack, unpack
+
+TWO_CPUS = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="the busy poll needs a second CPU (off on one)"
+)
+
+
+def _channel(spin_s: float) -> tuple[StepChannel, KVCacheManager]:
+    m = KVCacheManager({"layers": [layer(0)], "num_blocks": 64, "max_seq_len": 256})
+    return StepChannel(ServiceState(m, 30.0), None, lambda: 1 << 20, spin_s=spin_s), m
+
+
+async def _call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, frame: bytes) -> dict:
+    writer.write(frame)
+    await writer.drain()
+    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return unpack(await reader.readexactly(size))
+
+
+@TWO_CPUS
+def test_it_spins_after_an_answer_serves_the_loop_meanwhile_and_stops_when_idle(
+    tmp_path: Path,
+) -> None:
+    """With a 0.3 s spin: right after an answer it spins; a frame during the spin is
+    answered; other work on the loop goes on during it (the loop gets each slice back);
+    0.3 s after the last answer, with no frame, it has stopped."""
+    channel, m = _channel(0.3)
+    path = tmp_path / "step.sock"
+
+    async def run() -> tuple[list[bool], int, list[int]]:
+        await channel.start(path)
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            frame = pack(
+                {"op": "step_columns", "args": {"allocate": [{"request_id": "a", "num_tokens": 3}]}}
+            )
+            first = await _call(reader, writer, frame)
+            handle = array("q", memoryview(first["result"]["handles"]).cast("q"))
+            spinning = [channel._spinning]
+            ticks = 0
+            deadline = time.monotonic() + 0.1
+            while time.monotonic() < deadline:  # the loop runs while the channel spins
+                await asyncio.sleep(0)
+                ticks += 1
+            spinning.append(channel._spinning)
+            extend = pack({"op": "step_columns", "args": wire_columns(extend=handle)})
+            second = await _call(reader, writer, extend)
+            spinning.append(channel._spinning)
+            for _ in range(400):  # its spin (0.3 s) runs out with no frame
+                if not channel._spinning:
+                    break
+                await asyncio.sleep(0.01)
+            spinning.append(channel._spinning)
+            writer.close()
+            statuses = [not bool(r["result"].get("errors")) for r in (first, second)]
+            return spinning, ticks, statuses
+        finally:
+            await channel.stop()
+
+    spinning, ticks, ok = asyncio.run(run())
+    assert spinning == [True, True, True, False] and ok == [True, True]
+    assert ticks > 10  # each slice (at most 0.2 ms) handed the loop back
+    assert m.request("a").num_tokens == 4
+
+
+def test_without_the_mode_nothing_spins(tmp_path: Path) -> None:
+    channel, _ = _channel(0.0)
+    path = tmp_path / "step.sock"
+
+    async def run() -> bool:
+        await channel.start(path)
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            frame = pack({"op": "step_columns", "args": {}})
+            await _call(reader, writer, frame)
+            writer.close()
+            return channel._spinning
+        finally:
+            await channel.stop()
+
+    assert asyncio.run(run()) is False
+
+
+@TWO_CPUS
+def test_a_real_service_spins_only_while_steps_come(tmp_path: Path) -> None:
+    """``kvcm serve --step-spin-s 0.3``: the service burns a core in the spin after a call
+    (its CPU time grows with the wall time), and none once the spin ran out."""
+    from servers import serve_process
+
+    from kvcm_client import KVCacheClient
+
+    sock = tmp_path / "step.sock"
+    args = ("--default-model", "--num-blocks", "64", "--log-level", "warning")
+    with (
+        serve_process(*args, "--step-socket", str(sock), "--step-spin-s", "0.3") as (url, proc, _),
+        KVCacheClient(url, step_socket=sock) as kv,
+    ):
+        kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 1}])
+        spin = _cpu(proc.pid, 0.2)  # within the spin
+        time.sleep(0.5)  # the spin ran out
+        idle = _cpu(proc.pid, 0.5)
+    assert spin > 0.02 and idle < 0.02, (spin, idle)
+
+
+def _cpu(pid: int, wall: float) -> float:
+    """CPU seconds ``pid`` ran during the next ``wall`` seconds (/proc/PID/schedstat)."""
+
+    def total() -> float:
+        ns = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                ns += int((task / "schedstat").read_text().split()[0])
+        return ns / 1e9
+
+    before = total()
+    time.sleep(wall)
+    return total() - before
