@@ -71,6 +71,8 @@ def test_engine_through_the_sidecar_then_another_model(tmp_path: Path) -> None:
             httpx.get(f"{url}/metrics").text,
         )
         ops = {op for op, n in frames if float(n) > 0}
-        assert ops >= {"step_columns", "probe"}
-        # The slot mappings came with the step's answers (map_slots): no call of their own.
+        assert "step_columns" in ops
+        # The slot mappings came with the step's answers (map_slots): no call of their own;
+        # only the hybrid (qwen3_next: chunks end on block boundaries) probed.
         assert "slot_mappings" not in ops and "slot_mapping" not in ops
+        assert ("probe" in ops) == any(f in HYBRIDS for f, _ in runs[1:])

@@ -172,8 +172,10 @@ def allocate(
     cache_salt: Any = None,
     multimodal: Any = None,
     block_keys: Any = None,
+    max_new_tokens: int | None = None,
 ) -> Call[RequestInfo]:
     # Retrying is safe: the manager returns the first result for an identical allocate.
+    sized = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     return _post(
         "/v1/allocate",
         _model(RequestInfo),
@@ -182,6 +184,7 @@ def allocate(
         num_tokens=num_tokens,
         lookahead=lookahead,
         **_prompt(token_ids, lora_id, cache_salt, multimodal, block_keys),
+        **sized,
     )
 
 

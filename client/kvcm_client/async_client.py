@@ -161,9 +161,10 @@ class AsyncKVCacheClient:
         cache_salt: str | None = None,
         multimodal: Sequence[Any] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
+        max_new_tokens: int | None = None,
     ) -> RequestInfo:
         given = (request_id, num_tokens, token_ids, lookahead)
-        prompt = (lora_id, cache_salt, multimodal, block_keys)
+        prompt = (lora_id, cache_salt, multimodal, block_keys, max_new_tokens)
         return await self._fast(channel.allocate(*given, *prompt), calls.allocate(*given, *prompt))
 
     async def probe(

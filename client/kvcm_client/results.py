@@ -89,6 +89,14 @@ class AllocateOp(_Frozen):
     cache_salt: StrictStr | None = None
     multimodal: list[MultimodalInput] | None = None
     block_keys: list[BlockKey] | None = Field(None, description=_BLOCK_KEYS)
+    max_new_tokens: PositiveCount | None = Field(
+        None,
+        description=(
+            "Size the request by its hit: token_ids are the whole sequence, and it gets the "
+            "tokens it reuses plus at most this many (min(num_tokens, hit + max_new_tokens)), "
+            "no probe needed; needs token_ids, not block_keys"
+        ),
+    )
 
 
 class ExtendOp(_Frozen):

@@ -194,10 +194,13 @@ def allocate(
     cache_salt: Any,
     multimodal: Any,
     block_keys: Any,
+    max_new_tokens: int | None = None,
 ) -> StepCall[RequestInfo]:
     # Idempotent as over HTTP: the manager returns the first result for an identical allocate.
     args = {"request_id": request_id, "num_tokens": num_tokens, "lookahead": lookahead}
     args |= _prompt(token_ids, lora_id, cache_salt, multimodal, block_keys)
+    if max_new_tokens is not None:
+        args["max_new_tokens"] = max_new_tokens
     return StepCall("allocate", args, _info, idempotent=True)
 
 

@@ -46,8 +46,15 @@ class FirstAllocation:
     state_slot: int
 
     @property
+    def num_tokens(self) -> int:
+        """The length it allocated: ``num_tokens``, or with ``max_new_tokens`` (a seventh
+        item of ``args``) the hit and at most that many tokens past it."""
+        args = self.args
+        return args[0] if len(args) == 6 else min(args[0], self.hit_tokens + args[6])
+
+    @property
     def result(self) -> RequestInfo:
-        num_tokens, lookahead = self.args[0], self.args[1]
+        num_tokens, lookahead = self.num_tokens, self.args[1]
         return request_rows.trusted_info(
             {
                 "request_id": self.request_id,
@@ -124,7 +131,7 @@ def start_op(
     ``prompt_keys`` keyed it) when the op is of the usual kind (an id, counts, maybe a
     prompt's ids; no LoRA, salt, multimodal items or given keys), not a retry, and fits;
     else in Python, which also names every error."""
-    if fast is not None:
+    if fast is not None and op["max_new_tokens"] is None:
         done = native.core.allocate_one(op, m, *fast, keyed)
         if done is not None:
             first, hit, added, evict = done
@@ -154,6 +161,7 @@ def start(
     cache_salt: str | None = None,
     multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
     block_keys: Sequence[bytes | str] | None = None,
+    max_new_tokens: int | None = None,
 ) -> FirstAllocation:
     """``KVCacheManager.allocate`` (its docstring says what it does), returning what its
     ``RequestInfo`` is built from (``.result``): the first allocation's record for a retry.
@@ -169,8 +177,16 @@ def start(
     items = multimodal_items(multimodal)
     root = root_key(lora_id, cache_salt)
     # A retry is recognised by its prompt's int32 bytes (immutable: the caller's list,
-    # which ``tokens`` may be, can change after the call).
-    args = (num_tokens, lookahead, data, lora_id, cache_salt, items)
+    # which ``tokens`` may be, can change after the call), and ``max_new_tokens`` if given.
+    args: tuple[Any, ...] = (num_tokens, lookahead, data, lora_id, cache_salt, items)
+    if max_new_tokens is not None:
+        max_new_tokens = _count("max_new_tokens", max_new_tokens, 1)
+        if tokens is None or block_keys is not None:
+            raise InvalidArgument(
+                "max_new_tokens sizes a request by its prompt's hit: it needs token_ids "
+                "(and kvcm's own keys, not block_keys)"
+            )
+        args = (*args, max_new_tokens)
     first = m._first.get(request_id)
     if first is not None:
         if first.args == args:
@@ -182,13 +198,20 @@ def start(
             num_tokens=first.args[0],
             lookahead=first.args[1],
         )
-    request_rows.check_len(m, request_id, num_tokens + lookahead)
     if not m._free_rows:
         raise RequestLimitReached(
             f"all {m.config.max_requests} page-table rows are in use",
             max_requests=m.config.max_requests,
         )
     state_requests.check_room(m, request_id)
+    keys = None
+    if max_new_tokens is not None:
+        assert tokens is not None
+        hit, keys = prefix_reuse.reusable(m, tokens, data, root, items)
+        num_tokens = min(num_tokens, hit + max_new_tokens)
+        tokens, data = tokens[:num_tokens], data[: 4 * num_tokens]
+        keys = keys[: num_tokens // m.tokens_per_block]
+    request_rows.check_len(m, request_id, num_tokens + lookahead)
     hit_tokens, state = prefix_reuse.reuse_prefix(
         m,
         m._free_rows[-1],
@@ -201,6 +224,7 @@ def start(
         lora_id,
         cache_salt is not None,
         block_keys,
+        keys,
     )
     row, handle = request_rows.claim(m, request_id)
     m._tokens[request_id] = bytearray(data[: 4 * hit_tokens])

@@ -449,8 +449,8 @@ def mapped_tokens(
     """The tokens of a step's items that the engine computes now, as page-table rows, first
     positions and counts: each successful extend's ``num_new_tokens`` (the last ones of its
     request; ``lengths``: every row's length after the step), then each successful
-    allocate's tokens past its hit (from the first allocation, for a retry); failed items
-    add none. What ``map_slots`` maps, in that order.
+    allocate's tokens past its hit (the first allocation's, for a retry); failed items add
+    none. What ``map_slots`` maps, in that order.
 
     Example: extends of rows 3 and 5 by one token each (row 5's failed), row 3 at 9 tokens
     after the step, and an allocate of 20 tokens with a 16-token hit in row 0: rows [3, 0],
@@ -469,7 +469,8 @@ def mapped_tokens(
     done = np.flatnonzero(out.status["allocate"] == 0)
     if done.size:
         hits = out.hit_tokens[done]
-        wanted = np.array([cols.allocate[i]["num_tokens"] for i in done.tolist()], np.int64)
+        firsts = out.firsts  # (their lengths: num_tokens, or sized by max_new_tokens)
+        wanted = np.array([firsts[i].num_tokens for i in done.tolist()], np.int64)
         rows = np.concatenate([rows, out.handles[done] & request_rows.ROW_MASK])
         starts = np.concatenate([starts, hits])
         counts = np.concatenate([counts, wanted - hits])

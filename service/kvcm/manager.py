@@ -168,6 +168,7 @@ class KVCacheManager:
         cache_salt: str | None = None,
         multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
+        max_new_tokens: int | None = None,
     ) -> RequestInfo:
         """Start a request of ``num_tokens`` tokens plus ``lookahead`` draft slots.
 
@@ -177,6 +178,13 @@ class KVCacheManager:
         already committed. ``lora_id``, ``cache_salt`` and ``multimodal`` items are the extra
         keys of its blocks (docs/prefix-reuse.md); ``block_keys``, when given, must be
         ``kvcm.block_keys`` of the same tokens and extras (it saves hashing them again).
+
+        ``max_new_tokens=k`` sizes the request by its hit, for a scheduler's chunked prefill
+        without a ``probe`` first: ``token_ids`` are the whole sequence known so far
+        (``num_tokens`` of them), and the request gets the tokens it reuses plus at most k more,
+        ``min(num_tokens, hit + k)`` (its result's ``num_tokens``; the hit counts the host tier
+        too). Example (tokens_per_block 16): a 300-token prompt whose first 128 tokens are
+        cached, k = 64: 192 tokens, 128 of them hit.
 
         Idempotent while the request lives: the same call again (same id, same arguments)
         returns the first result and allocates nothing, so a scheduler can retry an allocate
@@ -192,6 +200,7 @@ class KVCacheManager:
             cache_salt,
             multimodal,
             block_keys,
+            max_new_tokens,
         ).result
 
     @_doc(prefix_reuse.probe_tiers)

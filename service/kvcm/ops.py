@@ -21,7 +21,7 @@ from kvcm_client.errors import invalid_from_validation
 from kvcm_client.models import CommitOp, ExtendOp, FreeOp, Op, ResumeOp, RewindOp, SuspendOp
 
 #: Per op: (required fields, optional fields with defaults); every field but request_id and
-#: token_ids is a strict int.
+#: token_ids is a strict int (or None where that is the default).
 OP_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int | None]]] = {
     "allocate": (
         ("request_id", "num_tokens"),
@@ -32,6 +32,7 @@ OP_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, int | None]]] = {
             "cache_salt": None,
             "multimodal": None,
             "block_keys": None,
+            "max_new_tokens": None,
         },
     ),
     "extend": (("request_id", "num_new_tokens"), {"lookahead": 0}),
@@ -91,6 +92,9 @@ def _plain(op: Any) -> dict[str, Any] | None:
                 return None
         elif name == "cache_salt":
             if value is not None and type(value) is not str:
+                return None
+        elif name == "max_new_tokens":
+            if value is not None and type(value) is not int:
                 return None
         elif name in ("multimodal", "block_keys"):
             if value is not None:  # nested models: leave them to the op models

@@ -60,14 +60,18 @@ def reuse_prefix(
     lora_id: int | str | None,
     has_salt: bool,
     block_keys: Sequence[bytes | str] | None,
+    hashed: list[bytes] | None = None,
 ) -> tuple[int, PrefixState]:
     """Give a new request's free ``row`` its blocks: the longest cached prefix of its prompt
     (none without ``tokens``), then new blocks for the rest and ``lookahead``. Returns the
-    tokens reused and the request's prefix state; raises before anything changes."""
+    tokens reused and the request's prefix state; raises before anything changes.
+    ``hashed``: the prompt's keys, hashed here already (``reusable``)."""
     keys: list[bytes] = []
     tpb = m.tokens_per_block
     c = m._coord
-    if tokens is not None:
+    if hashed is not None:
+        keys = hashed
+    elif tokens is not None:
         keys = _keys_of(m, tokens, data, root, items, block_keys)
     # Caller-given keys are checked past the hit, which only the Python path does.
     hit = (
@@ -143,6 +147,33 @@ def _place_in_python(
         c.place_hits(row, hits, idle, ends, hit * tpb)
     native_rows.grow(m, row, num_tokens - hit * tpb, lookahead)
     return hit
+
+
+def reusable(
+    m: KVCacheManager,
+    tokens: list[int],
+    data: bytes,
+    root: bytes,
+    items: tuple[MultimodalItem, ...],
+) -> tuple[int, list[bytes]]:
+    """The tokens an allocate of this prompt would reuse now (the device's hit, or with a
+    host tier what the two tiers serve together, each cut where state layers resume), and
+    the prompt's keys: what ``allocate(..., max_new_tokens=k)`` sizes a request by, with
+    no call of the scheduler's own (``probe``). Claims nothing.
+
+    Example (tokens_per_block 4): 2 cached blocks of a 21-token prompt and k = 8: 8 tokens
+    reused, so the request is allocated 8 + 8 = 16 tokens."""
+    keys = chain_keys(root, data, m.tokens_per_block, 0, items)
+    tpb = m.tokens_per_block
+    cache = m._coord.cache
+
+    def find(n: int) -> tuple[int, Any, Any]:
+        return find_hit(cache, root, keys, n, tpb, m._windows, True)
+
+    hit, _, _ = state_requests.cut_to_checkpoint(m, root, keys, find(len(tokens)), find)
+    if m._host is not None and all(cache.reusable):
+        hit = max(hit, _tier_hit(m, root, keys, hit_cap(len(keys), len(tokens), tpb)))
+    return hit * tpb, keys
 
 
 def probe(

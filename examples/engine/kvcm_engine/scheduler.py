@@ -12,8 +12,9 @@ adds (``map_slots``), so the engine needs no other call for it (``slots_of``).
 When an ``extend`` finds no free block (``out_of_blocks``) the newest running request is
 preempted: freed, and put back at the head of the queue to be recomputed later from its
 prompt and the tokens it generated so far (which then mostly hit the prefix cache). That
-takes one more call per preemption; a step without preemption is one ``step_columns`` call, plus
-one ``probe`` per newly admitted request (to size its first chunk after its cached prefix).
+takes one more call per preemption; a step without preemption is one ``step_columns`` call (its
+allocates sized by kvcm: ``max_new_tokens``), plus, for a hybrid, one ``probe`` per newly
+admitted request (its first chunk must end on a block boundary past its cached prefix).
 
 With ``preempt="suspend"`` (kvcm with a host tier) the victim is suspended instead: the
 tokens its extend of this step added and it has not computed are rewound, then its blocks
@@ -179,9 +180,10 @@ class Scheduler:
         resume = list(self.suspended)[: max(0, self.max_running - len(self.running))]
         admits = [] if self.suspended else self._candidates(budget)
         allocate = []
-        for r, n in admits:
+        for r, n, k in admits:
             r.admissions += 1
-            allocate.append({"request_id": r.kv_id, "num_tokens": n, "token_ids": r.seq[:n]})
+            op = {"request_id": r.kv_id, "num_tokens": n, "token_ids": r.seq[:n]}
+            allocate.append(op if k is None else {**op, "max_new_tokens": k})
         self.slots_of = {}
         out = self._call(
             commit=commit,
@@ -206,45 +208,54 @@ class Scheduler:
             if not status:
                 w.request.held += w.count
         hits = out.hit_tokens
-        for i, ((r, n), status) in enumerate(zip(admits, out.status["allocate"], strict=True)):
+        for i, ((r, n, k), status) in enumerate(zip(admits, out.status["allocate"], strict=True)):
             if status:  # no room yet: it stays in the queue, in its place
                 r.admissions -= 1
                 continue
             self.waiting.remove(r)
             hit = int(hits[i])
+            length = n if k is None else min(n, hit + k)  # what kvcm allocated
             r.handle = int(out.handles[i])
             r.row, r.computed = r.handle & ROW_MASK, hit
-            r.committed, r.held = hit, n
+            r.committed, r.held = hit, length
             r.hit_tokens += hit
             self.stats.hit_tokens += hit
             self.stats.admitted += 1
             self.running.append(r)
-            plan.append(Work(r, r.computed, n - r.computed))
+            plan.append(Work(r, r.computed, length - r.computed))
             self.slots_of[r.request_id] = (out.slot_mapping, column)
-            column += n - hit
+            column += length - hit
         if admits and not self.running:
             # Nothing runs, so nothing will free blocks: the head of the queue can never fit.
-            r, n = admits[0]
+            r, n, _ = admits[0]
             raise RuntimeError(
                 f"request {r.request_id} does not fit the pool even alone "
                 f"(its first allocation of {n} tokens was refused)"
             )
         return self._preempt_for(failed, plan)
 
-    def _candidates(self, budget: int) -> list[tuple[Request, int]]:
-        """Waiting requests to allocate this step, with their first allocation's length:
-        the cached prefix ``probe`` reports plus a chunk (kvcm caps a hit below the prompt's
-        length, so at least one token is computed)."""
-        out: list[tuple[Request, int]] = []
+    def _candidates(self, budget: int) -> list[tuple[Request, int, int | None]]:
+        """Waiting requests to allocate this step: (request, ``num_tokens``,
+        ``max_new_tokens``). Their first allocation is the cached prefix plus a chunk (kvcm
+        caps a hit below the sequence's length, so at least one token is computed). kvcm
+        sizes it by the hit it finds (``max_new_tokens``: no call of its own), the budget
+        reserving the whole chunk; a chunk that must end on a block boundary (``align``: a
+        hybrid's) is sized here, after a ``probe`` of the hit."""
+        out: list[tuple[Request, int, int | None]] = []
         for r in self.waiting:
             if budget <= 0 or len(self.running) + len(out) >= self.max_running:
                 break
             seq = r.seq
+            if self.align == 1:
+                k = min(self.chunk, budget)
+                budget -= k
+                out.append((r, len(seq), k))
+                continue
             self.stats.kvcm_calls += 1
             hit = self.kvcm.probe(seq)
             n = hit + self._chunk(hit, len(seq) - hit, budget)
             budget -= n - hit
-            out.append((r, n))
+            out.append((r, n, None))
         return out
 
     def _chunk(self, start: int, pending: int, budget: int) -> int:

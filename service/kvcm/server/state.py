@@ -208,6 +208,7 @@ class ServiceState:
                 op.cache_salt,
                 op.multimodal,
                 op.block_keys,
+                op.max_new_tokens,
             ),
         )
         if session_id is not None:
