@@ -61,8 +61,7 @@ def clear_stale(path: Path, flag: str) -> None:
         return
     except PermissionError:
         raise FileExistsError(
-            f"{flag} {path}: a socket this user may not open (another user's? choose another "
-            "path)"
+            f"{flag} {path}: a socket this user may not open (another user's? choose another path)"
         ) from None
     except OSError:
         pass  # a listener that does not answer in time (stopped? busy?) is still a listener
