@@ -49,6 +49,7 @@ class Channel:
     with ``close`` or one that is not msgpack; polls with a real ``FramePoll``."""
 
     state = ChannelState()
+    spin_ns = 0  # the adaptive poll, not the busy-poll mode
 
     def __init__(self, window_us: float, read_timeout: float = 5.0, answer_size: int = 0):
         self._connections: set[Any] = set()
