@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
 from helpers import layer
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -111,9 +112,13 @@ def unknown(rid: Any) -> Outcome:
     return Outcome(must=(UnknownRequest if isinstance(rid, str) else InvalidArgument,))
 
 
+#: ``first_unknown``'s answer when every id is live (None is an id a test may pass).
+ALL_LIVE = object()
+
+
 def first_unknown(ids: Any, live: Any) -> Any:
-    """The first of ``ids`` no live request has (what the manager names), or None."""
-    return next((r for r in ids if not isinstance(r, str) or r not in live), None)
+    """The first of ``ids`` no live request has (what the manager names), or ``ALL_LIVE``."""
+    return next((r for r in ids if not isinstance(r, str) or r not in live), ALL_LIVE)
 
 
 #: Counts at and past every bound, and values of the wrong type.
@@ -854,7 +859,7 @@ class ManagerMachine(RuleBasedStateMachine):
         items: list[tuple[Req, int, int]] = []
         if not isinstance(ids, list | tuple):
             outcome = Outcome(must=(InvalidArgument,))
-        elif (missing := first_unknown(ids, self.reqs)) is not None:
+        elif (missing := first_unknown(ids, self.reqs)) is not ALL_LIVE:
             outcome = unknown(missing)
         elif len(set(ids)) != len(ids) or not (
             is_counts(n, len(ids), 1) and is_counts(la, len(ids), 0)
@@ -1070,7 +1075,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def copy_outcome(self, ids: Any, src: Any, dst: Any) -> Outcome:
         if not isinstance(ids, list):
             return Outcome(must=(InvalidArgument,))
-        if (missing := first_unknown(ids, self.reqs)) is not None:
+        if (missing := first_unknown(ids, self.reqs)) is not ALL_LIVE:
             return unknown(missing)
         if not (is_counts(src, len(ids), 0) and is_counts(dst, len(ids), 0)):
             return Outcome(must=(InvalidArgument,))
@@ -1403,5 +1408,9 @@ ManagerMachine.TestCase.settings = settings(
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    # No explain phase: its line tracing makes a failing run's report take minutes more.
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
 )
-TestManagerMachine = ManagerMachine.TestCase
+# A pass takes seconds; a failure's shrinking takes minutes (4.5 on the 2-core VM): room for
+# it past the suite's per-test timeout, so that a failure is reported, not a timeout.
+TestManagerMachine = pytest.mark.timeout(900)(ManagerMachine.TestCase)
