@@ -733,6 +733,7 @@ NOT_STATABLE = [
     (r"more do not fit", "state: the uncommitted tokens"),
     (r"is not suspended", "state"),
     (r"needs a host tier", "the model: host_memory_bytes"),
+    (r"max_new_tokens sizes a request by its prompt", "two fields: token_ids, no block_keys"),
 ]
 #: Codes a schema-valid request may get besides ``invalid_argument``: lookups and state
 #: (400 ``malformed_request`` and 413 ``payload_too_large`` are not among them).
