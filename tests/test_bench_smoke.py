@@ -176,7 +176,7 @@ def test_bench_cadence_quick_measures_the_step_against_its_echo() -> None:
     row = r"^\| (kvcm step channel, [\w -]+) \| .* \| ([\d.]+)x / ([\d.]+)x \| ([\d.]+) \|$"
     rows = re.findall(row, stdout, re.M)
     names = [r[0] for r in rows]
-    # Both modes at both cadences, each against its echo; the busy-poll server burnt CPU.
+    # Both modes at both cadences, each against its echo, with the server's CPU (how much
+    # a spinning server gets depends on what else runs: it yields between looks).
     assert names == ["kvcm step channel, default", "kvcm step channel, busy-poll mode"] * 2
     assert all(float(p50) > 0 and float(p99) > 0 for _, p50, p99, _ in rows), stdout
-    assert float(rows[1][3]) > 0.2, stdout  # busy-poll mode at 2 ms: spinning, a core's share
