@@ -12,6 +12,7 @@ from .kv_copy import TokenCopyPool, copy_tokens
 from .page_indices import kernel_page_indices
 from .page_table_edits import apply_page_table_edits
 from .pointers import layer_pointers
+from .ragged_pages import ragged_page_indices
 from .slot_mapping import slot_mapping, slot_mapping_host
 from .step_tables import apply_edits_and_map_slots
 
@@ -26,6 +27,7 @@ __all__ = [
     "kernel_page_indices",
     "layer_pointers",
     "pieces",
+    "ragged_page_indices",
     "segments",
     "slot_mapping",
     "slot_mapping_host",

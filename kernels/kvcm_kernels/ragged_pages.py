@@ -1,0 +1,185 @@
+"""Ragged (CSR) kernel-mode page indices: FlashInfer's ``indptr`` / ``indices`` /
+``last_page_len``, plus where a sliding window's pages start.
+
+Request i lists, in order, the entries j of its page-table row ``rows[i]`` that hold a page
+(slot >= ``min_live``) and whose block holds one of its ``lengths[i]`` tokens: global block
+``j * cp + cp_rank`` below ``ceil(length / tokens_per_block)`` (``cp`` 1: block j). Each is
+written as ``slot * multiplier + offset``, the kernel-mode index of ``kernel_page_indices``.
+Per request also: ``last_page_len``, the tokens of its last listed page (0 when it lists none),
+``num_sink_pages``, its listed pages whose block is below ``sink_blocks`` (they come first), and
+``first_token``, the position of the first token of its first listed page past the sinks (0
+when it lists none).
+
+Worked example (tokens_per_block 4, cp 1, sink_blocks 1, min_live 0, multiplier 2, offset 1):
+row [7, -1, -1, 5, 9, 3, -1, ...] of a request of 19 tokens: blocks 0..4 hold its tokens
+(ceil(19 / 4) = 5), so entries 0, 3 and 4 are listed (entry 5 is a lookahead page: it holds
+no token yet): indices [15, 11, 19], indptr [0, 3], last_page_len 19 - 4 * 4 = 3,
+num_sink_pages 1, first_token 3 * 4 = 12.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import gpu_path, i32, launch, ptr
+
+THREADS = 1024  # 32 warps: one request per warp, 32 requests a round (ragged_pages.cu)
+
+#: (indptr, indices, last_page_len, first_token, num_sink_pages), all int32.
+Ragged = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def ragged_page_indices_reference(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    tokens_per_block: int,
+    multiplier: int,
+    offset: int,
+    sink_blocks: int = 0,
+    min_live: int = 0,
+    cp: int = 1,
+    cp_rank: int = 0,
+    total: int | None = None,
+) -> Ragged:
+    device = table.device
+    if table.shape[1] == 0:  # no entries: one that holds no page lists nothing either
+        table = torch.full((table.shape[0], 1), -1, dtype=table.dtype, device=device)
+    cols = table.shape[1]
+    pages = table.index_select(0, rows).to(torch.int64)  # [n, cols]
+    lengths = lengths.to(device=device, dtype=torch.int64)
+    block = torch.arange(cols, device=device, dtype=torch.int64) * cp + cp_rank  # [cols]
+    blocks = (lengths + tokens_per_block - 1) // tokens_per_block  # [n]
+    listed = (pages >= min_live) & (block[None, :] < blocks[:, None])
+    counts = listed.sum(dim=1)
+    indptr = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=device)
+    indptr[1:] = torch.cumsum(counts, dim=0)
+    if total is not None and int(indptr[-1]) != total:
+        raise RuntimeError(
+            f"the page table lists {int(indptr[-1])} pages, the bookkeeping {total}: the two "
+            "disagree"
+        )
+    indices = (pages * multiplier + offset)[listed]
+    at = block.expand_as(pages)
+    last = torch.where(listed, at, -1).amax(dim=1)
+    tail = torch.clamp(lengths - last * tokens_per_block, max=tokens_per_block)
+    last_page_len = torch.where(last >= 0, tail, 0)
+    late = listed & (at >= sink_blocks)
+    never = cols * cp + cp  # past every block
+    first = torch.where(late, at, never).amin(dim=1)
+    first_token = torch.where(first < never, first * tokens_per_block, 0)
+    num_sink_pages = (listed & (at < sink_blocks)).sum(dim=1)
+    return (
+        indptr.to(torch.int32),
+        indices.to(torch.int32),
+        last_page_len.to(torch.int32),
+        first_token.to(torch.int32),
+        num_sink_pages.to(torch.int32),
+    )
+
+
+def ragged_page_indices_cuda(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    tokens_per_block: int,
+    multiplier: int,
+    offset: int,
+    sink_blocks: int = 0,
+    min_live: int = 0,
+    cp: int = 1,
+    cp_rank: int = 0,
+    total: int | None = None,
+) -> Ragged:
+    n, cols = rows.numel(), table.shape[1]
+    capacity = n * cols if total is None else total
+    # One allocation: indptr | last_page_len | first_token | num_sink_pages | indices.
+    out = torch.empty(4 * n + 1 + capacity, dtype=torch.int32, device=table.device)
+    indptr = out[: n + 1]
+    last_page_len, first_token, num_sink_pages = (
+        out[n + 1 + k * n : n + 1 + (k + 1) * n] for k in range(3)
+    )
+    indices = out[4 * n + 1 :]
+    if n == 0:
+        indptr.zero_()
+    else:
+        launch(
+            "ragged_pages",
+            "ragged_page_indices",
+            table.device,
+            (1,),
+            (THREADS,),
+            (
+                ptr(table),
+                ptr(rows),
+                ptr(lengths),
+                i32(n),
+                i32(cols),
+                i32(tokens_per_block),
+                i32(cp),
+                i32(cp_rank),
+                i32(sink_blocks),
+                i32(min_live),
+                i32(multiplier),
+                i32(offset),
+                i32(capacity),
+                ptr(indptr),
+                ptr(indices),
+                ptr(last_page_len),
+                ptr(first_token),
+                ptr(num_sink_pages),
+            ),
+        )
+    if total is None:  # sized by the count: one wait for the device
+        indices = indices[: int(indptr[-1])]
+    return indptr, indices, last_page_len, first_token, num_sink_pages
+
+
+def ragged_page_indices(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    tokens_per_block: int,
+    multiplier: int,
+    offset: int,
+    sink_blocks: int = 0,
+    min_live: int = 0,
+    cp: int = 1,
+    cp_rank: int = 0,
+    total: int | None = None,
+) -> Ragged:
+    """The ragged pages of rows ``rows`` (int64) of the int32 page table ``[R, B]``, requests
+    of ``lengths`` (int64) tokens: (indptr ``[n + 1]``, indices ``[indptr[-1]]``,
+    last_page_len, first_token, num_sink_pages ``[n]``), int32 on the table's device.
+
+    ``total``, when given, is the number of listed pages the caller's bookkeeping expects:
+    the CUDA path then sizes ``indices`` by it with no wait for the device (without it, it
+    reads the count back), and the reference checks it (``RuntimeError`` if they differ).
+    """
+    if gpu_path(table, rows, lengths):
+        return ragged_page_indices_cuda(
+            table.contiguous(),
+            rows.contiguous(),
+            lengths.contiguous(),
+            tokens_per_block,
+            multiplier,
+            offset,
+            sink_blocks,
+            min_live,
+            cp,
+            cp_rank,
+            total,
+        )
+    return ragged_page_indices_reference(
+        table,
+        rows,
+        lengths,
+        tokens_per_block,
+        multiplier,
+        offset,
+        sink_blocks,
+        min_live,
+        cp,
+        cp_rank,
+        total,
+    )
