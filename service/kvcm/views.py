@@ -11,6 +11,7 @@ device tables apply its edits).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -32,6 +33,23 @@ from .ids import LayerId, PoolGroupId
 from .layout import BufferPlacement, Layout
 from .pools import PoolMemory
 from .views_layout import LayoutDescriptors
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedPages:
+    """Requests' pages of one (layer, role) as FlashInfer's paged-KV CSR: int32 tensors on the
+    manager's device (``TablesAndViews.ragged_page_indices`` says what each holds).
+
+    Request i's pages are ``indices[indptr[i]:indptr[i + 1]]``; its first ``num_sink_pages[i]``
+    are sink pages (blocks 0, 1, ...), the rest start at position ``first_token[i]``, one block
+    after another; its last page holds ``last_page_len[i]`` tokens.
+    """
+
+    indptr: torch.Tensor  #: ``[n + 1]``, 0 first
+    indices: torch.Tensor  #: ``[indptr[-1]]`` kernel-mode page indices
+    last_page_len: torch.Tensor  #: ``[n]``, 1..tokens_per_block (0: no page)
+    first_token: torch.Tensor  #: ``[n]``, position of the first token of the first window page
+    num_sink_pages: torch.Tensor  #: ``[n]``, the sink pages that come first
 
 
 class TablesAndViews(LayoutDescriptors):
@@ -165,6 +183,85 @@ class TablesAndViews(LayoutDescriptors):
             rows,
             place.num_buffers // place.kv_factor,
             place.page_offset if per_layer else 0,
+        )
+
+    def ragged_page_indices(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        role: Role = "key",
+        per_layer: bool = False,
+    ) -> RaggedPages:
+        """The requests' pages as FlashInfer's ragged (CSR) paged-KV arrays: ``RaggedPages``
+        of int32 tensors on the manager's device.
+
+        - ``indices``: each request's pages in order, the kernel-mode indices of
+          ``page_indices(request_ids, layer_id, role, mode="kernel", per_layer=per_layer)`` (so
+          a key-only layer and a key/value layer of one pool are in different index spaces):
+          that row's entries with a page (not -1, nor the null page) among the blocks that hold
+          the request's tokens. Blocks held only for lookahead (past ``ceil(num_tokens /
+          tokens_per_block)``) hold no token yet and are left out.
+        - ``indptr``: ``[n + 1]``, request i's pages are ``indices[indptr[i]:indptr[i + 1]]``.
+        - ``last_page_len``: tokens in each request's last listed page, 1..tokens_per_block
+          (FlashInfer's convention); 0 only where a request lists no page (with context
+          parallelism, none of its blocks is on this rank: a request has 1 token at least).
+        - ``num_sink_pages``: how many of the listed pages are the layer group's sink blocks
+          (blocks below ``sink_blocks``; 0 for full attention): they come first.
+        - ``first_token``: the position of the first token of the first listed page after the
+          sinks; the pages after the sinks are consecutive blocks, so listed page k >=
+          ``num_sink_pages`` holds positions from ``first_token + (k - num_sink_pages) *
+          tokens_per_block`` on, and page k < ``num_sink_pages`` from ``k * tokens_per_block``.
+          0 when there is no such page, and always 0 for full attention (its first page is
+          block 0).
+
+        Worked example (tokens_per_block 4; window 8 with 1 sink token, so 1 sink block): a
+        request decoded from 16 to 19 tokens; its history 18 released block 1 ((18 + 1 - 8)
+        // 4 = 2), so its window group's block table is [a, -1, c, d, e] (blocks 0..4 hold
+        its tokens, ceil(19 / 4) = 5): 4 pages, the kernel indices of [a, c, d, e];
+        last_page_len 19 - 4 * 4 = 3; num_sink_pages 1 (block 0); first_token 2 * 4 = 8
+        (block 2's first token). So its KV positions are 0..3 (the sink) and 8..18. A
+        full-attention layer lists all 5 blocks, first_token 0, num_sink_pages 0,
+        last_page_len 3.
+
+        With context parallelism (``m.rank(r)``) the pages are this rank's: local entries j,
+        global block j * cp + r; ``first_token`` is a global position (r * tokens_per_block
+        for full attention on rank r), and page k past the sinks is cp blocks after page
+        k - 1.
+
+        Errors are page_indices': ``UnknownLayer``, ``InvalidArgument`` for a role the layer
+        lacks, ``UnknownRequest``, ``RequestSuspended``; nothing changes.
+        """
+        place = self.placement(layer_id, role)
+        rows = self._rows_of(request_ids)
+        group = place.layer_group
+        c = self._coord
+        lengths = c.num_tokens[rows]
+        sinks = self.layout.layer_groups[group].sink_blocks
+        n = rows.size
+        # The pages listed, from the bookkeeping (sizes the CUDA output with no device wait):
+        # blocks [0, min(S, b)) and [max(S, released_end), b) of the b that hold tokens.
+        blocks = -(-lengths // self.tokens_per_block)
+        head = np.minimum(sinks, blocks)
+        tail = np.maximum(sinks, c.released_end[group][rows])
+        rank, cp = self.cp_rank, self.cp
+        listed = local_count(head, cp, rank) + np.maximum(
+            0, local_count(blocks, cp, rank) - local_count(tail, cp, rank)
+        )
+        staged = self._to_device(np.concatenate([rows, lengths]).astype(np.int64))
+        return RaggedPages(
+            *kvcm_kernels.ragged_page_indices(
+                self._tables.sync()[group],
+                staged[:n],
+                staged[n:],
+                self.tokens_per_block,
+                place.num_buffers // place.kv_factor,
+                place.page_offset if per_layer else 0,
+                sink_blocks=sinks,
+                min_live=self._min_live,
+                cp=cp,
+                cp_rank=rank,
+                total=int(listed.sum()),
+            )
         )
 
     def slot_mapping(
