@@ -5,6 +5,7 @@ loopback through ``KVCacheClient`` and through ``AsyncKVCacheClient``. Every cal
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,6 +37,8 @@ HYBRID = {
 
 
 def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # RaggedPages
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if hasattr(value, "model_dump"):
         return _plain(value.model_dump())
     if hasattr(value, "tolist"):
@@ -144,11 +147,16 @@ def tables(kv: Recorder) -> None:
         kv("page_indices", ["x", "y"], layer_id)
         kv("page_indices", ["y", "x"], layer_id, mode="kernel")
         kv("page_indices", ["x"], layer_id, mode="kernel", per_layer=True)
+        kv("ragged_page_indices", ["y", "x", "y"], layer_id)
+        kv("ragged_page_indices", ["x"], layer_id, "value", per_layer=True)
         kv("slot_mapping", ["x", "y"], layer_id)
         kv("slot_mapping", ["x", "y"], layer_id, num_tokens=[3, 1], pad_to=6)
     kv("page_indices", ["x"], 2, role="value")  # key-only layer
     kv("page_indices", ["x"], 9)
     kv("page_indices", ["x"], 0, mode="weird")
+    kv("ragged_page_indices", ["x"], 2, role="value")  # key-only layer
+    kv("ragged_page_indices", ["x", "nope"], 9)
+    kv("ragged_page_indices", ["x", "nope"], 0)
     kv("slot_mapping", ["x"], 0, pad_to=1)
     kv("slot_mappings", ["x", "y"], pad_to=4)
     kv("describe")
@@ -285,6 +293,7 @@ MIRRORED = [
     "block_table",
     "committed_tokens",
     "page_indices",
+    "ragged_page_indices",
     "slot_mapping",
     "slot_mappings",
     "describe",

@@ -205,6 +205,7 @@ VALID = {
     "/v1/free": {"request_id": "v"},
     "/v1/step": {"ops": []},
     "/v1/page_indices": {"request_ids": [], "layer_id": 0},
+    "/v1/ragged_page_indices": {"request_ids": [], "layer_id": 0},
     "/v1/slot_mapping": {"request_ids": [], "layer_id": 0},
     "/v1/slot_mappings": {"request_ids": []},
     "/v1/probe": {"token_ids": [1]},
@@ -262,6 +263,12 @@ def _specific(call: Recorder, generation: str) -> None:
     for route in ("/v1/request", "/v1/block_table", "/v1/committed_tokens"):
         call("GET", route, "unknown_request", params=nope)
     call("POST", "/v1/page_indices", "unknown_layer", json={"request_ids": [], "layer_id": 9})
+    call(
+        "POST",
+        "/v1/ragged_page_indices",
+        "unknown_layer",
+        json={"request_ids": [], "layer_id": 9},
+    )
     call("POST", "/v1/probe", "sequence_too_long", json={"token_ids": [1] * 1000})
     call("POST", "/v1/slot_mapping", "unknown_layer", json={"request_ids": [], "layer_id": 9})
     call("GET", "/v1/estimate", "invalid_argument", params={"seq_len": 0})
@@ -336,6 +343,7 @@ def _host_tier(call: Recorder) -> None:
         ("POST", "/v1/commit_many", ids | {"token_ids": [[1]]}),
         ("POST", "/v1/suspend", s),
         ("POST", "/v1/page_indices", ids | {"layer_id": 0}),
+        ("POST", "/v1/ragged_page_indices", ids | {"layer_id": 0}),
         ("POST", "/v1/slot_mapping", ids | {"layer_id": 0}),
         ("POST", "/v1/slot_mappings", ids),
     ):

@@ -32,6 +32,7 @@ from .models import (
     OpResult,
     ProbeResult,
     ProbeTiersResult,
+    RaggedPageIndices,
     RequestIds,
     RequestInfo,
     SessionClosed,
@@ -317,6 +318,20 @@ def page_indices(
         layer_id=layer_id,
         role=role,
         mode=mode,
+        per_layer=per_layer,
+    )
+
+
+def ragged_page_indices(
+    request_ids: Sequence[str], layer_id: int, role: str, per_layer: bool
+) -> Call[RaggedPageIndices]:
+    return _post(
+        "/v1/ragged_page_indices",
+        _model(RaggedPageIndices),
+        idempotent=True,
+        request_ids=list(request_ids),
+        layer_id=layer_id,
+        role=role,
         per_layer=per_layer,
     )
 

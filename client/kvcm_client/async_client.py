@@ -48,6 +48,7 @@ from .models import (
     Layout,
     ModelInfo,
     OpResult,
+    RaggedPageIndices,
     RequestInfo,
     SessionClosed,
     SessionInfo,
@@ -288,6 +289,16 @@ class AsyncKVCacheClient:
         per_layer: bool = False,
     ) -> list[list[int]]:
         return await self._run(calls.page_indices(request_ids, layer_id, role, mode, per_layer))
+
+    async def ragged_page_indices(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        role: str = "key",
+        per_layer: bool = False,
+    ) -> RaggedPageIndices:
+        """The manager's ``ragged_page_indices`` with lists for its tensors."""
+        return await self._run(calls.ragged_page_indices(request_ids, layer_id, role, per_layer))
 
     async def slot_mapping(
         self,

@@ -161,6 +161,29 @@ class PageIndicesRequest(_Frozen):
     per_layer: bool = Field(False, description="Needs mode 'kernel'")
 
 
+class RaggedPageIndicesRequest(_Frozen):
+    request_ids: list[RequestId]
+    layer_id: LayerId = Field(description=_LAYER)
+    role: StrictStr = Field("key", description="One of the layer's roles (GET /v1/layout)")
+    per_layer: bool = Field(False, description="Add the layer's page offset in the slot")
+
+
+class RaggedPageIndices(_Frozen):
+    """Requests' pages as FlashInfer's ragged (CSR) paged-KV arrays (docs/index-contract.md).
+
+    Request i's pages are ``indices[indptr[i]:indptr[i + 1]]``, kernel-mode indices as
+    ``page_indices(mode="kernel")`` gives them, of the blocks that hold its tokens and that
+    it holds; the first ``num_sink_pages[i]`` are sink blocks, the rest hold positions from
+    ``first_token[i]`` on, one block after another; the last holds ``last_page_len[i]``
+    tokens (1..tokens_per_block; 0 where a context-parallel rank holds none of its blocks)."""
+
+    indptr: list[int]
+    indices: list[int]
+    last_page_len: list[int]
+    first_token: list[int]
+    num_sink_pages: list[int]
+
+
 class SlotMappingRequest(_Frozen):
     """``layer_id`` None maps every layer group (``slot_mappings``); ``slot_mapping`` needs
     one (``OneLayerSlotMappingRequest`` documents its body)."""

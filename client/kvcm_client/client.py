@@ -4,7 +4,8 @@ HTTP.
 Method names, parameters and exceptions are those of ``kvcm.KVCacheManager``, so a scheduler
 can swap the in-process manager for the sidecar. Tables come back as lists of ints (the client
 needs no torch): ``page_indices`` is ``list[list[int]]`` where the manager returns an int32
-tensor, ``slot_mapping`` a ``list[int]``.
+tensor, ``slot_mapping`` a ``list[int]``, ``ragged_page_indices`` a ``RaggedPageIndices`` of
+lists where the manager's ``RaggedPages`` holds tensors.
 
 With ``step_socket`` (``kvcm serve --step-socket``) the clients send the step-path calls
 (``step``, ``extend_many``, ``slot_mapping(s)``, ``probe``, ``allocate``, ``extend``,
@@ -69,6 +70,7 @@ from .models import (
     Layout,
     ModelInfo,
     OpResult,
+    RaggedPageIndices,
     RequestInfo,
     SessionClosed,
     SessionInfo,
@@ -337,6 +339,16 @@ class KVCacheClient:
         per_layer: bool = False,
     ) -> list[list[int]]:
         return self._run(calls.page_indices(request_ids, layer_id, role, mode, per_layer))
+
+    def ragged_page_indices(
+        self,
+        request_ids: Sequence[str],
+        layer_id: int,
+        role: str = "key",
+        per_layer: bool = False,
+    ) -> RaggedPageIndices:
+        """The manager's ``ragged_page_indices`` with lists for its tensors."""
+        return self._run(calls.ragged_page_indices(request_ids, layer_id, role, per_layer))
 
     def slot_mapping(
         self,

@@ -60,6 +60,12 @@ from .bodies import (
     PageIndicesRequest as PageIndicesRequest,
 )
 from .bodies import (
+    RaggedPageIndices as RaggedPageIndices,
+)
+from .bodies import (
+    RaggedPageIndicesRequest as RaggedPageIndicesRequest,
+)
+from .bodies import (
     RequestIds as RequestIds,
 )
 from .bodies import (

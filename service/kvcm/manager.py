@@ -541,6 +541,12 @@ class KVCacheManager:
     ) -> torch.Tensor:
         return self._views.page_indices(request_ids, layer_id, role, mode, per_layer)
 
+    @_doc(TablesAndViews.ragged_page_indices)
+    def ragged_page_indices(
+        self, request_ids: Sequence[str], layer_id: int, role: Role = "key", per_layer: bool = False
+    ) -> TablesAndViews.RaggedPages:
+        return self._views.ragged_page_indices(request_ids, layer_id, role, per_layer)
+
     @_doc(TablesAndViews.slot_mapping)
     def slot_mapping(
         self,

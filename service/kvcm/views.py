@@ -55,6 +55,10 @@ class RaggedPages:
 class TablesAndViews(LayoutDescriptors):
     """The manager's tables and views component (one per manager generation)."""
 
+    #: ``ragged_page_indices``' result (``kvcm.views.RaggedPages``), named here too so that
+    #: the methods delegating to this component can name it as ``TablesAndViews.RaggedPages``.
+    RaggedPages = RaggedPages
+
     def __init__(
         self,
         config: ManagerConfig,

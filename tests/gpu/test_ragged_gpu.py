@@ -115,7 +115,7 @@ def test_cuda_manager_equals_cpu_manager_over_random_steps(
         "null_page": null_page,
     }
     cpu = kvcm.KVCacheManager({**config, "num_blocks": 120})
-    gpu = kvcm.KVCacheManager({**config, "num_blocks": 120, "device": "cuda"})
+    gpu = kvcm.KVCacheManager({**config, "num_blocks": 120, "device": "cuda:0"})
     tokens = [int(t) for t in rng.integers(1, 4, size=64)]  # few ids: prompts share prefixes
     for step in range(300):
         ids = cpu.request_ids()

@@ -65,6 +65,8 @@ from kvcm_client.models import (
     ProbeResult,
     ProbeTiersRequest,
     ProbeTiersResult,
+    RaggedPageIndices,
+    RaggedPageIndicesRequest,
     RequestIds,
     RequestInfo,
     RequestRef,
@@ -349,6 +351,26 @@ def create_app(
         ),
         mutating=False,
         summary="page indices (slot or kernel mode) of requests for one layer",
+    )
+
+    def ragged_page_indices(r: RaggedPageIndicesRequest, _: str | None) -> RaggedPageIndices:
+        out = mgr().ragged_page_indices(r.request_ids, r.layer_id, r.role, r.per_layer)
+        return RaggedPageIndices(
+            indptr=out.indptr.tolist(),
+            indices=out.indices.tolist(),
+            last_page_len=out.last_page_len.tolist(),
+            first_token=out.first_token.tolist(),
+            num_sink_pages=out.num_sink_pages.tolist(),
+        )
+
+    rpc(
+        "/v1/ragged_page_indices",
+        RaggedPageIndicesRequest,
+        RaggedPageIndices,
+        ragged_page_indices,
+        mutating=False,
+        summary="ragged (CSR) kernel-mode page indices of requests for one layer, "
+        "FlashInfer's layout",
     )
 
     def slot_mapping(r: SlotMappingRequest, _: str | None) -> IndexRow:

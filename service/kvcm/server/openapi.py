@@ -178,6 +178,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/step"): RouteDoc(_MODEL, **_OP),
     ("POST", "/v1/step_columns"): RouteDoc(_MODEL, **_OP),
     ("POST", "/v1/page_indices"): RouteDoc((*_LIVE, UnknownLayer), **_READ),
+    ("POST", "/v1/ragged_page_indices"): RouteDoc((*_LIVE, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mapping"): RouteDoc((*_LIVE, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mappings"): RouteDoc(_LIVE, **_READ),
     ("POST", "/v1/probe"): RouteDoc((*_MODEL, SequenceTooLong), **_READ),
