@@ -36,8 +36,10 @@ are the tokens', and slot 2 gets columns 5..7 back.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -161,6 +163,118 @@ class StepTables:
         return StepTables(out)
 
 
+@dataclass(slots=True)
+class PagedTables:
+    """What a forward on the paged-attention kernels reads from kvcm (CUDA; see
+    ``kvcm_kernels.paged_attention``): no gather tables and no mask, only the kvcm tables as
+    they are and one small column per request.
+
+    ``page_tables`` ``[groups, max_requests, max_blocks]`` (kvcm's, read in place);
+    ``slot_mapping`` ``[groups, sum(counts)]`` int64 on the device; ``meta`` int32 ``[4, R]``
+    (page-table row, cached length, new tokens, first new token in the slot mapping);
+    ``windows[g]`` group g's window; ``empty`` the table entry of no page (0 with the null
+    page, else -1); ``miss`` int32 ``[groups]``, set by a kernel that needs a position whose
+    page is gone (checked after the forward: ``CacheMiss``); ``attended`` the layers whose
+    attention ran on the kernel in this forward (a model whose attention bypassed it is an
+    error, not wrong tokens).
+    """
+
+    page_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    meta: torch.Tensor
+    windows: Sequence[int | None]
+    empty: int
+    miss: torch.Tensor
+    miss_of: list[torch.Tensor] = field(default_factory=list)
+    """``miss[g : g + 1]`` per group (made once per forward, not per layer)."""
+    stored: set[int] = field(default_factory=set)
+    attended: set[int] = field(default_factory=set)
+
+    @staticmethod
+    def build(
+        page_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        rows: Sequence[int],
+        starts: Sequence[int],
+        counts: Sequence[int],
+        windows: Sequence[int | None],
+        null_page: bool,
+    ) -> PagedTables:
+        """The same arguments as ``StepTables.build`` (less the dtype and block size)."""
+        device = page_tables.device
+        miss = torch.zeros(len(windows), dtype=torch.int32, device=device)
+        return PagedTables(
+            page_tables,
+            slot_mapping.to(device=device, dtype=torch.int64).contiguous(),
+            _kernels().step_meta(list(rows), list(starts), list(counts), device),
+            windows,
+            0 if null_page else -1,
+            miss,
+            [miss[g : g + 1] for g in range(len(windows))],
+        )
+
+    def missing_group(self, miss: Sequence[int]) -> int | None:
+        """The first layer group whose kernel flagged a missing page (``miss`` read back)."""
+        return next((g for g, m in enumerate(miss) if m), None)
+
+
+#: The paged forward in progress (``KVCMCache.paged_forward``), for the attention function.
+_ACTIVE: contextvars.ContextVar[KVCMCache | None] = contextvars.ContextVar(
+    "kvcm_paged_forward", default=None
+)
+
+#: The name under which the paged attention function is registered with transformers.
+ATTENTION = "kvcm_paged"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function ``kvcm_paged``: the layer's attention over kvcm's
+    pages (``KVCMCache.attend``) inside an engine's paged forward; transformers' own SDPA
+    anywhere else."""
+    cache = _ACTIVE.get()
+    layer = getattr(module, "layer_idx", None)
+    if cache is None or layer is None or not cache.is_paged(layer):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    return cache.attend(layer, query, scaling, softcap), None
+
+
+@functools.cache
+def _kernels() -> Any:
+    """``kvcm_kernels.paged_attention``, imported at the first paged forward."""
+    from kvcm_kernels import paged_attention
+
+    return paged_attention
+
+
+@functools.cache
+def register_attention() -> str:
+    """Register ``paged_attention_forward`` with transformers (once); its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, paged_attention_forward)
+    try:  # masks are passed ready-made; a mask made by the model anyway is SDPA's
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    except (ImportError, KeyError):
+        pass
+    return ATTENTION
+
+
 class StepStates:
     """The live states of one forward's requests: per state layer its conv window
     ``[R, conv_dim, kernel - 1]`` and recurrent state, gathered from kvcm's state views at
@@ -198,7 +312,11 @@ class KVCMCache:
 
     ``view(layer_id, role)`` is kvcm's pool view of that layer and role
     ``[num_slots, tokens_per_block, heads, head_dim]`` (the in-process manager's or an
-    attachment's ``layer_view``); ``states``: the recurrent layers' states, for a hybrid;
+    attachment's ``layer_view``); ``tables``: a ``StepTables`` (the gather path: ``update``
+    returns the gathered history, the model's own attention runs on it) or a ``PagedTables``
+    (the kernel path: ``update`` stores the new keys and values, and the layer's attention,
+    ``paged_attention_forward``, reads the pages in place); ``states``: the recurrent layers'
+    states, for a hybrid;
     ``state_ids``: the kvcm state layer of each of the model's recurrent layers, by the
     model's layer index (default: the same id; Falcon-H1's mixer of layer i is kvcm's state
     layer ``num_hidden_layers + i``, its attention keeping id i).
@@ -208,7 +326,7 @@ class KVCMCache:
         self,
         view: Callable[[int, str], torch.Tensor],
         layers: dict[int, LayerInfo],
-        tables: StepTables,
+        tables: StepTables | PagedTables,
         states: StepStates | None = None,
         state_ids: dict[int, int] | None = None,
     ) -> None:
@@ -226,8 +344,20 @@ class KVCMCache:
         *_: Any,
         **__: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``[R, heads, Q, dim]`` new keys and values; return ``[R, heads, L, dim]``."""
+        """Store ``[R, heads, Q, dim]`` new keys and values; return ``[R, heads, L, dim]``
+        (the gather path) or, on the kernel path, the new ones as they are (the attention
+        reads the pages)."""
         info = self._layers[layer_idx]
+        if self.is_paged(layer_idx):
+            p = self._tables
+            assert isinstance(p, PagedTables)
+            key_view, value_view = self._view(layer_idx, "key"), self._view(layer_idx, "value")
+            _kernels().store_kv(
+                key_states, value_states, key_view, value_view, p.slot_mapping[info.group], p.meta
+            )
+            p.stored.add(layer_idx)
+            return key_states, value_states
+        assert isinstance(self._tables, StepTables)
         t = self._tables.groups[info.group]
         latent = info.kv_factor == 1
         if latent:  # MLA: latent and rotary key side by side in one key-only page
@@ -246,6 +376,44 @@ class KVCMCache:
         if latent:
             return tuple(torch.split(history[0], parts, dim=-1))  # type: ignore[return-value]
         return history[0], history[1]
+
+    # -- the kernel path ---------------------------------------------------------------------
+
+    def is_paged(self, layer_idx: int) -> bool:
+        """Whether the layer runs on the paged-attention kernel in this forward (a key/value
+        layer in a forward on ``PagedTables``; an MLA latent is gathered)."""
+        info = self._layers.get(layer_idx)
+        return isinstance(self._tables, PagedTables) and info is not None and info.kv_factor == 2
+
+    def attend(
+        self, layer_idx: int, query: torch.Tensor, scale: float | None, softcap: float | None
+    ) -> torch.Tensor:
+        """The layer's attention ``[R, Q, q_heads, dim]`` for ``query`` ``[R, q_heads, Q,
+        dim]`` over its pages (the keys and values ``update`` stored are among them)."""
+        p = self._tables
+        assert isinstance(p, PagedTables)
+        if layer_idx not in p.stored:
+            raise RuntimeError(f"layer {layer_idx} attends before its keys were stored")
+        info = self._layers[layer_idx]
+        g = info.group
+        p.attended.add(layer_idx)
+        return _kernels().paged_attention(
+            query,
+            self._view(layer_idx, "key"),
+            self._view(layer_idx, "value"),
+            p.page_tables[g],
+            p.meta,
+            scale=scale,
+            window=p.windows[g],
+            softcap=softcap,
+            empty=p.empty,
+            miss=p.miss_of[g],
+        )
+
+    def paged_forward(self, configs: Sequence[Any]) -> _PagedForward:
+        """A context in which the model's attention runs on the kernel: the configs of its
+        attention modules name ``kvcm_paged`` (their own implementation comes back after)."""
+        return _PagedForward(self, configs)
 
     # -- recurrent layers (the interface transformers' linear-attention layers call) ------
 
@@ -281,3 +449,36 @@ class KVCMCache:
     ) -> torch.Tensor:
         self._state(layer_idx)[1] = recurrent_states
         return recurrent_states
+
+
+class _PagedForward:
+    """``KVCMCache.paged_forward``: makes the cache the active one and switches the configs'
+    attention implementation to ``kvcm_paged`` for the forward; on a clean exit, every layer
+    whose keys were stored must have attended on the kernel."""
+
+    def __init__(self, cache: KVCMCache, configs: Sequence[Any]) -> None:
+        self._cache = cache
+        self._configs = configs
+        self._saved: list[Any] = []
+        self._token: contextvars.Token[KVCMCache | None] | None = None
+
+    def __enter__(self) -> KVCMCache:
+        name = register_attention()
+        self._saved = [c._attn_implementation for c in self._configs]
+        for c in self._configs:
+            c._attn_implementation = name
+        self._token = _ACTIVE.set(self._cache)
+        return self._cache
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        assert self._token is not None
+        _ACTIVE.reset(self._token)
+        for c, saved in zip(self._configs, self._saved, strict=True):
+            c._attn_implementation = saved
+        p = self._cache._tables
+        if exc_type is None and isinstance(p, PagedTables) and p.stored - p.attended:
+            raise RuntimeError(
+                f"layers {sorted(p.stored - p.attended)} stored keys but their attention did "
+                "not run on kvcm's paged-attention function: this model calls its attention "
+                "another way; run the engine with attention='gather'"
+            )

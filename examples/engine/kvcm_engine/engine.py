@@ -28,6 +28,7 @@ refused (``UnsupportedFamily``) when the engine is made.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .cache import KVCMCache, LayerInfo, StepStates, StepTables
+from .cache import CacheMiss, KVCMCache, LayerInfo, PagedTables, StepStates, StepTables
 from .models import BuiltModel, UnsupportedFamily, hybrid_unsupported, state_path
 from .scheduler import Request, Scheduler, Work
 
@@ -183,6 +184,7 @@ class Engine:
         max_batch_tokens: int = 64,
         max_running: int = 16,
         preempt: Literal["free", "suspend"] = "free",
+        attention: Literal["auto", "paged", "gather"] = "auto",
     ) -> None:
         self.model = built.model
         self.backend = backend
@@ -207,6 +209,8 @@ class Engine:
             preempt=preempt,
         )
         self.stats = EngineStats()
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
+        self._views_of: Backend | None = None
         config = self.model.config
         self._device = next(self.model.parameters()).device
         self._dtype = next(self.model.parameters()).dtype
@@ -221,6 +225,52 @@ class Engine:
         params = inspect.signature(self.model.forward).parameters
         # transformers renamed past_key_values to cache in 5.x.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        #: "paged" (the attention reads kvcm's pages in place: kvcm_kernels.paged_attention)
+        #: or "gather" (the history is gathered out of the pages for the model's attention).
+        self.attention = self._attention_path(attention)
+        # The configs that the attention modules read their implementation from.
+        self._attention_configs = list(
+            {
+                id(m.config): m.config
+                for m in self.model.modules()
+                if getattr(m, "layer_idx", None) in backend.layers
+                and hasattr(getattr(m, "config", None), "_attn_implementation")
+            }.values()
+        )
+
+    def _view(self, layer_id: int, role: str) -> torch.Tensor:
+        """The backend's pool view, made once per layer and role (a view costs microseconds
+        to make, and a forward asks for two to four per layer); made again for a new
+        backend."""
+        if self._views_of is not self.backend:
+            self._views, self._views_of = {}, self.backend
+        view = self._views.get((layer_id, role))
+        if view is None:
+            view = self._views[layer_id, role] = self.backend.view(layer_id, role)
+        return view
+
+    def _attention_path(self, attention: str) -> Literal["paged", "gather"]:
+        """``auto``: the paged-attention kernel where it runs (Triton, a CUDA device, and
+        every attention layer of key and value: an MLA latent is gathered), the gather
+        otherwise; ``paged`` forces the kernel path (an error for MLA), which without Triton
+        runs the kernels' torch references: slow, for tests of the path on the CPU."""
+        if attention == "gather":
+            return "gather"
+        if attention not in ("auto", "paged"):
+            raise ValueError(f"attention must be auto, paged or gather, not {attention!r}")
+        if any(info.kv_factor != 2 for info in self.backend.layers.values()):
+            if attention == "paged":
+                raise ValueError(
+                    "the paged-attention kernel reads key/value layers: this model has "
+                    "key-only (MLA latent) attention layers, which the gather path runs"
+                )
+            return "gather"
+        if attention == "paged":
+            return "paged"
+        from kvcm_kernels.paged_attention import triton_usable
+
+        probe = self._view(next(iter(self.backend.layers)), "key")
+        return "paged" if probe.is_cuda and triton_usable(probe) else "gather"
 
     def _masks(self, types: Sequence[str] | None) -> dict[str, int | None] | None:
         """Which kvcm layer group's mask each layer type takes (a dict), or None where the
@@ -357,18 +407,30 @@ class Engine:
             seq = w.request.seq
             ids[i, q - w.count :] = torch.tensor(seq[w.start : w.start + w.count])
             pos[i, q - w.count :] = torch.arange(w.start, w.start + w.count)
-        step_tables = StepTables.build(
-            tables,
-            slots,
-            [w.request.row for w in plan],
-            [w.start for w in plan],
-            [w.count for w in plan],
-            b.windows,
-            b.tokens_per_block,
-            b.null_page,
-            self._dtype,
-        )
-        masks = [t.mask for t in step_tables.groups]
+        rows = [w.request.row for w in plan]
+        starts = [w.start for w in plan]
+        counts = [w.count for w in plan]
+        step_tables: StepTables | PagedTables
+        if self.attention == "paged":
+            # No gather tables and no mask: the kernel reads the page tables and masks itself.
+            step_tables = PagedTables.build(
+                tables, slots, rows, starts, counts, b.windows, b.null_page
+            )
+            unused = torch.empty((len(plan), 1, q, 1), dtype=self._dtype, device=self._device)
+            masks = [unused] * len(b.windows)
+        else:
+            step_tables = StepTables.build(
+                tables,
+                slots,
+                rows,
+                starts,
+                counts,
+                b.windows,
+                b.tokens_per_block,
+                b.null_page,
+                self._dtype,
+            )
+            masks = [t.mask for t in step_tables.groups]
         mask: Any = (
             masks[0]
             if self._mask_groups is None
@@ -381,18 +443,35 @@ class Engine:
                 [w.request.kv_id for w in plan], [w.request.row for w in plan]
             )
             states = StepStates(b.state_view, b.state_buffers, state_slots)
-        cache = KVCMCache(b.view, b.layers, step_tables, states, self._state_ids)
-        out = self.model(
-            input_ids=ids.to(self._device),
-            position_ids=pos.to(self._device),
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_arg: cache},
-        )
+        cache = KVCMCache(self._view, b.layers, step_tables, states, self._state_ids)
+        with (
+            cache.paged_forward(self._attention_configs)
+            if isinstance(step_tables, PagedTables)
+            else contextlib.nullcontext()
+        ):
+            out = self.model(
+                input_ids=ids.to(self._device),
+                position_ids=pos.to(self._device),
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_arg: cache},
+            )
         if states is not None:
             states.write_back()
-        best = out.logits[:, -1].float().argmax(dim=-1).tolist()
+        best_t = out.logits[:, -1].float().argmax(dim=-1)
+        if isinstance(step_tables, PagedTables):
+            # The kernels' missing-page flags come back with the tokens (one sync).
+            both = torch.cat([best_t, step_tables.miss.to(best_t.dtype)]).tolist()
+            best, miss = both[: len(plan)], both[len(plan) :]
+            g = step_tables.missing_group(miss)
+            if g is not None:
+                raise CacheMiss(
+                    f"layer group {g}: a position the model needs has no page in kvcm's page "
+                    f"table (rows {rows})"
+                )
+        else:
+            best = best_t.tolist()
         self.stats.forwards += 1
         self.stats.tokens_computed += sum(w.count for w in plan)
         done = {}
