@@ -3,6 +3,7 @@
   python bench/bench_engine.py                   # CPU, a small Llama-style model (~1 min)
   python bench/bench_engine.py --device cuda     # GPU, a larger one
   python bench/bench_engine.py --quick           # a smoke run
+  python bench/bench_engine.py --device cuda --ways in-process --compare-gather
 
 One workload (``--requests`` requests, all arriving at once, a shared system prompt, prefill
 chunk ``--chunk``), three ways, in the same run:
@@ -19,6 +20,12 @@ chunk ``--chunk``), three ways, in the same run:
 - ``kvcm sidecar, step channel, busy-poll``: the same against a service in busy-poll mode
   (``--step-spin-s``), which needs a core of its own: on a machine whose cores the model's
   threads take, it competes with them.
+
+The engine's attention (``--attention``): ``auto`` runs the paged-attention kernel
+(``kvcm_kernels.paged_attention``, Triton: the pages are read in place) on a CUDA device and the
+gather (each request's history gathered out of the pages, then the model's SDPA) on the CPU;
+``--compare-gather`` adds an in-process row on the gather path. ``--ways`` picks the kvcm ways
+(default all four).
 
 Per way: generated tokens per second, steps, mean and p50 step time, and kvcm's time per step
 (its ``step_columns`` call with the probes of new requests, the mapping cut per forward,
@@ -71,6 +78,10 @@ SHAPES = {
 }
 
 
+#: The kvcm ways ``--ways`` picks from.
+WAYS = ("in-process", "http", "channel", "busy-poll")
+
+
 def kv_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "tokens_per_block": 16,
@@ -117,13 +128,16 @@ def baseline(built: Any, requests: list[Any], device: str) -> dict[str, Any]:
     return {"tokens": tokens, "wall_s": wall, "tok_s": useful / wall, "steps": new}
 
 
-def engine_run(built: Any, backend: Backend, args: argparse.Namespace) -> dict[str, Any]:
+def engine_run(
+    built: Any, backend: Backend, args: argparse.Namespace, attention: str | None = None
+) -> dict[str, Any]:
     engine = Engine(
         built,
         backend,
         chunk=args.chunk,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.requests,
+        attention=attention or args.attention,  # type: ignore[arg-type]
     )
     gap = getattr(args, "gap_ms", 0.0) / 1000
     if gap:  # a longer model pass after each step (untimed): the engine's cadence
@@ -144,6 +158,7 @@ def engine_run(built: Any, backend: Backend, args: argparse.Namespace) -> dict[s
     s = engine.stats
     kvcm = np.array(s.kvcm_step_s) * 1e3
     return {
+        "attention": engine.attention,
         "kvcm_ms_p50": float(np.percentile(kvcm, 50)),
         "kvcm_ms_p99": float(np.percentile(kvcm, 99)),
         "tokens": {r.request_id: r.output for r in done},
@@ -160,12 +175,15 @@ def engine_run(built: Any, backend: Backend, args: argparse.Namespace) -> dict[s
     }
 
 
-def measured(built: Any, backend: Backend, args: argparse.Namespace) -> dict[str, Any]:
-    """A warm-up run (first touches of the pools, allocator caches), an emptied prefix cache,
-    then the measured run: both ways start from the same cold prefix cache."""
-    engine_run(built, backend, args)
+def measured(
+    built: Any, backend: Backend, args: argparse.Namespace, attention: str | None = None
+) -> dict[str, Any]:
+    """A warm-up run (first touches of the pools, allocator caches, the kernels' compiles), an
+    emptied prefix cache, then the measured run: both ways start from the same cold prefix
+    cache."""
+    engine_run(built, backend, args, attention)
     backend.kvcm.reset_prefix_cache()
-    return engine_run(built, backend, args)
+    return engine_run(built, backend, args, attention)
 
 
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,6 +241,22 @@ def main() -> None:
         help="sleep this long after each step (a longer model pass; tok/s then counts it)",
     )
     p.add_argument("--spin-s", type=float, default=0.1, help="the busy-poll sidecar's spin")
+    p.add_argument(
+        "--attention",
+        choices=("auto", "paged", "gather"),
+        default="auto",
+        help="the engine's attention: the paged kernel (auto on CUDA) or the gather",
+    )
+    p.add_argument(
+        "--ways",
+        default=",".join(WAYS),
+        help=f"comma-separated kvcm ways to run, of {', '.join(WAYS)}",
+    )
+    p.add_argument(
+        "--compare-gather",
+        action="store_true",
+        help="add an in-process row on the gather path (the attention before the kernel)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args()
@@ -240,22 +274,38 @@ def main() -> None:
     from kvcm.model_config import layers_from_hf_config
     from kvcm_client import KVCacheClient
 
+    ways = args.ways.split(",")
+    if unknown := set(ways) - set(WAYS):
+        p.error(f"unknown ways {sorted(unknown)}; of {', '.join(WAYS)}")
     layers = layers_from_hf_config(built.hf_config)
-    manager = KVCacheManager({"layers": layers, "device": args.device, **kv_settings(args)})
-    rows.append({"way": "kvcm in-process", **measured(built, Backend.in_process(manager), args)})
-    manager.close()
-    ways = [
-        ("kvcm sidecar, HTTP", [], False),
-        ("kvcm sidecar, step channel", [], True),
-        ("kvcm sidecar, step channel, busy-poll", ["--step-spin-s", str(args.spin_s)], True),
+    in_process: list[str | None] = [] if "in-process" not in ways else [None]
+    if args.compare_gather:
+        in_process.append("gather")
+    for attention in in_process:
+        manager = KVCacheManager({"layers": layers, "device": args.device, **kv_settings(args)})
+        row = measured(built, Backend.in_process(manager), args, attention)
+        rows.append({"way": f"kvcm in-process ({row['attention']})", **row})
+        manager.close()
+    sidecar_ways = [
+        ("http", "kvcm sidecar, HTTP", [], False),
+        ("channel", "kvcm sidecar, step channel", [], True),
+        (
+            "busy-poll",
+            "kvcm sidecar, step channel, busy-poll",
+            ["--step-spin-s", str(args.spin_s)],
+            True,
+        ),
     ]
-    for way, flags, channel in ways:
+    for key, way, flags, channel in sidecar_ways:
+        if key not in ways:
+            continue
         step_socket = Path(tempfile.mkdtemp()) / "step.sock"
         proc, url = sidecar(args, step_socket, flags)
         try:
             with KVCacheClient(url, step_socket=step_socket if channel else None) as client:
                 client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
-                rows.append({"way": way, **measured(built, Backend.sidecar(client), args)})
+                row = measured(built, Backend.sidecar(client), args)
+                rows.append({"way": f"{way} ({row['attention']})", **row})
         finally:
             proc.terminate()
             proc.wait(10)
@@ -268,7 +318,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if kind == "cuda" else platform.processor() or "cpu"
     print(
         f"# bench_engine {datetime.date.today()} {gpu} {dtype} requests={args.requests} "
-        f"new_tokens={args.new_tokens} chunk={args.chunk} gap_ms={args.gap_ms:g} "
+        f"new_tokens={args.new_tokens} chunk={args.chunk} "
+        f"max_batch_tokens={args.max_batch_tokens} gap_ms={args.gap_ms:g} "
         f"cpus={len(os.sched_getaffinity(0))}"
     )
     print(

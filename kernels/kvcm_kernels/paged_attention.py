@@ -247,7 +247,7 @@ def paged_attention(
     windowed = window is not None
     # IEEE fp32 products for a float32 model (its tokens must be exact), not TF32.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    block_m = _pow2(min(q * group, 64))
+    block_m = BLOCK_M if q * group <= BLOCK_M else 64  # decode: one tile; prefill: 64 rows
     grid = (r, kv_heads, -(-q * group // block_m))
     kernels.attention_kernel[grid](
         query, key_cache, value_cache, out, page_table, meta, miss,
