@@ -6,8 +6,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: Per-forward sizes, not specialised on (a value of 1 or a multiple of 16 would otherwise
+#: compile the kernel again for each: decode, batch sizes, chunk widths).
+_SIZES = ["num_requests", "num_cols"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_SIZES)
 def store_kernel(
     k_ptr,
     v_ptr,
@@ -156,7 +160,7 @@ def _tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_SIZES, "max_blocks", "empty", "window", "sinks"])
 def attention_kernel(
     q_ptr,
     kc_ptr,
