@@ -134,17 +134,33 @@ class Driver:
     share prefixes and later requests hit what earlier ones committed), chunked prefill
     (multi-token extends), decode with lookahead, rewinds, commits and frees."""
 
-    def __init__(self, m: Any, rng: np.random.Generator) -> None:
-        self.m, self.rng = m, rng
+    def __init__(self, m: Any, rng: np.random.Generator, host: bool = False) -> None:
+        self.m, self.rng, self.host = m, rng, host
         self.bases = [[int(t) for t in rng.integers(1, 50, size=64)] for _ in range(2)]
         self.tokens: dict[str, list[int]] = {}
+        self.suspended: set[str] = set()
         self.serial = 0
+        self.resumed = 0
+
+    def live(self) -> list[str]:
+        return [r for r in self.m.request_ids() if r not in self.suspended]
 
     def step(self) -> None:
         m, rng = self.m, self.rng
-        ids = m.request_ids()
-        kind = int(rng.integers(6))
+        ids = self.live()
+        kind = int(rng.integers(7 if self.host else 6))
         try:
+            if kind == 6:  # the host tier: suspend a live request, or resume one
+                if self.suspended and rng.random() < 0.5:
+                    rid = sorted(self.suspended)[0]
+                    m.resume(rid)
+                    self.suspended.discard(rid)
+                    self.resumed += 1
+                elif len(ids) > 1:
+                    rid = ids[int(rng.integers(len(ids)))]
+                    m.suspend(rid)
+                    self.suspended.add(rid)
+                return
             if (kind == 0 and len(ids) < 5) or not ids:
                 self.serial += 1
                 rid = f"r{self.serial}"
@@ -171,17 +187,20 @@ class Driver:
 @pytest.mark.parametrize("null_page", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 def test_equals_brute_force_over_random_steps(null_page: bool, seed: int) -> None:
+    """Odd seeds add a host tier: suspends and resumes (the resumed blocks in new slots)."""
     rng = np.random.default_rng(seed)
-    m = make(null_page)
-    driver = Driver(m, rng)
+    host = seed % 2 == 1
+    m = make(null_page, **({"host_memory_bytes": 1 << 16} if host else {}))
+    driver = Driver(m, rng, host)
     hits = 0
     for _ in range(250):
         driver.step()
-        ids = m.request_ids()
+        ids = driver.live()
         order = [ids[int(k)] for k in rng.permutation(len(ids))] if ids else []
         check(m, m, order + order[:1])  # any order, a repeat too
         hits = max(hits, *(m.request(r).num_hit_tokens for r in ids), 0)
     assert hits > 0  # prefix hits happened
+    assert not host or driver.resumed > 0
     check(m, m, [])
 
 

@@ -251,10 +251,11 @@ class TablesAndViews(LayoutDescriptors):
         listed = local_count(head, cp, rank) + np.maximum(
             0, local_count(blocks, cp, rank) - local_count(tail, cp, rank)
         )
+        table = self._tables.sync()[group]
         staged = self._to_device(np.concatenate([rows, lengths]).astype(np.int64))
         return RaggedPages(
             *kvcm_kernels.ragged_page_indices(
-                self._tables.sync()[group],
+                table,
                 staged[:n],
                 staged[n:],
                 self.tokens_per_block,
