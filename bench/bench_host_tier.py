@@ -103,7 +103,7 @@ def main() -> None:
     slot_bytes = m.layout.pool_groups[0].slot_bytes
     from kvcm.host_tier import HostTier
 
-    host = HostTier(m.layout, m.memory.tensors, {0: 2 * top}, device, m._coord.cache.log)
+    host = HostTier(m.layout, m.memory.tensors, {0: 2 * top}, device, m.parts.coord.cache.log)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# bench_host_tier {time.strftime('%Y-%m-%d')} {name}, slot {slot_bytes >> 10} KiB")
     print(
@@ -188,7 +188,7 @@ def _model_tables(device: torch.device) -> None:
     )
     from kvcm.host_tier import HostTier
 
-    host = HostTier(m.layout, m.memory.tensors, {0: top}, device, m._coord.cache.log)
+    host = HostTier(m.layout, m.memory.tensors, {0: top}, device, m.parts.coord.cache.log)
     ids = torch.randint(0, 128256, (64, 1), device=device)
     # The decode forward as a CUDA graph: GPU-bound, as an engine runs it (eager, this
     # model's thousand launches would leave the GPU idle and time the CPU instead).

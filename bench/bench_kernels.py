@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 import kvcm_kernels
-from kvcm import KVCacheManager
+from kvcm import KVCacheManager, request_rows
 from kvcm_kernels.page_indices import kernel_page_indices_reference
 from kvcm_kernels.slot_mapping import slot_mapping_reference
 
@@ -106,14 +106,14 @@ def _manager(groups: int, device: str, n: int = 256) -> tuple[KVCacheManager, li
 def bench_step(groups: int) -> dict[str, float]:
     n = 256
     host, ids = _manager(groups, "cpu", n)
-    coord = host._coord
+    coord = host.parts.coord
     coord.edits = []
     for _ in range(15):  # warm: some requests cross block and window boundaries each step
         host.extend_many(ids)
         coord.take_edits()
     host.extend_many(ids)
     edits = coord.take_edits()
-    rows = host._rows_of(ids)
+    rows = request_rows.rows_of(host.parts, ids)
     qsl = np.arange(n + 1, dtype=np.int64)
     positions = coord.num_tokens[rows] - 1
     # One upload per step, laid out as the manager does: rows | qsl | positions | edits.

@@ -44,7 +44,7 @@ def main() -> None:
         },
         check_budget=False,
     )
-    host = HostTier(m.layout, m.memory.tensors, {0: 8}, device, m._coord.cache.log)
+    host = HostTier(m.layout, m.memory.tensors, {0: 8}, device, m.parts.coord.cache.log)
     c = host.copier
     rt = kvcm_kernels.block_copy.cuda_runtime()
     entries = [(1, (0, b"r", b"k"))]

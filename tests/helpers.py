@@ -185,17 +185,17 @@ def assert_matches(m: KVCacheManager, o: Oracle) -> None:
             assert (row[len(blocks) :] == empty).all()
     assert m.num_free_blocks() == o.num_free()
     for pg, free in enumerate(o.free):
-        assert m._coord.pools[pg].free_order().tolist() == list(free)
+        assert m.parts.coord.pools[pg].free_order().tolist() == list(free)
 
 
 def manager_state(m: KVCacheManager) -> list[Any]:
     """What two managers given the same ops must agree on (the C core against numpy): tables,
     counters, references, the free queues (order and ring), the cache index, the KV event
     log, the host tier's LRU and free slots, the edits since the last take."""
-    c = m._coord
+    c = m.parts.coord
     ops = c.ops_since_take
     edits = c.take_edits() if c.edits is not None else None
-    host = m._host
+    host = m.parts.host
     return [
         c.tables.copy(),
         c.num_tokens.copy(),
@@ -213,8 +213,8 @@ def manager_state(m: KVCacheManager) -> list[Any]:
         None if host is None else ({pg: list(free) for pg, free in host.free.items()}),
         ops,
         edits,
-        m._handle.copy(),
-        m._committed.copy(),
+        m.parts.requests.handle.copy(),
+        m.parts.requests.committed.copy(),
     ]
 
 
@@ -246,7 +246,7 @@ class CoreSpy:
         from kvcm import native
 
         self._core = native._built
-        self._coord = m._coord
+        self._coord = m.parts.coord
         self.planned = 0
         self.deferred = 0
         self.around = 0

@@ -293,7 +293,7 @@ def test_random_steps_match_single_ops_in_section_order(seed: int) -> None:
             def seen(m):  # type: ignore[no-untyped-def]
                 return (
                     {r: (m.request(r), m.committed_tokens(r)) for r in m.request_ids()},
-                    [m.num_free_blocks(pg) for pg in range(len(m._coord.pools))],
+                    [m.num_free_blocks(pg) for pg in range(len(m.parts.coord.pools))],
                 )
 
             assert seen(col) == seen(one)

@@ -19,19 +19,22 @@ def _state(m: KVCacheManager, after: int) -> dict[str, Any]:
     """What commits change (the KV events since sequence number ``after``)."""
     live = m.request_ids()
     return {
-        "tokens": {r: bytes(m._tokens[r]) for r in live},
-        "keys": {r: list(m._prefix[r].keys) for r in live},
-        "committed": m._committed.copy().tolist(),
-        "index": [{k: dict(v) for k, v in g.items()} for g in m._coord.cache.index],
+        "tokens": {r: bytes(m.parts.requests.tokens[r]) for r in live},
+        "keys": {r: list(m.parts.requests.prefix[r].keys) for r in live},
+        "committed": m.parts.requests.committed.copy().tolist(),
+        "index": [{k: dict(v) for k, v in g.items()} for g in m.parts.coord.cache.index],
         "events": m.events(after, 100_000).model_dump(exclude={"generation"}),
-        "num_tokens": m._coord.num_tokens.tolist(),
+        "num_tokens": m.parts.coord.num_tokens.tolist(),
     }
 
 
 def _keys_follow_commits(m: KVCacheManager) -> None:
     """What the batch relies on: a request's keys are those of its full committed blocks."""
     for rid in m.request_ids():
-        assert len(m._prefix[rid].keys) == len(m._tokens[rid]) // 4 // m.tokens_per_block, rid
+        assert (
+            len(m.parts.requests.prefix[rid].keys)
+            == len(m.parts.requests.tokens[rid]) // 4 // m.tokens_per_block
+        ), rid
 
 
 @pytest.mark.parametrize("core", [True, False])
@@ -64,7 +67,14 @@ def test_batched_commits_match_item_by_item(
                 picked = [h for h in live if rng.random() < 0.8]
                 tokens = []
                 for h in picked:
-                    done = len(ms[True]._tokens[ms[True]._ids[h & 0xFFFFFFFF]]) // 4
+                    done = (
+                        len(
+                            ms[True].parts.requests.tokens[
+                                ms[True].parts.requests.ids[h & 0xFFFFFFFF]
+                            ]
+                        )
+                        // 4
+                    )
                     pending = len(seqs[h]) - done
                     r = rng.random()
                     if r < 0.05:
@@ -125,11 +135,11 @@ def test_batched_commits_match_item_by_item(
             m = ms[True]
             for h in list(seqs):
                 row = h & 0xFFFFFFFF
-                if m._handle[row] != h:
+                if m.parts.requests.handle[row] != h:
                     del seqs[h]
                     stale.append(h)
                     continue
-                n = int(m._coord.num_tokens[row])
+                n = int(m.parts.coord.num_tokens[row])
                 seqs[h] = (seqs[h] + rng.integers(0, 20, n).tolist())[:n]
             for i, h in enumerate(a.handles.tolist()):
                 if h:
@@ -173,7 +183,7 @@ def test_a_step_stopped_by_a_failed_publish_applies_nothing_after_it(
         outs[batched] = [v.tolist() for v in out.status.values()]
         assert [e.error.code for e in out.errors] == ["internal_error"]
         tokens[batched] = [m.committed_tokens(r) for r in "abc"]
-        keys[batched] = [len(m._prefix[r].keys) for r in "abc"]
+        keys[batched] = [len(m.parts.requests.prefix[r].keys) for r in "abc"]
     assert outs[True] == outs[False]
     assert tokens[True] == tokens[False]
     assert keys[True] == keys[False] == [0, 0, 0]

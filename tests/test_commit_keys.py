@@ -199,7 +199,7 @@ def test_kv_events_off_records_nothing_and_events_say_so() -> None:
     m.commit("a", PROMPT)
     m.free("a")
     assert m.probe(PROMPT) == 64  # blocks are still published, only no event is recorded
-    assert m.last_event_seq == 0 and len(m._coord.cache.log.events) == 0
+    assert m.last_event_seq == 0 and len(m.parts.coord.cache.log.events) == 0
     with pytest.raises(KVEventsDisabled) as err:
         m.events()
     assert err.value.code == "kv_events_disabled" and err.value.status == 409
@@ -209,7 +209,7 @@ def test_events_are_built_from_compact_records_only_when_read() -> None:
     m = m16()
     m.allocate("a", 66, token_ids=PROMPT)
     m.commit("a", PROMPT)
-    (record,) = m._coord.cache.log.events
+    (record,) = m.parts.coord.cache.log.events
     assert record[:4] == (1, "block_stored", 0, block_keys(PROMPT, TPB))
     (event,) = m.events().events
     assert event.token_ids == PROMPT[:64] and event.parent_key is None

@@ -154,7 +154,7 @@ def test_pages_alternate_between_ranks_with_local_tables_lengths_and_mappings() 
 
 def test_null_page_is_local_slot_0_of_every_rank_through_chunked_prefill_and_refusal() -> None:
     m = manager(3, num_blocks=12, null_page=True)  # 4 slots per class, local 0 reserved
-    assert m._coord.pools[0].free_order().tolist() == [3, 6, 9, 4, 7, 10, 5, 8, 11]
+    assert m.parts.coord.pools[0].free_order().tolist() == [3, 6, 9, 4, 7, 10, 5, 8, 11]
     info = m.allocate("a", 5)  # chunked prefill: 5 + 8 + 8 = 21 tokens, blocks 0..5
     m.extend("a", 8)
     m.extend("a", 8)
@@ -163,19 +163,19 @@ def test_null_page_is_local_slot_0_of_every_rank_through_chunked_prefill_and_ref
         assert m.rank(r).page_table(0)[info.row].tolist() == [1, 2] + [0] * 7
         assert m.rank(r).kv_view(0).shape[0] == 4
     assert [m.rank(r).context_lengths(["a"]).item() for r in range(3)] == [8, 8, 5]
-    assert m._coord.pools[0].free_by_class().tolist() == [1, 1, 1]
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [1, 1, 1]
     before = [m.rank(r).page_tables().clone() for r in range(3)]
     with pytest.raises(OutOfBlocks) as exc:
         m.extend("a", 16)  # blocks 6..9: classes 0, 1, 2, 0, and class 0 has 1 free
     assert exc.value.detail["cp_rank"] == 0 and exc.value.detail["needed"] == 2
     assert m.request("a").num_tokens == 21 and m.block_table("a") == [[3, 4, 5, 6, 7, 8]]
-    assert m._coord.pools[0].free_by_class().tolist() == [1, 1, 1]
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [1, 1, 1]
     assert all(bool((m.rank(r).page_tables() == before[r]).all()) for r in range(3))
     m.extend("a", 15)  # blocks 6..8: one of each class
     assert m.block_table("a") == [[3, 4, 5, 6, 7, 8, 9, 10, 11]]
     assert m.rank(2).page_table(0)[info.row, :4].tolist() == [1, 2, 3, 0]
     m.free("a")
-    assert m._coord.pools[0].free_by_class().tolist() == [3, 3, 3]
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [3, 3, 3]
     assert m.rank(1).page_table(0)[info.row].tolist() == [0] * 9
 
 
@@ -194,7 +194,7 @@ def test_a_window_releases_each_ranks_share_of_its_stale_blocks() -> None:
     assert m.rank(2).page_table(1)[info.row, :3].tolist() == [-1, 3, -1]  # blocks 2, 5
     assert m.rank(0).released_pages(["w"], 0).tolist() == [[0, 0]]  # full attention
     # One pool group for both groups; class 2 holds blocks 2 and 5 of layer 0, 5 of layer 1.
-    assert m._coord.pools[0].free_by_class().tolist() == [7, 7, 9]
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [7, 7, 9]
 
 
 def test_prefix_hits_land_on_the_rank_of_their_position() -> None:
@@ -212,7 +212,7 @@ def test_prefix_hits_land_on_the_rank_of_their_position() -> None:
     for r in (1, 2, 3):
         assert m.rank(r).page_table(0)[info.row, :2].tolist() == [0, -1]
     assert [m.rank(r).context_lengths(["b"]).item() for r in range(4)] == [8, 4, 4, 4]
-    assert m._coord.pools[0].free_by_class().tolist() == [2, 3, 3, 3]
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [2, 3, 3, 3]
 
 
 def test_rejected_drafts_give_their_blocks_back_to_their_class() -> None:
@@ -220,11 +220,11 @@ def test_rejected_drafts_give_their_blocks_back_to_their_class() -> None:
     info = m.allocate("d", 6, lookahead=3)  # capacity 9: blocks 0, 1, 2
     m.extend("d", 3, lookahead=4)  # 9 tokens, capacity 13: block 3 (class 1) is new
     assert m.block_table("d") == [[0, 1, 2, 3]]
-    assert m._coord.pools[0].free_by_class().tolist() == [6, 6]
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [6, 6]
     m.rewind("d", 2)  # 7 tokens, capacity 11: block 3 goes back to class 1's tail
     assert m.block_table("d") == [[0, 1, 2]]
-    assert m._coord.pools[0].free_by_class().tolist() == [6, 7]
-    assert m._coord.pools[0].free_order().tolist()[-1] == 3
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [6, 7]
+    assert m.parts.coord.pools[0].free_order().tolist()[-1] == 3
     assert m.rank(1).page_table(0)[info.row, :2].tolist() == [0, -1]
     assert [m.rank(r).context_lengths(["d"]).item() for r in range(2)] == [4, 3]
     # The last token, 6, is in block 1 (slot 1: rank 1's local slot 0) at offset 2.
@@ -264,7 +264,7 @@ def test_cp_ranks_that_are_also_tp_ranks_share_their_class_tables_not_their_pool
 def test_a_class_that_runs_out_refuses_even_with_other_classes_free() -> None:
     m = manager(2, num_blocks=8)  # 4 slots per class
     m.allocate("a", 3 * TPB)  # blocks 0, 1, 2: classes 0, 1, 0
-    assert m._coord.pools[0].free_by_class().tolist() == [2, 3]
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [2, 3]
     before = m.block_table("a")
     with pytest.raises(OutOfBlocks) as exc:
         m.allocate("b", 5 * TPB)  # 5 blocks, 5 free: but 3 of class 0, and 2 are free
@@ -310,7 +310,7 @@ def _check(m: KVCacheManager, cp: int, null_page: bool) -> None:
     """Every rank's tables, lengths, mappings and released pages against the global block
     tables; slot classes, holders and free counts per class."""
     empty = 0 if null_page else -1
-    c = m._coord
+    c = m.parts.coord
     ids = m.request_ids()
     holders: dict[tuple[int, int], int] = {}
     for rid in ids:
@@ -613,7 +613,7 @@ def test_free_blocks_count_what_a_new_request_can_get_per_class() -> None:
     assert m.num_free_blocks() == m.num_total_blocks() == 4 * 2 + 0
     for i in range(4):
         m.allocate(f"r{i}", TPB)  # block 0 each: class 0 is full
-    assert m._coord.pools[0].free_by_class().tolist() == [0, 4]
+    assert m.parts.coord.pools[0].free_by_class().tolist() == [0, 4]
     assert m.num_free_blocks() == 0 and m.stats().request_free_blocks == 0
     assert m.num_free_blocks(0) == 4  # the pool group's free slots, all classes
     with pytest.raises(OutOfBlocks):

@@ -245,7 +245,7 @@ def test_copy_into_a_block_published_in_one_layer_group_only_is_refused() -> Non
     m.allocate("a", 9, token_ids=[*prompt, 8])
     m.commit("a", prompt)
     a = m.block_table("a")  # both groups in pool group 0
-    assert not m._coord.cache.cached[0][a[0][1]] and m._coord.cache.cached[0][a[1][1]]
+    assert not m.parts.coord.cache.cached[0][a[0][1]] and m.parts.coord.cache.cached[0][a[1][1]]
     before = _pool_bytes(m)
     with pytest.raises(CopyIntoSharedBlock) as err:
         m.copy_tokens(["a"], [8], [7])

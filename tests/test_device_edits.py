@@ -15,7 +15,7 @@ def test_replaying_edits_reproduces_the_host_tables(rng: np.random.Generator) ->
         [layer(0, sliding_window=6, sink_tokens=2), layer(1), layer(2, kv_factor=1)],
         num_blocks=50,
     )
-    coord = m._coord
+    coord = m.parts.coord
     coord.edits = []  # what the manager does for a CUDA device
     mirror = torch.from_numpy(coord.tables.copy())
     live: list[str] = []

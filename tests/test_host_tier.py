@@ -186,8 +186,8 @@ def run_cycles(
     )  # 16 host slots per pool group (fewer with the state's share)
     groups = range(len(m.layout.layer_groups))
     words = [Words.of_group(m, g) for g in groups]
-    state_words = Words(m._state.memory[0]) if m._state is not None else None
-    host = m._host
+    state_words = Words(m.parts.state.memory[0]) if m.parts.state is not None else None
+    host = m.parts.host
     assert host is not None
     host.copier.immediate = not deferred and device == "cpu"
     if dma_min_bytes is not None:
@@ -294,16 +294,16 @@ def run_cycles(
             for pg, lru in host.lru.items():
                 for g, root, key in lru:
                     assert host.copier.pending[pg].host_write == set()
-                    assert host.state_of(m._coord.cache, g, root, key) in (
+                    assert host.state_of(m.parts.coord.cache, g, root, key) in (
                         BlockState.HOST,
                         BlockState.BOTH,
                     )
     stats = {**m.host_stats(), "hazard_launches": host.copier.stats.copy_hazard_launches}
     assert stats["offloaded_blocks"] > 500 and stats["onboarded_blocks"] > 100
     assert stats["dropped_blocks"] > 0
-    if m._state is not None:  # hits restored from checkpoints, states suspended and back
+    if m.parts.state is not None:  # hits restored from checkpoints, states suspended and back
         # Per 100 cycles: about 2.3 restores, 11 states suspended and 8 resumed (seeds 5, 6).
-        assert m._state.restores > cycles // 100
+        assert m.parts.state.restores > cycles // 100
         assert min(stats["offloaded_states"], stats["onboarded_states"]) > cycles // 40
     for rid in list(seqs):
         if rid in suspended:
@@ -313,8 +313,8 @@ def run_cycles(
     # No leaked slot in either tier: every device slot free again, every host slot free or
     # indexed exactly once.
     assert m.num_free_blocks() == m.num_total_blocks()
-    if m._state is not None:
-        assert m._state.num_free_live == 4 and (m._state.slot_of == -1).all()
+    if m.parts.state is not None:
+        assert m.parts.state.num_free_live == 4 and (m.parts.state.slot_of == -1).all()
         assert sorted(host.state_free) == list(range(host.state_slots))
     for pg in host.num_slots:
         assert host.held[pg] == 0
@@ -410,7 +410,7 @@ def test_suspend_moves_a_request_to_the_host_and_resume_brings_it_back() -> None
     info = m.suspend("a")
     assert info.num_tokens == 10 and info.num_committed == 6
     assert m.num_free_blocks() == 6 and m.host_stats()["host_used"] == {0: 0}
-    assert m._host is not None and m._host.held[0] == 3
+    assert m.parts.host is not None and m.parts.host.held[0] == 3
     for op in (
         lambda: m.extend("a", 1),
         lambda: m.extend_many(["a"]),
@@ -429,12 +429,12 @@ def test_suspend_moves_a_request_to_the_host_and_resume_brings_it_back() -> None
     words[:] = -1
     with pytest.raises(OutOfBlocks):
         m.resume("a")  # no room: nothing changes
-    assert "a" in m._suspended and m._host.held[0] == 3
+    assert "a" in m.parts.requests.suspended and m.parts.host.held[0] == 3
     m.free("x")
     back = m.resume("a")
     assert back.handle == a.handle and back.num_tokens == 10
     assert [int(words[s][0]) for s in m.block_table("a")[0]] == [500, 501, 502]
-    assert m.committed_tokens("a") == list(range(6)) and m._host.held[0] == 0
+    assert m.committed_tokens("a") == list(range(6)) and m.parts.host.held[0] == 0
     m.extend("a", 3)  # an ordinary request again
     m.free("a")
     assert m.num_free_blocks() == 6
@@ -476,7 +476,7 @@ def test_resume_takes_back_the_published_blocks_still_cached_on_the_device() -> 
     assert got == [0, 1, 4]
     assert m.host_stats()["onboarded_blocks"] == before + 1
     assert [int(words[s][0]) for s in got] == [700, 701, 702]
-    assert m._host is not None and m._host.held[0] == 0
+    assert m.parts.host is not None and m.parts.host.held[0] == 0
     m.free("b")
     m.free("a")
     assert m.num_free_blocks() == 8
@@ -517,8 +517,8 @@ def test_freeing_a_suspended_request_frees_its_host_slots() -> None:
     m.allocate("a", 12)
     m.suspend("a")
     m.free("a")
-    assert m._host is not None and m._host.held[0] == 0
-    assert sorted(m._host.free[0]) == list(range(m._host.num_slots[0]))
+    assert m.parts.host is not None and m.parts.host.held[0] == 0
+    assert sorted(m.parts.host.free[0]) == list(range(m.parts.host.num_slots[0]))
     assert m.request_ids() == [] and m.num_free_blocks() == 8
 
 
@@ -613,7 +613,7 @@ def test_a_copied_manager_s_host_tier_copies_into_its_own_memory() -> None:
     twin = copy.deepcopy(m)
     del m
     gc.collect()
-    copier = twin._host.copier
+    copier = twin.parts.host.copier
     for pool, chunks in copier.regions.items():
         assert copier._bases[pool].tolist() == [c.data_ptr() for c in chunks]
         assert copier._device_at[pool][0] == copier.device_pools[pool].data_ptr()

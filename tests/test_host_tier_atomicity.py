@@ -33,7 +33,7 @@ def everything(m: KVCacheManager) -> list[Any]:
     events, the host tier's LRU and free slots), the host tier's counts and held slots, the
     suspended requests, the bytes of every host slot that holds something, and the state
     layers' slots and bytes."""
-    host = m._host
+    host = m.parts.host
     assert host is not None
     stats = m.host_stats()
     for moved in ("copy_launches", "copy_hazard_launches", "copy_seconds"):
@@ -49,21 +49,21 @@ def everything(m: KVCacheManager) -> list[Any]:
         dict(host.held),
         sorted(host.state_free),
         {r: m.request(r) for r in m.request_ids()},
-        sorted(m._suspended),
+        sorted(m.parts.requests.suspended),
         m.last_event_seq,
         pages,
         None
-        if m._state is None
-        else (m._state.slot_of.copy(), [t.numpy().copy() for t in m._state.memory]),
+        if m.parts.state is None
+        else (m.parts.state.slot_of.copy(), [t.numpy().copy() for t in m.parts.state.memory]),
     ]
 
 
 def held_slots(m: KVCacheManager, pg: int) -> list[int]:
     """Host slots suspended requests hold in pool group ``pg``."""
     out: list[int] = []
-    for saved in m._suspended.values():
+    for saved in m.parts.requests.suspended.values():
         for g, (_, slots) in enumerate(saved.blocks):
-            if m._coord.group_pool[g] == pg:
+            if m.parts.coord.group_pool[g] == pg:
                 out += slots
     return out
 
@@ -128,14 +128,14 @@ def test_a_step_frees_a_suspended_request_as_free_does() -> None:
     for rid in ("a", "b", "c"):
         m.allocate(rid, 5)
         m.suspend(rid)
-    held = m._host.held[0]
+    held = m.parts.host.held[0]
     assert held == 6
     results = m.step([FreeOp(request_id="a")])
-    assert results[0].ok and "a" not in m.request_ids() and m._host.held[0] == 4
+    assert results[0].ok and "a" not in m.request_ids() and m.parts.host.held[0] == 4
     handle = m.request("b").handle
     out = m.step_columns(free=[handle])
     assert out.status["free"].tolist() == [0] and out.freed_ids == ["b"]
-    assert m._host.held[0] == 2
+    assert m.parts.host.held[0] == 2
     before = everything(m)
     results = m.step(
         [FreeOp(request_id="c"), ExtendOp(request_id="nope", num_new_tokens=1)], atomic=True
@@ -163,7 +163,7 @@ def test_an_atomic_step_offloads_only_into_slots_free_when_it_began() -> None:
             if i == 0:
                 m.allocate("f", 16)  # p0's blocks to the host
                 m.free("f")
-        assert m._host is not None and m._host.num_used(0) == 2
+        assert m.parts.host is not None and m.parts.host.num_used(0) == 2
         assert m.probe_tiers(prompts[0]) == (0, 8) and m.probe_tiers(prompts[1]) == (8, 0)
         return m, m.step([{"op": "allocate", "request_id": "x", "num_tokens": 16}], atomic=atomic)
 
@@ -183,7 +183,7 @@ def test_an_atomic_step_does_not_reuse_the_slots_of_a_suspended_request_it_frees
     m.allocate("a", 9, token_ids=list(range(9)))
     m.commit("a", list(range(9)))
     m.free("a")  # a's 2 blocks cached on the device
-    host = m._host
+    host = m.parts.host
     assert host is not None
     free_before = list(host.free[0])
     out = m.step(
@@ -262,8 +262,8 @@ def _random_op(
 ) -> Any:
     """One op that may fail, as a zero-argument callable; an allocate that succeeds adds
     its request, prompt and hit to ``prefilled`` (the engine then commits the prompt)."""
-    live = [r for r in m.request_ids() if r not in m._suspended]
-    suspended = sorted(m._suspended)
+    live = [r for r in m.request_ids() if r not in m.parts.requests.suspended]
+    suspended = sorted(m.parts.requests.suspended)
     rid = f"r{rng.integers(0, 12)}"
     prompt = prompts[rng.integers(0, len(prompts))]
     n = int(rng.integers(1, len(prompt) + 1))
@@ -350,7 +350,7 @@ def test_random_refused_ops_change_nothing_and_kept_blocks_keep_their_bytes(
     }
     slot_bytes = manager(layers, **shape).layout.pool_groups[0].slot_bytes
     m = manager(layers, host_memory_bytes=8 * slot_bytes, **shape)  # drops happen
-    assert m._host is not None and 4 <= m._host.num_slots[0] <= 8
+    assert m.parts.host is not None and 4 <= m.parts.host.num_slots[0] <= 8
     pool = m.memory.tensors[m.layout.pool_groups[0].pools[0]]
     words = pool.view(torch.int64).numpy()
     families = [rng.integers(0, 1000, 40).tolist() for _ in range(6)]
@@ -374,7 +374,7 @@ def test_random_refused_ops_change_nothing_and_kept_blocks_keep_their_bytes(
         for rid, prompt, hit in prefilled:  # the engine computed the prompt's KV
             m.commit(rid, prompt[hit:])
         for rid in m.request_ids():  # the engine writes each live block's KV
-            if rid not in m._suspended:
+            if rid not in m.parts.requests.suspended:
                 for table in m.block_table(rid):
                     for slot in table:
                         if slot >= 0:

@@ -15,12 +15,12 @@ from kvcm_client.models import IndexSnapshot
 def _truth(m: KVCacheManager) -> dict[tuple[int, str], set[str]]:
     """What the manager caches, straight from its indexes (not from a snapshot)."""
     out: dict[tuple[int, str], set[str]] = {}
-    for g, index in enumerate(m._coord.cache.index):
+    for g, index in enumerate(m.parts.coord.cache.index):
         keys = {k.hex() for scope in index.values() for k in scope}
         if keys:
             out[(g, "device")] = keys
-    if m._host is not None:
-        for lru in m._host.lru.values():
+    if m.parts.host is not None:
+        for lru in m.parts.host.lru.values():
             for g, _, key in lru:
                 out.setdefault((g, "host"), set()).add(key.hex())
     return out

@@ -234,7 +234,7 @@ def test_decode_batches_match_the_numpy_path(
     cfg = {"num_blocks": 64, "max_requests": 12, "max_seq_len": 96, **kw}
     ms = {on: manager(layers, **cfg) for on in (True, False)}
     for m in ms.values():
-        m._coord.edits = []  # as with a CUDA device
+        m.parts.coord.edits = []  # as with a CUDA device
     spy = CoreSpy(ms[True])
     prompts = [rng.integers(0, 9, 24).tolist() for _ in range(3)]
     live: list[int] = []
@@ -292,7 +292,7 @@ def test_decode_batches_match_the_numpy_path(
             suspended.remove(cols["resume"][0])  # it has its handle back
             live.append(cols["resume"][0])
             preempted["resume"] += 1
-        live = [h for h in live if ms[True]._handle[h & 0xFFFFFFFF] == h]
+        live = [h for h in live if ms[True].parts.requests.handle[h & 0xFFFFFFFF] == h]
         live += [int(h) for h in a.handles if h]
     if "host_memory_bytes" in cfg:
         assert preempted["suspend"] > 3 and preempted["resume"] > 3
@@ -328,7 +328,7 @@ def test_a_row_named_twice_runs_item_by_item_even_with_an_item_past_max_seq_len(
         m = manager(
             [layer(0), layer(1, owner="draft")], tokens_per_block=4, max_seq_len=16, num_blocks=16
         )
-        m._coord.edits = []
+        m.parts.coord.edits = []
         a, b = m.allocate("a", 4).handle, m.allocate("b", 4).handle
         out = m.step_columns(extend=[a, b, a], num_new_tokens=new)
         got.append((out.status["extend"].tolist(), out.new_blocks.tolist(), manager_state(m)))
@@ -367,13 +367,13 @@ def test_a_window_releasing_a_shared_page_frees_no_room(on: bool) -> None:
     assert m.block_table("a") == [[0, 1, 2]] and m.block_table("b") == [[-1, 1, 2, 3]]
     out = m.step_columns(extend=[b.handle, c.handle], num_new_tokens=[3, 1])  # 16 and 3
     assert out.status["extend"].tolist() == [0, 0] and m.num_free_blocks() == 0
-    tables = m._coord.tables.copy()
+    tables = m.parts.coord.tables.copy()
     out = m.step_columns(extend=[b.handle, c.handle])
     assert [e.error.code for e in out.errors] == ["out_of_blocks"]
     assert out.status["extend"][1] == 0 and m.request("c").num_tokens == 4
     assert m.request("b").num_tokens == 16 and m.block_table("b") == [[-1, 1, 2, 3]]
-    assert np.array_equal(m._coord.tables, tables) and m.num_free_blocks() == 0
-    assert m._coord.refs[0][1] == 2
+    assert np.array_equal(m.parts.coord.tables, tables) and m.num_free_blocks() == 0
+    assert m.parts.coord.refs[0][1] == 2
 
 
 @built
@@ -384,8 +384,8 @@ def test_decode_plan_leaves_to_numpy_what_it_does_not_plan() -> None:
     assert core is not None
     m = manager([layer(0)], max_seq_len=64)
     handles = np.array([m.allocate(r, 5).handle for r in "ab"], dtype=np.int64)
-    nd = m._native_decode
-    ctx, free = nd.context(m), (m.num_free_blocks(),)
+    nd = m.parts.native_decode
+    ctx, free = nd.context(m.parts), (m.num_free_blocks(),)
     before = manager_state(m)
     for new, ahead in [
         (np.array([1, 9, 1, 9])[::2], 0),  # strided
@@ -417,8 +417,8 @@ def test_decode_plan_can_leave_out_the_items_that_fail_on_their_own() -> None:
     m = manager([layer(0)], max_seq_len=64, max_requests=4, num_blocks=32)
     a, b, c = (m.allocate(r, n).handle for r, n in (("a", 4), ("b", 60), ("c", 5)))
     m.free("c")
-    nd = m._native_decode
-    ctx, free = nd.context(m), (m.num_free_blocks(),)
+    nd = m.parts.native_decode
+    ctx, free = nd.context(m.parts), (m.num_free_blocks(),)
     before = manager_state(m)
     handles = np.array([a, c, b], dtype=np.int64)  # c is stale; b + 5 > 64
     assert core.decode_plan(handles, 5, 0, ctx, free, nd.out) is None
@@ -441,7 +441,7 @@ def test_decode_commit_checks_every_row_before_writing_any() -> None:
     assert core is not None
     m = manager([layer(0)])
     m.allocate("a", 5)
-    ctx = m._native_decode.context(m)
+    ctx = m.parts.native_decode.context(m.parts)
     before = manager_state(m)
     added = np.zeros(2, dtype=np.int32)
     for rows, new in [(np.array([0, 99]), 1), (np.array([0, -1]), 1), (np.array([0, 1]), 0)]:
@@ -456,10 +456,10 @@ def test_decode_commit_checks_every_row_before_writing_any() -> None:
 
 def test_the_numpy_path_serves_context_parallel_ranks() -> None:
     """The C path is only for plans without per-class parts."""
-    assert manager([layer(0), layer(1)])._coord.plain
-    assert manager([layer(0, sliding_window=8)])._coord.plain
+    assert manager([layer(0), layer(1)]).parts.coord.plain
+    assert manager([layer(0, sliding_window=8)]).parts.coord.plain
     ranks = [{"device": "cpu", "layers": [layer(0)], "cp_rank": c} for c in range(2)]
-    assert not manager([layer(0)], context_parallel=2, ranks=ranks)._coord.plain
+    assert not manager([layer(0)], context_parallel=2, ranks=ranks).parts.coord.plain
 
 
 @pytest.mark.skipif(os.environ.get("KVCM_REQUIRE_NATIVE") != "1", reason="not required here")
@@ -511,7 +511,7 @@ def test_live_rows_says_whether_a_batch_of_handles_is_live_and_distinct() -> Non
     m.free("r5")
     fresh = m.allocate("r6", 3).handle  # row 5 again, a new handle
     assert fresh & 0xFFFFFFFF == stale & 0xFFFFFFFF and fresh != stale
-    context, out = m._native_decode.arrays(core, m), np.full(16, -7, dtype=np.int64)
+    context, out = m.parts.native_decode.arrays(core, m.parts), np.full(16, -7, dtype=np.int64)
 
     def live_rows(batch: list[int]) -> bool:
         return bool(core.live_rows(np.array(batch, dtype=np.int64), context, out))
@@ -524,8 +524,8 @@ def test_live_rows_says_whether_a_batch_of_handles_is_live_and_distinct() -> Non
     rng = np.random.default_rng(5)
     for _ in range(300):
         batch = np.array(rng.choice(pool, int(rng.integers(0, 10))), dtype=np.int64)
-        rows, live = request_rows.handle_rows(m, batch)
-        expected = live is None and request_rows.distinct_rows(m, rows)
+        rows, live = request_rows.handle_rows(m.parts, batch)
+        expected = live is None and m.parts.requests.distinct_rows(rows)
         assert core.live_rows(batch, context, out) is expected, batch
         if expected:
             assert out[: batch.size].tolist() == rows.tolist()
@@ -545,8 +545,8 @@ def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None
     m = manager([layer(0)], max_requests=12, num_blocks=32, max_seq_len=64)
     for i in range(9):
         m.allocate(f"r{i}", 4)  # rows 0-8, a block each
-    c, nd = m._coord, m._native_decode
-    context, pools, _ = nd.row_args(core, m)
+    c, nd = m.parts.coord, m.parts.native_decode
+    context, pools, _ = nd.row_args(core, m.parts)
     rows = np.array([5, 8, 6], dtype=np.int64)
     items, positions = np.zeros((1, 4), dtype=np.int64), np.zeros((1, 4), dtype=np.int64)
     items[0, :2], positions[0, :2] = [0, 2], [1, 4]
@@ -554,7 +554,7 @@ def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None
     before = manager_state(m)
 
     def take(r: np.ndarray, i: np.ndarray, p: np.ndarray, added: int = 2) -> Any:
-        return core.decode_take(r, (added,), context, pools, nd.cached(m), i, p)
+        return core.decode_take(r, (added,), context, pools, nd.cached(m.parts), i, p)
 
     # rows: 3 from the middle of a longer array of valid rows, so that a read before or
     # after them would find a valid row and only the bounds checks refuse it.

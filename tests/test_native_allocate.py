@@ -25,18 +25,18 @@ pytestmark = [
 
 def requests_state(m: KVCacheManager) -> list[Any]:
     """The per-request bookkeeping ``manager_state`` leaves out."""
-    stats = m._coord.cache.stats
+    stats = m.parts.coord.cache.stats
     return [
-        dict(m._rows),
-        list(m._ids),
-        list(m._free_rows),
-        m._serial.copy(),
-        m._hits.copy(),
-        {rid: bytes(t) for rid, t in m._tokens.items()},
-        dict(m._prefix),
-        dict(m._first),
+        dict(m.parts.requests.rows),
+        list(m.parts.requests.ids),
+        list(m.parts.requests.free_rows),
+        m.parts.requests.serial.copy(),
+        m.parts.requests.hits.copy(),
+        {rid: bytes(t) for rid, t in m.parts.requests.tokens.items()},
+        dict(m.parts.requests.prefix),
+        dict(m.parts.requests.first),
         (stats.queries, stats.query_tokens, stats.hit_tokens, stats.evictions),
-        [{root: dict(keys) for root, keys in index.items()} for index in m._coord.cache.index],
+        [{root: dict(keys) for root, keys in index.items()} for index in m.parts.coord.cache.index],
     ]
 
 
@@ -52,18 +52,21 @@ def test_the_worked_example_of_allocate_one() -> None:
     out = m.step_columns(
         allocate=[{"request_id": "a", "num_tokens": 9, "token_ids": prompt, "lookahead": 3}]
     )
-    first = m._first["a"]
+    first = m.parts.requests.first["a"]
     data = np.array(prompt, dtype="<i4").tobytes()
     assert first == FirstAllocation((9, 3, data, None, None, ()), "a", 0, 1 << 32, 0, -1)
     assert out.handles.tolist() == [1 << 32] and out.allocate_new_blocks.tolist() == [3]
     keys = block_keys(prompt, 4)
-    assert m._prefix["a"] == PrefixState(root_key(), None, False, (), [], data, keys)
-    assert m.block_table("a") == [[0, 1, 2]] and bytes(m._tokens["a"]) == b""
+    assert m.parts.requests.prefix["a"] == PrefixState(root_key(), None, False, (), [], data, keys)
+    assert m.block_table("a") == [[0, 1, 2]] and bytes(m.parts.requests.tokens["a"]) == b""
     m.commit("a", prompt)
     out = m.step_columns(allocate=[{"request_id": "b", "num_tokens": 9, "token_ids": prompt}])
     assert out.hit_tokens.tolist() == [8] and m.block_table("b") == [[0, 1, 3]]
-    assert bytes(m._tokens["b"]) == data[:32] and m._committed[1] == 8
-    assert m._prefix["b"].keys == keys and m._coord.refs[0][[0, 1]].tolist() == [2, 2]
+    assert bytes(m.parts.requests.tokens["b"]) == data[:32] and m.parts.requests.committed[1] == 8
+    assert m.parts.requests.prefix["b"].keys == keys and m.parts.coord.refs[0][[0, 1]].tolist() == [
+        2,
+        2,
+    ]
     assert spy.results == {"allocate no hit": 1, "allocate hit": 1}
     assert out.infos[0] == m.request("b")
 
@@ -199,7 +202,7 @@ def test_random_steps_allocate_alike_in_c_and_in_python(
     ms = {on: manager(layers, max_requests=12, max_seq_len=64, **kw) for on in (True, False)}
     if edits:
         for m in ms.values():
-            m._coord.edits = []  # as with a CUDA device
+            m.parts.coord.edits = []  # as with a CUDA device
     spy = CoreSpy(ms[True])
     steps = _Steps(11, kw["tokens_per_block"])
     for i in range(300):
@@ -232,7 +235,7 @@ def test_allocate_one_leaves_to_python_what_it_does_not_run() -> None:
     core = native._built
     from kvcm.allocation import c_args
 
-    fast = c_args(m)
+    fast = c_args(m.parts)
     assert fast is not None
     op = {
         "request_id": "a",
@@ -244,12 +247,12 @@ def test_allocate_one_leaves_to_python_what_it_does_not_run() -> None:
         "multimodal": None,
         "block_keys": None,
     }
-    first = core.allocate_one(op, m, *fast)[0]
+    first = core.allocate_one(op, m.parts.requests, *fast)[0]
     assert first.row == 0 and m.request_ids() == ["a"]
     before = manager_state(m), requests_state(m)
 
     def refused(**change: Any) -> None:
-        assert core.allocate_one({**op, **change}, m, *fast) is None, change
+        assert core.allocate_one({**op, **change}, m.parts.requests, *fast) is None, change
         assert same(manager_state(m), before[0]) and same(requests_state(m), before[1])
 
     refused()  # "a" again: a retry is Python's
@@ -262,7 +265,7 @@ def test_allocate_one_leaves_to_python_what_it_does_not_run() -> None:
     before = manager_state(m), requests_state(m)
     refused(request_id="c")  # no free row
     with pytest.raises(ValueError):
-        core.allocate_one(op, m, *fast[:5], fast[5], b"short", *fast[7:])
+        core.allocate_one(op, m.parts.requests, *fast[:5], fast[5], b"short", *fast[7:])
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["C core", "Python"])
@@ -270,16 +273,16 @@ def test_a_row_s_serial_wraps_to_1_after_max_serial(on: bool) -> None:
     """Handles stay below 2**63: a row whose serial is MAX_SERIAL (2**31 - 1 allocations,
     or a large serial base) gives its next request serial 1, on both paths, and that handle
     works; the freed request's handle names nothing."""
-    from kvcm.request_rows import MAX_SERIAL
+    from kvcm.request_table import MAX_SERIAL
 
     native.use(on)
     m = manager([layer(0)], num_blocks=16, max_requests=2)
-    m._serial[:] = MAX_SERIAL - 1
+    m.parts.requests.serial[:] = MAX_SERIAL - 1
     old = m.step_columns(allocate=[{"request_id": "a", "num_tokens": 5}]).handles[0]
     assert old == MAX_SERIAL << 32 | 0
     m.step_columns(free=[old])
     out = m.step_columns(allocate=[{"request_id": "b", "num_tokens": 5}])
-    assert out.ok and out.handles.tolist() == [1 << 32 | 0] and m._serial[0] == 1
+    assert out.ok and out.handles.tolist() == [1 << 32 | 0] and m.parts.requests.serial[0] == 1
     assert m.step_columns(extend=out.handles).ok
     assert m.step_columns(extend=[old]).status["extend"].tolist() != [0]
 
@@ -293,10 +296,13 @@ def test_allocate_one_refuses_a_request_past_max_seq_len_that_its_blocks_would_h
 
     op = {"request_id": "a", "num_tokens": 64, "token_ids": None, "lookahead": 1}
     op |= {"lora_id": None, "cache_salt": None, "multimodal": None, "block_keys": None}
-    assert native._built.allocate_one(op, m, *c_args(m)) is None
+    assert native._built.allocate_one(op, m.parts.requests, *c_args(m.parts)) is None
     out = m.step_columns(allocate=[op])
     assert [e.error.code for e in out.errors] == ["sequence_too_long"]
-    assert native._built.allocate_one({**op, "lookahead": 0}, m, *c_args(m)) is not None
+    assert (
+        native._built.allocate_one({**op, "lookahead": 0}, m.parts.requests, *c_args(m.parts))
+        is not None
+    )
 
 
 def test_allocate_one_changes_nothing_when_a_record_cannot_be_made() -> None:
@@ -311,7 +317,7 @@ def test_allocate_one_changes_nothing_when_a_record_cannot_be_made() -> None:
     m.free("a")  # 2 blocks per group cached and free
     from kvcm.allocation import c_args
 
-    fast = c_args(m)
+    fast = c_args(m.parts)
     op = {"request_id": "b", "num_tokens": 9, "token_ids": prompt, "lookahead": 0}
     op |= {"lora_id": None, "cache_salt": None, "multimodal": None, "block_keys": None}
 
@@ -331,10 +337,12 @@ def test_allocate_one_changes_nothing_when_a_record_cannot_be_made() -> None:
             classes = list(fast[5])
             classes[at] = cls
             with pytest.raises(error):
-                native._built.allocate_one(op, m, *fast[:5], tuple(classes), *fast[6:])
+                native._built.allocate_one(
+                    op, m.parts.requests, *fast[:5], tuple(classes), *fast[6:]
+                )
             assert same(manager_state(m), before[0]) and same(requests_state(m), before[1])
-    first, hit, _, _ = native._built.allocate_one(op, m, *fast)
-    assert hit == 2 and first.row == m._rows["b"]
+    first, hit, _, _ = native._built.allocate_one(op, m.parts.requests, *fast)
+    assert hit == 2 and first.row == m.parts.requests.rows["b"]
 
 
 @pytest.mark.parametrize("extensions", [True, False], ids=["SHA extensions", "portable"])
@@ -414,7 +422,7 @@ def test_allocate_one_refuses_keys_that_are_not_this_prompt_s() -> None:
     m = manager([layer(0)], num_blocks=16)
     from kvcm import allocation
 
-    fast = allocation.c_args(m)
+    fast = allocation.c_args(m.parts)
     prompt = list(range(1, 10))
     op = {"request_id": "a", "num_tokens": 9, "token_ids": prompt, "lookahead": 0}
     op |= {k: None for k in ("lora_id", "cache_salt", "multimodal", "block_keys")}
@@ -422,10 +430,13 @@ def test_allocate_one_refuses_keys_that_are_not_this_prompt_s() -> None:
     before = requests_state(m)
     for bad in ((good[0][:-4], good[1]), (good[0], good[1][:1]), good[1], (good[0],)):
         with pytest.raises(ValueError, match="keyed"):
-            native._built.allocate_one(op, m, *fast, bad)
+            native._built.allocate_one(op, m.parts.requests, *fast, bad)
         assert same(requests_state(m), before)
-    first = native._built.allocate_one(op, m, *fast, good)[0]
-    assert m._prefix["a"].prompt_keys == block_keys(prompt, 4) and first.handle == 1 << 32
+    first = native._built.allocate_one(op, m.parts.requests, *fast, good)[0]
+    assert (
+        m.parts.requests.prefix["a"].prompt_keys == block_keys(prompt, 4)
+        and first.handle == 1 << 32
+    )
 
 
 #: What ``_survives`` runs first: a manager ``m`` with the C core, ``fast``: its
@@ -437,7 +448,7 @@ native.use(True)
 m = KVCacheManager({"layers": [{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}],
                     "tokens_per_block": 4, "num_blocks": 64, "max_requests": 4,
                     "max_seq_len": 64})
-fast = allocation.c_args(m)
+fast = allocation.c_args(m.parts)
 """
 
 
@@ -466,7 +477,8 @@ def test_allocate_one_refuses_a_class_without_instances() -> None:
             classes = list(fast[5])
             classes[at] = type(iter([]))
             try:
-                native._built.allocate_one(op, m, *fast[:5], tuple(classes), *fast[6:])
+                table = m.parts.requests
+                native._built.allocate_one(op, table, *fast[:5], tuple(classes), *fast[6:])
             except TypeError:
                 pass
             else:
@@ -521,12 +533,12 @@ def test_a_failing_prompt_keys_leaves_each_allocate_its_own_keys() -> None:
 
     native.use(True)
     m = manager([layer(0)], num_blocks=64)
-    assert allocation.c_args(m) is not None and allocation.c_args(m)[-1]  # prompts in C
+    assert allocation.c_args(m.parts) is not None and allocation.c_args(m.parts)[-1]  # prompts in C
     (h,) = m.step_columns(allocate=[op("a", 5)]).handles.tolist()
     native.core = FailingPromptKeys(native._built)
     out = m.step_columns(free=[h], allocate=[op("b", 9), op("c", 9)])
     assert out.ok and out.status["free"].tolist() == [0] and out.allocated_ids == ["b", "c"]
-    assert m._prefix["c"].prompt_keys == block_keys(list(range(1, 10)), 4)
+    assert m.parts.requests.prefix["c"].prompt_keys == block_keys(list(range(1, 10)), 4)
 
 
 def test_allocate_one_and_prompt_keys_hold_an_op_s_values_across_its_lookups() -> None:
@@ -552,7 +564,7 @@ def test_allocate_one_and_prompt_keys_hold_an_op_s_values_across_its_lookups() -
         op = {"request_id": "".join(["req", "-y"]), "num_tokens": 9,
               "token_ids": list(range(9)), "lookahead": 0, Evil(): 0}
         try:
-            native._built.allocate_one(op, m, *fast)
+            native._built.allocate_one(op, m.parts.requests, *fast)
         except Exception:
             pass
         print("survived")

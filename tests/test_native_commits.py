@@ -48,10 +48,10 @@ class _Spy:
 def _prefix_state(m: KVCacheManager) -> Any:
     """Each live request's committed bytes and keys, the cache index and its stats."""
     live = m.request_ids()
-    cache = m._coord.cache
+    cache = m.parts.coord.cache
     return [
-        {r: bytes(m._tokens[r]) for r in live},
-        {r: list(m._prefix[r].keys) for r in live},
+        {r: bytes(m.parts.requests.tokens[r]) for r in live},
+        {r: list(m.parts.requests.prefix[r].keys) for r in live},
         [{root: dict(keys) for root, keys in g.items()} for g in cache.index],
         cache.stats,
     ]
@@ -67,25 +67,33 @@ def test_the_worked_example_appends_publishes_and_appends() -> None:
         m.allocate(rid, n + 1)
         m.commit(rid, list(range(10, 10 + n)))
     core = native._built
-    cache = m._coord.cache
+    cache = m.parts.coord.cache
     seq = cache.log.last_seq
-    rows = np.array([m._rows[r] for r in "abc"], dtype=np.int64)
+    rows = np.array([m.parts.requests.rows[r] for r in "abc"], dtype=np.int64)
     data = [np.array([t], dtype="<i4").tobytes() for t in (1, 2, 3)]
-    args = (m._ids, m._tokens, m._prefix, m._committed, m._native_decode.arrays(core, m))
+    args = (
+        m.parts.requests.ids,
+        m.parts.requests.tokens,
+        m.parts.requests.prefix,
+        m.parts.requests.committed,
+        m.parts.native_decode.arrays(core, m.parts),
+    )
     assert core.commit_run(rows, data, 0, *args, cache) == 3
     assert m.committed_tokens("a") == [10, 11, 12, 13, 14, 1]
     assert m.committed_tokens("b") == [10, 11, 12, 13, 14, 15, 16, 2]
     assert m.committed_tokens("c") == [10, 11, 3]
-    assert m._committed[rows].tolist() == [6, 8, 3]
-    keys = m._prefix["b"].keys
+    assert m.parts.requests.committed[rows].tolist() == [6, 8, 3]
+    keys = m.parts.requests.prefix["b"].keys
     from kvcm.hashing import chain_keys
 
     assert keys == chain_keys(
-        m._prefix["b"].root, np.array([10, 11, 12, 13, 14, 15, 16, 2], "<i4").tobytes(), 4
+        m.parts.requests.prefix["b"].root,
+        np.array([10, 11, 12, 13, 14, 15, 16, 2], "<i4").tobytes(),
+        4,
     )
-    slot = int(m._coord.tables[0][m._rows["b"], 1])
-    assert cache.scope(0, m._prefix["b"].root)[keys[1]] == slot
-    assert cache.slot_key[0][slot] == (0, m._prefix["b"].root, keys[1])
+    slot = int(m.parts.coord.tables[0][m.parts.requests.rows["b"], 1])
+    assert cache.scope(0, m.parts.requests.prefix["b"].root)[keys[1]] == slot
+    assert cache.slot_key[0][slot] == (0, m.parts.requests.prefix["b"].root, keys[1])
     assert cache.cached[0][slot]
     (event,) = m.events(seq).events
     assert event.kind == "block_stored" and event.block_keys == [keys[1].hex()]
@@ -101,10 +109,16 @@ def test_an_item_that_does_not_fit_refuses_the_call_with_nothing_changed() -> No
         m.allocate(rid, 4)
     core = native._built
     before = _prefix_state(m), manager_state(m)
-    rows = np.array([m._rows["a"], m._rows["b"]], dtype=np.int64)
+    rows = np.array([m.parts.requests.rows["a"], m.parts.requests.rows["b"]], dtype=np.int64)
     data = [np.arange(4, dtype="<i4").tobytes(), np.arange(5, dtype="<i4").tobytes()]
-    args = (m._ids, m._tokens, m._prefix, m._committed, m._native_decode.arrays(core, m))
-    assert core.commit_run(rows, data, 0, *args, m._coord.cache) is None
+    args = (
+        m.parts.requests.ids,
+        m.parts.requests.tokens,
+        m.parts.requests.prefix,
+        m.parts.requests.committed,
+        m.parts.native_decode.arrays(core, m.parts),
+    )
+    assert core.commit_run(rows, data, 0, *args, m.parts.coord.cache) is None
     assert same((_prefix_state(m), manager_state(m)), before)
     handles = [m.request(r).handle for r in "ab"]
     out = m.step_columns(commit=handles, commit_tokens=[[1] * 4, [1] * 5])
@@ -131,8 +145,8 @@ def _random_steps(
             picked = [h for h in live if rng.random() < 0.7]
             tokens = []
             for h in picked:
-                rid = any_m._ids[h & 0xFFFFFFFF]
-                done = len(any_m._tokens[rid]) // 4
+                rid = any_m.parts.requests.ids[h & 0xFFFFFFFF]
+                done = len(any_m.parts.requests.tokens[rid]) // 4
                 pending = seqs[h][done:]
                 k = int(rng.integers(0, len(pending) + 1))
                 if rng.random() < 0.2:
@@ -174,10 +188,10 @@ def _random_steps(
         mm = m[True]
         for h in list(seqs):
             row = h & 0xFFFFFFFF
-            if mm._handle[row] != h:
+            if mm.parts.requests.handle[row] != h:
                 del seqs[h]
                 continue
-            n = int(mm._coord.num_tokens[row])
+            n = int(mm.parts.coord.num_tokens[row])
             seqs[h] = (seqs[h] + rng.integers(0, 6, n).tolist())[:n]
             if "rewind" in cols and cols["rewind"][0] == h and rng.random() < 0.5:
                 seqs[h] = seqs[h][: max(n - 3, 0)]  # rejected: others come in their place
@@ -186,11 +200,11 @@ def _random_steps(
                 seqs[h] = list(cols["allocate"][i]["token_ids"])
         grow = int(rng.integers(1, 6))
         for mm in m.values():  # room to commit more: every live request grows
-            live = [int(h) for h in mm._handle if h > 0]
+            live = [int(h) for h in mm.parts.requests.handle if h > 0]
             if live:
                 mm.step_columns(extend=live, num_new_tokens=grow)
         for h in seqs:
-            n = int(m[True]._coord.num_tokens[h & 0xFFFFFFFF])
+            n = int(m[True].parts.coord.num_tokens[h & 0xFFFFFFFF])
             seqs[h] = (seqs[h] + rng.integers(0, 6, n).tolist())[:n]
 
 
@@ -223,7 +237,7 @@ def test_random_steps_of_commits_match_the_python_path(
     kw = {"num_blocks": 600, "max_requests": 12, "max_seq_len": 96, **config}
     spy = _Spy()
     ms = {on: manager(layers, **kw) for on in (True, False)}
-    assert ms[True]._coord.group_pool == [0, 0, 1]
+    assert ms[True].parts.coord.group_pool == [0, 0, 1]
     core.use_sha_extensions(sha_extensions)
     try:
         _random_steps(ms, np.random.default_rng(11), 200, spy)
@@ -232,7 +246,7 @@ def test_random_steps_of_commits_match_the_python_path(
     assert spy.results["done"] > 50, spy.results
     assert spy.results["handed back"] > 0, spy.results  # multimodal blocks: Python keys them
     assert spy.results["failed"] == 0, spy.results
-    assert ms[True]._coord.cache.stats.stored_blocks > 100
+    assert ms[True].parts.coord.cache.stats.stored_blocks > 100
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -244,14 +258,18 @@ def test_a_cached_slot_is_not_published_again(on: bool) -> None:
     m = manager([layer(0)], num_blocks=16, max_seq_len=64)
     m.allocate("a", 8)
     m.commit("a", [1, 2, 3])
-    cache = m._coord.cache
-    slot = int(m._coord.tables[0][m._rows["a"], 0])
+    cache = m.parts.coord.cache
+    slot = int(m.parts.coord.tables[0][m.parts.requests.rows["a"], 0])
     cache.cached[0][slot] = True
     seq = cache.log.last_seq
     handles = [m.request("a").handle, m.allocate("b", 4).handle]
     out = m.step_columns(commit=handles, commit_tokens=[[4, 5, 6], [7]])  # fills block 0
     assert out.ok and m.committed_tokens("a") == [1, 2, 3, 4, 5, 6]
-    assert len(m._prefix["a"].keys) == 1 and cache.index == [{}] and cache.slot_key == [{}]
+    assert (
+        len(m.parts.requests.prefix["a"].keys) == 1
+        and cache.index == [{}]
+        and cache.slot_key == [{}]
+    )
     assert cache.log.last_seq == seq and cache.stats.stored_blocks == 0
 
 
@@ -268,21 +286,21 @@ def test_a_kept_prompt_key_is_reused_only_after_the_prompt_s_own_blocks(on: bool
     prompt = list(range(1, 13))
     m.allocate("a", 12, token_ids=prompt)
     m.allocate("b", 12, token_ids=prompt)
-    kept = list(m._prefix["a"].prompt_keys)
+    kept = list(m.parts.requests.prefix["a"].prompt_keys)
     assert len(kept) == 3
     handles = [m.request(r).handle for r in "ab"]
     m.step_columns(commit=handles, commit_tokens=[[1, 2, 3, 4, 5, 6, 7, 99], prompt[:8]])
     m.step_columns(commit=handles, commit_tokens=[prompt[8:], prompt[8:]])
-    root = m._prefix["a"].root
+    root = m.parts.requests.prefix["a"].root
     for rid in "ab":
         tokens = np.array(m.committed_tokens(rid), dtype="<i4").tobytes()
-        assert m._prefix[rid].keys == chain_keys(root, tokens, 4), rid
-    assert m._prefix["b"].keys == kept
+        assert m.parts.requests.prefix[rid].keys == chain_keys(root, tokens, 4), rid
+    assert m.parts.requests.prefix["b"].keys == kept
     for rid in "ab":  # the kept key objects themselves: reused, not hashed again
         n = 3 if rid == "b" else 1
-        own = m._prefix[rid].prompt_keys[:n]
-        assert all(k is p for k, p in zip(m._prefix[rid].keys[:n], own, strict=True))
-    assert not set(m._prefix["a"].keys[1:]) & set(kept)
+        own = m.parts.requests.prefix[rid].prompt_keys[:n]
+        assert all(k is p for k, p in zip(m.parts.requests.prefix[rid].keys[:n], own, strict=True))
+    assert not set(m.parts.requests.prefix["a"].keys[1:]) & set(kept)
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -298,17 +316,19 @@ def test_given_keys_that_hit_are_not_kept_for_a_commit_after_a_rewind(on: bool) 
     y = [1, 2, 3, 9, 5, 6, 7, 8, 9]  # block 0 differs at position 3
     m.allocate("a", 9, token_ids=x)
     m.commit("a", x)
-    kx = list(m._prefix["a"].keys)
+    kx = list(m.parts.requests.prefix["a"].keys)
     hb = m.allocate("b", 9, token_ids=y, block_keys=[k.hex() for k in kx]).handle
-    assert m.request("b").num_hit_tokens == 8 and m._prefix["b"].prompt_keys == []
+    assert m.request("b").num_hit_tokens == 8 and m.parts.requests.prefix["b"].prompt_keys == []
     m.free("a")
     m.rewind("b", 6)
     m.step_columns(extend=[hb], num_new_tokens=6)
     out = m.step_columns(commit=[hb, m.allocate("c", 4).handle], commit_tokens=[y[3:], [0]])
     assert out.ok
-    root = m._prefix["b"].root
-    assert m._prefix["b"].keys == chain_keys(root, np.array(y[:8], "<i4").tobytes(), 4)
-    assert kx[0] not in m._coord.cache.scope(0, root)
+    root = m.parts.requests.prefix["b"].root
+    assert m.parts.requests.prefix["b"].keys == chain_keys(
+        root, np.array(y[:8], "<i4").tobytes(), 4
+    )
+    assert kx[0] not in m.parts.coord.cache.scope(0, root)
     assert m.allocate("d", 9, token_ids=x).num_hit_tokens == 0
 
 
@@ -325,9 +345,9 @@ def test_given_keys_of_any_bytes_type_are_taken_as_bytes(on: bool) -> None:
     x = list(range(1, 14))
     m.allocate("a", 13, token_ids=x)
     m.commit("a", x)
-    kx = list(m._prefix["a"].keys)
+    kx = list(m.parts.requests.prefix["a"].keys)
     hb = m.allocate("b", 13, token_ids=x, block_keys=[kx[0], Key(kx[1]), kx[2]]).handle
-    assert all(type(k) is bytes for k in m._prefix["b"].keys)
+    assert all(type(k) is bytes for k in m.parts.requests.prefix["b"].keys)
     out = m.step_columns(commit=[hb, m.allocate("c", 4).handle], commit_tokens=[x[12:], [0]])
     assert out.ok, out.errors
 
@@ -404,9 +424,9 @@ def test_publishing_allocates_nothing_that_outlives_it() -> None:
         cycle(k)
     gc.collect()
     before = sys.getallocatedblocks()
-    stored = m._coord.cache.stats.stored_blocks
+    stored = m.parts.coord.cache.stats.stored_blocks
     for k in range(200, 800):
         cycle(k)
     gc.collect()
-    assert m._coord.cache.stats.stored_blocks - stored > 5000
+    assert m.parts.coord.cache.stats.stored_blocks - stored > 5000
     assert sys.getallocatedblocks() - before < 500

@@ -28,7 +28,7 @@ def _both(
     error codes) and state after each op."""
     ms = {on: manager(layers, **kw) for on in (True, False)}
     for m in ms.values():
-        m._coord.edits = []  # as with a CUDA device
+        m.parts.coord.edits = []  # as with a CUDA device
     spy = CoreSpy(ms[True])
     for i, op in enumerate(ops):
         got = {}
@@ -65,7 +65,7 @@ def test_a_new_row_takes_each_group_s_blocks_from_the_head_and_gives_them_back_t
     m = manager(
         [layer(0), layer(1, owner="draft")], num_blocks=12, max_seq_len=64, tokens_per_block=16
     )
-    c = m._coord
+    c = m.parts.coord
     assert c.group_pool == [0, 0]
     m.allocate("x", 33)  # 3 blocks per group: the queue no longer starts at 0
     m.free("x")
@@ -107,7 +107,7 @@ def test_a_freed_row_keeps_what_a_prefix_hit_shares_and_a_window_released(
     # a's blocks and b's past its hit (the window's hit is Python's), c's in one call
     # (extends keep grow_one), and the three frees
     assert spy.results == Counter({"grow tuple": 2, "start grow": 1, "release tuple": 3})
-    pool = ms[True]._coord.pools
+    pool = ms[True].parts.coord.pools
     assert [p.num_free for p in pool] == [p.num_usable for p in pool]
 
 
@@ -149,7 +149,7 @@ def test_a_queue_full_of_tombstones_is_compacted_before_a_free(
             lambda m, i=i: m.free(f"r{i}"),
         ]
     ms, spy = _both(layers, ops, tokens_per_block=4, num_blocks=6, max_seq_len=32)
-    pools = len(ms[True]._coord.pools)
+    pools = len(ms[True].parts.coord.pools)
     assert spy.results["release int"] >= pools, spy.results  # each pool group compacted
     assert spy.results["release tuple"] == 13, spy.results  # every free ran in C at last
 
@@ -161,8 +161,8 @@ def test_row_ops_leave_to_numpy_what_they_do_not_run() -> None:
     assert core is not None
     m = manager([layer(0), layer(1, sliding_window=4)], num_blocks=16, max_seq_len=64)
     row = m.allocate("a", 13).row
-    c = m._coord
-    args = (m._native_decode.context(m), tuple(c.pools), tuple(c.sinks))
+    c = m.parts.coord
+    args = (m.parts.native_decode.context(m.parts), tuple(c.pools), tuple(c.sinks))
     grow = args[:2]
     before = manager_state(m)
     assert core.row_grow(row, 4, 0, *grow) is False  # from 13 tokens: the window releases
@@ -251,14 +251,14 @@ def test_the_context_object_reads_the_arrays_once_and_checks_them() -> None:
     core = native._built
     assert core is not None
     m = manager([layer(0)], num_blocks=8, max_seq_len=64)
-    c = m._coord
-    nd = m._native_decode
-    held = core.context(nd.context(m))
+    c = m.parts.coord
+    nd = m.parts.native_decode
+    held = core.context(nd.context(m.parts))
     row = m.allocate("a", 5).row  # after the object was made: it reads the live arrays
     assert core.row_release(row, held, tuple(c.pools), tuple(c.sinks)) == (2,)
     assert m.num_free_blocks() == 8 and c.num_tokens[row] == 0
     with pytest.raises(ValueError):
-        core.context(nd.context(m)[:5])
+        core.context(nd.context(m.parts)[:5])
     with pytest.raises(ValueError):  # a capsule that is not a context
         core.row_release(row, datetime.datetime_CAPI, tuple(c.pools), tuple(c.sinks))
 
@@ -280,7 +280,7 @@ def test_a_copied_manager_makes_its_own_context_object() -> None:
     assert same(manager_state(m), before) and twin.request_ids() == ["c"]
     assert m.block_table("b") == table
     m.free("b")  # the original's own object still serves it
-    pool = m._coord.pools[0]
+    pool = m.parts.coord.pools[0]
     assert pool.num_free == pool.num_usable
 
 
@@ -291,19 +291,19 @@ def test_a_slot_named_twice_in_a_row_comes_back_once_as_in_numpy() -> None:
     native.use(True)
     m = manager([layer(0), layer(1, owner="draft")], num_blocks=12, max_seq_len=64)
     row = m.allocate("a", 4).row
-    c = m._coord
+    c = m.parts.coord
     c.refs[0][c.tables[1][row, 0]] = 0  # group 1's own slot goes back to nobody...
     c.pools[0].push(c.tables[1][row, :1].copy())
     c.tables[1][row, 0] = c.tables[0][row, 0]  # ...and it names group 0's slot instead
     c.refs[0][c.tables[0][row, 0]] = 2
     twin = copy.deepcopy(m)
     native.use(False)
-    twin._coord.release_row(row)
+    twin.parts.coord.release_row(row)
     native.use(True)
-    context, pools, sinks = m._native_decode.row_args(native._built, m)
+    context, pools, sinks = m.parts.native_decode.row_args(native._built, m.parts)
     assert native._built.row_release(row, context, pools, sinks) == (1, 1)
     assert same(manager_state(m)[:9], manager_state(twin)[:9])  # tables, counters, queues
-    pool = m._coord.pools[0]
+    pool = m.parts.coord.pools[0]
     assert pool.num_free == pool.num_usable
 
 
@@ -318,9 +318,9 @@ def test_a_prefix_hit_takes_the_cached_slots_and_only_the_free_ones_leave_the_qu
     m.commit("a", prompt)
     m.free("a")
     m.allocate("holder", 5, token_ids=prompt[:5])  # holds k0's slot
-    c = m._coord
-    keys = m._prefix["holder"].prompt_keys
-    s0 = c.cache.scope(0, m._prefix["holder"].root)[keys[0]]
+    c = m.parts.coord
+    keys = m.parts.requests.prefix["holder"].prompt_keys
+    s0 = c.cache.scope(0, m.parts.requests.prefix["holder"].root)[keys[0]]
     assert c.refs[0][s0] == 1
     queue = c.pools[0].free_order().tolist()
     info = m.allocate("b", 16, token_ids=[*prompt[:8], 50, 51, 52, 53, 54, 55, 56, 57], lookahead=4)
@@ -421,7 +421,7 @@ def test_random_prefix_hits_match_the_numpy_path(
 
     ops = [_guarded(op) for op in _hits_ops(np.random.default_rng(3), 500)]
     ms, spy = _both(layers, ops, max_seq_len=64, **kw)
-    assert ms[True]._coord.group_pool == group_pool
+    assert ms[True].parts.coord.group_pool == group_pool
     assert spy.results["start hit"] > 50, spy.results
     assert (spy.results["start NoneType"] > 0) == fills, spy.results  # left to numpy to name
     assert spy.results["start bool"] == 0, spy.results
@@ -480,10 +480,14 @@ def _cached_prompt(
     m.allocate("a", len(prompt), token_ids=prompt)
     m.commit("a", prompt)
     m.free("a")
-    c, decode = m._coord, m._native_decode
+    c, decode = m.parts.coord, m.parts.native_decode
     root = next(iter(c.cache.index[0]))
     scopes = tuple(index[root] for index in c.cache.index)
-    return scopes, list(scopes[0]), (*decode.row_args(native._built, m), decode.cached(m))
+    return (
+        scopes,
+        list(scopes[0]),
+        (*decode.row_args(native._built, m.parts), decode.cached(m.parts)),
+    )
 
 
 def test_row_start_leaves_keys_that_are_not_bytes_to_numpy() -> None:
@@ -497,9 +501,9 @@ def test_row_start_leaves_keys_that_are_not_bytes_to_numpy() -> None:
     m = manager([layer(0)], num_blocks=16, max_seq_len=64)
     scopes, keys, args = _cached_prompt(m, list(range(13)))
     core = native._built
-    c = m._coord
+    c = m.parts.coord
     root = next(iter(c.cache.index[0]))
-    row = m._free_rows[-1]
+    row = m.parts.requests.free_rows[-1]
     before = manager_state(m)
     assert core.row_start(row, [keys[0], Key(keys[1])], scopes, 2, 9, 0, *args) is False
     odd = {keys[0]: np.int64(c.cache.index[0][root][keys[0]])}
@@ -521,8 +525,8 @@ def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> 
     keys = keys[:2]
     live = m.allocate("b", 5).row
     core = native._built
-    c = m._coord
-    row = m._free_rows[-1]
+    c = m.parts.coord
+    row = m.parts.requests.free_rows[-1]
     before = manager_state(m)
     assert core.row_start(live, keys, scopes, 2, 9, 0, *args) is False  # not a free row
     assert core.row_start(row, keys, scopes, 2, 0, 0, *args) is False  # no token
@@ -544,13 +548,13 @@ def test_row_start_puts_back_the_tombstones_of_a_hit_whose_grow_cannot_run() -> 
     w = manager([layer(0), layer(1, sliding_window=8)], num_blocks=16, max_seq_len=64)
     w.allocate("a", 13, token_ids=prompt)
     w.commit("a", prompt)
-    wc = w._coord
+    wc = w.parts.coord
     wroot = next(iter(wc.cache.index[0]))
     wscopes = tuple(index[wroot] for index in wc.cache.index)
     wkeys = list(wscopes[0])[:2]
-    wargs = (*w._native_decode.row_args(core, w), w._native_decode.cached(w))
+    wargs = (*w.parts.native_decode.row_args(core, w.parts), w.parts.native_decode.cached(w.parts))
     before = manager_state(w)
-    assert core.row_start(w._free_rows[-1], wkeys, wscopes, 2, 9, 0, *wargs) is False
+    assert core.row_start(w.parts.requests.free_rows[-1], wkeys, wscopes, 2, 9, 0, *wargs) is False
     assert same(manager_state(w), before)
 
 
@@ -563,7 +567,7 @@ def test_a_hit_that_does_not_fit_only_for_its_claimed_slots_is_none() -> None:
     scopes, keys, args = _cached_prompt(m, prompt)  # blocks 0 and 1: all 8 slots free
     core = native._built
     before = manager_state(m)
-    assert core.row_start(m._free_rows[-1], keys, scopes, 2, 36, 0, *args) is None
+    assert core.row_start(m.parts.requests.free_rows[-1], keys, scopes, 2, 36, 0, *args) is None
     assert same(manager_state(m), before)
     with pytest.raises(OutOfBlocks):
         m.allocate("b", 36, token_ids=[*prompt[:8], *range(50, 78)])

@@ -86,13 +86,13 @@ def test_tables_after_prefill_decode_past_the_window_and_free() -> None:
     assert m.page_indices(["a"], 0, mode="kernel", per_layer=True).tolist() == [
         [2, 4, 6, 22, 30, 0, 0, 0]
     ]
-    assert m._coord.pools[0].free_order().tolist() == []
+    assert m.parts.coord.pools[0].free_order().tolist() == []
     st = m.stats()
     assert (st.total_blocks, st.used_blocks, st.free_blocks) == ({0: 15}, {0: 15}, {0: 0})
     m.free("a")
     assert m.page_tables()[:, 0].tolist() == [[0] * 8, [0] * 8]
     # Freed tail first per layer group: full 15 11 3 2 1, then window 5 12 6 4.
-    assert m._coord.pools[0].free_order().tolist() == [15, 11, 3, 2, 1, 5, 12, 6, 4]
+    assert m.parts.coord.pools[0].free_order().tolist() == [15, 11, 3, 2, 1, 5, 12, 6, 4]
     m.free("b")
     assert (m.page_tables() == 0).all()
     assert m.num_free_blocks(0) == m.num_total_blocks(0) == 15
@@ -125,7 +125,7 @@ def test_slot_zero_is_never_handed_out_even_when_the_pool_runs_dry() -> None:
         with pytest.raises(OutOfBlocks):
             grow()
     assert m.block_table("a") == [[1, 2, 3], [4, 5, 6]] and m.block_table("b") == [[7], [8]]
-    assert m._coord.refs[0][0] == 0 and not m._coord.cache.cached[0][0]
+    assert m.parts.coord.refs[0][0] == 0 and not m.parts.coord.cache.cached[0][0]
 
 
 def test_the_null_page_needs_a_second_slot_in_every_pool_group() -> None:
@@ -223,8 +223,8 @@ def test_prefix_hits_are_exact_and_unneeded_window_blocks_are_the_null_page() ->
     ]
     # Free: 15, p's sixth blocks (6, 12: never full, never cached) and p's window blocks 2
     # and 1 (9, 8), still cached for a later hit.
-    assert m._coord.pools[0].free_order().tolist() == [15, 6, 12, 9, 8]
-    assert m._coord.cache.cached[0][[6, 12, 9, 8]].tolist() == [False, False, True, True]
+    assert m.parts.coord.pools[0].free_order().tolist() == [15, 6, 12, 9, 8]
+    assert m.parts.coord.cache.cached[0][[6, 12, 9, 8]].tolist() == [False, False, True, True]
     assert m.probe(prompt) == 20
     m.free("q")
     assert (m.page_tables() == 0).all()
@@ -240,7 +240,7 @@ def test_an_aborted_atomic_step_restores_tables_holding_the_null_page() -> None:
         return (
             m.page_tables().tolist(),
             m.block_table("a"),
-            m._coord.pools[0].free_order().tolist(),
+            m.parts.coord.pools[0].free_order().tolist(),
             m.stats(),
         )
 
@@ -333,8 +333,8 @@ def test_random_ops_give_the_plain_managers_tables_one_slot_up(rng: np.random.Ge
             shifted = [[s + 1 if s >= 0 else -1 for s in row] for row in plain.block_table(rid)]
             assert null.block_table(rid) == shifted
         for pg in range(2):
-            order = plain._coord.pools[pg].free_order() + 1
-            assert np.array_equal(null._coord.pools[pg].free_order(), order)
+            order = plain.parts.coord.pools[pg].free_order() + 1
+            assert np.array_equal(null.parts.coord.pools[pg].free_order(), order)
         assert null.stats() == plain.stats()
         if live and step % 10 == 0:  # a CPU slot mapping costs ms on a busy 2-core machine
             counts = [plain.request(r).num_tokens for r in live]

@@ -32,11 +32,11 @@ def full16(num_blocks: int = 16, **kw: object) -> KVCacheManager:
 
 
 def order(m: KVCacheManager, pg: int = 0) -> list[int]:
-    return m._coord.pools[pg].free_order().tolist()
+    return m.parts.coord.pools[pg].free_order().tolist()
 
 
 def refs(m: KVCacheManager, slots: list[int], pg: int = 0) -> list[int]:
-    return m._coord.refs[pg][slots].tolist()
+    return m.parts.coord.refs[pg][slots].tolist()
 
 
 def test_miss_then_hit_on_a_shared_48_token_prefix() -> None:
@@ -251,7 +251,7 @@ def test_the_event_log_is_bounded_and_says_when_a_reader_fell_behind() -> None:
 def test_an_atomic_step_that_fails_undoes_hits_publishing_and_events() -> None:
     m = full16(num_blocks=6)
     m.allocate("a", 33, token_ids=[*P[:32], 0])
-    before = (m.events().last_seq, order(m), m._coord.refs[0].tolist())
+    before = (m.events().last_seq, order(m), m.parts.coord.refs[0].tolist())
     results = m.step(
         [
             CommitOp(request_id="a", token_ids=[*P[:32], 0]),
@@ -265,7 +265,7 @@ def test_an_atomic_step_that_fails_undoes_hits_publishing_and_events() -> None:
         "step_aborted",
         "out_of_blocks",
     ]
-    assert (m.events().last_seq, order(m), m._coord.refs[0].tolist()) == before
+    assert (m.events().last_seq, order(m), m.parts.coord.refs[0].tolist()) == before
     assert m.probe([*P[:32], 0]) == 0 and m.request_ids() == ["a"]
     ok = m.step([CommitOp(request_id="a", token_ids=[*P[:32], 0])], atomic=True)
     assert ok[0].ok and m.probe([*P[:32], 5]) == 32
@@ -346,16 +346,16 @@ def test_random_sharing_keeps_reference_counts_and_the_free_list_consistent(
             for rid in ids:
                 live[rid].append(int(rng.integers(0, 50)))
                 m.commit(rid, live[rid][-1:])
-        for pg in range(len(m._coord.pools)):
+        for pg in range(len(m.parts.coord.pools)):
             held = np.zeros(m.num_total_blocks(pg), dtype=np.int32)
             for rid in live:
                 row = m.request(rid).row
                 for g, group in enumerate(m.layout.layer_groups):
                     if group.pool_group != pg:
                         continue
-                    blocks = m._coord.tables[g][row]
+                    blocks = m.parts.coord.tables[g][row]
                     np.add.at(held, blocks[blocks >= 0], 1)
-            assert m._coord.refs[pg].tolist() == held.tolist()
+            assert m.parts.coord.refs[pg].tolist() == held.tolist()
             free = order(m, pg)
             assert sorted(free) == np.flatnonzero(held == 0).tolist()
             most_shared = max(most_shared, int(held.max()))
@@ -398,14 +398,17 @@ def test_an_aborted_step_restores_the_block_keys_a_rewind_dropped() -> None:
     m = full16(num_blocks=8)
     m.allocate("a", 40, token_ids=[*P[:32], *[0] * 8])
     m.commit("a", [*P[:32], *[0] * 8])
-    keys = list(m._prefix["a"].keys)
+    keys = list(m.parts.requests.prefix["a"].keys)
     assert len(keys) == 2
     results = m.step(
         [RewindOp(request_id="a", num_tokens=20), AllocateOp(request_id="b", num_tokens=200)],
         atomic=True,
     )
     assert [r.error.code for r in results if r.error] == ["step_aborted", "out_of_blocks"]
-    assert m._prefix["a"].keys == keys and m.committed_tokens("a") == [*P[:32], *[0] * 8]
+    assert m.parts.requests.prefix["a"].keys == keys and m.committed_tokens("a") == [
+        *P[:32],
+        *[0] * 8,
+    ]
 
 
 def test_probe_takes_a_numpy_prompt_with_its_keys() -> None:

@@ -331,7 +331,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def snapshot(self) -> tuple[Any, ...]:
         """Everything a refused call must leave as it was."""
         m = self.m
-        c = m._coord
+        c = m.parts.coord
         cache = c.cache
         return (
             sorted(
@@ -340,7 +340,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     m.request(r).model_dump_json(),
                     m.block_table(r),
                     m.committed_tokens(r),
-                    len(m._prefix[r].keys),
+                    len(m.parts.requests.prefix[r].keys),
                 )
                 for r in m.request_ids()
             ),
@@ -359,9 +359,9 @@ class ManagerMachine(RuleBasedStateMachine):
             ),
             m.stats().prefix_cache.model_dump_json(),
             m.last_event_seq,
-            tuple(m._free_rows),
-            m._committed.tobytes(),
-            m._hits.tobytes(),
+            tuple(m.parts.requests.free_rows),
+            m.parts.requests.committed.tobytes(),
+            m.parts.requests.hits.tobytes(),
         )
 
     def memory(self) -> list[bytes]:
@@ -379,7 +379,7 @@ class ManagerMachine(RuleBasedStateMachine):
         nothing, only ``writes`` calls may change pool bytes, and ``readonly`` ones nothing
         else even when they succeed. Checks ``outcome``."""
         before, memory = self.snapshot(), self.memory()
-        c = self.m._coord
+        c = self.m.parts.coord
         self.queues = [p.free_order().tolist() for p in c.pools]
         self.refs = [r.copy() for r in c.refs]
         try:
@@ -424,13 +424,13 @@ class ManagerMachine(RuleBasedStateMachine):
             pg = self.group_pool[g]
             np.subtract.at(refs[pg], slots, 1)
             queues[pg] += [s for s in dict.fromkeys(slots.tolist()) if refs[pg][s] == 0]
-        tables = self.m._coord.tables
+        tables = self.m.parts.coord.tables
         for g, row, start, k in takes:
             pg = self.group_pool[g]
             got = tables[g, row, start : start + k].tolist()
             assert got == queues[pg][:k], ("new blocks come off the queue's head", g, got)
             del queues[pg][:k]
-        for pg, pool in enumerate(self.m._coord.pools):
+        for pg, pool in enumerate(self.m.parts.coord.pools):
             got = pool.free_order().tolist()
             assert got == queues[pg], ("free order", pg, got, queues[pg])
 
@@ -440,7 +440,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """``check_slots``' releases and takes for extending these (request, new tokens,
         lookahead) at once: windows release their stale blocks, then each layer group takes
         the new blocks of every request in turn."""
-        tables = self.m._coord.tables
+        tables = self.m.parts.coord.tables
         releases = []
         for g, (window, _) in enumerate(self.windows):
             if window is not None:
@@ -461,7 +461,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """``check_slots``' releases of dropping the request's blocks from ``keep`` on."""
         out = []
         for g in range(len(self.windows)):
-            cells = self.m._coord.tables[g, req.row, keep : req.blocks]
+            cells = self.m.parts.coord.tables[g, req.row, keep : req.blocks]
             out.append((g, cells[cells > self.empty][::-1].copy()))
         return out
 
@@ -476,7 +476,7 @@ class ManagerMachine(RuleBasedStateMachine):
         op's window releases free (a stale block a prefix hit shares stays held)."""
         need = [0] * len(self.sharing)
         stale: list[list[int]] = [[] for _ in self.sharing]
-        tables = self.m._coord.tables
+        tables = self.m.parts.coord.tables
         for req, n, la in items:
             h = req.num_tokens if req else 0
             want = blocks(h + n + la)
@@ -489,7 +489,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     stale[pg] += tables[g, req.row, rel:end].tolist()
         free = self.free_counts()
         for pg, slots in enumerate(stale):
-            refs = self.m._coord.refs[pg]
+            refs = self.m.parts.coord.refs[pg]
             holders = collections.Counter(slots)
             back = sum(refs[s] == k for s, k in holders.items())
             if need[pg] > free[pg] + back:
@@ -543,7 +543,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def cells(self, req: Req, g: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(live mask, slots) of these positions of the request in layer group g."""
-        slots = self.m._coord.tables[g, req.row, positions // TPB]
+        slots = self.m.parts.coord.tables[g, req.row, positions // TPB]
         return slots > self.empty, slots
 
     def write(self, req: Req, positions: np.ndarray) -> None:
@@ -759,7 +759,7 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             assert info.num_hit_tokens == 0
         self.admit(rid, req, int(num_tokens), int(lookahead))
-        b, tables = req.hits // TPB, m._coord.tables
+        b, tables = req.hits // TPB, m.parts.coord.tables
         claims = []
         for g, pg in enumerate(self.group_pool):  # hit blocks nobody held left the queue
             cells = tables[g, req.row, :b].tolist()
@@ -890,7 +890,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not is_count(n, 1) or n >= req.num_tokens:
             return Outcome(must=(InvalidArgument,))
         new_len = req.num_tokens - n
-        c = self.m._coord
+        c = self.m.parts.coord
         keep = blocks(new_len + req.lookahead)
         shared = False
         for g in range(len(self.windows)):
@@ -1048,7 +1048,7 @@ class ManagerMachine(RuleBasedStateMachine):
             # groups of one pool group share its pools (each holds its own slots there).
             before = self.pools()
             expect = {pid: view.copy() for pid, view in before.items()}
-            tables = m._coord.tables
+            tables = m.parts.coord.tables
             for r, s, d in zip(ids, src, dst, strict=True):
                 row, s, d = self.reqs[r].row, int(s), int(d)
                 for g, pids in enumerate(self.group_pools):
@@ -1086,7 +1086,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return Outcome(must=(InvalidArgument,))
         if len(set(pairs)) != len(pairs):
             return Outcome(must=(InvalidArgument,))
-        c = self.m._coord
+        c = self.m.parts.coord
         dead = shared = False
         for q, s, d in zip(reqs, src, dst, strict=True):
             for g, pg in enumerate(self.group_pool):
@@ -1320,7 +1320,7 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         if m is None:
             return
-        c = m._coord
+        c = m.parts.coord
         empty = self.empty
         tables = c.tables
         assert np.array_equal(m.page_tables().numpy(), tables)

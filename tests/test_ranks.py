@@ -208,7 +208,7 @@ def test_edit_queues_give_every_rank_every_edit_once() -> None:
     takes late gets everything since it last took, the last edit of each cell once. Run on
     the CPU's host tables: each rank replays its edits onto a copy of the tables."""
     m = KVCacheManager(config())
-    c = m._coord
+    c = m.parts.coord
     c.edits = []  # log edits as on CUDA
     queues = EditQueues(c, 3)
     copies = [c.tables.copy() for _ in range(3)]
@@ -353,7 +353,7 @@ def test_an_undo_after_a_rank_took_the_edits_edits_the_cells_back() -> None:
     the others); the undo then logs edits that put every cell back, so no rank keeps a
     block the host no longer has."""
     m = KVCacheManager(config())
-    c = m._coord
+    c = m.parts.coord
     c.edits = []
     queues = EditQueues(c, 2)
     copies = [c.tables.copy() for _ in range(2)]
@@ -378,7 +378,7 @@ def test_an_undo_after_a_rank_took_the_edits_edits_the_cells_back() -> None:
 
 def test_a_queue_nobody_reads_stays_bounded() -> None:
     m = KVCacheManager(config(num_blocks=64))
-    c = m._coord
+    c = m.parts.coord
     c.edits = []
     queues = EditQueues(c, 2)
     for i in range(300):

@@ -37,7 +37,7 @@ def test_allocate_extend_free_exact_block_ids() -> None:
     assert m.block_table("a") == [[0, 1, 2, 5]]
     m.free("a")
     # Freed tail first, appended behind the never-used slots 6 and 7.
-    assert m._coord.pools[0].free_order().tolist() == [6, 7, 5, 2, 1, 0]
+    assert m.parts.coord.pools[0].free_order().tolist() == [6, 7, 5, 2, 1, 0]
     c = m.allocate("c", 9)
     assert c.row == 0  # the freed row is reused
     assert m.block_table("c") == [[6, 7, 5]]
@@ -142,7 +142,7 @@ def test_rewind_frees_whole_blocks_past_the_new_capacity() -> None:
     assert m.block_table("a") == [[0, 1, 2]]
     m.rewind("a", 1)  # 6 + 2 = 8 tokens: block 2 is freed
     assert m.block_table("a") == [[0, 1]]
-    assert m._coord.pools[0].free_order().tolist() == [3, 4, 5, 6, 7, 2]
+    assert m.parts.coord.pools[0].free_order().tolist() == [3, 4, 5, 6, 7, 2]
 
 
 def test_rewind_into_a_released_window_is_refused() -> None:

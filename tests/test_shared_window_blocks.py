@@ -38,12 +38,12 @@ def _full_pool() -> KVCacheManager:
     m.allocate("c", 2, lookahead=2)  # slot 4
     m.allocate("d", 12)  # slots 5 6 7
     m.extend("b", 3)  # 12 tokens in 3 blocks: nothing new
-    assert m.num_free_blocks() == 0 and m._coord.refs[0][1] == 2
+    assert m.num_free_blocks() == 0 and m.parts.coord.refs[0][1] == 2
     return m
 
 
 def _state(m: KVCacheManager) -> object:
-    c = m._coord
+    c = m.parts.coord
     return (
         [(r, m.request(r), m.block_table(r)) for r in m.request_ids()],
         c.refs[0].tolist(),

@@ -93,7 +93,7 @@ def test_window_without_sinks_releases_from_block_zero() -> None:
     assert m.block_table("a") == [[0, 1, 2]]
     m.extend("a", 1)  # history 12: (12 + 1 - 8) // 4 = 1
     assert m.block_table("a") == [[-1, 1, 2, 3]]
-    assert m._coord.pools[0].free_order().tolist() == [4, 5, 6, 7, 0]
+    assert m.parts.coord.pools[0].free_order().tolist() == [4, 5, 6, 7, 0]
     m.extend("a", 4)  # history 13: (13 + 1 - 8) // 4 = 1, nothing more
     assert m.block_table("a") == [[-1, 1, 2, 3, 4]]
     m.extend("a", 1)  # history 17: (17 + 1 - 8) // 4 = 2

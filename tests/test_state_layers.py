@@ -114,7 +114,7 @@ def test_mamba2_sized_state_is_within_5_percent_of_its_bytes() -> None:
         for i in range(1, 53)
     ]
     m = _manager(state_layers=layers, max_requests=2, state_checkpoints=1)
-    (group,) = m._state.groups  # type: ignore[union-attr]
+    (group,) = m.parts.state.groups  # type: ignore[union-attr]
     theoretical = 52 * (6144 * 3 * 2 + 128 * 64 * 128 * 4)
     assert group.state_bytes == theoretical and group.slot_bytes <= 1.05 * theoretical
     est = m.estimate(16)
@@ -191,7 +191,7 @@ def test_commits_on_block_boundaries_save_checkpoints_and_a_hit_restores_them() 
     prompt = list(range(10))  # 2 full blocks and 2 tokens
     m.allocate("a", 10, token_ids=prompt)
     _commit_in_blocks(m, "a", prompt, 100)  # checkpoints at 4 and 8, not at 10
-    assert m._state.saves == 2 and m._state.num_saved(0) == 2  # type: ignore[union-attr]
+    assert m.parts.state.saves == 2 and m.parts.state.num_saved(0) == 2  # type: ignore[union-attr]
     assert m.probe(prompt) == 8
     b = m.allocate("b", 10, token_ids=prompt)
     assert b.num_hit_tokens == 8 and (ssm[b.row] == 108).all()
@@ -201,7 +201,7 @@ def test_commits_on_block_boundaries_save_checkpoints_and_a_hit_restores_them() 
     other = list(range(50, 60))
     m.allocate("d", 10, token_ids=other)
     m.commit("d", other)
-    assert m.probe(other) == 0 and m._state.saves == 2  # type: ignore[union-attr]
+    assert m.probe(other) == 0 and m.parts.state.saves == 2  # type: ignore[union-attr]
 
 
 def test_a_step_makes_its_state_copies_in_one_batch() -> None:
@@ -215,7 +215,7 @@ def test_a_step_makes_its_state_copies_in_one_batch() -> None:
         info = m.allocate(f"r{i}", 9)
         ssm[info.row] = float(i + 1)
         handles.append(info.handle)
-    st = m._state
+    st = m.parts.state
     assert st is not None
     before = st.batches
     out = m.step_columns(commit=handles, commit_tokens=[p[:4] for p in prompts])
@@ -232,7 +232,7 @@ def test_hits_land_on_multiples_of_the_stride() -> None:
     prompt = list(range(14))  # 3 full blocks
     m.allocate("a", 14, token_ids=prompt)
     _commit_in_blocks(m, "a", prompt, 0)
-    assert m._state.saves == 1  # type: ignore[union-attr]  # at 8 only (2 blocks)
+    assert m.parts.state.saves == 1  # type: ignore[union-attr]  # at 8 only (2 blocks)
     assert m.allocate("b", 14, token_ids=prompt).num_hit_tokens == 8  # not 12
 
 
@@ -248,7 +248,7 @@ def test_checkpoints_are_evicted_least_recently_used() -> None:
     m.free("a")
     m.free("b")
     m.reset_prefix_cache()
-    assert m.probe(q) == 0 and m._state.num_saved(0) == 0  # type: ignore[union-attr]
+    assert m.probe(q) == 0 and m.parts.state.num_saved(0) == 0  # type: ignore[union-attr]
 
 
 def test_rewinds_go_back_to_a_checkpoint_or_the_start_or_are_refused() -> None:
@@ -515,7 +515,7 @@ def test_suspend_moves_the_state_to_the_host_and_resume_into_a_free_live_slot() 
     with pytest.raises(OutOfBlocks):
         m.resume("a")  # its blocks would fit, a live state slot does not: nothing changes
     assert m.request("a").state_slot == -1 and m.num_free_blocks() == 28
-    assert m._host is not None and m._host.held[0] == 2
+    assert m.parts.host is not None and m.parts.host.held[0] == 2
     assert m.host_stats()["state_host_used"] == {0: 1}
     m.free("b")
     back = m.resume("a")  # row 0's own slot is c's: the lowest free one, b's
@@ -526,7 +526,7 @@ def test_suspend_moves_the_state_to_the_host_and_resume_into_a_free_live_slot() 
     assert stats["state_host_slots"] == {0: 2} and stats["state_host_used"] == {0: 0}
     m.free("a")
     m.free("c")
-    assert m._state is not None and m._state.num_free_live == 2
+    assert m.parts.state is not None and m.parts.state.num_free_live == 2
 
 
 def test_a_suspend_without_a_free_host_state_slot_changes_nothing() -> None:
@@ -573,8 +573,8 @@ def test_a_slot_suspended_and_reused_in_one_step_keeps_each_state(deferred: bool
     zeroing of the slot comes after the copy out; a checkpoint of a slot comes before a
     resume's copy into it."""
     m = _suspending(state_live_slots=1)
-    assert m._host is not None
-    m._host.copier.immediate = not deferred
+    assert m.parts.host is not None
+    m.parts.host.copier.immediate = not deferred
     ssm = m.state_view(1, "ssm")
     p = list(range(6))
     a = m.allocate("a", 6, token_ids=p)
@@ -617,7 +617,7 @@ def test_an_undone_step_gives_back_the_live_slots_it_took() -> None:
     bad = {"op": "extend", "request_id": "nope", "num_new_tokens": 1}
     results = m.step([{"op": "allocate", "request_id": "a", "num_tokens": 5}, bad], atomic=True)
     assert not any(r.ok for r in results)
-    assert m._state is not None and m._state.num_free_live == 1
+    assert m.parts.state is not None and m.parts.state.num_free_live == 1
     assert m.allocate("b", 5).state_slot == 0
 
 
@@ -768,7 +768,7 @@ def test_an_allocate_in_a_step_zeroes_a_suspended_request_s_slot_after_its_copy_
     (whose state flush would make the zeroing first). The allocate settles as the single op
     does, so x comes back with its state."""
     m = _suspending(state_live_slots=2)
-    m._host.copier.immediate = False  # as on CUDA: the tier's copies wait for a settle
+    m.parts.host.copier.immediate = False  # as on CUDA: the tier's copies wait for a settle
     ssm = m.state_view(1, "ssm")
     m.allocate("x", 5)
     m.allocate("z", 5)

@@ -14,9 +14,9 @@ def snapshot(m: KVCacheManager) -> object:
     """Everything observable: requests, block lists, tables, free lists, committed tokens."""
     return (
         {r: (m.request(r), m.block_table(r), m.committed_tokens(r)) for r in m.request_ids()},
-        [m._coord.pools[pg].free_order().tolist() for pg in range(len(m._coord.pools))],
+        [m.parts.coord.pools[pg].free_order().tolist() for pg in range(len(m.parts.coord.pools))],
         m.page_tables().clone().tolist(),
-        sorted(m._free_rows),
+        sorted(m.parts.requests.free_rows),
     )
 
 
@@ -181,7 +181,7 @@ def test_a_batch_that_fits_only_thanks_to_a_later_release_runs_op_by_op() -> Non
     assert [r.ok for r in results] == [False, True]
     assert results[0].error is not None and results[0].error.code == "out_of_blocks"
     assert m.block_table("b") == [[-1, 2, 3]] and m.block_table("a") == [[0]]
-    assert m._coord.pools[0].free_order().tolist() == [1]
+    assert m.parts.coord.pools[0].free_order().tolist() == [1]
 
 
 def test_mixed_steps_have_the_outcomes_of_running_the_ops_one_by_one(

@@ -52,7 +52,7 @@ class Channel:
     spin_ns = 0  # the adaptive poll, not the busy-poll mode
 
     def __init__(self, window_us: float, read_timeout: float = 5.0, answer_size: int = 0):
-        self._connections: set[Any] = set()
+        self.connections: set[Any] = set()
         self.poll = TrackingPoll(window_us)
         self.read_timeout = read_timeout
         self.answer_size = answer_size
@@ -70,18 +70,18 @@ class Channel:
         return {"result": result}, bool(message.get("close")), "x"
 
     @staticmethod
-    def _error(op: Any, exc: Exception) -> dict[str, Any]:
+    def error_frame(op: Any, exc: Exception) -> dict[str, Any]:
         return {"error": str(exc)}
 
     def wait_for_frame(self, after: str) -> None:
-        unsent = sum(c.transport.get_write_buffer_size() for c in self._connections)
+        unsent = sum(c.transport.get_write_buffer_size() for c in self.connections)
         t0 = time.perf_counter()
         ended = self.poll.wait()
         self.polls.append((unsent, ended, time.perf_counter() - t0))
 
     def check(self) -> None:
         """Every registered descriptor is open and a live connection's."""
-        live = {c.fd for c in self._connections if c.fd is not None}
+        live = {c.fd for c in self.connections if c.fd is not None}
         for fd in self.poll.fds:
             os.fstat(fd)  # a closed one would end every poll at once (POLLNVAL)
         assert self.poll.fds <= live, (self.poll.fds, live)
@@ -143,7 +143,7 @@ def test_descriptors_follow_the_connections_however_they_end(
         channel.check()
         assert len(channel.poll.fds) == 5
         server.close()  # as StepChannel.stop does
-        for conn in list(channel._connections):
+        for conn in list(channel.connections):
             conn.close()
         await server.wait_closed()
         await asyncio.sleep(0.01)

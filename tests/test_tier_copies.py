@@ -107,7 +107,7 @@ def test_immediate_copies_run_as_they_are_queued() -> None:
 def _deferred(m: KVCacheManager) -> list[dict[tuple[int, int], BlockState | None]]:
     """Make the CPU manager's copies wait for the op's end (as on CUDA), and record the
     state of every block of ``_keys`` at each op's end, before its copies complete."""
-    host = m._host
+    host = m.parts.host
     assert host is not None
     host.copier.immediate = False
     seen: list[dict[tuple[int, int], BlockState | None]] = []
@@ -125,10 +125,10 @@ _PROMPTS = {p: [p * 100 + t for t in range(9)] for p in range(3)}  # 2 full bloc
 
 
 def _states(m: KVCacheManager) -> dict[tuple[int, int], BlockState | None]:
-    host = m._host
+    host = m.parts.host
     assert host is not None
     return {
-        (p, b): host.state_of(m._coord.cache, 0, root_key(), key)
+        (p, b): host.state_of(m.parts.coord.cache, 0, root_key(), key)
         for p, prompt in _PROMPTS.items()
         for b, key in enumerate(block_keys(prompt, TPB))
     }
@@ -155,7 +155,7 @@ def test_a_block_goes_device_copying_out_host_copying_in_device() -> None:
     assert seen[-2][0, 0] == seen[-2][0, 1] == OUT  # at the allocate's end (then commit's)
     assert _states(m)[0, 0] == _states(m)[0, 1] == H
     m.free("c")
-    copier = m._host.copier  # type: ignore[union-attr]
+    copier = m.parts.host.copier  # type: ignore[union-attr]
     hazards = copier.stats.copy_hazard_launches
     # Prompt 0 again: its blocks onboard into slots 5 and 4; 4 held prompt 1's block 1
     # (b had [3, 4, 5]), whose copy out is launched first (a hazard), then d's third block
@@ -203,7 +203,7 @@ def _consumer_violations(monkeypatch: pytest.MonkeyPatch, immediate: bool) -> tu
     page tables during every copy: returns (reads during a copy, table cells it saw holding
     a slot whose copy was in flight)."""
     m = manager([layer(0)], num_blocks=6, host_memory_bytes=8 * 128)
-    host = m._host
+    host = m.parts.host
     assert host is not None
     host.copier.immediate = immediate
     in_copy = threading.Event()
@@ -221,11 +221,11 @@ def _consumer_violations(monkeypatch: pytest.MonkeyPatch, immediate: bool) -> tu
 
     def consumer() -> None:
         nonlocal reads, bad
-        coord = m._coord
+        coord = m.parts.coord
         while not done.is_set():
             if not in_copy.wait(0.001):
                 continue
-            live = [r for r in range(coord.tables.shape[1]) if m._ids[r] is not None]
+            live = [r for r in range(coord.tables.shape[1]) if m.parts.requests.ids[r] is not None]
             cells = {int(s) for r in live for s in coord.tables[0][r] if s > coord.empty}
             busy = set(host.copier.busy_device_slots(0))
             if in_copy.is_set():

@@ -139,7 +139,7 @@ def _get(path: str, parse: Callable[[bytes], T], **params: Any) -> Call[T]:
 # -- one builder per manager method ------------------------------------------------------------
 
 
-def _prompt(
+def prompt_body(
     token_ids: Any, lora_id: Any, cache_salt: Any, multimodal: Any, block_keys: Any
 ) -> dict[str, Any]:
     """The prefix-reuse fields, with bytes keys as hex (only the fields that are set)."""
@@ -184,7 +184,7 @@ def allocate(
         request_id=request_id,
         num_tokens=num_tokens,
         lookahead=lookahead,
-        **_prompt(token_ids, lora_id, cache_salt, multimodal, block_keys),
+        **prompt_body(token_ids, lora_id, cache_salt, multimodal, block_keys),
         **sized,
     )
 
@@ -192,7 +192,7 @@ def allocate(
 def probe(
     token_ids: Any, lora_id: Any, cache_salt: Any, multimodal: Any, block_keys: Any
 ) -> Call[int]:
-    body = {"token_ids": token_ids} | _prompt(None, lora_id, cache_salt, multimodal, block_keys)
+    body = {"token_ids": token_ids} | prompt_body(None, lora_id, cache_salt, multimodal, block_keys)
     return _post(
         "/v1/probe",
         lambda raw: ProbeResult.model_validate_json(raw).num_hit_tokens,
@@ -287,7 +287,7 @@ def probe_tiers(token_ids: Any, lora_id: Any, cache_salt: Any) -> Call[tuple[int
         result = ProbeTiersResult.model_validate_json(raw)
         return result.device_tokens, result.host_tokens
 
-    body = {"token_ids": token_ids} | _prompt(None, lora_id, cache_salt, None, None)
+    body = {"token_ids": token_ids} | prompt_body(None, lora_id, cache_salt, None, None)
     return _post("/v1/probe_tiers", parse, idempotent=True, **body)
 
 

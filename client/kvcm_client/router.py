@@ -37,7 +37,7 @@ def _route(
     cache_salt: str | None,
     multimodal: Sequence[Any] | None,
 ) -> calls.Call[RouteResult]:
-    body = calls._prompt(token_ids, lora_id, cache_salt, multimodal, block_keys)
+    body = calls.prompt_body(token_ids, lora_id, cache_salt, multimodal, block_keys)
     return calls.Call(
         "POST",
         "/v1/route",

@@ -86,7 +86,8 @@ def _open(segment: SharedSegment) -> shared_memory.SharedMemory:
     # The service owns and unlinks the segment; this process only maps it (Python < 3.13
     # registers every opened segment for unlinking at exit).
     with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        # SharedMemory keeps the tracker's key (the name with its leading slash) private.
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # noqa: SLF001
     return shm
 
 

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import msgpack
 from pydantic import TypeAdapter
 
-from ._calls import _default, _prompt
+from ._calls import _default, prompt_body
 from .columns import StepColumnsResult
 from .errors import (
     InvalidArgument,
@@ -179,7 +179,7 @@ def slot_mapping(
 def probe(
     token_ids: Any, lora_id: Any, cache_salt: Any, multimodal: Any, block_keys: Any
 ) -> StepCall[int]:
-    args = {"token_ids": list(token_ids)} | _prompt(
+    args = {"token_ids": list(token_ids)} | prompt_body(
         None, lora_id, cache_salt, multimodal, block_keys
     )
     return StepCall("probe", args, int, idempotent=True)
@@ -198,7 +198,7 @@ def allocate(
 ) -> StepCall[RequestInfo]:
     # Idempotent as over HTTP: the manager returns the first result for an identical allocate.
     args = {"request_id": request_id, "num_tokens": num_tokens, "lookahead": lookahead}
-    args |= _prompt(token_ids, lora_id, cache_salt, multimodal, block_keys)
+    args |= prompt_body(token_ids, lora_id, cache_salt, multimodal, block_keys)
     if max_new_tokens is not None:
         args["max_new_tokens"] = max_new_tokens
     return StepCall("allocate", args, _info, idempotent=True)

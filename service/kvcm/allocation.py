@@ -21,7 +21,7 @@ from .hashing import MultimodalItem, multimodal_items, root_key
 from .publish import PrefixState
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .components import Components
 
 
 #: The root key of requests without a LoRA or a salt: the C core keys only those.
@@ -69,7 +69,7 @@ class FirstAllocation:
         )
 
 
-def c_args(m: KVCacheManager) -> tuple[Any, ...] | None:
+def c_args(m: Components) -> tuple[Any, ...] | None:
     """What the C core's ``allocate_one`` takes besides the op and the manager; None where
     every allocate takes the Python path: no C core, context-parallel ranks, a host tier
     (whose onboarding and offloading are Python's) or state layers. Fixed for the manager's
@@ -77,17 +77,17 @@ def c_args(m: KVCacheManager) -> tuple[Any, ...] | None:
     core = native.core
     if core is None:
         return None
-    decode = m._native_decode
+    decode = m.native_decode
     if decode.allocate_args is None:
         decode.allocate_args = _c_args(core, m) or ()
     return decode.allocate_args or None
 
 
-def _c_args(core: Any, m: KVCacheManager) -> tuple[Any, ...] | None:
-    c = m._coord
-    if not c.plain or m._host is not None or m._state is not None:
+def _c_args(core: Any, m: Components) -> tuple[Any, ...] | None:
+    c = m.coord
+    if not c.plain or m.host is not None or m.state is not None:
         return None
-    decode = m._native_decode
+    decode = m.native_decode
     context, pools, sinks = decode.row_args(core, m)
     # Prompts: keyed with the SHA extensions (else hashlib, in Python, is as fast) and hit
     # where every layer group is full attention and reusable.
@@ -107,7 +107,7 @@ def _c_args(core: Any, m: KVCacheManager) -> tuple[Any, ...] | None:
 
 
 def prompt_keys(
-    m: KVCacheManager, ops: list[dict[str, Any]], fast: tuple[Any, ...] | None
+    m: Components, ops: list[dict[str, Any]], fast: tuple[Any, ...] | None
 ) -> list[Any] | None:
     """A step's prompts keyed two at a time in C (``prompt_keys``: two SHA-256 chains at
     once, 8.3 -> 5.8 us for two 512-token prompts on the development VM), per op its
@@ -118,13 +118,13 @@ def prompt_keys(
     if sum(op["token_ids"] is not None for op in ops) < 2:
         return None
     try:
-        return native.core.prompt_keys(ops, _ROOT, m._coord.tokens_per_block)
+        return native.core.prompt_keys(ops, _ROOT, m.coord.tokens_per_block)
     except Exception:  # (no memory): each op keys its own, its error that item's status
         return None
 
 
 def start_op(
-    m: KVCacheManager, op: dict[str, Any], fast: tuple[Any, ...] | None, keyed: Any = None
+    m: Components, op: dict[str, Any], fast: tuple[Any, ...] | None, keyed: Any = None
 ) -> FirstAllocation:
     """``start`` of a step's allocate op (``kvcm.columnar_parse``'s dict, every field set):
     in C (``allocate_one``, with ``fast``: ``c_args``; ``keyed``: its prompt as
@@ -132,27 +132,27 @@ def start_op(
     prompt's ids; no LoRA, salt, multimodal items or given keys), not a retry, and fits;
     else in Python, which also names every error."""
     if fast is not None and op["max_new_tokens"] is None:
-        done = native.core.allocate_one(op, m, *fast, keyed)
+        done = native.core.allocate_one(op, m.requests, *fast, keyed)
         if done is not None:
             first, hit, added, evict = done
-            c = m._coord
+            c = m.coord
             if evict or c.edits is not None:  # (no host tier here: c_args)
                 native_rows.placed(c, first.row, hit, added, evict)
             else:  # nothing to evict or log: placed's count only
                 c.ops_since_take += 2 if hit else 1
             return first
     first = start(m, **op)
-    if m._state is not None and m._host is not None:
+    if m.state is not None and m.host is not None:
         # The new request's live slot may be one a suspend of this step gave up: its zeroing
         # is made after that suspend's copy out, as ``KVCacheManager.allocate`` settles
         # (kvcm.suspension). Other managers' steps settle once, at their end.
-        m._host.copier.finish()
-        m._state.flush()
+        m.host.copier.finish()
+        m.state.flush()
     return first
 
 
 def start(
-    m: KVCacheManager,
+    m: Components,
     request_id: str,
     num_tokens: int,
     token_ids: Sequence[int] | None = None,
@@ -187,7 +187,7 @@ def start(
                 "(and kvcm's own keys, not block_keys)"
             )
         args = (*args, max_new_tokens)
-    first = m._first.get(request_id)
+    first = m.requests.first.get(request_id)
     if first is not None:
         if first.args == args:
             return first
@@ -198,7 +198,7 @@ def start(
             num_tokens=first.args[0],
             lookahead=first.args[1],
         )
-    if not m._free_rows:
+    if m.requests.next_row() is None:
         raise RequestLimitReached(
             f"all {m.config.max_requests} page-table rows are in use",
             max_requests=m.config.max_requests,
@@ -214,7 +214,7 @@ def start(
     request_rows.check_len(m, request_id, num_tokens + lookahead)
     hit_tokens, state = prefix_reuse.reuse_prefix(
         m,
-        m._free_rows[-1],
+        m.requests.free_rows[-1],
         num_tokens,
         lookahead,
         tokens,
@@ -226,11 +226,7 @@ def start(
         block_keys,
         keys,
     )
-    row, handle = request_rows.claim(m, request_id)
-    m._tokens[request_id] = bytearray(data[: 4 * hit_tokens])
-    m._committed[row] = hit_tokens
-    m._hits[row] = hit_tokens
-    m._prefix[request_id] = state
-    first = FirstAllocation(args, request_id, row, handle, hit_tokens, m._state_slot.item(row))
-    m._first[request_id] = first
+    row, handle = m.requests.claim(request_id)
+    first = FirstAllocation(args, request_id, row, handle, hit_tokens, m.state_slot.item(row))
+    m.requests.start(request_id, row, first, state, data[: 4 * hit_tokens], hit_tokens)
     return first

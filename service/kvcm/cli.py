@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from kvcm_client.errors import KVCMError
 
 from . import native
+from .cli_support import CommandError, bind_tcp, text_table
 from .router.cli import add_commands as add_router_commands
 from .router.cli import run_route, run_router
 from .server import unix_socket
@@ -211,13 +212,6 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
     """The layout (layer groups, pool groups) and max requests per sequence length."""
     info = manager.describe()
@@ -231,7 +225,7 @@ def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
         dropped = ", ".join(f"{d.layer_id} ({d.reason})" for d in info.dropped_layers)
         out[0] += f"; dropped layers: {dropped}"
     out.append(
-        _table(
+        text_table(
             [["layer group", "layers", "window", "sink blocks", "pool group", "bytes/token"]]
             + [
                 [
@@ -247,7 +241,7 @@ def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
         )
     )
     out.append(
-        _table(
+        text_table(
             [["pool group", "slots", "slot bytes", "GiB"]]
             + [
                 [
@@ -264,52 +258,8 @@ def report(manager: KVCacheManager, seq_lens: list[int]) -> str:
     for seq_len in seq_lens:
         est = manager.estimate(seq_len)
         rows.append([str(seq_len), str(est.max_requests), est.limited_by, str(est.max_tokens)])
-    out.append(_table(rows))
+    out.append(text_table(rows))
     return "\n\n".join(out)
-
-
-class CommandError(Exception):
-    """A failure a person fixes from its message alone (a busy port, a missing folder): ``main``
-    prints it as one line, ``kvcm: <message>``, exit status 2, without a traceback. The message
-    names what failed (the flag, the address or path) and, where there is one, the way out."""
-
-
-def _where(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _listen_error(host: str, port: int, exc: OSError, port_flag: str, host_flag: str) -> str:
-    """Why ``host:port`` cannot be bound, for people: the OS says only "Address already in
-    use", not which address, nor which flag picks another."""
-    if exc.errno == errno.EADDRINUSE:
-        why = f"address already in use (another kvcm? choose another {port_flag})"
-    elif exc.errno == errno.EADDRNOTAVAIL:
-        why = f"{host} is not an address of this machine (check {host_flag})"
-    elif exc.errno == errno.EACCES and 0 < port < 1024:
-        why = f"permission denied: ports below 1024 need privileges (choose another {port_flag})"
-    elif isinstance(exc, socket.gaierror):
-        why = f"cannot resolve {host}: {exc.strerror} (check {host_flag})"
-    else:
-        why = (exc.strerror or str(exc)).lower()
-    return f"cannot listen on {_where(host, port)}: {why}"
-
-
-def _bind_tcp(
-    host: str, port: int, port_flag: str = "--port", host_flag: str = "--host"
-) -> tuple[socket.socket, str]:
-    """A TCP socket bound to ``host:port`` and its URL; a ``CommandError`` naming the address
-    and the flags (``port_flag``, ``host_flag``) where it cannot be bound."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise CommandError(_listen_error(host, port, exc, port_flag, host_flag)) from None
-    bound_host, bound_port = sock.getsockname()[:2]
-    shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-    return sock, f"http://{shown}:{bound_port}"
 
 
 #: The longest Unix socket path bind() takes (``sun_path``: 108 bytes on Linux, 104 elsewhere).
@@ -351,7 +301,7 @@ def _bind(settings: Settings) -> tuple[socket.socket, str, OwnSocket | None]:
         except OSError as exc:
             raise CommandError(f"--uds {path}: cannot bind: {exc.strerror or exc}") from None
         return sock, f"unix:{path}", own
-    sock, url = _bind_tcp(settings.host, settings.port)
+    sock, url = bind_tcp(settings.host, settings.port)
     return sock, url, None
 
 
@@ -491,7 +441,7 @@ def _serve(settings: Settings, stop: _StopRequest) -> int:
         main = MainServer(config)
         probe: uvicorn.Server | None = None
         if settings.metrics_port is not None:
-            probe_sock, probe_url = _bind_tcp(
+            probe_sock, probe_url = bind_tcp(
                 settings.metrics_host, settings.metrics_port, "--metrics-port", "--metrics-host"
             )
             probe_sock.listen(128)

@@ -51,10 +51,11 @@ from kvcm_client.errors import (
 from . import allocation, native, request_rows
 from .columnar_types import SECTIONS, ItemError, StepColumns, StepOutcome
 from .commits import commit_batch, commit_row
-from .suspension import free_suspended, suspend_row
+from .suspension import free_suspended, resume, suspend_row
+from .transactions import transaction
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .components import Components
 
 _log = logging.getLogger("kvcm")
 _OK = 0
@@ -121,7 +122,7 @@ class _Run:
 
     def __init__(
         self,
-        m: KVCacheManager,
+        m: Components,
         cols: StepColumns,
         stop_on_error: bool,
         sizes: dict[str, int] | None = None,
@@ -247,7 +248,7 @@ class _Run:
             self.each_of_few(section, run, handles.tolist())
             return
         rows, live = request_rows.handle_rows(self.m, handles)
-        current = self.m._handle
+        current = self.m.requests.handle
         for i, row in enumerate(rows.tolist()):
             if (live is not None and not live[i]) or (recheck and current[row] != handles[i]):
                 self.unknown(section, i, int(handles[i]))
@@ -258,7 +259,7 @@ class _Run:
         """``each_row`` of a few handles (a step's frees): Python ints, no numpy call, and
         liveness checked as each item runs. Example: handle ``3 << 32 | 5`` is row 5, live
         while row 5's handle is that one."""
-        current = self.m._handle
+        current = self.m.requests.handle
         max_requests = current.size
         for i, handle in enumerate(handles):
             row = handle & request_rows.ROW_MASK
@@ -273,12 +274,12 @@ class _Run:
         request is named by the handle it had, as in ``resume``, and freed as ``free()``
         frees it: its host copies too."""
         m, freed = self.m, self.out.freed_ids
-        current = m._handle
+        current = m.requests.handle
         max_requests = current.size
         for i, handle in enumerate(self.cols.free.tolist()):
             row = handle & request_rows.ROW_MASK
             live = row < max_requests and current.item(row) == handle
-            if not live and handle not in m._suspended_handles:
+            if not live and handle not in m.requests.suspended_handles:
                 self.unknown("free", i, handle)
                 continue
             try:
@@ -312,11 +313,11 @@ class _Run:
         """By the handle the request had: kept for it while it is suspended."""
         m = self.m
         for i, handle in enumerate(self.cols.resume.tolist()):
-            rid = m._suspended_handles.get(handle)
+            rid = m.requests.suspended_handles.get(handle)
             if rid is None:
                 rows, live = request_rows.handle_rows(m, np.array([handle], dtype=np.int64))
                 if live is None:  # a live request: not suspended
-                    rid = m._ids[int(rows[0])]
+                    rid = m.requests.ids[int(rows[0])]
                     self.fail(
                         "resume",
                         i,
@@ -325,7 +326,7 @@ class _Run:
                 else:
                     self.unknown("resume", i, handle)
                 continue
-            self.item("resume", i, lambda rid=rid: m.resume(rid))
+            self.item("resume", i, lambda rid=rid: _resume(m, rid))
 
     def extends(self) -> None:
         cols = self.cols
@@ -376,8 +377,8 @@ class _Run:
         """
         cols, m = self.cols, self.m
         core = native.core
-        if core is not None and m._coord.plain and not self.stop_on_error:
-            done = m._native_decode.extend_around_failures(
+        if core is not None and m.coord.plain and not self.stop_on_error:
+            done = m.native_decode.extend_around_failures(
                 core, m, cols.extend, cols.num_new_tokens, cols.lookahead
             )
             if done is None:  # repeated rows, or no fit: item by item
@@ -416,7 +417,9 @@ class _Run:
         keyed = allocation.prompt_keys(m, self.cols.allocate, fast)
         for i, op in enumerate(self.cols.allocate):
             rid = op["request_id"]
-            retry = isinstance(rid, str) and rid in m._rows  # the same allocate again, or a dup
+            retry = (
+                isinstance(rid, str) and rid in m.requests.rows
+            )  # the same allocate again, or a dup
             # The step settles its copies once, at its end (``step_columns``).
             try:
                 first = allocation.start_op(m, op, fast, None if keyed is None else keyed[i])
@@ -432,7 +435,7 @@ class _Run:
 
 
 def execute(
-    m: KVCacheManager,
+    m: Components,
     cols: StepColumns,
     stop_on_error: bool,
     sizes: dict[str, int] | None = None,
@@ -477,13 +480,22 @@ def mapped_tokens(
     return rows, starts, counts
 
 
+def _resume(m: Components, request_id: str) -> object:
+    """A step's ``resume``: its copies completed before the step goes on, as
+    ``KVCacheManager.resume`` completes them before it answers."""
+    try:
+        return resume(m, request_id)
+    finally:
+        m.settle()
+
+
 def run_columns(
-    m: KVCacheManager, cols: StepColumns, atomic: bool, sizes: dict[str, int] | None = None
+    m: Components, cols: StepColumns, atomic: bool, sizes: dict[str, int] | None = None
 ) -> StepOutcome:
     """Run a parsed step on ``m``; all or nothing with ``atomic``."""
     if not atomic:
         return execute(m, cols, False, sizes)
-    with m.transaction() as undo:
+    with transaction(m) as undo:
         out = execute(m, cols, True, sizes)
         if out.failed is not None:
             undo()

@@ -23,10 +23,10 @@ from .hashing import token_data
 from .publish import PrefixState, publish
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .components import Components
 
 
-def commit(m: KVCacheManager, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
+def commit(m: Components, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
     """Record that the KV of the request's next ``len(token_ids)`` tokens is computed.
 
     Committed tokens are a prefix of the request: a request of 10 tokens with 4 committed
@@ -41,9 +41,9 @@ def commit(m: KVCacheManager, request_id: str, token_ids: Sequence[int]) -> Requ
     return request_rows.info(m, request_id, row)
 
 
-def commit_row(m: KVCacheManager, row: int, token_ids: Sequence[int]) -> None:
+def commit_row(m: Components, row: int, token_ids: Sequence[int]) -> None:
     """``commit`` of a live row (a columnar step's item)."""
-    request_id = m._ids[row]
+    request_id = m.requests.ids[row]
     assert request_id is not None
     data = token_data(token_ids)
     _check(m, request_id, row, len(data) // 4)
@@ -51,7 +51,7 @@ def commit_row(m: KVCacheManager, row: int, token_ids: Sequence[int]) -> None:
 
 
 def commit_batch(
-    m: KVCacheManager,
+    m: Components,
     rows: np.ndarray,
     token_ids: Sequence[Sequence[int]],
     item: Callable[[int, Callable[[], None]], object],
@@ -81,20 +81,20 @@ def commit_batch(
             data = [token_data(t) for t in token_ids]
         except Exception:  # any error is that item's own: the items then run one by one
             return False
-    if core is not None and m._state is None and m._undo is None:
+    if core is not None and m.state is None and m.requests.undo is None:
         return _batch_in_c(core, m, rows, data, item)
-    tokens, ids, prefix = m._tokens, m._ids, m._prefix
+    tokens, ids, prefix = m.requests.tokens, m.requests.ids, m.requests.prefix
     rids = list(map(ids.__getitem__, rows.tolist()))
     held = list(map(tokens.__getitem__, rids))
     states = list(map(prefix.__getitem__, rids))
     n = len(held)
     total = np.fromiter(map(len, held), dtype=np.int64, count=n)
     total += np.fromiter(map(len, data), dtype=np.int64, count=n)
-    if (total > 4 * m._coord.num_tokens[rows]).any():
+    if (total > 4 * m.coord.num_tokens[rows]).any():
         return False
     # With state layers (checkpoints) or inside an all-or-nothing step (undo actions), every
     # item takes the full path.
-    if m._state is None and m._undo is None:
+    if m.state is None and m.requests.undo is None:
         keyed = np.fromiter((len(st.keys) for st in states), dtype=np.int64, count=n)
         full = np.flatnonzero(total // (4 * m.tokens_per_block) > keyed).tolist()
     else:
@@ -114,13 +114,13 @@ def commit_batch(
     finally:
         if appended:
             done_items = np.array(appended, dtype=np.int64)
-            m._committed[rows[done_items]] = total[done_items] // 4
+            m.requests.set_committed(rows[done_items], total[done_items] // 4)
     return True
 
 
 def _batch_in_c(
     core: ModuleType,
-    m: KVCacheManager,
+    m: Components,
     rows: np.ndarray,
     data: list[bytes],
     item: Callable[[int, Callable[[], None]], object],
@@ -130,8 +130,14 @@ def _batch_in_c(
     to Python (a block to key with multimodal items), which run here
     through ``item`` before it goes on. An item that failed in C changed nothing and is
     reported through ``item`` too, so a stop still comes before any later item."""
-    args = (m._ids, m._tokens, m._prefix, m._committed, m._native_decode.arrays(core, m))
-    cache = m._coord.cache
+    args = (
+        m.requests.ids,
+        m.requests.tokens,
+        m.requests.prefix,
+        m.requests.committed,
+        m.native_decode.arrays(core, m),
+    )
+    cache = m.coord.cache
     n = len(data)
     i = 0
     while i < n:
@@ -144,7 +150,7 @@ def _batch_in_c(
         elif done < n:
             i = done
             row = int(rows[i])
-            rid = m._ids[row]
+            rid = m.requests.ids[row]
             assert rid is not None
             item(i, functools.partial(_append, m, rid, row, data[i]))
         else:
@@ -158,7 +164,7 @@ def _reraise(exc: BaseException) -> None:
 
 
 def commit_many(
-    m: KVCacheManager, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]
+    m: Components, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]
 ) -> None:
     """Commit ``token_ids[i]`` to ``request_ids[i]`` (distinct requests: the end of one
     forward pass), all or nothing: every id, token list and length is checked before any
@@ -184,16 +190,16 @@ def commit_many(
         _append(m, request_id, row, data)
 
 
-def committed_tokens(m: KVCacheManager, request_id: str) -> list[int]:
+def committed_tokens(m: Components, request_id: str) -> list[int]:
     """The committed token ids of a request, in order (a copy)."""
     request_rows.row_of(m, request_id, suspended=True)
-    return np.frombuffer(bytes(m._tokens[request_id]), dtype="<i4").tolist()
+    return np.frombuffer(bytes(m.requests.tokens[request_id]), dtype="<i4").tolist()
 
 
-def _check(m: KVCacheManager, request_id: str, row: int, num_new: int) -> None:
+def _check(m: Components, request_id: str, row: int, num_new: int) -> None:
     """Refuse committing ``num_new`` more tokens than the request has uncommitted."""
-    done = len(m._tokens[request_id]) // 4
-    length = int(m._coord.num_tokens[row])
+    done = len(m.requests.tokens[request_id]) // 4
+    length = int(m.coord.num_tokens[row])
     if done + num_new > length:
         raise InvalidArgument(
             f"request {request_id!r} has {length} tokens and {done} committed; "
@@ -206,7 +212,7 @@ def _check(m: KVCacheManager, request_id: str, row: int, num_new: int) -> None:
 
 
 def _append(
-    m: KVCacheManager,
+    m: Components,
     request_id: str,
     row: int,
     data: bytes,
@@ -217,20 +223,20 @@ def _append(
     fill; a publish that raises changes nothing. (``held`` and ``state``: the request's
     committed bytes and prefix state, when the caller has them.)"""
     if held is None:
-        held = m._tokens[request_id]
+        held = m.requests.tokens[request_id]
     if state is None:
-        state = m._prefix[request_id]
+        state = m.requests.prefix[request_id]
     done = len(held) // 4
     have = len(state.keys)
     held += data
     try:
-        publish(m._coord, state, row, held, done, data)
+        publish(m.coord, state, row, held, done, data)
     except BaseException:  # a refused commit changes nothing
         del held[4 * done :]
         del state.keys[have:]
         raise
-    m._committed[row] = len(held) // 4
+    m.requests.set_committed(row, len(held) // 4)
     state_requests.after_commit(m, row, state, done)
-    if m._undo is not None:
-        m._undo.append(lambda: held.__delitem__(slice(4 * done, None)))
-        m._undo.append(lambda: state.keys.__delitem__(slice(have, None)))
+    if m.requests.undo is not None:
+        m.requests.record(lambda: held.__delitem__(slice(4 * done, None)))
+        m.requests.record(lambda: state.keys.__delitem__(slice(have, None)))

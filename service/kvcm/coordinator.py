@@ -361,11 +361,11 @@ class Coordinator(PrefixHits, EditLog):
         self.check_fits(need, back)
         for g, pg, _, _, rel_old, rel_new in steps:
             if rel_new > rel_old:
-                self._unref(pg, self.tables[g][row, rel_old:rel_new].copy())
-                self._set(g, row, slice(rel_old, rel_new), None)
+                self.unref(pg, self.tables[g][row, rel_old:rel_new].copy())
+                self.set_cells(g, row, slice(rel_old, rel_new), None)
         for g, pg, current, add, _, rel_new in steps:
             if add:
-                self._set(g, row, slice(current, current + add), self._take(pg, add))
+                self.set_cells(g, row, slice(current, current + add), self.take(pg, add))
             self.num_blocks[g][row] = current + add
             self.released_end[g][row] = rel_new
         self.num_tokens[row] = length
@@ -377,8 +377,8 @@ class Coordinator(PrefixHits, EditLog):
     def _release(self, plan: _GroupPlan) -> None:
         assert plan.stale is not None
         r, pos, slots = plan.stale
-        self._unref(self.group_pool[plan.group], slots)
-        self._set(plan.group, r, pos, None)
+        self.unref(self.group_pool[plan.group], slots)
+        self.set_cells(plan.group, r, pos, None)
 
     def _allocate(self, plan: _GroupPlan, rows: np.ndarray) -> None:
         pg = self.group_pool[plan.group]
@@ -389,10 +389,10 @@ class Coordinator(PrefixHits, EditLog):
         else:
             items, offsets = segments(plan.add)
             positions = plan.current[items] + offsets
-        slots = self._take(pg, plan.num_add, positions)
-        self._set(plan.group, rows[items], positions, slots)
+        slots = self.take(pg, plan.num_add, positions)
+        self.set_cells(plan.group, rows[items], positions, slots)
 
-    def _take(self, pg: int, k: int, positions: np.ndarray | None = None) -> np.ndarray:
+    def take(self, pg: int, k: int, positions: np.ndarray | None = None) -> np.ndarray:
         """k slots off the queue's head (with context parallelism, one of each position's
         class), held once; blocks cached in them are evicted (to the host tier first, if
         there is one: copied before the slots are handed out)."""
@@ -421,7 +421,7 @@ class Coordinator(PrefixHits, EditLog):
     def taken_in_c(self, g: int, rows: np.ndarray, positions: np.ndarray, evict: bool) -> None:
         """Slots the C core took and wrote into layer group g's cells (``rows``,
         ``positions``): what they cached evicted when ``evict`` (one of them caches a block)
-        and the cells logged, as ``_take`` and ``_set`` do."""
+        and the cells logged, as ``take`` and ``set_cells`` do."""
         if not evict and self.edits is None:
             return
         slots = self.tables[g][rows, positions]
@@ -430,7 +430,7 @@ class Coordinator(PrefixHits, EditLog):
         if self.edits is not None:
             self.edits.append((g, rows, positions, slots))
 
-    def _set(
+    def set_cells(
         self,
         g: int,
         rows: int | np.ndarray,
@@ -485,11 +485,11 @@ class Coordinator(PrefixHits, EditLog):
         seg = self.tables[g][row, keep:count]
         live = seg[seg > self.empty][::-1]
         if live.size:  # one row's pages: distinct slots
-            self._unref(self.group_pool[g], live, distinct=True)
-        self._set(g, row, slice(keep, count), None)
+            self.unref(self.group_pool[g], live, distinct=True)
+        self.set_cells(g, row, slice(keep, count), None)
         self.num_blocks[g][row] = keep
 
-    def _unref(self, pg: int, slots: np.ndarray, distinct: bool = False) -> None:
+    def unref(self, pg: int, slots: np.ndarray, distinct: bool = False) -> None:
         """Drop one reference from each slot; those nobody holds go to the queue, in order.
         ``distinct``: the caller knows no slot is listed twice (one row's pages)."""
         refs = self.refs[pg]

@@ -12,7 +12,7 @@ from .context_parallel import class_counts, slot_classes
 
 
 class PrefixHits:
-    """Mixin of ``Coordinator`` (its state and its ``_zeros`` and ``_set``)."""
+    """Mixin of ``Coordinator`` (its state and its ``_zeros`` and ``set_cells``)."""
 
     tokens_per_block: int
     cp: int
@@ -67,7 +67,7 @@ class PrefixHits:
             n = slots.size
             # Hits mark blocks a window does not need with -1; the table holds ``empty``
             # there: max(-1, empty) is empty in both modes, and live slots are above it.
-            self._set(g, row, slice(0, n), np.maximum(slots, self.empty))
+            self.set_cells(g, row, slice(0, n), np.maximum(slots, self.empty))
             self.num_blocks[g][row] = n
             self.released_end[g][row] = released_end[g]
         self.num_tokens[row] = num_tokens

@@ -41,7 +41,7 @@ from .state_pools import state_memory
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from .manager import KVCacheManager
+    from .components import Components
 
 #: Host bytes of bookkeeping per slot: the free ring (2 x int32), positions (int64),
 #: reference counts (int32), cache flags, and room for the prefix cache's index.
@@ -79,15 +79,15 @@ def need_bytes(config: ManagerConfig, layout: Layout) -> tuple[int, int]:
     return pools + tables + pointers, host
 
 
-def held_bytes(manager: KVCacheManager) -> tuple[int, int]:
+def held_bytes(manager: Components) -> tuple[int, int]:
     """(device bytes, host bytes) that closing ``manager`` gives back: its pools and tables.
     Shared CUDA pools are kept until the process exits (consumers may map them): none."""
     if manager.device.type == "cuda" and manager.config.share:
         return 0, 0
     pools = sum(t.numel() * t.element_size() for t in manager.memory.tensors)
-    if manager._state is not None:
-        pools += sum(t.numel() for t in manager._state.memory)
-    tables = int(manager.page_tables().numel()) * 4
+    if manager.state is not None:
+        pools += sum(t.numel() for t in manager.state.memory)
+    tables = int(manager.views.page_tables().numel()) * 4
     if manager.device.type == "cuda":
         return pools + tables, tables
     return pools + tables, 0

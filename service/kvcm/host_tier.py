@@ -507,7 +507,7 @@ def onboard_prefix(
         if not blocks:
             continue
         pg = c.group_pool[g]
-        slots = c._take(pg, len(blocks)).tolist()
+        slots = c.take(pg, len(blocks)).tolist()
         host.onboard(pg, reserved[g], slots)
         taken.setdefault(pg, []).extend(slots)
         for i, slot in zip(blocks, slots, strict=True):
@@ -524,7 +524,7 @@ def onboard_prefix(
         host.log.host("block_removed", g, [keys[i] for i in blocks])
     # Onboarded blocks become idle cached blocks; pinned ones idle again (queue tail).
     for pg, slots in (*taken.items(), *pinned.items()):
-        c._unref(pg, np.array(slots, dtype=np.int64))
+        c.unref(pg, np.array(slots, dtype=np.int64))
 
 
 def _request_need(

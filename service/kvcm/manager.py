@@ -1,14 +1,16 @@
-"""``KVCacheManager``: the in-process kvcm API (DESIGN.md sections 3 to 5 and 7).
+"""``KVCacheManager``: the in-process kvcm API (DESIGN.md sections 3 to 5, 7 and 10).
 
-The manager owns an engine's state (pools and page tables per rank, the requests'
-bookkeeping, shared by every rank: ``kvcm.ranks``), validates arguments and turns state into
-results; each concept is a component module that takes the manager, as ``kvcm.columnar``
-does: starting a request (``kvcm.allocation``), request rows and handles
-(``kvcm.request_rows``), prefix reuse (``kvcm.prefix_reuse``), commits (``kvcm.commits``),
-suspension (``kvcm.suspension``), transactions (``kvcm.transactions``), capacity and stats
-(``kvcm.capacity``); tables and views are ``kvcm.views``' component. Block bookkeeping is
-the coordinator's, memory the pools', index math kvcm_kernels'. Every op is atomic: it
-raises before anything changes, or it completes.
+The manager is a façade: it validates arguments, delegates and turns state into results. Its
+components (``kvcm.components``, built by ``kvcm.assembly``) own the state: the request table
+its rows, handles, tokens and commits (``kvcm.request_table``), the coordinator the block
+tables and references, the host tier its slots, the state pools theirs, the tables-and-views
+component the device tables and views of each rank (``kvcm.ranks``). The operations over them
+are modules that take the components: starting a request (``kvcm.allocation``), rows and
+handles (``kvcm.request_rows``), prefix reuse (``kvcm.prefix_reuse``), commits
+(``kvcm.commits``), suspension (``kvcm.suspension``), transactions (``kvcm.transactions``),
+capacity and stats (``kvcm.capacity``), steps (``kvcm.columnar``, ``kvcm.op_steps``);
+docs/architecture.md draws the layers. Every op is atomic: it raises before anything
+changes, or it completes.
 """
 
 from __future__ import annotations
@@ -63,10 +65,10 @@ from . import (
     transactions,
 )
 from .allocation import MAX_REQUEST_ID as MAX_REQUEST_ID  # re-exported: tests read it
-from .allocation import FirstAllocation
 from .columnar import mapped_tokens, run_columns
 from .columnar_parse import parse_columns
 from .columnar_types import StepOutcome
+from .components import Components
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
 from .counts import _count
 from .hashing import MultimodalItem
@@ -76,9 +78,6 @@ from .op_steps import OpResults, execute_ops
 from .ops import op_dicts
 from .planning import check_config
 from .planning import resolve_device as resolve_device  # re-exported: the server uses it
-from .publish import PrefixState
-from .shared_memory import CudaSegments, SharedSegments
-from .suspension import Suspended
 from .views import TablesAndViews
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -95,17 +94,8 @@ def _doc(source: Callable[..., Any]) -> Callable[[_F], _F]:
 
 
 def _settle(m: KVCacheManager) -> None:
-    """Complete the copies the op queued: the host tier's (kvcm.tier_copies) and the state
-    layers' (kvcm.state_pools).
-
-    A step queues its copies and launches them in batches; its caller may write a slot the
-    step evicted, or read a block it onboarded, as soon as it answers, so every public op
-    that can take or give back slots settles before it answers, also when it raises.
-    """
-    if m._host is not None:
-        m._host.copier.finish()
-    if m._state is not None:
-        m._state.flush()
+    """``Components.settle``: the copies the op queued, completed before it answers."""
+    m.parts.settle()
 
 
 def _settles(method: _F) -> _F:
@@ -125,17 +115,9 @@ def _settles(method: _F) -> _F:
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of an engine's ranks."""
 
-    # Request state that ``kvcm.assembly`` sets up (the rest of its attributes are
-    # components, typed where they are built).
-    _segments: SharedSegments | CudaSegments | None
-    _rows: dict[str, int]
-    _ids: list[str | None]
-    _first: dict[str, FirstAllocation]
-    _prefix: dict[str, PrefixState]
-    _tokens: dict[str, bytearray]
-    _undo: list[Callable[[], None]] | None
-    _suspended: dict[str, Suspended]
-    _suspended_handles: dict[int, str]
+    #: The components (``kvcm.components``): what tools and tests read; each changes only
+    #: through its own methods.
+    parts: Components
 
     def __init__(self, config: ManagerConfig | dict[str, Any], check_budget: bool = True) -> None:
         """Build the pools; a ``memory_bytes`` budget that cannot hold one ``max_seq_len``
@@ -149,13 +131,23 @@ class KVCacheManager:
         """Everything ``__init__`` sets (``kvcm.assembly``); ``register_model`` builds a
         manager anew with it (``serial_base``: the previous model's last handle serial, so
         that no handle of it ever names a request of the new one)."""
-        assembly.build(self, config, check_budget, serial_base)
+        self.parts = parts = assembly.build(config, check_budget, serial_base)
+        self.config = config
+        self.device = parts.device
+        self.layout = parts.layout
+        self.memory = parts.memory
+        self.generation = parts.generation
+        self.tokens_per_block = parts.tokens_per_block
+        self.max_blocks_per_request = parts.max_blocks_per_request
+        #: Most positions one step can map (every row at ``max_seq_len``): the bound of a
+        #: slot mapping's ``pad_to``, whose output is allocated up front (int64 per group).
+        self.max_step_tokens = parts.max_step_tokens
 
     # -- requests ----------------------------------------------------------------------------
 
     @_doc(request_rows.rows_of)
     def _rows_of(self, request_ids: Sequence[str]) -> np.ndarray:
-        return request_rows.rows_of(self, request_ids)
+        return request_rows.rows_of(self.parts, request_ids)
 
     @_settles
     def allocate(
@@ -191,7 +183,7 @@ class KVCacheManager:
         whose answer it lost. Other arguments for a live id raise ``DuplicateRequest``.
         """
         return allocation.start(
-            self,
+            self.parts,
             request_id,
             num_tokens,
             token_ids,
@@ -210,21 +202,21 @@ class KVCacheManager:
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
     ) -> tuple[int, int]:
-        return prefix_reuse.probe_tiers(self, token_ids, lora_id, cache_salt)
+        return prefix_reuse.probe_tiers(self.parts, token_ids, lora_id, cache_salt)
 
     @_doc(capacity.host_stats)
     def host_stats(self) -> dict[str, Any]:
-        return capacity.host_stats(self)
+        return capacity.host_stats(self.parts)
 
     @_settles
     @_doc(suspension.suspend)
     def suspend(self, request_id: str) -> RequestInfo:
-        return suspension.suspend(self, request_id)
+        return suspension.suspend(self.parts, request_id)
 
     @_settles
     @_doc(suspension.resume)
     def resume(self, request_id: str) -> RequestInfo:
-        return suspension.resume(self, request_id)
+        return suspension.resume(self.parts, request_id)
 
     @_doc(prefix_reuse.probe)
     def probe(
@@ -235,35 +227,39 @@ class KVCacheManager:
         multimodal: Sequence[MultimodalItem | dict[str, Any]] | None = None,
         block_keys: Sequence[bytes | str] | None = None,
     ) -> int:
-        return prefix_reuse.probe(self, token_ids, lora_id, cache_salt, multimodal, block_keys)
+        return prefix_reuse.probe(
+            self.parts, token_ids, lora_id, cache_salt, multimodal, block_keys
+        )
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (an ``all_blocks_cleared`` event); refused while any
         request holds blocks, since their blocks may be published again."""
-        if self._rows:
+        if self.parts.requests.rows:
             raise PrefixCacheInUse(
-                f"{len(self._rows)} requests hold blocks; free them first",
-                num_requests=len(self._rows),
+                f"{len(self.parts.requests.rows)} requests hold blocks; free them first",
+                num_requests=len(self.parts.requests.rows),
             )
-        if self._undo is not None:  # (its undo would leave the host tier's index empty)
+        if (
+            self.parts.requests.undo is not None
+        ):  # (its undo would leave the host tier's index empty)
             raise InvalidArgument("the prefix cache cannot be reset inside a transaction")
-        self._coord.cache.clear()
-        if self._host is not None:
-            self._host.clear()
-        if self._state is not None:
-            self._state.clear()
+        self.parts.coord.cache.clear()
+        if self.parts.host is not None:
+            self.parts.host.clear()
+        if self.parts.state is not None:
+            self.parts.state.clear()
 
     @property
     def last_event_seq(self) -> int:
         """Sequence number of the newest KV event (0 before any)."""
-        return self._coord.cache.log.last_seq
+        return self.parts.coord.cache.log.last_seq
 
     def events(self, after: int = 0, limit: int = 1000) -> KVEvents:
         """KV events with a sequence number above ``after`` (at most ``limit``); built from the
         log's compact records now. ``KVEventsDisabled`` with ``kv_events=False``."""
         after = _count("after", after, 0, 2**63 - 1)
         limit = _count("limit", limit, 1)
-        log = self._coord.cache.log
+        log = self.parts.coord.cache.log
         if not log.enabled:
             raise KVEventsDisabled(
                 "this manager records no KV events (kv_events=False, kvcm serve --no-kv-events)"
@@ -281,7 +277,7 @@ class KVCacheManager:
     def index_snapshot(self) -> IndexSnapshot:
         """Every block key cached now, per layer group and tier, with the sequence number of
         the last event it includes: load it, then follow ``events(after=last_seq)``."""
-        cache = self._coord.cache
+        cache = self.parts.coord.cache
         groups = [
             SnapshotGroup(
                 layer_group=g,
@@ -290,9 +286,9 @@ class KVCacheManager:
             )
             for g, index in enumerate(cache.index)
         ]
-        if self._host is not None:
+        if self.parts.host is not None:
             host: dict[int, list[str]] = {}
-            for lru in self._host.lru.values():
+            for lru in self.parts.host.lru.values():
                 for g, _, key in lru:
                     host.setdefault(g, []).append(key.hex())
             groups += [
@@ -304,9 +300,9 @@ class KVCacheManager:
     def extend(self, request_id: str, num_new_tokens: int, lookahead: int = 0) -> RequestInfo:
         """Add ``num_new_tokens`` tokens; ``lookahead`` replaces the reserved draft slots."""
         try:  # ``_settles`` without its wrapper's call (see there)
-            row = request_rows.row_of(self, request_id)
-            request_rows.extend_row(self, row, num_new_tokens, lookahead)
-            return request_rows.info(self, request_id, row)
+            row = request_rows.row_of(self.parts, request_id)
+            request_rows.extend_row(self.parts, row, num_new_tokens, lookahead)
+            return request_rows.info(self.parts, request_id, row)
         finally:
             _settle(self)
 
@@ -318,34 +314,34 @@ class KVCacheManager:
         num_new_tokens: int | Sequence[int] = 1,
         lookahead: int | Sequence[int] = 0,
     ) -> None:
-        request_rows.extend_many(self, request_ids, num_new_tokens, lookahead)
+        request_rows.extend_many(self.parts, request_ids, num_new_tokens, lookahead)
 
     @_settles
     def rewind(self, request_id: str, num_tokens: int) -> RequestInfo:
         """Drop the last ``num_tokens`` tokens (rejected drafts); at least one token stays."""
-        row = request_rows.row_of(self, request_id)
-        request_rows.rewind_row(self, row, num_tokens)
-        return request_rows.info(self, request_id, row)
+        row = request_rows.row_of(self.parts, request_id)
+        request_rows.rewind_row(self.parts, row, num_tokens)
+        return request_rows.info(self.parts, request_id, row)
 
     @_doc(commits.commit)
     @_settles
     def commit(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
-        return commits.commit(self, request_id, token_ids)
+        return commits.commit(self.parts, request_id, token_ids)
 
     @_doc(commits.commit_many)
     @_settles
     def commit_many(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
-        commits.commit_many(self, request_ids, token_ids)
+        commits.commit_many(self.parts, request_ids, token_ids)
 
     @_doc(commits.committed_tokens)
     def committed_tokens(self, request_id: str) -> list[int]:
-        return commits.committed_tokens(self, request_id)
+        return commits.committed_tokens(self.parts, request_id)
 
     def free(self, request_id: str) -> None:
         """End a request: its blocks go back to the pools (cached ones stay cached)."""
-        row = request_rows.row_of(self, request_id, suspended=True)
-        suspension.discard(self, request_id)
-        request_rows.free_row(self, row)
+        row = request_rows.row_of(self.parts, request_id, suspended=True)
+        suspension.discard(self.parts, request_id)
+        request_rows.free_row(self.parts, row)
 
     def step_columns(
         self,
@@ -410,10 +406,10 @@ class KVCacheManager:
             total = sum(sizes.values())
             if total > MAX_STEP_OPS or total - sizes["extend"] > MAX_STEP_OTHER_OPS:
                 self._check_step_size(total, total - sizes["extend"])
-            out = run_columns(self, cols, atomic, sizes)
+            out = run_columns(self.parts, cols, atomic, sizes)
             if map_slots:
-                rows, starts, counts = mapped_tokens(self._coord.num_tokens, cols, out)
-                out.slot_mapping = self._views.map_tokens(rows, starts, counts)
+                rows, starts, counts = mapped_tokens(self.parts.coord.num_tokens, cols, out)
+                out.slot_mapping = self.parts.views.map_tokens(rows, starts, counts)
                 self._sync_other_ranks()
             return out
         finally:
@@ -467,68 +463,68 @@ class KVCacheManager:
         """
         self._check_step_size(len(ops), len(ops) - sum(1 for op in ops if op["op"] == "extend"))
         if not atomic:
-            return execute_ops(self, ops, False, brief)
+            return execute_ops(self.parts, ops, False, brief)
         with self.transaction() as undo:
-            results = execute_ops(self, ops, True, brief)
+            results = execute_ops(self.parts, ops, True, brief)
             if results and not results[-1]["ok"]:  # stopped: every result is an error
                 undo()
             return results
 
     @_doc(transactions.transaction)
     def transaction(self) -> AbstractContextManager[Callable[[], None]]:
-        return transactions.transaction(self)
+        return transactions.transaction(self.parts)
 
     def request(self, request_id: str) -> RequestInfo:
-        row = request_rows.row_of(self, request_id, suspended=True)
-        return request_rows.info(self, request_id, row)
+        row = request_rows.row_of(self.parts, request_id, suspended=True)
+        return request_rows.info(self.parts, request_id, row)
 
     def request_ids(self) -> list[str]:
-        return list(self._rows)
+        return list(self.parts.requests.rows)
 
     def block_table(self, request_id: str) -> list[list[int]]:
         """The request's block ids per layer group, by block position; -1 = released.
 
         Bookkeeping, not a kernel input: -1 even with the null page (the page tables hold 0).
         """
-        row = request_rows.row_of(self, request_id)
-        return [self._coord.block_list(g.group_id, row) for g in self.layout.layer_groups]
+        row = request_rows.row_of(self.parts, request_id)
+        return [self.parts.coord.block_list(g.group_id, row) for g in self.layout.layer_groups]
 
     # -- tables (the tables-and-views component's; ``kvcm.views``) ----------------------------
 
     @_doc(TablesAndViews.page_table)
     def page_table(self, layer_group: int) -> torch.Tensor:
-        return self._views.page_table(layer_group)
+        return self.parts.views.page_table(layer_group)
 
     @_doc(TablesAndViews.page_tables)
     def page_tables(self) -> torch.Tensor:
-        return self._views.page_tables()
+        return self.parts.views.page_tables()
 
     @_doc(TablesAndViews.sync_tables)
     def sync_tables(self) -> None:
-        for rank in self._ranks:
+        for rank in self.parts.ranks:
             rank.views.sync_tables()
 
     # -- ranks (kvcm.ranks; docs/ranks.md) -----------------------------------------------------
 
     @property
     def num_ranks(self) -> int:
-        return len(self._ranks)
+        return len(self.parts.ranks)
 
     def rank(self, rank: int) -> TablesAndViews:
         """Rank ``rank``'s tables and views: ``page_table``, ``page_indices``,
         ``slot_mapping(s)``, ``pointer_table``, ``kv_view``, ``layer_view``, ``describe``,
         with the same arguments as the manager's own methods, which are rank 0's. Layer ids
         are that rank's; requests and block ids are the same on every rank."""
-        if type(rank) is not int or not 0 <= rank < len(self._ranks):
+        if type(rank) is not int or not 0 <= rank < len(self.parts.ranks):
             raise InvalidArgument(
-                f"rank {rank!r}: this manager has {len(self._ranks)} ranks",
+                f"rank {rank!r}: this manager has {len(self.parts.ranks)} ranks",
                 rank=str(rank),
-                num_ranks=len(self._ranks),
+                num_ranks=len(self.parts.ranks),
             )
-        return self._ranks[rank].views
+        return self.parts.ranks[rank].views
 
     def _placement(self, layer_id: int, role: str) -> BufferPlacement:
-        return self._views.placement(layer_id, role)
+        return self.parts.views.placement(layer_id, role)
 
     @_doc(TablesAndViews.page_indices)
     def page_indices(
@@ -539,13 +535,13 @@ class KVCacheManager:
         mode: Literal["slot", "kernel"] = "slot",
         per_layer: bool = False,
     ) -> torch.Tensor:
-        return self._views.page_indices(request_ids, layer_id, role, mode, per_layer)
+        return self.parts.views.page_indices(request_ids, layer_id, role, mode, per_layer)
 
     @_doc(TablesAndViews.ragged_page_indices)
     def ragged_page_indices(
         self, request_ids: Sequence[str], layer_id: int, role: Role = "key", per_layer: bool = False
     ) -> TablesAndViews.RaggedPages:
-        return self._views.ragged_page_indices(request_ids, layer_id, role, per_layer)
+        return self.parts.views.ragged_page_indices(request_ids, layer_id, role, per_layer)
 
     @_doc(TablesAndViews.slot_mapping)
     def slot_mapping(
@@ -555,7 +551,7 @@ class KVCacheManager:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> torch.Tensor:
-        out = self._views.slot_mapping(request_ids, layer_id, num_tokens, pad_to)
+        out = self.parts.views.slot_mapping(request_ids, layer_id, num_tokens, pad_to)
         self._sync_other_ranks()
         return out
 
@@ -566,7 +562,7 @@ class KVCacheManager:
         num_tokens: int | Sequence[int] | None = None,
         pad_to: int | None = None,
     ) -> torch.Tensor:
-        out = self._views.slot_mappings(request_ids, num_tokens, pad_to)
+        out = self.parts.views.slot_mappings(request_ids, num_tokens, pad_to)
         self._sync_other_ranks()
         return out
 
@@ -574,7 +570,7 @@ class KVCacheManager:
         """The step's table edits on every rank's device too (a launch per rank on CUDA): the
         scheduler asks for the slot mappings once per step, and every rank's kernels then
         read current tables (rank 0's got the edits fused with the mapping)."""
-        for rank in self._ranks[1:]:
+        for rank in self.parts.ranks[1:]:
             rank.views.sync_tables()
 
     @_doc(TablesAndViews.copy_tokens)
@@ -584,30 +580,30 @@ class KVCacheManager:
         src_positions: Sequence[int],
         dst_positions: Sequence[int],
     ) -> None:
-        for rank in self._ranks:  # each checks the same bookkeeping: all refuse, or none
+        for rank in self.parts.ranks:  # each checks the same bookkeeping: all refuse, or none
             rank.views.copy_tokens(request_ids, src_positions, dst_positions)
 
     @_doc(TablesAndViews.pointer_table)
     def pointer_table(self) -> torch.Tensor:
-        return self._views.pointer_table()
+        return self.parts.views.pointer_table()
 
     @_doc(TablesAndViews.layer_pool_map)
     def layer_pool_map(self) -> torch.Tensor:
-        return self._views.layer_pool_map()
+        return self.parts.views.layer_pool_map()
 
     @_doc(TablesAndViews.layer_pointer_table)
     def layer_pointer_table(self) -> torch.Tensor:
-        return self._views.layer_pointer_table()
+        return self.parts.views.layer_pointer_table()
 
     # -- memory views ------------------------------------------------------------------------
 
     @_doc(TablesAndViews.kv_view)
     def kv_view(self, layer_id: int) -> torch.Tensor:
-        return self._views.kv_view(layer_id)
+        return self.parts.views.kv_view(layer_id)
 
     @_doc(TablesAndViews.layer_view)
     def layer_view(self, layer_id: int, role: Role) -> torch.Tensor:
-        return self._views.layer_view(layer_id, role)
+        return self.parts.views.layer_view(layer_id, role)
 
     # -- state layers (kvcm.state_pools; docs/state-layers.md) --------------------------------
 
@@ -616,26 +612,26 @@ class KVCacheManager:
         *shape]`` of its dtype on the manager's device: index it by ``state_indices`` (the
         first ``state_live_slots`` are live states). ``UnknownLayer`` for a layer or buffer
         the config does not have."""
-        if self._state is None:
+        if self.parts.state is None:
             raise UnknownLayer(f"no state layer {layer_id}: the config has none", layer_id=layer_id)
-        return self._state.view(layer_id, buffer)
+        return self.parts.state.view(layer_id, buffer)
 
     def state_indices(self, request_ids: Sequence[str], group: int = 0) -> torch.Tensor:
         """The live state slot of each request in state group ``group``, int32 on the
         manager's device, for kernels (``RequestInfo.state_slot``: the same in every group;
         its page-table row unless ``state_live_slots`` is below ``max_requests``).
         ``RequestSuspended`` for a suspended request: it holds no slot."""
-        if self._state is None:
+        if self.parts.state is None:
             raise InvalidArgument("the config has no state layers", state_group=group)
-        self._state.group_of(group)
+        self.parts.state.group_of(group)
         rows = self._rows_of(request_ids)
-        return torch.from_numpy(self._state.slot_of[rows].astype(np.int32)).to(self.device)
+        return torch.from_numpy(self.parts.state.slot_of[rows].astype(np.int32)).to(self.device)
 
     # -- layout and sizing -------------------------------------------------------------------
 
     @_doc(TablesAndViews.describe)
     def describe(self) -> LayoutInfo:
-        return self._views.describe()
+        return self.parts.views.describe()
 
     @_doc(capacity.estimate)
     def estimate(
@@ -647,24 +643,24 @@ class KVCacheManager:
         lookahead: int | None = None,
     ) -> Estimate:
         return capacity.estimate(
-            self, seq_len, num_requests, prefill_chunk=prefill_chunk, lookahead=lookahead
+            self.parts, seq_len, num_requests, prefill_chunk=prefill_chunk, lookahead=lookahead
         )
 
     @_doc(capacity.check_budget)
     def check_budget(self) -> None:
-        capacity.check_budget(self)
+        capacity.check_budget(self.parts)
 
     @_doc(capacity.num_free_blocks)
     def num_free_blocks(self, pool_group: int | None = None) -> int:
-        return capacity.num_free_blocks(self, pool_group)
+        return capacity.num_free_blocks(self.parts, pool_group)
 
     @_doc(capacity.num_total_blocks)
     def num_total_blocks(self, pool_group: int | None = None) -> int:
-        return capacity.num_total_blocks(self, pool_group)
+        return capacity.num_total_blocks(self.parts, pool_group)
 
     @_doc(capacity.stats)
     def stats(self) -> Stats:
-        return capacity.stats(self)
+        return capacity.stats(self.parts)
 
     def pools(self, rank: int = 0) -> SharedLayout:
         """Descriptors of the shared pools and page tables of rank ``rank`` (needs
@@ -675,33 +671,33 @@ class KVCacheManager:
         which the manager edits in place (on the CPU they are the manager's own tables).
         """
         views = self.rank(rank)
-        if self._segments is None:
+        if self.parts.segments is None:
             raise InvalidArgument("this manager was built without share=True: nothing to map")
-        table_segment = self._ranks[rank].table_segment
+        table_segment = self.parts.ranks[rank].table_segment
         assert table_segment is not None
         layout = views.shared_layout(self.generation, table_segment)
         if rank:
             return layout.model_copy(update={"rank": rank})
-        if self._state is None:
+        if self.parts.state is None:
             return layout
         return layout.model_copy(
             update={
                 "state_layers": list(self.config.state_layers),
-                "state_pools": list(self._state.segments),
-                "state_buffers": self._state.shared_buffers(),
+                "state_pools": list(self.parts.state.segments),
+                "state_buffers": self.parts.state.shared_buffers(),
             }
         )
 
     def close(self) -> None:
         """Unlink the shared segments (mappings that exist stay valid until unmapped)."""
-        if self._segments is not None:
-            self._segments.close()
+        if self.parts.segments is not None:
+            self.parts.segments.close()
 
     # -- the model -----------------------------------------------------------------------------
 
     def model(self) -> ModelInfo:
         """The model this manager serves: config, layout, estimate and generation."""
-        return registration.model_info(self)
+        return capacity.model_info(self.parts)
 
     def register_model(
         self, config: ManagerConfig | dict[str, Any] | None = None, /, **fields: Any
@@ -716,14 +712,15 @@ class KVCacheManager:
         the memory meanwhile), the previous model is built again, in a new generation, and
         the error raised."""
         new = registration.resolve(config, fields, registration.defaults_of(self.config))
-        check_config(new, footprint.held_bytes(self))
-        if self._rows:
+        check_config(new, footprint.held_bytes(self.parts))
+        if self.parts.requests.rows:
             raise RequestsLive(
-                f"{len(self._rows)} requests are live: free them before registering a model",
-                num_requests=len(self._rows),
+                f"{len(self.parts.requests.rows)} requests are live: free them before registering "
+                "a model",
+                num_requests=len(self.parts.requests.rows),
             )
         previous = self.config
-        serials = int(self._serial.max())
+        serials = int(self.parts.requests.serial.max())
         self.close()
         self.__dict__.clear()  # drop the old pools before the new ones are allocated
         try:

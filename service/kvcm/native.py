@@ -9,16 +9,19 @@ which gives the same results (tests/test_native.py runs both and compares them).
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
 #: The C core's interface version this Python code calls (``kvcm._native.API``): bumped when
 #: a function's arguments or results change, so that an extension built from older sources
 #: (a checkout pulled without rebuilding) is not called with new arguments.
-API = 5
+API = 6
 
 try:
-    from . import _native as _loaded
+    # By name: an import of the package's extension by ``from . import`` reads, to import
+    # checkers, as an import of the package itself (and so of everything it re-exports).
+    _loaded: ModuleType | None = importlib.import_module("kvcm._native")
 except ImportError:  # not built (no compiler): the numpy paths
     _loaded = None
 #: The built core if its interface is this code's, else None (``stale`` says which).

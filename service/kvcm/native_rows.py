@@ -32,22 +32,22 @@ from . import native
 from .prefix_cache import hit_cap
 
 if TYPE_CHECKING:
+    from .components import Components
     from .coordinator import Coordinator
-    from .manager import KVCacheManager
 
 
-def grow(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> None:
+def grow(m: Components, row: int, num_tokens: int, lookahead: int) -> None:
     """``Coordinator.grow_one`` (its callers here read the row's blocks, not the count it
     returns). In C unless a sliding window would release blocks (the numpy path then runs).
     Raises
     ``OutOfBlocks`` (from the numpy path, which the C core defers to) with nothing changed
     when the pools cannot hold it."""
-    c = m._coord
+    c = m.coord
     core = native.core
     if core is None or not c.plain:
         c.grow_one(row, num_tokens, lookahead)
         return
-    context, pools, _ = m._native_decode.row_args(core, m)
+    context, pools, _ = m.native_decode.row_args(core, m)
     added = core.row_grow(row, num_tokens, lookahead, context, pools)
     if type(added) is not tuple:  # None: it does not fit (numpy names it); False: numpy's
         c.grow_one(row, num_tokens, lookahead)
@@ -64,7 +64,7 @@ def grow(m: KVCacheManager, row: int, num_tokens: int, lookahead: int) -> None:
 
 
 def start(
-    m: KVCacheManager, row: int, root: bytes, keys: list[bytes], num_tokens: int, lookahead: int
+    m: Components, row: int, root: bytes, keys: list[bytes], num_tokens: int, lookahead: int
 ) -> int | None:
     """A new request's blocks in its free ``row``, in C (``row_start``): the longest cached
     prefix of its prompt's ``keys`` (at most num_tokens - 1 tokens), then new blocks for the
@@ -80,8 +80,8 @@ def start(
     its first two blocks and [8] as its third (48 tokens); returns 2.
     """
     core = native.core
-    c = m._coord
-    decode = m._native_decode
+    c = m.coord
+    decode = m.native_decode
     if core is None or not c.plain or (keys and not decode.hits_in_c(m)):
         return None
     cap = hit_cap(len(keys), num_tokens, c.tokens_per_block) if keys else 0
@@ -113,14 +113,14 @@ def placed(c: Coordinator, row: int, hit: int, added: tuple[int, ...], evict: bo
     c.ops_since_take += 2 if hit else 1  # the hit and the grow, as the Python path counts
 
 
-def release(m: KVCacheManager, row: int) -> None:
+def release(m: Components, row: int) -> None:
     """``Coordinator.release_row``: every block of the row back, tail first."""
-    c = m._coord
+    c = m.coord
     core = native.core
     if core is None or not c.plain:
         c.release_row(row)
         return
-    context, pools, sinks = m._native_decode.row_args(core, m)
+    context, pools, sinks = m.native_decode.row_args(core, m)
     cleared = core.row_release(row, context, pools, sinks)
     for _ in pools:  # an int: that pool group's queue needs compacting first (once each)
         if type(cleared) is not int:

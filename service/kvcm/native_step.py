@@ -7,7 +7,7 @@ from the row's released run's end up to ``(history + 1 - window) // tokens_per_b
 the block positions from its current count up to ceil(capacity / tokens_per_block), in every
 layer group. Only released pages a row holds alone count as room for the rows after it (a
 prefix hit's page that others hold frees nothing), as in the numpy plan. The cells a window
-released are given back by the coordinator (``_unref``, ``_set``); the new blocks are then
+released are given back by the coordinator (``unref``, ``set_cells``); the new blocks are then
 taken and written in C (``decode_take``), and Python evicts what the taken slots cached (to
 the host tier first, if there is one) and logs the device-table edits.
 
@@ -21,13 +21,30 @@ from __future__ import annotations
 
 import copy
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from kvcm_client.models import ManagerConfig
+
     from .coordinator import Coordinator
-    from .manager import KVCacheManager
+    from .host_tier import HostTier
+    from .request_table import RequestTable
+    from .state_pools import StatePools
+
+
+class Components(Protocol):
+    """What the C decode path reads of a manager's components (``kvcm.components``, which
+    is above this module: a protocol, not an import)."""
+
+    config: ManagerConfig
+    coord: Coordinator
+    requests: RequestTable
+    host: HostTier | None
+    state: StatePools | None
+    windows: list[tuple[int | None, int]]
+
 
 #: Planned new (or released) blocks per row of the manager that the work arrays hold at
 #: first: a decode step has at most one per row and layer group; a batch with more (a chunked
@@ -65,7 +82,7 @@ class NativeDecode:
     def __deepcopy__(self, memo: dict[int, Any]) -> NativeDecode:
         """A copy (of a copied manager) over the copy's arrays: the context object is not
         copied, since its buffers are the original's; the copy makes its own when used."""
-        twin = NativeDecode.__new__(NativeDecode)
+        twin: NativeDecode = NativeDecode.__new__(NativeDecode)
         memo[id(self)] = twin
         twin.rows = copy.deepcopy(self.rows, memo)
         twin.out = copy.deepcopy(self.out, memo)
@@ -83,14 +100,14 @@ class NativeDecode:
         shape = (num_groups, cells)
         self.out = (self.rows, *(np.zeros(shape, dtype=np.int64) for _ in range(4)))
 
-    def context(self, m: KVCacheManager) -> tuple[Any, ...]:
+    def context(self, m: Components) -> tuple[Any, ...]:
         """The arrays ``decode_plan`` reads: built once (the coordinator restores its arrays
         in place, so these stay its own)."""
         if self._context is None:
-            c: Coordinator = m._coord
+            c: Coordinator = m.coord
             self._context = (
-                m._handle,
-                m._scratch,
+                m.requests.handle,
+                m.requests.scratch,
                 c.num_tokens,
                 c.history,
                 c.lookahead,
@@ -106,7 +123,7 @@ class NativeDecode:
             )
         return self._context
 
-    def arrays(self, core: ModuleType, m: KVCacheManager) -> object:
+    def arrays(self, core: ModuleType, m: Components) -> object:
         """``context`` as the C core's context object, which holds the arrays' buffers: a
         call then reads none (reading its dozen buffers cost about 1 us a call)."""
         if self._arrays is None:
@@ -114,45 +131,45 @@ class NativeDecode:
         return self._arrays
 
     def row_args(
-        self, core: ModuleType, m: KVCacheManager
+        self, core: ModuleType, m: Components
     ) -> tuple[object, tuple[Any, ...], tuple[int, ...]]:
         """(context object, free queues, sinks): what ``row_grow`` (the first two) and
         ``row_release`` read besides the row (``kvcm.native_rows``); the queues are restored
         in place, too."""
         if self._row_args is None:
-            c = m._coord
+            c = m.coord
             self._row_args = (self.arrays(core, m), tuple(c.pools), tuple(c.sinks))
         return self._row_args
 
-    def cached(self, m: KVCacheManager) -> tuple[np.ndarray, ...]:
+    def cached(self, m: Components) -> tuple[np.ndarray, ...]:
         """Each pool group's cached flags, as ``row_start`` reads them (restored in place,
         so kept)."""
         if self._cached is None:
-            self._cached = tuple(m._coord.cache.cached)
+            self._cached = tuple(m.coord.cache.cached)
         return self._cached
 
-    def hits_in_c(self, m: KVCacheManager) -> bool:
+    def hits_in_c(self, m: Components) -> bool:
         """Whether ``row_start`` can place this manager's prefix hits (``native_rows.start``):
         every layer group full attention and reusable, no context parallelism, host tier or
         state layers. Fixed for the manager's life, so decided once."""
         if self._hits is None:
-            c = m._coord
+            c = m.coord
             self._hits = (
                 c.plain
-                and m._host is None
-                and m._state is None
+                and m.host is None
+                and m.state is None
                 and all(c.cache.reusable)
-                and all(window is None for window, _ in m._windows)
+                and all(window is None for window, _ in m.windows)
             )
         return self._hits
 
     def _take(
-        self, core: ModuleType, m: KVCacheManager, rows: np.ndarray, added: tuple[int, ...]
+        self, core: ModuleType, m: Components, rows: np.ndarray, added: tuple[int, ...]
     ) -> None:
         """The planned new blocks, ``added`` per layer group: taken and written in C
         (``decode_take``), then what the taken slots cached evicted and the table edits
-        logged, as ``Coordinator._take`` and ``_set`` do; by those where C leaves them."""
-        c = m._coord
+        logged, as ``Coordinator.take`` and ``set_cells`` do; by those where C leaves them."""
+        c = m.coord
         _, add_items, add_positions, _, _ = self.out
         context, pools, _ = self.row_args(core, m)
         evicts = core.decode_take(
@@ -164,12 +181,12 @@ class NativeDecode:
             r = rows[add_items[g, :k]]
             positions = add_positions[g, :k].copy()  # kept by the edit log
             if evicts is False:  # the coordinator's own take
-                c._set(g, r, positions, c._take(c.group_pool[g], k, positions))
+                c.set_cells(g, r, positions, c.take(c.group_pool[g], k, positions))
             else:
                 c.taken_in_c(g, r, positions, evicts[g])
 
     def extend(
-        self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any
+        self, core: ModuleType, m: Components, handles: np.ndarray, new: Any, ahead: Any
     ) -> tuple[np.ndarray, np.ndarray] | bool | None:
         """``request_rows.extend_handles`` in C: (rows, new blocks per item); None, with
         nothing changed, when the numpy path would refuse the batch too (its items then run
@@ -181,7 +198,7 @@ class NativeDecode:
         return rows, added
 
     def extend_around_failures(
-        self, core: ModuleType, m: KVCacheManager, handles: np.ndarray, new: Any, ahead: Any
+        self, core: ModuleType, m: Components, handles: np.ndarray, new: Any, ahead: Any
     ) -> tuple[np.ndarray, np.ndarray, list[int]] | bool | None:
         """The batch without the items that fail on their own (a handle that is not live, a
         capacity past max_seq_len), as ``columnar._Run.extends_around_failures`` runs it:
@@ -202,7 +219,7 @@ class NativeDecode:
     def _run(
         self,
         core: ModuleType,
-        m: KVCacheManager,
+        m: Components,
         handles: np.ndarray,
         new: Any,
         ahead: Any,
@@ -212,7 +229,7 @@ class NativeDecode:
         new blocks; the failing items), or the plan's None or False, with nothing changed."""
         if not handles.size:  # callers batch two items or more; numpy decides otherwise
             return False
-        c = m._coord
+        c = m.coord
         context = self.arrays(core, m)
         free = tuple([p.num_free for p in c.pools])  # a list: a generator costs 0.3 us more
         planned = core.decode_plan(handles, new, ahead, context, free, self.out, skip)
@@ -230,8 +247,8 @@ class NativeDecode:
             if k:
                 r = rows[release_items[g, :k]]
                 positions = release_positions[g, :k].copy()  # kept by the edit log
-                c._unref(c.group_pool[g], c.tables[g][r, positions])
-                c._set(g, r, positions, None)
+                c.unref(c.group_pool[g], c.tables[g][r, positions])
+                c.set_cells(g, r, positions, None)
         if any(added):
             self._take(core, m, rows, added)
         kept = rows

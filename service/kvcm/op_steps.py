@@ -23,14 +23,14 @@ from .columnar_types import SECTIONS, StepColumns, StepOutcome
 from .counts import MAX_COUNT
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .components import Components
 
 #: A result slot not filled yet (``piece_results``); never returned.
 _PLACEHOLDER: dict[str, Any] = {}
 
 
 def execute_ops(
-    m: KVCacheManager, ops: list[dict[str, Any]], stop_on_error: bool, brief: bool
+    m: Components, ops: list[dict[str, Any]], stop_on_error: bool, brief: bool
 ) -> list[dict[str, Any]]:
     """Run op dicts as columnar steps (``op_segments``), results back in op order."""
     results: list[dict[str, Any]] = []
@@ -48,29 +48,29 @@ def execute_ops(
     return results
 
 
-def handles_of(m: KVCacheManager, request_ids: list[str]) -> np.ndarray:
+def handles_of(m: Components, request_ids: list[str]) -> np.ndarray:
     """Handles of ids; 0 (no request) for an id that is not live."""
-    get = m._rows.get
+    get = m.requests.rows.get
     rows = np.array([get(r, -1) for r in request_ids], dtype=np.int64)
-    handles = m._handle[rows]
+    handles = m.requests.handle[rows]
     handles[rows < 0] = 0
     return handles
 
 
-def handles_or_suspended(m: KVCacheManager, request_ids: list[str]) -> np.ndarray:
+def handles_or_suspended(m: Components, request_ids: list[str]) -> np.ndarray:
     """``handles_of``, with a suspended request named by the handle it gets back (what the
     columnar ``free`` and ``resume`` take for one)."""
     handles = handles_of(m, request_ids)
-    if m._suspended:
+    if m.requests.suspended:
         for i, r in enumerate(request_ids):
-            saved = m._suspended.get(r)
+            saved = m.requests.suspended.get(r)
             if saved is not None:
                 handles[i] = saved.handle
     return handles
 
 
 def columns_of(
-    m: KVCacheManager, piece: list[dict[str, Any]]
+    m: Components, piece: list[dict[str, Any]]
 ) -> tuple[StepColumns, dict[str, list[int]]]:
     """A piece of op dicts as columns, and each section's op positions in the piece."""
     where: dict[str, list[int]] = {s: [] for s in SECTIONS}
@@ -110,7 +110,7 @@ def columns_of(
 
 
 def piece_results(
-    m: KVCacheManager,
+    m: Components,
     piece: list[dict[str, Any]],
     where: dict[str, list[int]],
     out: StepOutcome,
@@ -143,7 +143,11 @@ def piece_results(
             else:
                 # An allocate answers what it returned (a retry: the first result).
                 first = out.firsts[k] if section == "allocate" else None
-                info = request_rows.info(m, rid, m._rows[rid]) if first is None else first.result
+                info = (
+                    request_rows.info(m, rid, m.requests.rows[rid])
+                    if first is None
+                    else first.result
+                )
                 results[j] = {"ok": True, "request": info.model_dump(), "error": None}
     for e in out.errors:
         j = where[e.section][e.index]
@@ -153,7 +157,7 @@ def piece_results(
             shown = str(rid)[:64]
             exc = (
                 RequestSuspended(f"request {shown!r} is suspended", request_id=shown)
-                if isinstance(rid, str) and rid in m._suspended
+                if isinstance(rid, str) and rid in m.requests.suspended
                 else UnknownRequest(f"unknown request {shown!r}", request_id=shown)
             )
         results[j] = {"ok": False, "request": None, "error": exc.to_dict()}
@@ -185,16 +189,16 @@ def aborted(
 
 
 def result_dicts(
-    m: KVCacheManager, request_ids: Sequence[str], rows: np.ndarray
+    m: Components, request_ids: Sequence[str], rows: np.ndarray
 ) -> list[dict[str, Any]]:
     """The ``OpResult`` dicts of successful extends of these rows (``model_dump`` form)."""
-    c = m._coord
+    c = m.coord
     lengths = c.num_tokens[rows]
     capacity = (lengths + c.lookahead[rows]).tolist()
-    committed = m._committed[rows].tolist()
-    hits = m._hits[rows].tolist()
-    handles = m._handle[rows].tolist()
-    state_slots = m._state_slot[rows].tolist()
+    committed = m.requests.committed[rows].tolist()
+    hits = m.requests.hits[rows].tolist()
+    handles = m.requests.handle[rows].tolist()
+    state_slots = m.state_slot[rows].tolist()
     return [
         {
             "ok": True,

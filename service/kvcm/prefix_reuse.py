@@ -31,11 +31,11 @@ from .prefix_cache import find_hit, hit_cap
 from .publish import PrefixState
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .components import Components
 
 
 def read_prompt(
-    m: KVCacheManager, token_ids: Sequence[int] | None, num_tokens: int
+    m: Components, token_ids: Sequence[int] | None, num_tokens: int
 ) -> tuple[list[int] | None, bytes]:
     """An allocate's prompt as ints and int32 bytes ((None, b"") without one), checked, also
     when the caller gives its ``block_keys`` (they save the hashing, not the check of the
@@ -49,7 +49,7 @@ def read_prompt(
 
 
 def reuse_prefix(
-    m: KVCacheManager,
+    m: Components,
     row: int,
     num_tokens: int,
     lookahead: int,
@@ -68,7 +68,7 @@ def reuse_prefix(
     ``hashed``: the prompt's keys, hashed here already (``reusable``)."""
     keys: list[bytes] = []
     tpb = m.tokens_per_block
-    c = m._coord
+    c = m.coord
     if hashed is not None:
         keys = hashed
     elif tokens is not None:
@@ -98,7 +98,7 @@ def reuse_prefix(
 
 
 def _place_in_python(
-    m: KVCacheManager,
+    m: Components,
     row: int,
     num_tokens: int,
     lookahead: int,
@@ -115,16 +115,16 @@ def _place_in_python(
     the blocks past it. Returns the hit in blocks; raises before anything changes."""
     hit = 0
     tpb = m.tokens_per_block
-    c = m._coord
+    c = m.coord
     if tokens is not None:
         if block_keys is not None:  # (those of the hit are cached keys, so well formed)
             _check_key_sizes(keys)
         # Not inside an all-or-nothing step: onboarding writes pages into device slots,
         # and an undo would give those slots back to the cache entries they had.
-        if m._host is not None and m._undo is None:
+        if m.host is not None and m.requests.undo is None:
             onboard_prefix(
                 c,
-                m._host,
+                m.host,
                 root,
                 keys,
                 _tier_hit(m, root, keys, hit_cap(len(keys), num_tokens, tpb)),
@@ -132,14 +132,14 @@ def _place_in_python(
                 data,
                 lora_id,
                 has_salt,
-                m._windows,
+                m.windows,
             )
         hit, hits, ends = state_requests.cut_to_checkpoint(
             m,
             root,
             keys,
-            find_hit(c.cache, root, keys, num_tokens, tpb, m._windows),
-            lambda n: find_hit(c.cache, root, keys, n, tpb, m._windows),
+            find_hit(c.cache, root, keys, num_tokens, tpb, m.windows),
+            lambda n: find_hit(c.cache, root, keys, n, tpb, m.windows),
         )
     if hit:
         need, idle = c.hit_need(hits, num_tokens + lookahead)
@@ -150,7 +150,7 @@ def _place_in_python(
 
 
 def reusable(
-    m: KVCacheManager,
+    m: Components,
     tokens: list[int],
     data: bytes,
     root: bytes,
@@ -165,19 +165,19 @@ def reusable(
     reused, so the request is allocated 8 + 8 = 16 tokens."""
     keys = chain_keys(root, data, m.tokens_per_block, 0, items)
     tpb = m.tokens_per_block
-    cache = m._coord.cache
+    cache = m.coord.cache
 
     def find(n: int) -> tuple[int, Any, Any]:
-        return find_hit(cache, root, keys, n, tpb, m._windows, True)
+        return find_hit(cache, root, keys, n, tpb, m.windows, True)
 
     hit, _, _ = state_requests.cut_to_checkpoint(m, root, keys, find(len(tokens)), find)
-    if m._host is not None and all(cache.reusable):
+    if m.host is not None and all(cache.reusable):
         hit = max(hit, _tier_hit(m, root, keys, hit_cap(len(keys), len(tokens), tpb)))
     return hit * tpb, keys
 
 
 def probe(
-    m: KVCacheManager,
+    m: Components,
     token_ids: Sequence[int],
     lora_id: int | str | None = None,
     cache_salt: str | None = None,
@@ -200,14 +200,14 @@ def probe(
     tpb = m.tokens_per_block
 
     def find(n: int) -> tuple[int, Any, Any]:
-        return find_hit(m._coord.cache, root, keys, n, tpb, m._windows, True)
+        return find_hit(m.coord.cache, root, keys, n, tpb, m.windows, True)
 
     hit, _, _ = state_requests.cut_to_checkpoint(m, root, keys, find(len(tokens)), find)
     return hit * tpb
 
 
 def probe_tiers(
-    m: KVCacheManager,
+    m: Components,
     token_ids: Sequence[int],
     lora_id: int | str | None = None,
     cache_salt: str | None = None,
@@ -220,37 +220,37 @@ def probe_tiers(
     tokens, data = token_ids_of(token_ids)
     root = root_key(lora_id, cache_salt)
     keys = chain_keys(root, data, m.tokens_per_block, 0, ())
-    cache = m._coord.cache
+    cache = m.coord.cache
     tpb = m.tokens_per_block
     cap = hit_cap(len(keys), len(tokens), tpb)
     if cap <= 0 or not all(cache.reusable):
         return 0, 0
 
     def find(n: int) -> tuple[int, Any, Any]:
-        return find_hit(cache, root, keys, n, tpb, m._windows, True)
+        return find_hit(cache, root, keys, n, tpb, m.windows, True)
 
     device, _, _ = state_requests.cut_to_checkpoint(m, root, keys, find(len(tokens)), find)
-    both = 0 if m._host is None else _tier_hit(m, root, keys, cap)
+    both = 0 if m.host is None else _tier_hit(m, root, keys, cap)
     return device * tpb, max(both - device, 0) * tpb
 
 
-def _tier_hit(m: KVCacheManager, root: bytes, keys: list[bytes], cap: int) -> int:
+def _tier_hit(m: Components, root: bytes, keys: list[bytes], cap: int) -> int:
     """The longest hit of at most ``cap`` blocks that the device and the host tier serve
     together (``tier_hit``), cut where state layers can resume (as ``cut_to_checkpoint``
     cuts a device hit): nothing past it is worth a copy in, and an allocate checks its fit
     with the hit it will place. Example: stride 8, checkpoints at block 8; the tiers hold
     blocks 0-4: ``tier_hit`` gives 5, the cut 0 (no checkpoint below 5)."""
-    host = m._host
+    host = m.host
     assert host is not None
-    c = m._coord
+    c = m.coord
     tpb = m.tokens_per_block
-    b = tier_hit(c.cache, host, root, keys, cap, tpb, m._windows)
+    b = tier_hit(c.cache, host, root, keys, cap, tpb, m.windows)
     while b and (cut := state_requests.checkpointed_hit(m, root, keys, b)) < b:
-        b = tier_hit(c.cache, host, root, keys, cut, tpb, m._windows)
+        b = tier_hit(c.cache, host, root, keys, cut, tpb, m.windows)
     return b
 
 
-def check_prompt(m: KVCacheManager, token_ids: Any, num_tokens: int | None) -> None:
+def check_prompt(m: Components, token_ids: Any, num_tokens: int | None) -> None:
     """Refuse a prompt of the wrong length before any work on it (hashing a prompt is the
     costliest thing an allocate or probe does): ``num_tokens`` ids, or at most
     ``max_seq_len`` for a probe (a longer one can never be a request)."""
@@ -274,7 +274,7 @@ def check_prompt(m: KVCacheManager, token_ids: Any, num_tokens: int | None) -> N
 
 
 def _keys_of(
-    m: KVCacheManager,
+    m: Components,
     tokens: list[int],
     data: bytes,
     root: bytes,

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from kvcm_client.errors import InvalidArgument, invalid_from_validation
-from kvcm_client.models import ManagerConfig, ModelInfo, ModelRegistration
+from kvcm_client.models import ManagerConfig, ModelRegistration
 
 from .hf_state import hybrid_layers_from_hf_config, is_hybrid
 from .model_config import layers_from_hf_config, max_seq_len_from_hf_config
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    pass
 
 #: What a registration (or ``kvcm serve``) gets for the sizing it leaves out.
 SIZING_DEFAULTS: dict[str, Any] = {
@@ -109,14 +109,3 @@ def resolve(
         return to_config(ModelRegistration.model_validate(dict(fields)), defaults)
     except ValidationError as exc:
         raise invalid_from_validation(exc.errors()) from None
-
-
-def model_info(manager: KVCacheManager) -> ModelInfo:
-    """The answer of ``register_model`` and ``GET /v1/model``."""
-    cfg = manager.config
-    return ModelInfo(
-        generation=manager.generation,
-        config=cfg,
-        layout=manager.describe(),
-        estimate=manager.estimate(cfg.max_seq_len - cfg.max_lookahead),
-    )

@@ -18,7 +18,6 @@ gave up) are made when the op settles, after the tier's copies have completed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,26 +26,13 @@ from kvcm_client.errors import InvalidArgument, OutOfBlocks
 from kvcm_client.models import RequestInfo
 
 from . import request_rows, state_requests
+from .request_table import Suspended
 
 if TYPE_CHECKING:
-    from .manager import KVCacheManager
+    from .components import Components
 
 
-@dataclass(frozen=True, slots=True)
-class Suspended:
-    """A suspended request: per layer group, the table positions of its blocks and the
-    host slots holding their pages, and the (scope, key) of those that were published
-    (index into the positions -> key), whose device copies a resume can take back; the
-    handle it gets back at resume; the host state slot holding its live state (-1: no
-    state layers)."""
-
-    blocks: list[tuple[np.ndarray, list[int]]]
-    published: list[dict[int, tuple[bytes, bytes]]]
-    handle: int
-    state: int
-
-
-def suspend(m: KVCacheManager, request_id: str) -> RequestInfo:
+def suspend(m: Components, request_id: str) -> RequestInfo:
     """Move a request's blocks to the host tier and free their device slots; it keeps
     its id, row, length, committed tokens and keys, and answers ``request_suspended`` to
     every op but ``request``, ``committed_tokens``, ``free`` and ``resume`` (its handle
@@ -59,16 +45,16 @@ def suspend(m: KVCacheManager, request_id: str) -> RequestInfo:
     return request_rows.info(m, request_id, row)
 
 
-def suspend_row(m: KVCacheManager, row: int) -> None:
+def suspend_row(m: Components, row: int) -> None:
     """``suspend`` of a live row (a columnar step's item)."""
-    request_id = m._ids[row]
+    request_id = m.requests.ids[row]
     assert request_id is not None
-    host = m._host
+    host = m.host
     if host is None:
         raise InvalidArgument("suspend needs a host tier (host_memory_bytes)")
-    if m._undo is not None:
+    if m.requests.undo is not None:
         raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
-    c = m._coord
+    c = m.coord
     blocks = []
     need: dict[int, int] = {}
     for g in range(len(m.layout.layer_groups)):
@@ -87,7 +73,7 @@ def suspend_row(m: KVCacheManager, row: int) -> None:
                 free=host.room(pg),
                 tier="host",
             )
-    st = m._state
+    st = m.state
     if st is not None and not host.state_free:
         raise OutOfBlocks(
             f"the host tier's {host.state_slots} state slots hold suspended requests' states "
@@ -106,19 +92,16 @@ def suspend_row(m: KVCacheManager, row: int) -> None:
         )
         saved.append((positions, host.hold(pg, slots) if slots else []))
         if slots:
-            c._unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
-            c._set(g, row, positions, None)
+            c.unref(pg, np.array(slots[::-1], dtype=np.int64))  # tail first, as a free
+            c.set_cells(g, row, positions, None)
     state = -1
     if st is not None:
         st.flush()  # the op's queued state copies first: they may write this slot
         state = host.hold_state(st.release(row))
-    handle = int(m._handle[row])
-    m._suspended[request_id] = Suspended(saved, published, handle, state)
-    m._suspended_handles[handle] = request_id
-    m._handle[row] = -1
+    m.requests.suspend(row, Suspended(saved, published, int(m.requests.handle[row]), state))
 
 
-def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
+def resume(m: Components, request_id: str) -> RequestInfo:
     """Bring a suspended request's blocks back and rewrite its table row, and its state
     into a new live slot (docs/state-layers.md); ``OutOfBlocks`` when the device has too
     few free slots or no free live state slot, and nothing changes. The request has its
@@ -131,14 +114,14 @@ def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
     evicted them, the resume takes 5 and 6 again and copies only the partial third block.
     """
     row = request_rows.row_of(m, request_id, suspended=True)
-    saved = m._suspended.get(request_id)
+    saved = m.requests.suspended.get(request_id)
     if saved is None:
         raise InvalidArgument(f"request {request_id!r} is not suspended", request_id=request_id)
-    if m._undo is not None:
+    if m.requests.undo is not None:
         raise InvalidArgument("suspend and resume cannot run inside an all-or-nothing step")
-    host = m._host
+    host = m.host
     assert host is not None
-    c = m._coord
+    c = m.coord
     # Per layer group: the device slot of each block still cached there (-1: copy it).
     found = []
     need = [0] * len(c.pools)
@@ -164,38 +147,35 @@ def resume(m: KVCacheManager, request_id: str) -> RequestInfo:
         copy = np.flatnonzero(at < 0)
         host.discard(pg, [host_slots[i] for i in np.flatnonzero(at >= 0).tolist()])
         if copy.size:
-            slots = c._take(pg, copy.size)
+            slots = c.take(pg, copy.size)
             host.give_back(pg, [host_slots[i] for i in copy.tolist()], slots.tolist())
             at[copy] = slots
-        c._set(g, row, positions, at)
+        c.set_cells(g, row, positions, at)
     c.ops_since_take += 1
-    st = m._state
+    st = m.state
     if st is not None:
         st.flush()  # the op's queued state copies first: they may involve the new slot
         host.give_back_state(saved.state, st.take(row))
-    del m._suspended[request_id]
-    del m._suspended_handles[saved.handle]
-    m._handle[row] = saved.handle
+    m.requests.resume(request_id, row)
     return request_rows.info(m, request_id, row)
 
 
-def free_suspended(m: KVCacheManager, handle: int) -> str:
+def free_suspended(m: Components, handle: int) -> str:
     """Free the suspended request that had ``handle`` (a step's ``free`` names it so, as a
     ``resume`` does): its host copies and its row; returns its id."""
-    request_id = m._suspended_handles[handle]
-    row = m._rows[request_id]
+    request_id = m.requests.suspended_handles[handle]
+    row = m.requests.rows[request_id]
     discard(m, request_id)
     return request_rows.free_row(m, row)
 
 
-def discard(m: KVCacheManager, request_id: str) -> None:
+def discard(m: Components, request_id: str) -> None:
     """Drop a request's host copies if it is suspended (it is being freed)."""
-    saved = m._suspended.pop(request_id, None)
+    saved = m.requests.drop_suspended(request_id)
     if saved is None:
         return
-    del m._suspended_handles[saved.handle]
-    assert m._host is not None
+    assert m.host is not None
     for g, (_, host_slots) in enumerate(saved.blocks):
-        m._host.discard(m._coord.group_pool[g], host_slots)
+        m.host.discard(m.coord.group_pool[g], host_slots)
     if saved.state >= 0:
-        m._host.discard_state(saved.state)
+        m.host.discard_state(saved.state)

@@ -156,7 +156,7 @@ class TierCopier:
         were, the copy's copies would write into the original's memory, freed with it."""
         if self.cuda:
             raise TypeError("a host tier's copier on CUDA cannot be copied (its stream)")
-        twin = TierCopier.__new__(TierCopier)
+        twin: TierCopier = TierCopier.__new__(TierCopier)
         memo[id(self)] = twin
         for name, value in self.__dict__.items():
             setattr(twin, name, copy.deepcopy(value, memo))

@@ -87,6 +87,6 @@ def test_an_undone_step_leaves_every_ranks_device_tables_equal_to_the_host(
         m.slot_mappings(["a", "b"])
         undo()
     m.slot_mappings(["a"])
-    host = torch.from_numpy(m._coord.tables)
+    host = torch.from_numpy(m.parts.coord.tables)
     for r in range(4):
         assert torch.equal(m.rank(r)._tables.tensor.cpu(), host), r

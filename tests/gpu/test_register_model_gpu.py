@@ -20,7 +20,7 @@ def test_the_manager_registers_a_model_on_the_gpu() -> None:
     m = KVCacheManager({**SMALL, "device": "cuda:0", "num_blocks": 33})
     # Pools (33 slots of 2 layers x K+V x 64 bytes) and tables (256 rows x 8 blocks of int32)
     # on the device, the tables' host copy besides.
-    assert held_bytes(m) == (33 * 256 + 256 * 8 * 4, 256 * 8 * 4)
+    assert held_bytes(m.parts) == (33 * 256 + 256 * 8 * 4, 256 * 8 * 4)
     info = m.register_model(layers=[layer(0, head_dim=64)], memory_bytes=64 << 20)
     assert (info.config.device, m.layer_view(0, "key").device.type) == ("cuda:0", "cuda")
     m.allocate("a", 100)

@@ -7,13 +7,14 @@
  * that bookkeeping was some twenty calls, about 6 us of every allocate. */
 #include "context.h"
 
-/* The manager's attributes an allocate reads and writes (kvcm.assembly sets them up). */
+/* The request table's attributes an allocate reads and writes (kvcm.request_table), then the
+   prefix cache's. */
 enum { A_FIRST, A_FREE_ROWS, A_ROWS, A_IDS, A_TOKENS, A_PREFIX, A_SERIAL, A_HANDLE,
        A_COMMITTED, A_HITS, A_INDEX, A_STATS, A_QUERIES, A_QUERY_TOKENS, A_HIT_TOKENS,
        A_COUNT };
 static const char *const ATTR_TEXT[A_COUNT] = {
-    "_first", "_free_rows", "_rows", "_ids", "_tokens", "_prefix", "_serial", "_handle",
-    "_committed", "_hits", "index", "stats", "queries", "query_tokens", "hit_tokens"};
+    "first", "free_rows", "rows", "ids", "tokens", "prefix", "serial", "handle",
+    "committed", "hits", "index", "stats", "queries", "query_tokens", "hit_tokens"};
 static PyObject *ATTR[A_COUNT];
 /* An allocate op's keys (kvcm.columnar_parse fills every one). */
 enum { K_ID, K_TOKENS, K_IDS, K_LOOKAHEAD, K_LORA, K_SALT, K_MULTIMODAL, K_KEYS, K_COUNT };
@@ -63,7 +64,7 @@ static PyObject *made(PyObject *cls, PyObject *const *fields, PyObject *const *v
     return obj;
 }
 
-/* The manager's parts (new references), each checked for its type. */
+/* The request table's parts (new references), each checked for its type. */
 typedef struct {
     PyObject *first, *free_rows, *rows, *ids, *tokens, *prefix;
     Buf serial, handle, committed, hits;
@@ -82,7 +83,7 @@ static void book_release(Book *k) {
     buf_release(&k->hits);
 }
 
-/* 0, or -1 with an error (a manager out of shape: never from kvcm.assembly). */
+/* 0, or -1 with an error (a table out of shape: never from kvcm.request_table). */
 static int book_get(PyObject *m, const Ctx *c, Book *k) {
     memset(k, 0, sizeof *k);
     PyObject *arr[4] = {NULL};
@@ -103,7 +104,7 @@ static int book_get(PyObject *m, const Ctx *c, Book *k) {
         PyList_GET_SIZE(k->ids) != c->nrows || !PyDict_CheckExact(k->tokens) ||
         !PyDict_CheckExact(k->prefix) || k->serial.n != c->nrows || k->handle.n != c->nrows ||
         k->committed.n != c->nrows || k->hits.n != c->nrows) {
-        PyErr_SetString(PyExc_ValueError, "allocate_one: a manager out of shape");
+        PyErr_SetString(PyExc_ValueError, "allocate_one: a request table out of shape");
         return -1;
     }
     return 0;
@@ -134,8 +135,8 @@ static PyObject *sum_of(PyObject *obj, PyObject *name, long long by) {
 /* allocate_one(op, m, cache, context, pools, sinks, cached, classes, root, max_seq_len,
  *              prompts[, keyed]) -> (first, hit, added, evict) | None
  *
- * `op`: an allocate of kvcm.columnar_parse (a dict with every field); `m`: the manager,
- * `cache` its prefix cache; `classes`: (PrefixState, FirstAllocation); `root`: the key of
+ * `op`: an allocate of kvcm.columnar_parse (a dict with every field); `m`: the request table,
+ * `cache` the prefix cache; `classes`: (PrefixState, FirstAllocation); `root`: the key of
  * requests without LoRA or salt; `prompts`: whether prompts are keyed and hit here (the
  * SHA extensions, and every layer group full attention and reusable); `keyed`: the prompt's
  * (bytes, keys) as prompt_keys made them, or None (then they are made here). Starts the request

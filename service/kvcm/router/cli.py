@@ -114,7 +114,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from kvcm_client import AsyncKVCacheClient
 
-    from ..cli import _bind_tcp
+    from ..cli_support import bind_tcp
     from ..server.protocol import with_deadline
     from .app import DEFAULT_BODY_LIMIT, create_router_app
     from .follower import Follower
@@ -158,7 +158,7 @@ def run_router(args: argparse.Namespace) -> int:
     )
     app = create_router_app(router, max_body_bytes=args.max_body_bytes or DEFAULT_BODY_LIMIT)
     try:
-        sock, url = _bind_tcp(args.host, args.port)
+        sock, url = bind_tcp(args.host, args.port)
     except OSError as exc:
         print(f"kvcm router: cannot serve: {exc}", file=sys.stderr)
         return 2
@@ -194,7 +194,7 @@ def run_route(args: argparse.Namespace) -> int:
     from kvcm_client.errors import KVCMError
     from kvcm_client.router import RouterClient
 
-    from ..cli import _table
+    from ..cli_support import text_table
 
     try:
         token_ids = _token_ids(args)
@@ -232,5 +232,5 @@ def run_route(args: argparse.Namespace) -> int:
         f"{result.num_blocks} reusable blocks of {result.tokens_per_block} tokens; "
         f"{len(result.scores)} sidecars, best first"
     )
-    print(_table(rows))
+    print(text_table(rows))
     return 0

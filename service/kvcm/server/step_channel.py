@@ -103,7 +103,8 @@ class StepChannel:
         self.server: asyncio.AbstractServer | None = None
         #: The socket file ``start`` made, removed by ``stop``.
         self.socket_file: OwnSocket | None = None
-        self._connections: set[_Connection] = set()
+        #: The open connections: each adds itself when made and removes itself when lost.
+        self.connections: set[_Connection] = set()
         m = state.metrics
         self._latency = {op: m.latency.labels(f"/v1/{op}") for op in OPS}
         self._handlers: dict[str, Callable[[Any, str | None], Any]] = {
@@ -134,7 +135,7 @@ class StepChannel:
         if self.server is None:
             return
         self.server.close()
-        for conn in list(self._connections):
+        for conn in list(self.connections):
             conn.close()
         await self.server.wait_closed()
         if self.socket_file is not None:
@@ -149,20 +150,20 @@ class StepChannel:
             message = unpack(body)
         except Exception:  # msgpack raises several types for junk
             err = MalformedRequest("the frame is not msgpack")
-            return self._error("invalid", err), True, "invalid"
+            return self.error_frame("invalid", err), True, "invalid"
         if type(message) is not dict:
             err = MalformedRequest("a frame must hold a msgpack map")
-            return self._error("invalid", err), True, "invalid"
+            return self.error_frame("invalid", err), True, "invalid"
         op = message.get("op")
         label = op if type(op) is str and op in OPS else "invalid"
         try:
             result = self._call(op, message)
         except KVCMError as exc:
-            return self._error(label, exc), False, label
+            return self.error_frame(label, exc), False, label
         except Exception as exc:
             log.exception("internal error on step channel op %r", op)
             err = InternalError(f"internal error: {type(exc).__name__}")
-            return self._error(label, err), False, label
+            return self.error_frame(label, err), False, label
         metrics = self.state.metrics
         metrics.later(metrics.step_channel_frames, 1, label, "ok")
         answer = {"result": result, "generation": self.state.generation}
@@ -246,17 +247,17 @@ class StepChannel:
 
     def _spin_slice(self) -> None:
         left = self._spin_until - perf_counter_ns()
-        if left <= 0 or not self._connections or self.server is None:
+        if left <= 0 or not self.connections or self.server is None:
             self._spinning = False
             return
         assert self.poll is not None
         # Part of an answer unsent: only the loop sends the rest, so this slice is its.
-        if _nothing_unsent(self._connections) and self.poll.wait(min(left, self.SPIN_SLICE_NS)):
+        if _nothing_unsent(self.connections) and self.poll.wait(min(left, self.SPIN_SLICE_NS)):
             self._spinning = False  # a frame: the loop reads it next; its answer spins again
             return
         asyncio.get_running_loop().call_soon(self._spin_slice)
 
-    def _error(self, label: str, exc: KVCMError) -> dict[str, Any]:
+    def error_frame(self, label: str, exc: KVCMError) -> dict[str, Any]:
         """The answer of a frame that failed; ``label``: its op, or ``invalid``."""
         metrics = self.state.metrics
         metrics.child(metrics.step_channel_frames, label, exc.code).inc()
@@ -334,7 +335,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        self.channel._connections.add(self)
+        self.channel.connections.add(self)
         self.channel.state.metrics.step_channel_connections.inc()
         poll = self.channel.poll
         sock = None if poll is None else transport.get_extra_info("socket")
@@ -344,7 +345,7 @@ class _Connection(asyncio.Protocol):
             poll.add(self.fd)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.channel._connections.discard(self)
+        self.channel.connections.discard(self)
         self._stop_timer()
         self._unpoll()
         self.closing = True
@@ -391,7 +392,7 @@ class _Connection(asyncio.Protocol):
             limit = channel.limit()
             if size > limit:
                 err = PayloadTooLarge(f"frame over the {limit}-byte limit", limit=limit, size=size)
-                self._send(channel._error("invalid", err), close=True)
+                self._send(channel.error_frame("invalid", err), close=True)
                 return
             end = HEADER.size + size
             if not size:  # the doorbell: no answer; the client's frame follows
@@ -422,7 +423,7 @@ class _Connection(asyncio.Protocol):
             if channel.spin_ns:
                 if news and not self.closing:
                     channel.spin()
-            elif poll is not None and _nothing_unsent(channel._connections):
+            elif poll is not None and _nothing_unsent(channel.connections):
                 assert self.gaps is not None
                 self.gaps.poll_ended(poll, channel.wait_for_frame(poll))
 
