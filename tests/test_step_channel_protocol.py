@@ -23,7 +23,7 @@ class FakeChannel:
     spin_ns = 0  # no busy poll either
 
     def __init__(self) -> None:
-        self._connections: set[Any] = set()
+        self.connections: set[Any] = set()
         self.rings = 0
 
     def rang(self) -> None:
