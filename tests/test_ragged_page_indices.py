@@ -318,8 +318,13 @@ def test_kernel_reference_on_random_tables(cp: int, sinks: int, min_live: int) -
     args = (torch.from_numpy(table), torch.from_numpy(rows), torch.from_numpy(lengths), tpb)
     args += (mult, off, sinks, min_live, cp, rank)
     assert kvcm_kernels.ragged_page_indices(*args, total=indptr[-1])[1].tolist() == pages_all
+    placed = kvcm_kernels.ragged_page_indices(*args, indptr=torch.tensor(indptr))
+    assert placed[1].tolist() == pages_all
     with pytest.raises(RuntimeError, match="disagree"):
         kvcm_kernels.ragged_page_indices(*args, total=indptr[-1] + 1)
+    shifted = [0, *[v + 1 for v in indptr[1:-1]], indptr[-1]]  # the same total, other rows
+    with pytest.raises(RuntimeError, match="disagree"):
+        kvcm_kernels.ragged_page_indices(*args, indptr=torch.tensor(shifted))
 
 
 def _state(m: Any) -> Any:

@@ -1,11 +1,11 @@
-// Ragged (CSR) kernel-mode page indices, FlashInfer's paged-KV layout, in one launch of one
-// block of 1024 threads (32 warps).
+// Ragged (CSR) kernel-mode page indices, FlashInfer's paged-KV layout, in one launch.
 //
 // Request i (page-table row rows[i], lengths[i] tokens) lists the entries j < cols of its row
 // whose slot is live (>= min_live) and whose global block j * cp + rank holds one of its tokens
 // (block < ceil(length / tokens_per_block)), in order, as slot * multiplier + offset.
 //
-// One warp per request: requests go in rounds of 32. In a round each warp counts its request's
+// ragged_page_indices (one block of 1024 threads, 32 warps) counts and scans itself. One warp
+// per request: requests go in rounds of 32. In a round each warp counts its request's
 // entries, 32 at a time with a ballot (and finds its last page, its first page past the sinks
 // and its sink pages), warp 0 scans the round's 32 counts on top of the carry of the rounds
 // before, and each warp writes its pages: a lane's place is the live lanes below it in the
@@ -91,5 +91,59 @@ extern "C" __global__ void ragged_page_indices(
       }
     }
     __syncthreads();  // the next round rewrites starts
+  }
+}
+
+// The same with the caller's indptr (int64, from its bookkeeping): no scan, so any number of
+// blocks, one warp per request and WARPS_PLACED warps a block, one pass over the row. Request
+// i's pages go to [indptr[i], indptr[i + 1]) and nowhere else (a row that lists more than its
+// range drops the rest). The int32 indptr output is the input's copy.
+#define WARPS_PLACED 8
+
+extern "C" __global__ void ragged_page_indices_placed(
+    const int* __restrict__ table, const long long* __restrict__ rows,
+    const long long* __restrict__ lengths, const long long* __restrict__ indptr_in, int n,
+    int cols, int tokens_per_block, int cp, int rank, int sink_blocks, int min_live,
+    int multiplier, int offset, int* __restrict__ indptr, int* __restrict__ indices,
+    int* __restrict__ last_page_len, int* __restrict__ first_token,
+    int* __restrict__ num_sink_pages) {
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+  if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
+  const int stride = gridDim.x * WARPS_PLACED;
+  for (int i = blockIdx.x * WARPS_PLACED + (threadIdx.x >> 5); i < n; i += stride) {
+    const int* src = table + rows[i] * (long long)cols;
+    const long long length = lengths[i];
+    const long long blocks = (length + tokens_per_block - 1) / tokens_per_block;
+    const long long local = (blocks - rank + cp - 1) / cp;
+    const int width = (int)(local < cols ? local : cols);
+    const long long end = indptr_in[i + 1];
+    long long at = indptr_in[i];
+    int last = -1, first = -1, sinks = 0;
+    for (int j0 = 0; j0 < width; j0 += 32) {
+      const int j = j0 + lane;
+      const int slot = j < width ? src[j] : -1;
+      const bool live = j < width && slot >= min_live;
+      const bool window = live && (long long)j * cp + rank >= sink_blocks;
+      const unsigned mask = __ballot_sync(FULL, live);
+      const unsigned late = __ballot_sync(FULL, window);
+      const long long k = at + __popc(mask & below);
+      if (live && k < end) indices[k] = slot * multiplier + offset;
+      at += __popc(mask);
+      sinks += __popc(mask & ~late);
+      if (mask) last = j0 + 31 - __clz(mask);
+      if (first < 0 && late) first = j0 + __ffs(late) - 1;
+    }
+    if (lane == 0) {
+      long long tail = 0;
+      if (last >= 0) {
+        tail = length - ((long long)last * cp + rank) * tokens_per_block;
+        tail = tail < tokens_per_block ? tail : tokens_per_block;
+      }
+      indptr[i + 1] = (int)end;
+      last_page_len[i] = (int)tail;
+      first_token[i] = first < 0 ? 0 : (int)(((long long)first * cp + rank) * tokens_per_block);
+      num_sink_pages[i] = sinks;
+    }
   }
 }

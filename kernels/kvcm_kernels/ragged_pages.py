@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import gpu_path, i32, launch, ptr
+from ._dispatch import blocks, gpu_path, i32, launch, ptr
 
 THREADS = 1024  # 32 warps: one request per warp, 32 requests a round (ragged_pages.cu)
+WARPS_PLACED = 8  # warps a block of the kernel that takes the caller's indptr
 
 #: (indptr, indices, last_page_len, first_token, num_sink_pages), all int32.
 Ragged = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -41,6 +42,7 @@ def ragged_page_indices_reference(
     cp: int = 1,
     cp_rank: int = 0,
     total: int | None = None,
+    indptr: torch.Tensor | None = None,
 ) -> Ragged:
     device = table.device
     if table.shape[1] == 0:  # no entries: one that holds no page lists nothing either
@@ -52,12 +54,15 @@ def ragged_page_indices_reference(
     blocks = (lengths + tokens_per_block - 1) // tokens_per_block  # [n]
     listed = (pages >= min_live) & (block[None, :] < blocks[:, None])
     counts = listed.sum(dim=1)
+    given = indptr
     indptr = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=device)
     indptr[1:] = torch.cumsum(counts, dim=0)
-    if total is not None and int(indptr[-1]) != total:
+    if (total is not None and int(indptr[-1]) != total) or (
+        given is not None and not torch.equal(given.to(device=device, dtype=torch.int64), indptr)
+    ):
         raise RuntimeError(
-            f"the page table lists {int(indptr[-1])} pages, the bookkeeping {total}: the two "
-            "disagree"
+            "the page table and the caller's bookkeeping disagree on the pages listed (the "
+            f"table lists {int(indptr[-1])} in all)"
         )
     indices = (pages * multiplier + offset)[listed]
     at = block.expand_as(pages)
@@ -90,8 +95,12 @@ def ragged_page_indices_cuda(
     cp: int = 1,
     cp_rank: int = 0,
     total: int | None = None,
+    indptr: torch.Tensor | None = None,
 ) -> Ragged:
     n, cols = rows.numel(), table.shape[1]
+    placed = None if indptr is None else indptr.to(torch.int64).contiguous()
+    if placed is not None and total is None:
+        total = int(placed[-1])
     capacity = n * cols if total is None else total
     # One allocation: indptr | last_page_len | first_token | num_sink_pages | indices.
     out = torch.empty(4 * n + 1 + capacity, dtype=torch.int32, device=table.device)
@@ -102,6 +111,34 @@ def ragged_page_indices_cuda(
     indices = out[4 * n + 1 :]
     if n == 0:
         indptr.zero_()
+    elif placed is not None:
+        launch(
+            "ragged_pages",
+            "ragged_page_indices_placed",
+            table.device,
+            (blocks(n, WARPS_PLACED),),
+            (32 * WARPS_PLACED,),
+            (
+                ptr(table),
+                ptr(rows),
+                ptr(lengths),
+                ptr(placed),
+                i32(n),
+                i32(cols),
+                i32(tokens_per_block),
+                i32(cp),
+                i32(cp_rank),
+                i32(sink_blocks),
+                i32(min_live),
+                i32(multiplier),
+                i32(offset),
+                ptr(indptr),
+                ptr(indices),
+                ptr(last_page_len),
+                ptr(first_token),
+                ptr(num_sink_pages),
+            ),
+        )
     else:
         launch(
             "ragged_pages",
@@ -147,16 +184,21 @@ def ragged_page_indices(
     cp: int = 1,
     cp_rank: int = 0,
     total: int | None = None,
+    indptr: torch.Tensor | None = None,
 ) -> Ragged:
     """The ragged pages of rows ``rows`` (int64) of the int32 page table ``[R, B]``, requests
     of ``lengths`` (int64) tokens: (indptr ``[n + 1]``, indices ``[indptr[-1]]``,
     last_page_len, first_token, num_sink_pages ``[n]``), int32 on the table's device.
 
-    ``total``, when given, is the number of listed pages the caller's bookkeeping expects:
-    the CUDA path then sizes ``indices`` by it with no wait for the device (without it, it
-    reads the count back), and the reference checks it (``RuntimeError`` if they differ).
+    ``indptr`` (int64 ``[n + 1]``) and ``total`` (its last entry, on the host), when given,
+    are what the caller's bookkeeping says the rows list. With ``indptr`` the CUDA path places
+    each request's pages at once, with a warp per request over many blocks and no scan (it
+    writes request i's pages inside ``[indptr[i], indptr[i + 1])`` only); without it one
+    block counts and scans. With ``total`` it sizes ``indices`` with no wait for the device
+    (without, it reads the count back). The reference checks both (``RuntimeError`` if the
+    table disagrees).
     """
-    if gpu_path(table, rows, lengths):
+    if gpu_path(table, rows, lengths) and (indptr is None or indptr.is_cuda):
         return ragged_page_indices_cuda(
             table.contiguous(),
             rows.contiguous(),
@@ -169,6 +211,7 @@ def ragged_page_indices(
             cp,
             cp_rank,
             total,
+            indptr,
         )
     return ragged_page_indices_reference(
         table,
@@ -182,4 +225,5 @@ def ragged_page_indices(
         cp,
         cp_rank,
         total,
+        indptr,
     )

@@ -242,8 +242,9 @@ class TablesAndViews(LayoutDescriptors):
         lengths = c.num_tokens[rows]
         sinks = self.layout.layer_groups[group].sink_blocks
         n = rows.size
-        # The pages listed, from the bookkeeping (sizes the CUDA output with no device wait):
-        # blocks [0, min(S, b)) and [max(S, released_end), b) of the b that hold tokens.
+        # Each request's pages from the bookkeeping: blocks [0, min(S, b)) and [max(S,
+        # released_end), b) of the b that hold its tokens. Their indptr places the pages on
+        # CUDA (no scan, no wait for the device); the CPU reference checks it.
         blocks = -(-lengths // self.tokens_per_block)
         head = np.minimum(sinks, blocks)
         tail = np.maximum(sinks, c.released_end[group][rows])
@@ -252,12 +253,15 @@ class TablesAndViews(LayoutDescriptors):
             0, local_count(blocks, cp, rank) - local_count(tail, cp, rank)
         )
         table = self._tables.sync()[group]
-        staged = self._to_device(np.concatenate([rows, lengths]).astype(np.int64))
+        packed = np.zeros(3 * n + 1, dtype=np.int64)  # rows | lengths | indptr
+        packed[:n], packed[n : 2 * n] = rows, lengths
+        np.cumsum(listed, out=packed[2 * n + 1 :])
+        staged = self._to_device(packed)
         return RaggedPages(
             *kvcm_kernels.ragged_page_indices(
                 table,
                 staged[:n],
-                staged[n:],
+                staged[n : 2 * n],
                 self.tokens_per_block,
                 place.num_buffers // place.kv_factor,
                 place.page_offset if per_layer else 0,
@@ -265,7 +269,8 @@ class TablesAndViews(LayoutDescriptors):
                 min_live=self._min_live,
                 cp=cp,
                 cp_rank=rank,
-                total=int(listed.sum()),
+                total=int(packed[-1]),
+                indptr=staged[2 * n :],
             )
         )
 

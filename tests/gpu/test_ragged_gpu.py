@@ -41,10 +41,12 @@ def _inputs(
 @pytest.mark.parametrize("n,cols", [(0, 8), (1, 1), (5, 7), (31, 33), (33, 64), (300, 129)])
 @pytest.mark.parametrize("cp,sinks", [(1, 0), (1, 2), (3, 0), (3, 4)])
 @pytest.mark.parametrize("min_live", [0, 1])
-@pytest.mark.parametrize("sized", [True, False])
+@pytest.mark.parametrize("given", ["nothing", "total", "indptr"])
 def test_ragged_page_indices_kernel_equals_reference(
-    rng: np.random.Generator, n: int, cols: int, cp: int, sinks: int, min_live: int, sized: bool
+    rng: np.random.Generator, n: int, cols: int, cp: int, sinks: int, min_live: int, given: str
 ) -> None:
+    """Both kernels: the one-block count and scan (sized by ``total`` or by reading the count
+    back), and the many-block one placed by the caller's ``indptr``."""
     tpb, multiplier, offset = 16, 3, 2
     cp_rank = int(rng.integers(cp))
     table, rows, lengths = _inputs(rng, max(n, 1) + 3, cols, n, tpb, cp, min_live)
@@ -52,7 +54,8 @@ def test_ragged_page_indices_kernel_equals_reference(
     want = ragged_page_indices_reference(
         torch.from_numpy(table), torch.from_numpy(rows), torch.from_numpy(lengths), *args
     )
-    total = int(want[0][-1]) if sized else None
+    total = int(want[0][-1]) if given != "nothing" else None
+    indptr = want[0].to(CUDA, torch.int64) if given == "indptr" else None
     # Poison the allocator's next blocks: every output element must be written.
     torch.full((1 << 20,), 0x5A5A5A5A, dtype=torch.int32, device=CUDA)
     got = kvcm_kernels.ragged_page_indices(
@@ -61,6 +64,7 @@ def test_ragged_page_indices_kernel_equals_reference(
         torch.from_numpy(lengths).to(CUDA),
         *args,
         total=total,
+        indptr=indptr,
     )
     names = ("indptr", "indices", "last_page_len", "first_token", "num_sink_pages")
     for name, g, w in zip(names, got, want, strict=True):
@@ -68,7 +72,8 @@ def test_ragged_page_indices_kernel_equals_reference(
         assert torch.equal(g.cpu(), w), name
 
 
-def test_many_requests_and_long_rows(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("placed", [False, True])
+def test_many_requests_and_long_rows(rng: np.random.Generator, placed: bool) -> None:
     """Past one round of 32 warps many times over, rows longer than a warp's 32 lanes."""
     table, rows, lengths = _inputs(rng, 4096, 2048, 4096, 16, 1, 1)
     args = (16, 2, 1, 1, 1, 1, 0)
@@ -81,9 +86,38 @@ def test_many_requests_and_long_rows(rng: np.random.Generator) -> None:
         torch.from_numpy(lengths).to(CUDA),
         *args,
         total=int(want[0][-1]),
+        indptr=want[0].to(CUDA, torch.int64) if placed else None,
     )
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.cpu(), w)
+
+
+def test_a_short_indptr_range_drops_pages_and_writes_nothing_outside(
+    rng: np.random.Generator,
+) -> None:
+    """The placed kernel writes request i's pages inside [indptr[i], indptr[i + 1]) only:
+    given half of each count, each range holds the first half of the request's pages."""
+    table, rows, lengths = _inputs(rng, 40, 64, 37, 16, 1, 0)
+    args = (16, 1, 0, 0, 0, 1, 0)
+    want = ragged_page_indices_reference(
+        torch.from_numpy(table), torch.from_numpy(rows), torch.from_numpy(lengths), *args
+    )
+    counts = (want[0][1:] - want[0][:-1]).to(torch.int64)
+    half = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts // 2, 0)])
+    got = ragged_pages.ragged_page_indices_cuda(
+        torch.from_numpy(table).to(CUDA),
+        torch.from_numpy(rows).to(CUDA),
+        torch.from_numpy(lengths).to(CUDA),
+        *args,
+        indptr=half.to(CUDA),
+    )
+    assert got[0].cpu().tolist() == half.tolist()
+    indices = got[1].cpu().tolist()
+    assert len(indices) == int(half[-1])
+    for i in range(37):
+        start = int(want[0][i])
+        expect = want[1][start : start + int(counts[i]) // 2].tolist()
+        assert indices[int(half[i]) : int(half[i + 1])] == expect
 
 
 def _outcome(call, m):  # type: ignore[no-untyped-def]
