@@ -100,12 +100,13 @@ def test_bench_engine_quick_runs_every_way_with_equal_tokens() -> None:
     stdout = _bench("bench_engine.py", "--quick", "--gap-ms", "1")
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
     ways = [row.split("|")[1].strip() for row in rows[1:]]
+    # On the CPU each kvcm way gathers the history for SDPA (the paged kernel is CUDA's).
     assert ways == [
         "transformers (dense cache, static batch)",
-        "kvcm in-process",
-        "kvcm sidecar, HTTP",
-        "kvcm sidecar, step channel",
-        "kvcm sidecar, step channel, busy-poll",
+        "kvcm in-process (gather)",
+        "kvcm sidecar, HTTP (gather)",
+        "kvcm sidecar, step channel (gather)",
+        "kvcm sidecar, step channel, busy-poll (gather)",
     ]
     # Every kvcm way generated the baseline's tokens for all 4 requests, with one call per
     # step: the slot mappings come with the step's answer, and kvcm sizes the allocates.
