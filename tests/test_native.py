@@ -502,7 +502,6 @@ def test_live_rows_says_whether_a_batch_of_handles_is_live_and_distinct() -> Non
     """The worked example, then random batches against ``handle_rows`` and ``distinct_rows``
     (the numpy path): stale handles, repeated rows, rows past the table, negative and huge
     handles, more items than rows."""
-    from kvcm import request_rows
 
     core = native._built
     m = manager([layer(0)], max_requests=8, num_blocks=32)
@@ -524,7 +523,7 @@ def test_live_rows_says_whether_a_batch_of_handles_is_live_and_distinct() -> Non
     rng = np.random.default_rng(5)
     for _ in range(300):
         batch = np.array(rng.choice(pool, int(rng.integers(0, 10))), dtype=np.int64)
-        rows, live = request_rows.handle_rows(m.parts, batch)
+        rows, live = m.parts.requests.handle_rows(batch)
         expected = live is None and m.parts.requests.distinct_rows(rows)
         assert core.live_rows(batch, context, out) is expected, batch
         if expected:

@@ -198,7 +198,8 @@ def start(
             num_tokens=first.args[0],
             lookahead=first.args[1],
         )
-    if m.requests.next_row() is None:
+    row = m.requests.next_row()
+    if row is None:
         raise RequestLimitReached(
             f"all {m.config.max_requests} page-table rows are in use",
             max_requests=m.config.max_requests,
@@ -214,7 +215,7 @@ def start(
     request_rows.check_len(m, request_id, num_tokens + lookahead)
     hit_tokens, state = prefix_reuse.reuse_prefix(
         m,
-        m.requests.free_rows[-1],
+        row,
         num_tokens,
         lookahead,
         tokens,

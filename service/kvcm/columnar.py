@@ -247,7 +247,7 @@ class _Run:
         if handles.size <= _FEW:
             self.each_of_few(section, run, handles.tolist())
             return
-        rows, live = request_rows.handle_rows(self.m, handles)
+        rows, live = self.m.requests.handle_rows(handles)
         current = self.m.requests.handle
         for i, row in enumerate(rows.tolist()):
             if (live is not None and not live[i]) or (recheck and current[row] != handles[i]):
@@ -315,7 +315,7 @@ class _Run:
         for i, handle in enumerate(self.cols.resume.tolist()):
             rid = m.requests.suspended_handles.get(handle)
             if rid is None:
-                rows, live = request_rows.handle_rows(m, np.array([handle], dtype=np.int64))
+                rows, live = m.requests.handle_rows(np.array([handle], dtype=np.int64))
                 if live is None:  # a live request: not suspended
                     rid = m.requests.ids[int(rows[0])]
                     self.fail(
@@ -348,7 +348,7 @@ class _Run:
         """Extend items ``indices`` of the section one by one (the path of any batch)."""
         cols, m = self.cols, self.m
         handles = cols.extend[indices]
-        rows, live = request_rows.handle_rows(m, handles)
+        rows, live = m.requests.handle_rows(handles)
         new = _ints(_pick(cols.num_new_tokens, indices), indices.size)
         ahead = _ints(_pick(cols.lookahead, indices), indices.size)
         for j, (i, row) in enumerate(zip(indices.tolist(), rows.tolist(), strict=True)):

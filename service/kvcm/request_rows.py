@@ -77,11 +77,6 @@ def rows_of(m: Components, request_ids: Sequence[str]) -> np.ndarray:
     return found
 
 
-def handle_rows(m: Components, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """``RequestTable.handle_rows``: rows of int64 handles, and a mask of the live ones."""
-    return m.requests.handle_rows(handles)
-
-
 def check_len(m: Components, request_id: str, total: int) -> None:
     """Refuse a request that would hold more than ``max_seq_len`` tokens."""
     if total > m.config.max_seq_len:
@@ -213,15 +208,16 @@ def extend_handles(
 
 def live_distinct_rows(m: Components, handles: np.ndarray) -> np.ndarray | None:
     """The rows of ``handles`` if every one is live and no row repeats (a batch of a step's
-    commits), else None: one C call (``live_rows``) with the core, ``handle_rows`` and
-    ``distinct_rows`` without (some five numpy calls, 5 us of a 16-commit step)."""
+    commits), else None: one C call (``live_rows``) with the core, the request table's
+    ``handle_rows`` and ``distinct_rows`` without (some five numpy calls, 5 us of a 16-commit
+    step)."""
     core = native.core
     if core is not None and m.coord.plain:
         decode = m.native_decode
         if core.live_rows(handles, decode.arrays(core, m), decode.rows):
             return decode.rows[: handles.size].copy()  # the decode batch's work array
         return None
-    rows, live = handle_rows(m, handles)
+    rows, live = m.requests.handle_rows(handles)
     return rows if live is None and m.requests.distinct_rows(rows) else None
 
 
@@ -235,7 +231,7 @@ def failing_extends(
     Example (max_seq_len 64): handles of rows at 10, 64 and 20 tokens, +1 each, and a
     freed request's handle: items 1 and 3 fail, so [1, 3].
     """
-    rows, live = handle_rows(m, handles)
+    rows, live = m.requests.handle_rows(handles)
     ok = np.ones(handles.size, dtype=bool) if live is None else live.copy()
     if not m.requests.distinct_rows(rows[ok]):
         return None
