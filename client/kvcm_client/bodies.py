@@ -299,6 +299,9 @@ class ModelRegistration(_Frozen):
     state_checkpoint_stride: StrictPosInt | None = None
     state_checkpoints: Annotated[int, Strict(), Field(ge=0)] | None = None
     state_live_slots: StrictPosInt | None = None
+    transfer: Literal["nixl"] | None = None
+    """A transfer endpoint (``ManagerConfig.transfer``); None: as the service
+    (``kvcm serve --transfer``)."""
 
     @model_validator(mode="after")
     def _rules(self) -> ModelRegistration:

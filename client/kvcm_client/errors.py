@@ -274,6 +274,63 @@ class ModelWaitTimeout(NoModel):
     code = "model_wait_timeout"
 
 
+class KVInFlight(KVCMError):
+    """The request's KV is moving between sidecars (a pull into it, or a hand-off from it):
+    it takes no op but ``free`` until the move ends; ``transfer_status`` says when
+    (docs/disaggregation.md)."""
+
+    code = "kv_in_flight"
+    status = 409
+
+
+class LayoutMismatch(KVCMError):
+    """Two sidecars' KV layouts differ (block size, a layer's dtype or heads, the layer
+    groups, the pools' slots): blocks cannot move between them as they are. ``detail``
+    names each difference; nothing moved."""
+
+    code = "layout_mismatch"
+    status = 409
+
+
+class ScopeMismatch(KVCMError):
+    """A pull named another cache scope (LoRA, cache salt) than the request it pulls from:
+    a sidecar never serves blocks of one scope to another."""
+
+    code = "scope_mismatch"
+    status = 403
+
+
+class TransferUnavailable(KVCMError):
+    """This manager has no transfer endpoint (started without ``--transfer``), or the
+    transfer engine (NIXL: ``pip install 'kvcm[transfer]'``) is not installed."""
+
+    code = "transfer_unavailable"
+    status = 409
+
+
+class TransferFailed(KVCMError):
+    """A move of KV between sidecars failed (the peer died, its deadline passed, the
+    transfer engine reported an error); the blocks reserved for it went back to the pool."""
+
+    code = "transfer_failed"
+    status = 502
+
+
+class UnknownPeer(KVCMError):
+    """The peer is not one this sidecar's operator configured (``--peer``), or its
+    transfer agent is not connected."""
+
+    code = "unknown_peer"
+    status = 404
+
+
+class PeerUnreachable(KVCMError):
+    """A configured peer did not answer (down, restarting, or refusing the token)."""
+
+    code = "peer_unreachable"
+    status = 503
+
+
 ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
     cls.code: cls
     for cls in (
@@ -312,6 +369,13 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         ModelWaitTimeout,
         ModelMismatch,
         IndexUnavailable,
+        KVInFlight,
+        LayoutMismatch,
+        ScopeMismatch,
+        TransferUnavailable,
+        TransferFailed,
+        UnknownPeer,
+        PeerUnreachable,
     )
 }
 
@@ -356,6 +420,13 @@ STATUS_CODES: tuple[str, ...] = (
     "state_not_rewindable",
     "model_mismatch",
     "index_unavailable",
+    "kv_in_flight",
+    "layout_mismatch",
+    "scope_mismatch",
+    "transfer_unavailable",
+    "transfer_failed",
+    "unknown_peer",
+    "peer_unreachable",
 )
 STATUS_OF: dict[str, int] = {code: i for i, code in enumerate(STATUS_CODES)}
 

@@ -372,6 +372,13 @@ class ManagerConfig(_Frozen):
     a request lives on the ranks whose ``cp_rank`` is b mod ``context_parallel``, each of
     which holds 1/``context_parallel`` of every pool group's slots. 1: every rank holds every
     block."""
+    transfer: Literal["nixl"] | None = None
+    """Register the pools, the host tier and the state slots with a transfer engine so that
+    other sidecars can pull this one's blocks and it can pull theirs (``"nixl"``: NIXL over
+    UCX, ``pip install 'kvcm[transfer]'``; docs/disaggregation.md). None: no endpoint."""
+    transfer_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "kvcm"
+    """This sidecar's name among its peers; its transfer agent is named after it and the
+    generation (``<name>-<generation>``), so a restarted sidecar is a new agent."""
 
     @model_validator(mode="before")
     @classmethod

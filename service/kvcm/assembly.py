@@ -17,7 +17,7 @@ import torch
 
 from kvcm_client.models import ManagerConfig
 
-from . import request_rows
+from . import request_rows, transfers
 from .components import Components
 from .context_parallel import table_width
 from .coordinator import Coordinator
@@ -158,6 +158,13 @@ def build(config: ManagerConfig, check_budget: bool = True, serial_base: int = 0
         ranks=ranks,
     )
     rows_of.bind(parts)
+    if cfg.transfer is not None:
+        try:
+            parts.transfers = transfers.build(parts)
+        except BaseException:
+            if parts.segments is not None:
+                parts.segments.close()
+            raise
     return parts
 
 

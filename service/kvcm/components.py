@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .shared_memory import CudaSegments, SharedSegments
     from .sizing import Sizing
     from .state_pools import StatePools
+    from .transfers import Transfers
     from .views import TablesAndViews
 
 
@@ -72,6 +73,9 @@ class Components:
     host: HostTier | None
     views: TablesAndViews
     ranks: list[Rank]
+    #: The transfer endpoint (``kvcm.transfers``): None unless the config asks for one.
+    #: Set once by ``kvcm.assembly`` after the pools exist (it registers them).
+    transfers: Transfers | None = None
 
     def settle(self) -> None:
         """Complete the copies the op queued: the host tier's (kvcm.tier_copies) and the

@@ -190,6 +190,12 @@ class HostTier:
 
     # -- queries ---------------------------------------------------------------------------------
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every chunk of host memory the tier owns (blocks and state): what a transfer
+        engine registers."""
+        regions = [*self.regions.values(), *self.state_regions]
+        return [chunk for region in regions for chunk in region.chunks]
+
     def holds(self, group: int, root: bytes, key: bytes) -> bool:
         return (group, root, key) in self.lru[self.group_pool[group]]
 

@@ -51,6 +51,7 @@ from kvcm_client.models import Layout as LayoutInfo
 # schema publishes them, so they live with them. Re-exported: tests patch them here.
 from kvcm_client.specs import MAX_STEP_OPS as MAX_STEP_OPS
 from kvcm_client.specs import MAX_STEP_OTHER_OPS as MAX_STEP_OTHER_OPS
+from kvcm_client.transfer import KVExport, PullState, TransferAgent
 
 from . import (
     allocation,
@@ -63,6 +64,7 @@ from . import (
     request_rows,
     suspension,
     transactions,
+    transfers,
 )
 from .allocation import MAX_REQUEST_ID as MAX_REQUEST_ID  # re-exported: tests read it
 from .columnar import mapped_tokens, run_columns
@@ -338,8 +340,13 @@ class KVCacheManager:
         return commits.committed_tokens(self.parts, request_id)
 
     def free(self, request_id: str) -> None:
-        """End a request: its blocks go back to the pools (cached ones stay cached)."""
+        """End a request: its blocks go back to the pools (cached ones stay cached). A
+        request whose KV moves between sidecars ends when the move lets it
+        (``kvcm.transfers.free``)."""
         row = request_rows.row_of(self.parts, request_id, suspended=True)
+        if self.parts.requests.held and request_id in self.parts.requests.held:
+            transfers.free(self.parts, request_id)
+            return
         suspension.discard(self.parts, request_id)
         request_rows.free_row(self.parts, row)
 
@@ -689,9 +696,67 @@ class KVCacheManager:
         )
 
     def close(self) -> None:
-        """Unlink the shared segments (mappings that exist stay valid until unmapped)."""
+        """Unlink the shared segments (mappings that exist stay valid until unmapped) and
+        deregister the memory from the transfer engine."""
+        if self.parts.transfers is not None:
+            self.parts.transfers.close()
         if self.parts.segments is not None:
             self.parts.segments.close()
+
+    # -- KV moves between sidecars (docs/disaggregation.md) ------------------------------------
+
+    def transfer_agent(self) -> TransferAgent:
+        """This manager's transfer agent: name and metadata a peer loads to pull from it."""
+        return transfers.endpoint(self.parts).agent(self.generation)
+
+    @_doc(transfers.connect)
+    def connect_peer(self, metadata: str) -> str:
+        return transfers.connect(self.parts, metadata)
+
+    @_doc(transfers.hand_off)
+    def hand_off(self, request_id: str, deadline_s: float = 30.0) -> KVExport:
+        return transfers.hand_off(self.parts, request_id, deadline_s)
+
+    @_doc(transfers.export_of)
+    def export_of(self, request_id: str, scope: str) -> KVExport:
+        return transfers.export_of(self.parts, request_id, scope)
+
+    @_settles
+    @_doc(transfers.pull)
+    def pull(
+        self,
+        request_id: str,
+        export: KVExport | dict[str, Any],
+        lookahead: int = 0,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        deadline_s: float = 30.0,
+    ) -> PullState:
+        return transfers.pull(
+            self.parts,
+            request_id,
+            KVExport.model_validate(export),
+            lookahead,
+            lora_id,
+            cache_salt,
+            deadline_s,
+        )
+
+    @_settles
+    @_doc(transfers.poll)
+    def poll_transfers(self) -> None:
+        transfers.poll(self.parts)
+
+    @_doc(transfers.status)
+    def transfer_status(self, request_ids: Sequence[str]) -> list[PullState]:
+        transfers.poll(self.parts)
+        return transfers.status(self.parts, request_ids)
+
+    @property
+    def transfers_busy(self) -> bool:
+        """Whether a KV move runs (a pull or a hand-off): ``poll_transfers`` has work."""
+        t = self.parts.transfers
+        return t is not None and t.busy
 
     # -- the model -----------------------------------------------------------------------------
 

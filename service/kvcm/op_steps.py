@@ -155,11 +155,12 @@ def piece_results(
         if isinstance(exc, UnknownRequest):
             rid = piece[j]["request_id"]
             shown = str(rid)[:64]
-            exc = (
-                RequestSuspended(f"request {shown!r} is suspended", request_id=shown)
-                if isinstance(rid, str) and rid in m.requests.suspended
-                else UnknownRequest(f"unknown request {shown!r}", request_id=shown)
-            )
+            if isinstance(rid, str) and rid in m.requests.suspended:
+                exc = RequestSuspended(f"request {shown!r} is suspended", request_id=shown)
+            elif isinstance(rid, str) and rid in m.requests.held:
+                exc = request_rows.in_flight(rid)
+            else:
+                exc = UnknownRequest(f"unknown request {shown!r}", request_id=shown)
         results[j] = {"ok": False, "request": None, "error": exc.to_dict()}
     return results
 

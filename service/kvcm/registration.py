@@ -48,6 +48,8 @@ def defaults_of(config: ManagerConfig) -> dict[str, Any]:
         "memory_bytes": config.memory_bytes,
         "num_blocks": config.num_blocks,
         "host_memory_bytes": config.host_memory_bytes,
+        "transfer": config.transfer,
+        "transfer_name": config.transfer_name,
     }
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from kvcm_client.errors import (
     InvalidArgument,
     KVCMError,
+    KVInFlight,
     RequestSuspended,
     RewindIntoSharedBlock,
     SequenceTooLong,
@@ -44,7 +45,18 @@ def row_of(m: Components, request_id: str, suspended: bool = False) -> int:
         raise RequestSuspended(
             f"request {request_id!r} is suspended: resume it first", request_id=request_id
         )
+    if m.requests.held and request_id in m.requests.held and not suspended:
+        raise in_flight(request_id)
     return found
+
+
+def in_flight(request_id: str) -> KVInFlight:
+    """The error of an op on a request whose KV is moving (``kvcm.transfers``)."""
+    return KVInFlight(
+        f"request {request_id[:64]!r}'s KV is moving between sidecars: wait for "
+        "transfer_status to say ready",
+        request_id=request_id[:64],
+    )
 
 
 def _not_found(request_id: object) -> InvalidArgument | UnknownRequest:
@@ -74,6 +86,10 @@ def rows_of(m: Components, request_ids: Sequence[str]) -> np.ndarray:
         for r in request_ids:
             if r in m.requests.suspended:
                 raise RequestSuspended(f"request {r!r} is suspended: resume it first", request_id=r)
+    if m.requests.held:
+        for r in request_ids:
+            if r in m.requests.held:
+                raise in_flight(r)
     return found
 
 

@@ -63,6 +63,7 @@ class _Checkpoint:
     handles: np.ndarray
     suspended: dict[str, Suspended]
     suspended_handles: dict[int, str]
+    held: dict[str, int]
 
 
 class RequestTable:
@@ -73,6 +74,7 @@ class RequestTable:
         "first",
         "free_rows",
         "handle",
+        "held",
         "hits",
         "ids",
         "order",
@@ -116,6 +118,10 @@ class RequestTable:
         #: Suspended requests, and the handle each gets back, to its id (a resume by handle).
         self.suspended: dict[str, Suspended] = {}
         self.suspended_handles: dict[int, str] = {}
+        #: Requests whose KV is moving between sidecars (a pull into them, a hand-off from
+        #: them; ``kvcm.transfers``), and the handle each gets back: until then their handle
+        #: names nothing, so no op reaches them.
+        self.held: dict[str, int] = {}
 
     # -- rows and handles -------------------------------------------------------------------
 
@@ -158,6 +164,7 @@ class RequestTable:
         del self.first[request_id]
         del self.tokens[request_id]
         del self.prefix[request_id]
+        self.held.pop(request_id, None)
         self.committed[row] = 0
         self.hits[row] = 0
         self.free_rows.append(row)
@@ -262,6 +269,19 @@ class RequestTable:
             del self.suspended_handles[saved.handle]
         return saved
 
+    # -- KV in flight ------------------------------------------------------------------------
+
+    def hold(self, row: int) -> None:
+        """Take a live row's handle away while its KV moves (``release`` forgets it)."""
+        request_id = self.ids[row]
+        assert request_id is not None
+        self.held[request_id] = self.handle.item(row)
+        self.handle[row] = -1
+
+    def unhold(self, request_id: str, row: int) -> None:
+        """The move ended: the request's handle names it again."""
+        self.handle[row] = self.held.pop(request_id)
+
     # -- transactions ------------------------------------------------------------------------
 
     def checkpoint(self) -> _Checkpoint:
@@ -280,6 +300,7 @@ class RequestTable:
             handles=self.handle.copy(),
             suspended=dict(self.suspended),
             suspended_handles=dict(self.suspended_handles),
+            held=dict(self.held),
         )
         self.undo = []
         return saved
@@ -302,6 +323,7 @@ class RequestTable:
         self.handle[:] = saved.handles
         self.suspended = dict(saved.suspended)
         self.suspended_handles = dict(saved.suspended_handles)
+        self.held = dict(saved.held)
 
     def close_transaction(self) -> None:
         """The transaction ended (kept or undone): list edits need no undo again."""

@@ -1,0 +1,112 @@
+"""Wire models of KV moves between sidecars (docs/disaggregation.md).
+
+A prefill sidecar hands a request off (``hand_off``): it keeps the request's blocks pinned and
+answers a ``KVExport``, which says where every block lives in its registered memory. A decode
+sidecar pulls from it (``pull``): it reserves blocks, reads the missing ones straight into
+them with one transfer-engine READ per pool, and reports the request ``pulling`` until the
+read completes (``transfer_status``). The export carries no token of the peer's and no salt:
+the scope is a digest, the layout a list of facts both sides compare.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TransferRegion(_Frozen):
+    """One registered pool of a sidecar: ``num_slots`` slots of ``slot_bytes`` from
+    ``address`` in its process (``DRAM`` on the CPU, ``VRAM`` on GPU ``device_id``)."""
+
+    pool: int
+    pool_group: int
+    address: int
+    slot_bytes: int
+    num_slots: int
+    memory: Literal["DRAM", "VRAM"]
+    device_id: int = 0
+
+
+class KVExport(_Frozen):
+    """A handed-off request, as a puller needs it.
+
+    ``blocks[g][p]`` is the slot of block position ``p`` in layer group ``g`` (-1: released
+    by a window), the same positions as ``block_table``; ``token_ids`` are its committed
+    tokens, whose KV the blocks hold; ``scope`` is the digest of its LoRA and cache salt;
+    ``layout`` the facts a puller's layout must equal; ``notify`` the message a finished
+    pull sends so that the sidecar unpins the blocks before ``deadline`` (Unix seconds).
+    """
+
+    agent: str
+    generation: str
+    request_id: str
+    token_ids: list[int]
+    scope: str
+    layout: dict[str, Any]
+    blocks: list[list[int]]
+    regions: list[TransferRegion]
+    deadline: float
+    notify: str
+
+
+class TransferAgent(_Frozen):
+    """A sidecar's transfer agent: its name and NIXL metadata (base64), which a peer loads
+    to read from it (``GET /v1/transfer/agent``, behind the token)."""
+
+    name: str
+    generation: str
+    backend: str
+    metadata: str
+
+
+class HandOffRequest(_Frozen):
+    """``POST /v1/transfer/hand_off``: pin ``request_id`` for a pull for ``deadline_s``."""
+
+    request_id: Annotated[str, Field(min_length=1, max_length=256)]
+    deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+
+
+class PullRequest(_Frozen):
+    """``POST /v1/transfer/pull``: start ``request_id`` here with the KV of ``peer``'s
+    request ``peer_request_id`` (a peer of the operator's ``--peer`` list)."""
+
+    request_id: Annotated[str, Field(min_length=1, max_length=256)]
+    peer: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    peer_request_id: Annotated[str, Field(min_length=1, max_length=256)]
+    lookahead: Annotated[int, Field(ge=0)] = 0
+    lora_id: int | str | None = None
+    cache_salt: str | None = None
+    deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+
+
+class ExportRequest(_Frozen):
+    """``POST /v1/transfer/export`` (peer to peer): the export of a handed-off request, if
+    its scope is ``scope``."""
+
+    request_id: Annotated[str, Field(min_length=1, max_length=256)]
+    scope: Annotated[str, Field(max_length=64)]
+
+
+class PullState(_Frozen):
+    """Where a pulled request stands: ``pulling`` (not runnable yet), ``ready`` (its KV is
+    here and committed), ``failed`` (``error`` says why; its blocks are back in the pool and
+    its id is free) or ``unknown`` (no pull of that id)."""
+
+    request_id: str
+    state: Literal["pulling", "ready", "failed", "unknown"]
+    blocks: int = 0
+    bytes: int = 0
+    error: dict[str, Any] | None = None
+
+
+class PullStates(_Frozen):
+    states: list[PullState]
+
+
+class TransferStatusRequest(_Frozen):
+    request_ids: Annotated[list[str], Field(max_length=4096)]

@@ -1,0 +1,564 @@
+"""KV moves between sidecars: hand-offs out of this manager, pulls into it
+(docs/disaggregation.md).
+
+The flow of a disaggregated request, prefill sidecar P and decode sidecar D:
+
+1. P's scheduler commits the prompt and calls ``hand_off(rid, deadline_s)``: P pins the
+   request (no op reaches it, ``kv_in_flight``) and answers a ``KVExport``: its committed
+   tokens, the slot of every block position, the registered regions, its scope digest, its
+   layout facts and a one-time ``notify`` message.
+2. D's scheduler calls ``pull(rid, export)``: D checks the layout and the scope before
+   anything changes, allocates the request with the export's tokens (so the blocks D already
+   caches are hits, not transfers), and posts one READ per memory kind with one descriptor
+   per missing (block, pool): a slot of every pool of the block's pool group. The request is
+   held (``pulling``) meanwhile.
+3. ``poll`` (each step while a move runs; the service's loop) finds the READ done: D commits
+   the export's tokens, which publishes the full blocks (``block_stored`` events), gives the
+   request its handle back (``ready``) and sends P the ``notify`` message; P frees its
+   request (its blocks stay cached, as any free leaves them).
+
+What cannot happen: a block half written is never published (D commits only after the READ
+completes; a failed pull frees its blocks uncommitted), a block is never read after P reused
+it (P unpins on the message or at the deadline only; a scheduler's ``free`` of a handed-off
+request waits for the same), and D never returns a block that a READ may still write (a
+cancelled READ NIXL cannot abort keeps its blocks until NIXL says it ended).
+
+Example (tokens_per_block 4): P hands off 10 committed tokens in blocks [7, 3, 9] of its one
+group; D caches the first 4 tokens already, so ``pull`` allocates 10 tokens with a hit of 4,
+D's blocks [2, 5, 6], and reads P's slots 3 and 9 into D's 5 and 6 in every pool of the
+group: 2 descriptors per pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvcm_client.errors import (
+    DuplicateRequest,
+    InvalidArgument,
+    KVCMError,
+    LayoutMismatch,
+    ScopeMismatch,
+    TransferFailed,
+    TransferUnavailable,
+    UnknownPeer,
+    UnknownRequest,
+)
+from kvcm_client.transfer import KVExport, PullState, TransferAgent, TransferRegion
+
+from . import allocation, commits, request_rows
+from .hashing import root_key
+from .transfer_engine import NixlEngine, Xfer, memory_kind
+
+if TYPE_CHECKING:
+    from .components import Components
+
+#: Outcomes of finished pulls kept for ``transfer_status`` (the oldest go first).
+MAX_OUTCOMES = 4096
+
+
+def scope_digest(root: bytes) -> str:
+    """The scope of a request on the wire: a digest of its root key (LoRA and cache salt),
+    so a salt never leaves the sidecar."""
+    return hashlib.blake2b(root, digest_size=16).hexdigest()
+
+
+@dataclass(slots=True)
+class Pull:
+    """A pull into row ``row``: its READs, the tokens to commit when they end, and the peer
+    to tell."""
+
+    request_id: str
+    row: int
+    xfers: list[Xfer]
+    tokens: list[int]
+    peer: str
+    notify: bytes
+    deadline: float
+    blocks: int
+    nbytes: int
+    cancelled: bool = False
+    error: KVCMError | None = None
+    done: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Lent:
+    """A handed-off request: pinned until its puller's message or ``deadline``."""
+
+    row: int
+    export: KVExport
+    deadline: float
+
+
+class Transfers:
+    """The transfer endpoint of one manager: the engine, what it registered, the pulls in
+    flight, the requests lent out and the outcomes of finished pulls (module docstring)."""
+
+    def __init__(
+        self,
+        engine: NixlEngine,
+        regions: list[TransferRegion],
+        layout: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.regions = regions
+        self.layout = layout
+        self.clock = clock
+        self.pulls: dict[str, Pull] = {}
+        self.lent: dict[str, Lent] = {}
+        #: notify message -> request id of a lent request.
+        self.by_notify: dict[bytes, str] = {}
+        self.outcomes: OrderedDict[str, PullState] = OrderedDict()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a move runs (``poll`` has work)."""
+        return bool(self.pulls or self.lent)
+
+    def agent(self, generation: str) -> TransferAgent:
+        return TransferAgent(
+            name=self.engine.name,
+            generation=generation,
+            backend="nixl",
+            metadata=self.engine.metadata(),
+        )
+
+    def lend(self, request_id: str, lent: Lent) -> None:
+        self.lent[request_id] = lent
+        self.by_notify[lent.export.notify.encode()] = request_id
+
+    def unlend(self, request_id: str) -> Lent:
+        lent = self.lent.pop(request_id)
+        self.by_notify.pop(lent.export.notify.encode(), None)
+        return lent
+
+    def start(self, pull: Pull) -> None:
+        self.outcomes.pop(pull.request_id, None)
+        self.pulls[pull.request_id] = pull
+
+    def finish(self, request_id: str, outcome: PullState | None) -> Pull:
+        """Forget a pull; record its outcome (None: a cancelled pull, which has none)."""
+        pull = self.pulls.pop(request_id)
+        if outcome is not None:
+            self.outcomes[request_id] = outcome
+            while len(self.outcomes) > MAX_OUTCOMES:
+                self.outcomes.popitem(last=False)
+        return pull
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+# -- building the endpoint ---------------------------------------------------------------------
+
+
+def layout_facts(m: Components) -> dict[str, Any]:
+    """What two sidecars' layouts must share for a block to move as it is: the block size,
+    every layer's spec (heads after the TP split, dtype, window), the layer groups, and each
+    pool's slot bytes (which fixes the order of the buffers in a slot)."""
+    layout = m.layout
+    return {
+        "tokens_per_block": layout.tokens_per_block,
+        "layers": {
+            str(int(lid)): spec.model_dump(mode="json", exclude={"layer_id"})
+            for lid, spec in sorted(layout.layers.items())
+        },
+        "layer_groups": [[int(s.layer_id) for s in g.layers] for g in layout.layer_groups],
+        "pools": [[int(p.pool_group), p.slot_bytes] for p in layout.pools],
+        "state_layers": [s.model_dump(mode="json") for s in m.config.state_layers],
+    }
+
+
+def layout_differences(here: dict[str, Any], there: dict[str, Any]) -> list[str]:
+    """Each fact that differs, in words. Example: ``["tokens_per_block: 16 here, 32 at the
+    peer", "layer 3 num_kv_heads: 8 here, 4 at the peer"]``."""
+    out: list[str] = []
+    for key in ("tokens_per_block", "layer_groups", "pools", "state_layers"):
+        if here.get(key) != there.get(key):
+            out.append(f"{key}: {here.get(key)} here, {there.get(key)} at the peer")
+    mine, theirs = here.get("layers", {}), there.get("layers", {})
+    for lid in sorted(set(mine) | set(theirs), key=int):
+        a, b = mine.get(lid), theirs.get(lid)
+        if a is None or b is None:
+            out.append(
+                f"layer {lid}: {'absent' if a is None else 'present'} here, "
+                f"{'absent' if b is None else 'present'} at the peer"
+            )
+            continue
+        for name in sorted(set(a) | set(b)):
+            if a.get(name) != b.get(name):
+                out.append(f"layer {lid} {name}: {a.get(name)} here, {b.get(name)} at the peer")
+    return out
+
+
+def build(m: Components) -> Transfers:
+    """The endpoint of a manager whose config asks for one: a NIXL agent named
+    ``<transfer_name>-<generation>`` over the pools, the host tier and the state slots."""
+    config = m.config
+    if len(m.ranks) > 1 or config.context_parallel > 1:
+        raise TransferUnavailable(
+            "KV transfer supports one rank for now (ranks and context parallelism: not yet)",
+            backend="nixl",
+        )
+    tensors = list(m.memory.tensors)
+    regions = []
+    for pool, tensor in zip(m.layout.pools, m.memory.tensors, strict=True):
+        kind, device = memory_kind(tensor)
+        regions.append(
+            TransferRegion(
+                pool=int(pool.pool_id),
+                pool_group=int(pool.pool_group),
+                address=tensor.data_ptr(),
+                slot_bytes=int(tensor.shape[1]),
+                num_slots=int(tensor.shape[0]),
+                memory=kind,  # type: ignore[arg-type]
+                device_id=device,
+            )
+        )
+    if m.host is not None:
+        tensors += m.host.tensors()
+    if m.state is not None:
+        tensors += list(m.state.memory)
+    engine = NixlEngine(f"{config.transfer_name}-{m.generation}", tensors)
+    return Transfers(engine, regions, layout_facts(m))
+
+
+def endpoint(m: Components) -> Transfers:
+    if m.transfers is None:
+        raise TransferUnavailable(
+            "this manager has no transfer endpoint: start it with transfer='nixl' "
+            "(kvcm serve --transfer nixl)",
+            backend=None,
+        )
+    return m.transfers
+
+
+# -- the prefill side --------------------------------------------------------------------------
+
+
+def hand_off(m: Components, request_id: str, deadline_s: float) -> KVExport:
+    """Pin a request's committed blocks for a peer's pull and describe them (module
+    docstring, step 1). Its blocks past the committed tokens are not listed; the request
+    takes no op until the peer's pull ends or ``deadline_s`` passes, then it is freed (its
+    full blocks stay cached, as any free leaves them)."""
+    t = endpoint(m)
+    if not 0 < deadline_s <= 3600:
+        raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
+    if m.requests.undo is not None:
+        raise InvalidArgument("hand_off cannot run inside a transaction")
+    row = request_rows.row_of(m, request_id)
+    tokens = commits.committed_tokens(m, request_id)
+    if not tokens:
+        raise InvalidArgument(
+            f"request {request_id[:64]!r} has no committed tokens: nothing to hand off",
+            request_id=request_id[:64],
+        )
+    tpb = m.tokens_per_block
+    used = -(-len(tokens) // tpb)
+    export = KVExport(
+        agent=t.engine.name,
+        generation=m.generation,
+        request_id=request_id,
+        token_ids=tokens,
+        scope=scope_digest(m.requests.prefix[request_id].root),
+        layout=t.layout,
+        blocks=[m.coord.block_list(g.group_id, row)[:used] for g in m.layout.layer_groups],
+        regions=t.regions,
+        deadline=time.time() + deadline_s,
+        notify=secrets.token_hex(16),
+    )
+    m.requests.hold(row)
+    t.lend(request_id, Lent(row, export, t.clock() + deadline_s))
+    return export
+
+
+def export_of(m: Components, request_id: str, scope: str) -> KVExport:
+    """The export of a handed-off request, for a puller of scope ``scope`` only."""
+    t = endpoint(m)
+    lent = t.lent.get(request_id)
+    if lent is None:
+        shown = request_id[:64]
+        raise UnknownRequest(f"no handed-off request {shown!r}", request_id=shown)
+    if not secrets.compare_digest(lent.export.scope, scope):
+        raise ScopeMismatch(
+            f"request {request_id[:64]!r} belongs to another cache scope",
+            request_id=request_id[:64],
+        )
+    return lent.export
+
+
+# -- the decode side ---------------------------------------------------------------------------
+
+
+def connect(m: Components, metadata: str) -> str:
+    """Load a peer's transfer agent (``TransferAgent.metadata``); returns its name."""
+    return endpoint(m).engine.connect(metadata)
+
+
+def _plan(
+    m: Components, t: Transfers, row: int, hit: int, export: KVExport
+) -> tuple[dict[tuple[str, int, str, int], list[tuple[int, int, int]]], int]:
+    """The READ descriptors of a pull, grouped by (local kind, device, remote kind,
+    device): (local address, remote address, bytes) rows, and the blocks they move.
+
+    Positions from ``hit // tokens_per_block`` up move; a position whose local slot a window
+    released moves nothing; one that D holds but P released is a layout error (equal
+    windows release the same positions)."""
+    tpb = m.tokens_per_block
+    first, used = hit // tpb, -(-len(export.token_ids) // tpb)
+    remote_regions = {r.pool: r for r in export.regions}
+    groups: dict[tuple[str, int, str, int], list[tuple[int, int, int]]] = {}
+    moved = 0
+    for g in m.layout.layer_groups:
+        local = m.coord.block_list(g.group_id, row)
+        remote = export.blocks[int(g.group_id)]
+        pools = m.layout.pool_groups[int(g.pool_group)].pools
+        for pos in range(first, used):
+            slot = local[pos] if pos < len(local) else -1
+            if slot < 0:
+                continue
+            peer_slot = remote[pos] if pos < len(remote) else -1
+            if peer_slot < 0:
+                raise LayoutMismatch(
+                    f"the peer holds no block at position {pos} of layer group {int(g.group_id)}",
+                    differences=[f"layer group {int(g.group_id)} position {pos}"],
+                )
+            moved += 1
+            for p in pools:
+                tensor = m.memory.tensors[int(p)]
+                region = remote_regions[int(p)]
+                if peer_slot >= region.num_slots:
+                    raise LayoutMismatch(
+                        f"the peer's slot {peer_slot} is outside its pool {int(p)}",
+                        differences=[f"pool {int(p)} slots"],
+                    )
+                size = int(tensor.shape[1])
+                kind, device = memory_kind(tensor)
+                key = (kind, device, region.memory, region.device_id)
+                groups.setdefault(key, []).append(
+                    (
+                        tensor.data_ptr() + slot * size,
+                        region.address + peer_slot * region.slot_bytes,
+                        size,
+                    )
+                )
+    return groups, moved
+
+
+def pull(
+    m: Components,
+    request_id: str,
+    export: KVExport,
+    lookahead: int = 0,
+    lora_id: int | str | None = None,
+    cache_salt: str | None = None,
+    deadline_s: float = 30.0,
+) -> PullState:
+    """Start ``request_id`` with the KV of a peer's handed-off request (module docstring,
+    step 2). Checks first, then allocates ``len(export.token_ids)`` tokens plus
+    ``lookahead`` (the blocks this manager caches already are its hit and move nothing)
+    and posts the READs; the request is ``pulling`` until ``poll`` finds them done, or
+    ``ready`` at once when nothing needs to move. A refusal changes nothing."""
+    t = endpoint(m)
+    if not 0 < deadline_s <= 3600:
+        raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
+    if m.requests.undo is not None:
+        raise InvalidArgument("pull cannot run inside a transaction")
+    differences = layout_differences(t.layout, export.layout)
+    if differences:
+        raise LayoutMismatch(
+            f"the peer's KV layout differs: {'; '.join(differences[:4])}",
+            differences=differences[:32],
+        )
+    if len(export.blocks) != len(m.layout.layer_groups):
+        raise LayoutMismatch(
+            "the export lists another number of layer groups", differences=["layer_groups"]
+        )
+    if scope_digest(root_key(lora_id, cache_salt)) != export.scope:
+        raise ScopeMismatch(
+            "the pull names another cache scope (LoRA, cache salt) than the peer's request",
+            request_id=request_id[:64],
+        )
+    if export.agent not in t.engine.peers:
+        raise UnknownPeer(
+            f"transfer agent {export.agent!r} is not connected (connect_peer first; a restarted "
+            "peer is a new agent)",
+            peer=export.agent,
+        )
+    if request_id in m.requests.rows or request_id in t.pulls:
+        shown = request_id[:64]
+        raise DuplicateRequest(f"request {shown!r} is live", request_id=shown)
+    tokens = export.token_ids
+    started = allocation.start(
+        m, request_id, len(tokens), tokens, lookahead, lora_id, cache_salt, None, None, None
+    )
+    row, hit = started.row, started.hit_tokens
+    try:
+        groups, moved = _plan(m, t, row, hit, export)
+        xfers = []
+        notify = export.notify.encode()
+        for (kind, device, remote_kind, remote_device), rows in groups.items():
+            table = np.asarray(rows, dtype=np.int64)
+            xfers.append(
+                t.engine.read(
+                    export.agent,
+                    table[:, [0, 2]],
+                    table[:, [1, 2]],
+                    (kind, device),
+                    (remote_kind, remote_device),
+                )
+            )
+    except BaseException:
+        for x in locals().get("xfers", []):
+            t.engine.release(x)
+        request_rows.free_row(m, row)
+        raise
+    pull = Pull(
+        request_id=request_id,
+        row=row,
+        xfers=xfers,
+        tokens=tokens[hit:],
+        peer=export.agent,
+        notify=notify,
+        deadline=t.clock() + deadline_s,
+        blocks=moved,
+        nbytes=sum(x.nbytes for x in xfers),
+    )
+    m.requests.hold(row)
+    t.start(pull)
+    if not xfers:
+        _complete(m, t, pull)
+    return status(m, [request_id])[0]
+
+
+def _complete(m: Components, t: Transfers, pull: Pull) -> None:
+    """The READs ended: commit the pulled tokens (publishing the full blocks), give the
+    request its handle back and tell the peer."""
+    for x in pull.xfers:
+        t.engine.release(x)
+    m.requests.unhold(pull.request_id, pull.row)
+    if pull.tokens:
+        commits.commit_row(m, pull.row, pull.tokens)
+    t.finish(
+        pull.request_id,
+        PullState(request_id=pull.request_id, state="ready", blocks=pull.blocks, bytes=pull.nbytes),
+    )
+    t.engine.notify(pull.peer, pull.notify)
+
+
+def _fail(m: Components, t: Transfers, pull: Pull, error: KVCMError) -> None:
+    """A pull that cannot end well: its blocks go back uncommitted (nothing published)."""
+    request_rows.free_row(m, pull.row)
+    t.finish(
+        pull.request_id,
+        PullState(
+            request_id=pull.request_id,
+            state="failed",
+            blocks=pull.blocks,
+            bytes=pull.nbytes,
+            error=error.to_dict(),
+        ),
+    )
+
+
+def _settled(t: Transfers, pull: Pull, abort: bool) -> bool:
+    """Whether none of the pull's READs can still write: each ended, or (``abort``) was
+    released, which aborts it in NIXL. Ended ones are released."""
+    for i, x in enumerate(pull.xfers):
+        if i in pull.done:
+            continue
+        state = t.engine.state(x)
+        if state in ("DONE", "ERR") or abort:
+            if t.engine.release(x):
+                pull.done.add(i)
+            if state == "ERR" and pull.error is None:
+                pull.error = TransferFailed(
+                    f"the read from {pull.peer!r} failed (the peer died or dropped it)",
+                    peer=pull.peer,
+                )
+    return len(pull.done) == len(pull.xfers)
+
+
+def poll(m: Components) -> None:
+    """Advance the moves (module docstring, step 3): finished pulls, pulls past their
+    deadline, cancelled ones, and on the prefill side the pullers' messages and the lent
+    requests past their deadline. Local only: it asks the engine, never the peer."""
+    t = m.transfers
+    if t is None or not t.busy:
+        return
+    now = t.clock()
+    for pull in list(t.pulls.values()):
+        late = now > pull.deadline
+        if pull.cancelled:
+            if _settled(t, pull, abort=True):
+                request_rows.free_row(m, pull.row)
+                t.finish(pull.request_id, None)
+            continue
+        pending = [i for i in range(len(pull.xfers)) if i not in pull.done]
+        states = [t.engine.state(pull.xfers[i]) for i in pending]
+        if "ERR" in states or late:
+            if late and pull.error is None:
+                pull.error = TransferFailed(
+                    f"the pull from {pull.peer!r} passed its deadline", peer=pull.peer
+                )
+            if _settled(t, pull, abort=True):
+                assert pull.error is not None or "ERR" in states
+                _fail(m, t, pull, pull.error or TransferFailed("the read failed", peer=pull.peer))
+            continue
+        if all(s == "DONE" for s in states):
+            pull.done.update(pending)
+            _complete(m, t, pull)
+    for _sender, message in t.engine.notifications():
+        request_id = t.by_notify.get(message)
+        if request_id is not None:  # the one-time message is the puller's proof
+            _release_lent(m, t, request_id)
+    for request_id, lent in list(t.lent.items()):
+        if now > lent.deadline:
+            _release_lent(m, t, request_id)
+
+
+def _release_lent(m: Components, t: Transfers, request_id: str) -> None:
+    lent = t.unlend(request_id)
+    m.requests.unhold(request_id, lent.row)
+    request_rows.free_row(m, lent.row)
+
+
+def free(m: Components, request_id: str) -> None:
+    """A scheduler's ``free`` of a request whose KV moves: a pull is cancelled (its blocks
+    return once no READ can write them; its id at once unless NIXL cannot abort the READ),
+    a handed-off request stays pinned until its puller is done or its deadline passes."""
+    t = m.transfers
+    assert t is not None
+    pull = t.pulls.get(request_id)
+    if pull is not None:
+        pull.cancelled = True
+        poll(m)
+        return
+    # A lent request: nothing to do now; the message or the deadline frees it.
+    assert request_id in t.lent
+
+
+def status(m: Components, request_ids: Sequence[str]) -> list[PullState]:
+    """Where each pull stands (``PullState``); ``unknown`` for an id with none."""
+    t = endpoint(m)
+    out = []
+    for rid in request_ids:
+        pull = t.pulls.get(rid)
+        if pull is not None and not pull.cancelled:
+            out.append(
+                PullState(request_id=rid, state="pulling", blocks=pull.blocks, bytes=pull.nbytes)
+            )
+            continue
+        done = t.outcomes.get(rid)
+        out.append(done if done is not None else PullState(request_id=rid, state="unknown"))
+    return out
