@@ -374,6 +374,19 @@ class Coordinator(PrefixHits, EditLog):
         self.ops_since_take += 1
         return sum(step[3] for step in steps)
 
+    def release_window(self, g: int, row: int, end: int) -> None:
+        """Release the row's blocks of windowed group ``g`` up to position ``end``, as its own
+        growth would once its history passed them: a pulled request drops the positions its
+        peer had released, whose KV it never receives. Example (sink 1 block): released_end
+        1 and ``end`` 5 release positions 1 to 4; an ``end`` at or below released_end does
+        nothing."""
+        start = int(self.released_end[g][row])
+        if end <= start:
+            return
+        self.unref(self.group_pool[g], self.tables[g][row, start:end].copy())
+        self.set_cells(g, row, slice(start, end), None)
+        self.released_end[g][row] = end
+
     def _release(self, plan: _GroupPlan) -> None:
         assert plan.stale is not None
         r, pos, slots = plan.stale

@@ -305,6 +305,19 @@ def connect(m: Components, metadata: str) -> str:
     return endpoint(m).engine.connect(metadata)
 
 
+def _match_windows(m: Components, row: int, export: KVExport) -> None:
+    """Release the pulled request's window blocks that the peer had released: it allocated
+    the whole prompt at once, so it holds every position, but the KV of those the peer
+    released is gone (and no attention reads it). Left held, they would be published with
+    bytes nobody wrote. Example (sink 1 block): the peer lists [4, -1, -1, 9, 12]: positions
+    1 and 2 are released here too."""
+    for g in m.layout.layer_groups:
+        remote = export.blocks[int(g.group_id)]
+        released = [pos for pos, slot in enumerate(remote) if slot < 0]
+        if released and g.sliding_window is not None:
+            m.coord.release_window(int(g.group_id), row, released[-1] + 1)
+
+
 def _plan(
     m: Components, t: Transfers, row: int, hit: int, export: KVExport
 ) -> tuple[dict[tuple[str, int, str, int], list[tuple[int, int, int]]], int]:
@@ -404,6 +417,7 @@ def pull(
     )
     row, hit = started.row, started.hit_tokens
     try:
+        _match_windows(m, row, export)
         groups, moved = _plan(m, t, row, hit, export)
         xfers = []
         notify = export.notify.encode()
