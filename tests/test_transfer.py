@@ -309,3 +309,43 @@ def test_without_the_engine_the_config_is_refused(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(TransferUnavailable):
         m.transfer_agent()
     m.close()
+
+
+def test_peer_killed_mid_transfer(local: KVCacheManager) -> None:
+    """SIGKILL while a 96 MiB READ runs: the pull ends ``failed`` (its blocks back, nothing
+    committed or published) or, had the READ finished first, ``ready`` with every byte
+    equal to the source's; never anything in between."""
+    big = {
+        "layers": [{"layer_id": 0, "num_kv_heads": 16, "head_dim": 128, "dtype": "fp16"}],
+        "tokens_per_block": 64,
+        "num_blocks": 400,
+        "max_requests": 2,
+        "max_seq_len": 32768,
+        "transfer": "nixl",
+    }
+    p = Peer({**big, "transfer_name": "big"})
+    m = KVCacheManager({**big, "transfer_name": "big-decode"})
+    try:
+        m.connect_peer(p.agent.metadata)
+        tokens = list(range(24_000))  # 375 blocks of 256 KiB: 96 MiB
+        p.call("allocate", "p", len(tokens), tokens)
+        p.call("fill", "p", 9)
+        p.call("commit", "p", tokens)
+        source = p.call("digests", "p")
+        export = p.call("hand_off", "p", 30.0)
+        free = m.num_free_blocks()
+        state = m.pull("d", export, deadline_s=20.0)
+        p.kill()
+        if state.state == "pulling":
+            state = wait_done(m, "d", timeout=60)
+        if state.state == "ready":
+            assert digests(m, "d") == source
+            m.free("d")
+        else:
+            assert state.state == "failed" and state.error["code"] == "transfer_failed"
+            assert m.probe(tokens) == 0
+            assert [e for e in m.events().events if e.type == "block_stored"] == []
+        assert m.num_free_blocks() == free and m.request_ids() == []
+    finally:
+        m.close()
+        p.stop()

@@ -41,6 +41,7 @@ from .models import (
     Stats,
     StepResponse,
 )
+from .transfer import KVExport, PullState, PullStates, TransferAgent
 
 T = TypeVar("T")
 
@@ -441,3 +442,45 @@ def unregister_consumer(consumer_id: str) -> Call[None]:
 
 def consumers() -> Call[list[ConsumerInfo]]:
     return _get("/v1/consumers", lambda raw: Consumers.model_validate_json(raw).consumers)
+
+
+# -- KV moves between sidecars (docs/disaggregation.md) ------------------------------------------
+
+
+def transfer_agent() -> Call[TransferAgent]:
+    return _get("/v1/transfer/agent", _model(TransferAgent))
+
+
+def hand_off(request_id: str, deadline_s: float) -> Call[KVExport]:
+    return _post(
+        "/v1/transfer/hand_off", _model(KVExport), request_id=request_id, deadline_s=deadline_s
+    )
+
+
+def pull(
+    request_id: str,
+    peer: str,
+    peer_request_id: str,
+    lookahead: int,
+    lora_id: Any,
+    cache_salt: Any,
+    deadline_s: float,
+) -> Call[PullState]:
+    body = {
+        "request_id": request_id,
+        "peer": peer,
+        "peer_request_id": peer_request_id,
+        "lookahead": lookahead,
+        "deadline_s": deadline_s,
+    }
+    body |= {k: v for k, v in (("lora_id", lora_id), ("cache_salt", cache_salt)) if v is not None}
+    return _post("/v1/transfer/pull", _model(PullState), **body)
+
+
+def transfer_status(request_ids: Sequence[str]) -> Call[list[PullState]]:
+    return _post(
+        "/v1/transfer/status",
+        lambda raw: PullStates.model_validate_json(raw).states,
+        idempotent=True,
+        request_ids=list(request_ids),
+    )

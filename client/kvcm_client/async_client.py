@@ -56,6 +56,7 @@ from .models import (
     Stats,
 )
 from .state import StateLayerSpec
+from .transfer import KVExport, PullState, TransferAgent
 
 if TYPE_CHECKING:
     from .shared import Attachment
@@ -178,6 +179,40 @@ class AsyncKVCacheClient:
     ) -> int:
         given = (token_ids, lora_id, cache_salt, multimodal, block_keys)
         return await self._fast(channel.probe(*given), calls.probe(*given))
+
+    # -- KV moves between sidecars (docs/disaggregation.md) --------------------------------
+
+    async def transfer_agent(self) -> TransferAgent:
+        """The service's transfer agent (name, NIXL metadata); needs the token."""
+        return await self._run(calls.transfer_agent())
+
+    async def hand_off(self, request_id: str, deadline_s: float = 30.0) -> KVExport:
+        """Pin a committed request for a peer's pull (``KVCacheManager.hand_off``); the
+        service frees it when the peer's pull ends or ``deadline_s`` passes."""
+        return await self._run(calls.hand_off(request_id, deadline_s))
+
+    async def pull(
+        self,
+        request_id: str,
+        peer: str,
+        peer_request_id: str,
+        lookahead: int = 0,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        deadline_s: float = 30.0,
+    ) -> PullState:
+        """Start ``request_id`` with the KV of request ``peer_request_id`` handed off by
+        ``peer`` (a name of the service's ``--peer`` list): ``pulling`` until
+        ``transfer_status`` says ``ready`` (``KVCacheManager.pull``)."""
+        return await self._run(
+            calls.pull(
+                request_id, peer, peer_request_id, lookahead, lora_id, cache_salt, deadline_s
+            )
+        )
+
+    async def transfer_status(self, request_ids: Sequence[str]) -> list[PullState]:
+        """Where each pull stands: pulling, ready, failed (with its error) or unknown."""
+        return await self._run(calls.transfer_status(request_ids))
 
     async def reset_prefix_cache(self) -> None:
         return await self._run(calls.reset_prefix_cache())

@@ -174,6 +174,24 @@ _SERVE_FLAGS: list[tuple[str, dict[str, Any]]] = [
         "--max-body-bytes",
         {"type": int, "help": "request body limit (default: room for a max_seq_len prompt)"},
     ),
+    (
+        "--transfer",
+        {
+            "choices": ["nixl"],
+            "help": "a transfer endpoint: peers pull this sidecar's KV and it pulls theirs "
+            "(NIXL: pip install 'kvcm[transfer]'; needs KVCM_API_TOKEN; "
+            "docs/disaggregation.md)",
+        },
+    ),
+    ("--transfer-name", {"help": "this sidecar's name among its peers (default kvcm)"}),
+    (
+        "--peer",
+        {
+            "action": "append",
+            "help": "a peer this sidecar may pull from, NAME=URL (repeatable); its token from "
+            "KVCM_PEER_TOKEN_<NAME> or KVCM_PEER_TOKEN",
+        },
+    ),
     ("--log-level", {"help": "debug, info, warning, error"}),
     ("--access-log", {"action": "store_const", "const": True, "help": "log every request"}),
 ]

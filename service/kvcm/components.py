@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .shared_memory import CudaSegments, SharedSegments
     from .sizing import Sizing
     from .state_pools import StatePools
-    from .transfers import Transfers
+    from .transfer_state import Transfers
     from .views import TablesAndViews
 
 

@@ -409,6 +409,8 @@ class KVCacheManager:
             )
             if atomic and (cols.suspend.size or cols.resume.size):
                 raise InvalidArgument("suspend and resume cannot be part of an all-or-nothing step")
+            if self.parts.transfers is not None and self.parts.transfers.busy:
+                transfers.poll(self.parts)  # a pull that ended runs in this step
             sizes = cols.sizes()
             total = sum(sizes.values())
             if total > MAX_STEP_OPS or total - sizes["extend"] > MAX_STEP_OTHER_OPS:
@@ -469,6 +471,8 @@ class KVCacheManager:
         stays bounded.
         """
         self._check_step_size(len(ops), len(ops) - sum(1 for op in ops if op["op"] == "extend"))
+        if self.parts.transfers is not None and self.parts.transfers.busy:
+            transfers.poll(self.parts)  # a pull that ended runs in this step
         if not atomic:
             return execute_ops(self.parts, ops, False, brief)
         with self.transaction() as undo:

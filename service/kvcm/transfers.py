@@ -34,9 +34,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,111 +50,21 @@ from kvcm_client.errors import (
     UnknownPeer,
     UnknownRequest,
 )
-from kvcm_client.transfer import KVExport, PullState, TransferAgent, TransferRegion
+from kvcm_client.transfer import KVExport, PullState, TransferRegion
 
 from . import allocation, commits, request_rows
 from .hashing import root_key
-from .transfer_engine import NixlEngine, Xfer, memory_kind
+from .transfer_engine import NixlEngine, memory_kind
+from .transfer_state import Lent, Pull, Transfers
 
 if TYPE_CHECKING:
     from .components import Components
-
-#: Outcomes of finished pulls kept for ``transfer_status`` (the oldest go first).
-MAX_OUTCOMES = 4096
 
 
 def scope_digest(root: bytes) -> str:
     """The scope of a request on the wire: a digest of its root key (LoRA and cache salt),
     so a salt never leaves the sidecar."""
     return hashlib.blake2b(root, digest_size=16).hexdigest()
-
-
-@dataclass(slots=True)
-class Pull:
-    """A pull into row ``row``: its READs, the tokens to commit when they end, and the peer
-    to tell."""
-
-    request_id: str
-    row: int
-    xfers: list[Xfer]
-    tokens: list[int]
-    peer: str
-    notify: bytes
-    deadline: float
-    blocks: int
-    nbytes: int
-    cancelled: bool = False
-    error: KVCMError | None = None
-    done: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class Lent:
-    """A handed-off request: pinned until its puller's message or ``deadline``."""
-
-    row: int
-    export: KVExport
-    deadline: float
-
-
-class Transfers:
-    """The transfer endpoint of one manager: the engine, what it registered, the pulls in
-    flight, the requests lent out and the outcomes of finished pulls (module docstring)."""
-
-    def __init__(
-        self,
-        engine: NixlEngine,
-        regions: list[TransferRegion],
-        layout: dict[str, Any],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.engine = engine
-        self.regions = regions
-        self.layout = layout
-        self.clock = clock
-        self.pulls: dict[str, Pull] = {}
-        self.lent: dict[str, Lent] = {}
-        #: notify message -> request id of a lent request.
-        self.by_notify: dict[bytes, str] = {}
-        self.outcomes: OrderedDict[str, PullState] = OrderedDict()
-
-    @property
-    def busy(self) -> bool:
-        """Whether a move runs (``poll`` has work)."""
-        return bool(self.pulls or self.lent)
-
-    def agent(self, generation: str) -> TransferAgent:
-        return TransferAgent(
-            name=self.engine.name,
-            generation=generation,
-            backend="nixl",
-            metadata=self.engine.metadata(),
-        )
-
-    def lend(self, request_id: str, lent: Lent) -> None:
-        self.lent[request_id] = lent
-        self.by_notify[lent.export.notify.encode()] = request_id
-
-    def unlend(self, request_id: str) -> Lent:
-        lent = self.lent.pop(request_id)
-        self.by_notify.pop(lent.export.notify.encode(), None)
-        return lent
-
-    def start(self, pull: Pull) -> None:
-        self.outcomes.pop(pull.request_id, None)
-        self.pulls[pull.request_id] = pull
-
-    def finish(self, request_id: str, outcome: PullState | None) -> Pull:
-        """Forget a pull; record its outcome (None: a cancelled pull, which has none)."""
-        pull = self.pulls.pop(request_id)
-        if outcome is not None:
-            self.outcomes[request_id] = outcome
-            while len(self.outcomes) > MAX_OUTCOMES:
-                self.outcomes.popitem(last=False)
-        return pull
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 # -- building the endpoint ---------------------------------------------------------------------

@@ -84,7 +84,7 @@ from kvcm_client.models import (
 )
 
 from ..manager import KVCacheManager, resolve_device
-from . import openapi
+from . import openapi, transfer_routes
 from .errors import JSON, install_error_handlers
 from .middleware import BodyLimit, CountResponses, Generation
 from .state import ServiceState
@@ -129,6 +129,7 @@ def create_app(
     step_spin_s: float = 0.0,
     request_timeout: float = 10.0,
     kv_events_zmq: str | None = None,
+    peers: Mapping[str, tuple[str, str | None]] | None = None,
 ) -> FastAPI:
     """An app serving ``manager`` (None: no model until one is registered); ``api_token``
     (if set) guards every mutating route. ``max_body_bytes`` defaults to
@@ -139,7 +140,8 @@ def create_app(
     up to ``step_poll_us`` for a client's next frame (``step_poll``), or ``step_spin_s``
     after every answer (busy-poll mode, ``StepChannel.spin``).
     ``kv_events_zmq``: also publish the KV events in vLLM's format on a ZeroMQ PUB socket
-    bound there (``vllm_events``)."""
+    bound there (``vllm_events``). ``peers``: the sidecars this one may pull KV from, name to
+    (URL, token) (``transfer_routes``, docs/disaggregation.md)."""
     state = ServiceState(
         manager, lease_ttl_s, *(() if clock is None else (clock,)), defaults=defaults
     )
@@ -163,9 +165,13 @@ def create_app(
         step_spin_s,
     )
 
+    transfer_peers = transfer_routes.Peers(peers or {})
+    poller = transfer_routes.Poller(state)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         reaper = asyncio.create_task(_reap(state))
+        polling = asyncio.create_task(poller.run())
         if step_socket is not None:
             await channel.start(step_socket)
         # Everything built so far (torch, the app, the manager) lives as long as the process:
@@ -185,8 +191,12 @@ def create_app(
             state.ready = False
             await channel.stop()
             reaper.cancel()
+            polling.cancel()
             with suppress(asyncio.CancelledError):
                 await reaper
+            with suppress(asyncio.CancelledError):
+                await polling
+            await transfer_peers.close()
             if state.current is not None:
                 state.current.close()  # unlink shared segments; existing mappings stay valid
 
@@ -435,6 +445,10 @@ def create_app(
         None,
         lambda _, __: mgr().reset_prefix_cache(),
         summary="forget every cached block (refused while requests hold blocks)",
+    )
+
+    transfer_routes.install(
+        app, state, authorize, token is not None, transfer_peers, poller, bodies
     )
 
     @app.get("/v1/events", response_model=KVEvents, tags=["prefix cache"])
@@ -703,4 +717,5 @@ def app_from_settings(settings: Any) -> FastAPI:
         step_spin_s=settings.step_spin_s,
         request_timeout=settings.request_timeout,
         kv_events_zmq=settings.kv_events_zmq,
+        peers=settings.peers(),
     )

@@ -45,23 +45,30 @@ from kvcm_client.errors import (
     InvalidRewind,
     KVCMError,
     KVEventsDisabled,
+    KVInFlight,
+    LayoutMismatch,
     LimitReached,
     MalformedRequest,
     NoModel,
     NotFound,
     OutOfBlocks,
     PayloadTooLarge,
+    PeerUnreachable,
     PrefixCacheInUse,
     RequestLimitReached,
     RequestsLive,
     RequestSuspended,
     RewindIntoSharedBlock,
+    ScopeMismatch,
     SequenceTooLong,
     StaleGeneration,
     StateNotRewindable,
+    TransferFailed,
+    TransferUnavailable,
     Unauthorized,
     UnknownConsumer,
     UnknownLayer,
+    UnknownPeer,
     UnknownRequest,
     UnknownSession,
     UnsupportedModel,
@@ -118,7 +125,7 @@ _MODEL = (NoModel,)
 #: Requests named by id: in a body, or the ``request_id`` query parameter (only a host tier
 #: suspends them; those routes answer ``request_suspended`` for a suspended one).
 _REQUEST = (*_MODEL, UnknownRequest)
-_LIVE = (*_REQUEST, RequestSuspended)
+_LIVE = (*_REQUEST, RequestSuspended, KVInFlight)
 #: Ops that grow a request.
 _GROW = (*_REQUEST, SequenceTooLong, OutOfBlocks)
 #: A path id with a '/' (as %2F) names no route: 404 ``not_found``.
@@ -158,8 +165,8 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/allocate"): RouteDoc(
         (*_MODEL, SequenceTooLong, DuplicateRequest, OutOfBlocks, RequestLimitReached), **_OP
     ),
-    ("POST", "/v1/extend"): RouteDoc((*_GROW, RequestSuspended), **_OP),
-    ("POST", "/v1/extend_many"): RouteDoc((*_GROW, RequestSuspended), **_OP),
+    ("POST", "/v1/extend"): RouteDoc((*_GROW, RequestSuspended, KVInFlight), **_OP),
+    ("POST", "/v1/extend_many"): RouteDoc((*_GROW, RequestSuspended, KVInFlight), **_OP),
     ("POST", "/v1/rewind"): RouteDoc(
         (*_LIVE, InvalidRewind, RewindIntoSharedBlock, StateNotRewindable), **_OP
     ),
@@ -187,6 +194,34 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
         (*_MODEL, PrefixCacheInUse), body=True, auth=True, notes=_BODY_LIMIT
     ),
     ("GET", "/v1/events"): RouteDoc((InvalidArgument, *_MODEL, KVEventsDisabled), auth=True),
+    # KV moves between sidecars (docs/disaggregation.md): every route behind the token.
+    ("GET", "/v1/transfer/agent"): RouteDoc((*_MODEL, TransferUnavailable), auth=True),
+    ("POST", "/v1/transfer/hand_off"): RouteDoc(
+        (*_LIVE, TransferUnavailable), body=True, auth=True, notes=_BODY_LIMIT
+    ),
+    ("POST", "/v1/transfer/export"): RouteDoc(
+        (*_REQUEST, ScopeMismatch, TransferUnavailable), body=True, auth=True, notes=_BODY_LIMIT
+    ),
+    ("POST", "/v1/transfer/pull"): RouteDoc(
+        (
+            *_MODEL,
+            UnknownRequest,
+            DuplicateRequest,
+            OutOfBlocks,
+            SequenceTooLong,
+            RequestLimitReached,
+            ScopeMismatch,
+            LayoutMismatch,
+            UnknownPeer,
+            PeerUnreachable,
+            TransferFailed,
+            TransferUnavailable,
+        ),
+        body=True,
+        auth=True,
+        notes=_BODY_LIMIT,
+    ),
+    ("POST", "/v1/transfer/status"): RouteDoc((*_MODEL, TransferUnavailable), **_READ),
     ("GET", "/v1/index/snapshot"): RouteDoc(_MODEL, auth=True),
     ("GET", "/v1/layout"): RouteDoc(_MODEL),
     ("GET", "/v1/estimate"): RouteDoc((InvalidArgument, *_MODEL)),

@@ -23,9 +23,10 @@ lists) and is never logged or printed.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -144,6 +145,18 @@ class Settings(BaseSettings):
     max_body_bytes: int | None = Field(default=None, gt=0)
     """Request body limit; None: from max_seq_len (``server.app.default_body_limit``)."""
     api_token: SecretStr | None = None
+    # -- KV moves between sidecars (docs/disaggregation.md) --
+    transfer: Literal["nixl"] | None = None
+    """A transfer endpoint (``ManagerConfig.transfer``): peers pull this sidecar's blocks
+    and it pulls theirs. Needs ``KVCM_API_TOKEN`` (the transfer routes are behind it)."""
+    transfer_name: str | None = None
+    """This sidecar's name among its peers (``ManagerConfig.transfer_name``)."""
+    peer: list[str] = []
+    """The peers this sidecar may pull from, ``NAME=URL`` each: it connects to these only,
+    never to an address a request names."""
+    peer_token: SecretStr | None = None
+    """The token of the peers' routes (``KVCM_PEER_TOKEN``; ``KVCM_PEER_TOKEN_<NAME>`` for
+    one peer, read at start); env only, as ``KVCM_API_TOKEN``."""
     log_level: str = "info"
     access_log: bool = False
 
@@ -159,6 +172,30 @@ class Settings(BaseSettings):
         if value is not None and not value.get_secret_value().strip():
             raise ValueError("KVCM_API_TOKEN is set but empty: unset it, or give a token")
         return value
+
+    @field_validator("peer")
+    @classmethod
+    def _peers(cls, value: list[str]) -> list[str]:
+        for item in value:
+            name, sep, url = item.partition("=")
+            if (
+                not sep
+                or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)
+                or not re.match(r"https?://[^\s]+$", url)
+            ):
+                raise ValueError(
+                    f"--peer {item!r}: give NAME=URL, e.g. prefill-0=http://10.0.0.7:8470"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _transfer_token(self) -> Settings:
+        if self.transfer is not None and self.api_token is None:
+            raise ValueError(
+                "--transfer needs KVCM_API_TOKEN: the transfer routes (agent metadata, "
+                "exports) are behind the token"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_budget(self) -> Settings:
@@ -180,8 +217,22 @@ class Settings(BaseSettings):
         out = {key: getattr(self, key) for key in _REGISTRATION_DEFAULTS}
         out["memory_bytes"] = self.memory
         out["host_memory_bytes"] = self.host_memory
+        out["transfer"] = self.transfer
+        out["transfer_name"] = self.transfer_name
         if started is not None:
             out |= defaults_of(started)
+        return out
+
+    def peers(self) -> dict[str, tuple[str, str | None]]:
+        """Each configured peer's URL and token (its own ``KVCM_PEER_TOKEN_<NAME>``, else
+        ``KVCM_PEER_TOKEN``). Example: ``--peer prefill-0=http://10.0.0.7:8470`` reads
+        ``KVCM_PEER_TOKEN_PREFILL_0``."""
+        shared = self.peer_token.get_secret_value() if self.peer_token else None
+        out = {}
+        for item in self.peer:
+            name, _, url = item.partition("=")
+            own = os.environ.get("KVCM_PEER_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper())
+            out[name] = (url.rstrip("/"), own or shared)
         return out
 
     def manager_config(self) -> ManagerConfig:
@@ -231,6 +282,10 @@ class Settings(BaseSettings):
             raw["share"] = str(raw.get("device", "cpu")) == "cpu"
         if self.host_memory is not None:
             raw["host_memory_bytes"] = self.host_memory
+        if self.transfer is not None:
+            raw["transfer"] = self.transfer
+        if self.transfer_name is not None:
+            raw["transfer_name"] = self.transfer_name
         if self.memory is not None:
             raw["memory_bytes"], raw["num_blocks"] = self.memory, None
         elif self.num_blocks is not None:
