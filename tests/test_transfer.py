@@ -72,15 +72,19 @@ def local() -> Any:
     m.close()
 
 
-def prefill(peer: Peer, rid: str, tokens: list[int], seed: int, **kw: Any) -> Any:
+def prefill(
+    peer: Peer, rid: str, tokens: list[int], seed: int, hand_off: bool = True, **kw: Any
+) -> Any:
     """Run a request's chunked prefill on the peer (8 tokens a chunk, random KV written
-    into each chunk's blocks), then hand it off."""
+    into each chunk's blocks), then hand it off (or free it: its blocks stay cached)."""
     hit = peer.call("allocate", rid, min(8, len(tokens)), tokens[:8], **kw).num_hit_tokens
     for start in range(0, len(tokens), 8):
         if start:
             peer.call("extend", rid, min(8, len(tokens) - start))
         peer.call("fill", rid, seed + start)
         peer.call("commit", rid, tokens[max(start, hit) : start + 8])
+    if not hand_off:
+        return peer.call("free", rid)
     return peer.call("hand_off", rid, 20.0)
 
 
@@ -275,7 +279,7 @@ def test_pull_past_its_deadline_fails_cleanly(local: KVCacheManager) -> None:
         assert state.state == "failed" and state.error["code"] == "transfer_failed", state
         assert local.num_free_blocks() == free and local.request_ids() == []
         assert local.probe(list(range(5000, 5020))) == 0
-        assert [e for e in local.events().events if e.type == "block_stored"] == []
+        assert [e for e in local.events().events if e.kind == "block_stored"] == []
     finally:
         p.stop()
 
@@ -344,8 +348,51 @@ def test_peer_killed_mid_transfer(local: KVCacheManager) -> None:
         else:
             assert state.state == "failed" and state.error["code"] == "transfer_failed"
             assert m.probe(tokens) == 0
-            assert [e for e in m.events().events if e.type == "block_stored"] == []
+            assert [e for e in m.events().events if e.kind == "block_stored"] == []
         assert m.num_free_blocks() == free and m.request_ids() == []
     finally:
         m.close()
         p.stop()
+
+
+def test_fetch_a_prefix_the_peer_caches(peer: Peer, local: KVCacheManager) -> None:
+    """A prompt whose first 24 tokens the peer caches and whose first 4 this side does:
+    the peer pins its prefix (an internal request), blocks 1 to 5 move, the request is
+    ready with 24 tokens committed, and they are published here (events, later hits)."""
+    local.connect_peer(peer.agent.metadata)
+    prompt = list(range(7000, 7030))
+    prefill(peer, "p7", prompt[:25], seed=10, hand_off=False)  # 6 full blocks cached
+    free_peer = peer.call("num_free_blocks")
+    local.allocate("warm", 4, prompt[:4])
+    local.commit("warm", prompt[:4])
+    local.free("warm")
+    seq = local.last_event_seq
+
+    export = peer.call("export_prefix", prompt, None, None, 20.0)
+    assert export.token_ids == prompt[:24] and export.request_id.startswith("kvcm-fetch-")
+    source = peer.call("digests", export.request_id, 24)
+    state = local.fetch("f", 30, prompt, export)
+    assert state.state in ("pulling", "ready")
+    assert wait_done(local, "f").state == "ready"
+    info = local.request("f")
+    assert (info.num_tokens, info.num_committed, info.num_hit_tokens) == (30, 24, 4)
+    mine = digests(local, "f", 24)
+    assert mine[0][1:] == source[0][1:]  # block 0 was a hit here
+    stored = [e for e in local.events(after=seq).events if e.kind == "block_stored"]
+    assert len(stored) > 0 and local.probe(prompt) == 24
+    with pytest.raises(KVInFlight):
+        peer.call("extend", export.request_id, 1)
+    local.commit("f", prompt[24:])  # the scheduler prefills the rest
+    assert wait_free(peer, free_peer) == free_peer  # the peer's pin is gone
+    local.free("f")
+
+
+def test_fetch_with_nothing_cached_at_the_peer(peer: Peer, local: KVCacheManager) -> None:
+    local.connect_peer(peer.agent.metadata)
+    prompt = list(range(8000, 8010))
+    export = peer.call("export_prefix", prompt, None, None, 20.0)
+    assert export.token_ids == [] and export.request_id == ""
+    state = local.fetch("n", 10, prompt, export)
+    assert state.state == "ready" and state.blocks == 0
+    assert local.request("n").num_committed == 0
+    local.free("n")

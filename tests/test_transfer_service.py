@@ -196,3 +196,40 @@ def test_transfer_needs_a_token(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as err, serve_process("--layers", str(layers), *FLAGS):
         pass
     assert "KVCM_API_TOKEN" in str(err.value)
+
+
+def test_fetch_a_prefix_from_a_peer_over_http(sidecars: tuple[str, str]) -> None:
+    prefill_url, decode_url = sidecars
+    with (
+        KVCacheClient(prefill_url, token="tok-prefill") as p,
+        KVCacheClient(decode_url, token="tok-decode") as d,
+        p.attach() as p_att,
+        d.attach() as d_att,
+    ):
+        prompt = list(range(900, 930))
+        p.allocate("cached", 21, prompt[:21])
+        write_kv(p, p_att, "cached", 5)
+        p.commit("cached", prompt[:21])
+        source = {k: v for k, v in read_kv(p, p_att, "cached").items() if k[1] < 5}
+        p.free("cached")  # its 5 full blocks stay cached on the prefill sidecar
+        free_p = p.num_free_blocks()
+        seq = d.events().last_seq
+        state = d.fetch("f", "prefill", 30, prompt)
+        assert state.state in ("pulling", "ready")
+        assert wait(d, "f").state == "ready"
+        assert d.request("f").num_committed == 20
+        mine = read_kv(d, d_att, "f")
+        # Every full-attention page arrived; the window group's released positions are
+        # released here too.
+        assert {k for k in source if k[0] == 0} <= set(mine)
+        for key, page in source.items():
+            if key in mine:
+                assert torch.equal(mine[key], page), key
+        assert any(e.kind == "block_stored" for e in d.events(after=seq).events)
+        assert d.probe(prompt) == 20
+        d.free("f")
+        for _ in range(500):
+            if p.num_free_blocks() == free_p and p.request_ids() == []:
+                break
+            time.sleep(0.01)
+        assert p.request_ids() == [] and p.num_free_blocks() == free_p

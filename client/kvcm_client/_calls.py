@@ -477,6 +477,28 @@ def pull(
     return _post("/v1/transfer/pull", _model(PullState), **body)
 
 
+def fetch(
+    request_id: str,
+    peer: str,
+    num_tokens: int,
+    token_ids: Any,
+    lookahead: int,
+    lora_id: Any,
+    cache_salt: Any,
+    deadline_s: float,
+) -> Call[PullState]:
+    body = {
+        "request_id": request_id,
+        "peer": peer,
+        "num_tokens": num_tokens,
+        "token_ids": token_ids,
+        "lookahead": lookahead,
+        "deadline_s": deadline_s,
+    }
+    body |= {k: v for k, v in (("lora_id", lora_id), ("cache_salt", cache_salt)) if v is not None}
+    return _post("/v1/transfer/fetch", _model(PullState), **body)
+
+
 def transfer_status(request_ids: Sequence[str]) -> Call[list[PullState]]:
     return _post(
         "/v1/transfer/status",

@@ -241,6 +241,33 @@ class KVCacheClient:
             )
         )
 
+    def fetch(
+        self,
+        request_id: str,
+        peer: str,
+        num_tokens: int,
+        token_ids: Sequence[int],
+        lookahead: int = 0,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        deadline_s: float = 30.0,
+    ) -> PullState:
+        """Allocate ``request_id`` with the longest prefix of ``token_ids`` that ``peer``
+        caches pulled in first (``KVCacheManager.fetch``): ``pulling`` until
+        ``transfer_status`` says ``ready``, then prefill from ``num_committed``."""
+        return self._run(
+            calls.fetch(
+                request_id,
+                peer,
+                num_tokens,
+                token_ids,
+                lookahead,
+                lora_id,
+                cache_salt,
+                deadline_s,
+            )
+        )
+
     def transfer_status(self, request_ids: Sequence[str]) -> list[PullState]:
         """Where each pull stands: pulling, ready, failed (with its error) or unknown."""
         return self._run(calls.transfer_status(request_ids))

@@ -84,6 +84,30 @@ class PullRequest(_Frozen):
     deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
 
 
+class FetchRequest(_Frozen):
+    """``POST /v1/transfer/fetch``: allocate ``request_id`` (``num_tokens`` tokens, prompt
+    ``token_ids``) with the longest prefix of it that ``peer`` caches pulled in first."""
+
+    request_id: Annotated[str, Field(min_length=1, max_length=256)]
+    peer: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    num_tokens: Annotated[int, Field(gt=0)]
+    token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+    lookahead: Annotated[int, Field(ge=0)] = 0
+    lora_id: int | str | None = None
+    cache_salt: str | None = None
+    deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+
+
+class PrefixRequest(_Frozen):
+    """``POST /v1/transfer/prefix`` (peer to peer): pin the longest cached prefix of
+    ``token_ids`` in the scope of ``lora_id`` and ``cache_salt`` and export it."""
+
+    token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+    lora_id: int | str | None = None
+    cache_salt: str | None = None
+    deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+
+
 class ExportRequest(_Frozen):
     """``POST /v1/transfer/export`` (peer to peer): the export of a handed-off request, if
     its scope is ``scope``."""

@@ -747,6 +747,42 @@ class KVCacheManager:
         )
 
     @_settles
+    @_doc(transfers.export_prefix)
+    def export_prefix(
+        self,
+        token_ids: Sequence[int],
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        deadline_s: float = 30.0,
+    ) -> KVExport:
+        return transfers.export_prefix(self.parts, list(token_ids), lora_id, cache_salt, deadline_s)
+
+    @_settles
+    @_doc(transfers.fetch)
+    def fetch(
+        self,
+        request_id: str,
+        num_tokens: int,
+        token_ids: Sequence[int],
+        export: KVExport | dict[str, Any],
+        lookahead: int = 0,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        deadline_s: float = 30.0,
+    ) -> PullState:
+        return transfers.fetch(
+            self.parts,
+            request_id,
+            num_tokens,
+            list(token_ids),
+            KVExport.model_validate(export),
+            lookahead,
+            lora_id,
+            cache_salt,
+            deadline_s,
+        )
+
+    @_settles
     @_doc(transfers.poll)
     def poll_transfers(self) -> None:
         transfers.poll(self.parts)

@@ -52,9 +52,9 @@ from kvcm_client.errors import (
 )
 from kvcm_client.transfer import KVExport, PullState, TransferRegion
 
-from . import allocation, commits, request_rows
+from . import allocation, commits, prefix_reuse, request_rows
 from .hashing import root_key
-from .transfer_engine import NixlEngine, memory_kind
+from .transfer_engine import NixlEngine, Xfer, memory_kind
 from .transfer_state import Lent, Pull, Transfers
 
 if TYPE_CHECKING:
@@ -276,25 +276,21 @@ def _plan(
     return groups, moved
 
 
-def pull(
+def _check(
     m: Components,
+    t: Transfers,
     request_id: str,
     export: KVExport,
-    lookahead: int = 0,
-    lora_id: int | str | None = None,
-    cache_salt: str | None = None,
-    deadline_s: float = 30.0,
-) -> PullState:
-    """Start ``request_id`` with the KV of a peer's handed-off request (module docstring,
-    step 2). Checks first, then allocates ``len(export.token_ids)`` tokens plus
-    ``lookahead`` (the blocks this manager caches already are its hit and move nothing)
-    and posts the READs; the request is ``pulling`` until ``poll`` finds them done, or
-    ``ready`` at once when nothing needs to move. A refusal changes nothing."""
-    t = endpoint(m)
+    lora_id: int | str | None,
+    cache_salt: str | None,
+    deadline_s: float,
+) -> None:
+    """What a pull or a fetch refuses before anything changes: a bad deadline, a
+    transaction, another layout, another scope, a peer not connected, a live id."""
     if not 0 < deadline_s <= 3600:
         raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
     if m.requests.undo is not None:
-        raise InvalidArgument("pull cannot run inside a transaction")
+        raise InvalidArgument("a pull cannot run inside a transaction")
     differences = layout_differences(t.layout, export.layout)
     if differences:
         raise LayoutMismatch(
@@ -310,7 +306,7 @@ def pull(
             "the pull names another cache scope (LoRA, cache salt) than the peer's request",
             request_id=request_id[:64],
         )
-    if export.agent not in t.engine.peers:
+    if export.token_ids and export.agent not in t.engine.peers:
         raise UnknownPeer(
             f"transfer agent {export.agent!r} is not connected (connect_peer first; a restarted "
             "peer is a new agent)",
@@ -319,16 +315,122 @@ def pull(
     if request_id in m.requests.rows or request_id in t.pulls:
         shown = request_id[:64]
         raise DuplicateRequest(f"request {shown!r} is live", request_id=shown)
+
+
+def pull(
+    m: Components,
+    request_id: str,
+    export: KVExport,
+    lookahead: int = 0,
+    lora_id: int | str | None = None,
+    cache_salt: str | None = None,
+    deadline_s: float = 30.0,
+) -> PullState:
+    """Start ``request_id`` with the KV of a peer's handed-off request (module docstring,
+    step 2). Checks first, then allocates ``len(export.token_ids)`` tokens plus
+    ``lookahead`` (the blocks this manager caches already are its hit and move nothing)
+    and posts the READs; the request is ``pulling`` until ``poll`` finds them done, or
+    ``ready`` at once when nothing needs to move. A refusal changes nothing."""
+    t = endpoint(m)
+    _check(m, t, request_id, export, lora_id, cache_salt, deadline_s)
+    if not export.token_ids:
+        raise InvalidArgument("the export holds no tokens: nothing to pull")
     tokens = export.token_ids
+    return _start(
+        m, t, request_id, export, len(tokens), tokens, lookahead, lora_id, cache_salt, deadline_s
+    )
+
+
+def export_prefix(
+    m: Components,
+    token_ids: list[int],
+    lora_id: int | str | None,
+    cache_salt: str | None,
+    deadline_s: float,
+) -> KVExport:
+    """The peer side of a prefix fetch: pin the longest prefix of ``token_ids`` this
+    manager caches (block-aligned, at most all but the last token, as a hit) and describe
+    it like a hand-off; an export without tokens when nothing is cached.
+
+    The blocks are pinned by an internal request (``kvcm-fetch-<hex>``, a row until the
+    puller is done or the deadline passes) of the prefix plus one token, whose hit is the
+    prefix: example (tokens_per_block 4), 10 prompt tokens of which 8 are cached: the
+    request holds 9 tokens, 8 committed, and the export lists those 8."""
+    t = endpoint(m)
+    if not 0 < deadline_s <= 3600:
+        raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
+    hit = prefix_reuse.probe(m, token_ids, lora_id, cache_salt)
+    if hit == 0:
+        return KVExport(
+            agent=t.engine.name,
+            generation=m.generation,
+            request_id="",
+            token_ids=[],
+            scope=scope_digest(root_key(lora_id, cache_salt)),
+            layout=t.layout,
+            blocks=[[] for _ in m.layout.layer_groups],
+            regions=t.regions,
+            deadline=time.time() + deadline_s,
+            notify="",
+        )
+    request_id = f"kvcm-fetch-{secrets.token_hex(8)}"
+    prefix = list(token_ids[: hit + 1])
+    allocation.start(m, request_id, hit + 1, prefix, 0, lora_id, cache_salt, None, None, None)
+    return hand_off(m, request_id, deadline_s)
+
+
+def fetch(
+    m: Components,
+    request_id: str,
+    num_tokens: int,
+    token_ids: list[int],
+    export: KVExport,
+    lookahead: int = 0,
+    lora_id: int | str | None = None,
+    cache_salt: str | None = None,
+    deadline_s: float = 30.0,
+) -> PullState:
+    """Allocate ``request_id`` (``num_tokens`` tokens, its prompt ``token_ids``) with the
+    prefix a peer caches (``export_prefix``'s export) pulled into it: the blocks this
+    manager caches already are hits, the rest of the peer's prefix moves, and once it is
+    here it is committed and published (``block_stored`` events), so later requests hit it
+    locally. ``pulling`` until then; the scheduler then prefills from ``num_committed``.
+    Example (tokens_per_block 4): a 30-token prompt, 4 tokens cached here, 24 at the peer:
+    blocks 1 to 5 move, and the request is ready with 24 tokens committed."""
+    t = endpoint(m)
+    _check(m, t, request_id, export, lora_id, cache_salt, deadline_s)
+    cached = export.token_ids
+    if list(token_ids[: len(cached)]) != cached or len(cached) >= num_tokens:
+        raise InvalidArgument(
+            "the peer's prefix is not a proper prefix of the prompt",
+            request_id=request_id[:64],
+        )
+    return _start(
+        m, t, request_id, export, num_tokens, token_ids, lookahead, lora_id, cache_salt, deadline_s
+    )
+
+
+def _start(
+    m: Components,
+    t: Transfers,
+    request_id: str,
+    export: KVExport,
+    num_tokens: int,
+    tokens: list[int],
+    lookahead: int,
+    lora_id: int | str | None,
+    cache_salt: str | None,
+    deadline_s: float,
+) -> PullState:
+    """Allocate the request, post its READs and hold it (``pull`` and ``fetch``, checked)."""
     started = allocation.start(
-        m, request_id, len(tokens), tokens, lookahead, lora_id, cache_salt, None, None, None
+        m, request_id, num_tokens, tokens, lookahead, lora_id, cache_salt, None, None, None
     )
     row, hit = started.row, started.hit_tokens
+    xfers: list[Xfer] = []
     try:
         _match_windows(m, row, export)
         groups, moved = _plan(m, t, row, hit, export)
-        xfers = []
-        notify = export.notify.encode()
         for (kind, device, remote_kind, remote_device), rows in groups.items():
             table = np.asarray(rows, dtype=np.int64)
             xfers.append(
@@ -341,7 +443,7 @@ def pull(
                 )
             )
     except BaseException:
-        for x in locals().get("xfers", []):
+        for x in xfers:
             t.engine.release(x)
         request_rows.free_row(m, row)
         raise
@@ -349,9 +451,9 @@ def pull(
         request_id=request_id,
         row=row,
         xfers=xfers,
-        tokens=tokens[hit:],
+        tokens=export.token_ids[hit:],
         peer=export.agent,
-        notify=notify,
+        notify=export.notify.encode(),
         deadline=t.clock() + deadline_s,
         blocks=moved,
         nbytes=sum(x.nbytes for x in xfers),
@@ -375,7 +477,8 @@ def _complete(m: Components, t: Transfers, pull: Pull) -> None:
         pull.request_id,
         PullState(request_id=pull.request_id, state="ready", blocks=pull.blocks, bytes=pull.nbytes),
     )
-    t.engine.notify(pull.peer, pull.notify)
+    if pull.notify:  # a peer with nothing cached pinned nothing
+        t.engine.notify(pull.peer, pull.notify)
 
 
 def _fail(m: Components, t: Transfers, pull: Pull, error: KVCMError) -> None:

@@ -33,8 +33,10 @@ from kvcm_client.errors import (
 )
 from kvcm_client.transfer import (
     ExportRequest,
+    FetchRequest,
     HandOffRequest,
     KVExport,
+    PrefixRequest,
     PullRequest,
     PullState,
     PullStates,
@@ -144,6 +146,26 @@ def install(
     bodies["/v1/transfer/export"] = ExportRequest
     bodies["/v1/transfer/pull"] = PullRequest
     bodies["/v1/transfer/status"] = TransferStatusRequest
+    bodies["/v1/transfer/prefix"] = PrefixRequest
+    bodies["/v1/transfer/fetch"] = FetchRequest
+
+    async def connected(peer: str, found: KVExport) -> None:
+        """Load ``peer``'s agent unless the one the export names is loaded already."""
+        if not found.token_ids or peers.agents.get(peer) == found.agent:
+            return
+        agent = TransferAgent.model_validate_json(
+            await peers.call(peer, "GET", "/v1/transfer/agent", None)
+        )
+        if agent.name != found.agent:
+            raise PeerUnreachable(f"peer {peer!r} restarted while this pull asked it", peer=peer)
+        state.manager.connect_peer(agent.metadata)
+        peers.agents[peer] = agent.name
+
+    def configured(peer: str) -> None:
+        if peer not in peers.peers:
+            raise UnknownPeer(
+                f"peer {peer!r} is not configured here (kvcm serve --peer NAME=URL)", peer=peer
+            )
 
     def guard(request: Request) -> None:
         if not token_set:
@@ -179,11 +201,7 @@ def install(
         ``/v1/transfer/status`` says ``ready``)."""
         guard(request)
         body: PullRequest = _parse(PullRequest, await request.body())
-        if body.peer not in peers.peers:
-            raise UnknownPeer(
-                f"peer {body.peer!r} is not configured here (kvcm serve --peer NAME=URL)",
-                peer=body.peer,
-            )
+        configured(body.peer)
         scope = scope_digest(root_key(body.lora_id, body.cache_salt))
         found = KVExport.model_validate_json(
             await peers.call(
@@ -193,18 +211,56 @@ def install(
                 ExportRequest(request_id=body.peer_request_id, scope=scope),
             )
         )
-        if peers.agents.get(body.peer) != found.agent:
-            agent = TransferAgent.model_validate_json(
-                await peers.call(body.peer, "GET", "/v1/transfer/agent", None)
-            )
-            if agent.name != found.agent:
-                raise PeerUnreachable(
-                    f"peer {body.peer!r} restarted while this pull asked it", peer=body.peer
-                )
-            state.manager.connect_peer(agent.metadata)
-            peers.agents[body.peer] = agent.name
+        await connected(body.peer, found)
         result = state.manager.pull(
             body.request_id,
+            found,
+            body.lookahead,
+            body.lora_id,
+            body.cache_salt,
+            body.deadline_s,
+        )
+        poller.wake.set()
+        state.notify_events()
+        return _json(result)
+
+    @app.post("/v1/transfer/prefix", response_model=KVExport, tags=["transfer"])
+    async def prefix(request: Request) -> Response:
+        """Pin the longest cached prefix of a prompt for a peer's fetch and export it (no
+        tokens: nothing cached). ``KVCacheManager.export_prefix``."""
+        guard(request)
+        body: PrefixRequest = _parse(PrefixRequest, await request.body())
+        export = state.manager.export_prefix(
+            body.token_ids, body.lora_id, body.cache_salt, body.deadline_s
+        )
+        poller.wake.set()
+        return _json(export)
+
+    @app.post("/v1/transfer/fetch", response_model=PullState, tags=["transfer"])
+    async def fetch(request: Request) -> Response:
+        """Allocate a request with the prefix a configured peer caches pulled in first
+        (``KVCacheManager.fetch``); ``pulling`` until ``/v1/transfer/status`` says ready."""
+        guard(request)
+        body: FetchRequest = _parse(FetchRequest, await request.body())
+        configured(body.peer)
+        found = KVExport.model_validate_json(
+            await peers.call(
+                body.peer,
+                "POST",
+                "/v1/transfer/prefix",
+                PrefixRequest(
+                    token_ids=body.token_ids,
+                    lora_id=body.lora_id,
+                    cache_salt=body.cache_salt,
+                    deadline_s=body.deadline_s,
+                ),
+            )
+        )
+        await connected(body.peer, found)
+        result = state.manager.fetch(
+            body.request_id,
+            body.num_tokens,
+            body.token_ids,
             found,
             body.lookahead,
             body.lora_id,
