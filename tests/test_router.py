@@ -191,6 +191,14 @@ def test_requests_go_to_the_longest_hit(
         wait_for(lambda: statuses(url)["a"].free_blocks is not None, "stats")
         top = RouterClient(url).route(doc).scores[0]
         assert (top.running_requests, top.free_blocks) == (0, 127)  # 128 slots, 1 null page
+        plan = RouterClient(url).route(doc, fetch_plan=True).plan
+        # Equal loads: the name decides (a), and a holds the longest prefix: nothing to fetch.
+        assert plan is not None and (plan.run_on, plan.fetch_from, plan.hit_blocks) == (
+            "a",
+            None,
+            10,
+        )
+        assert RouterClient(url).route(doc).plan is None
         for other in (local, replica):  # one in process, one sharing the Redis index
             assert RouterClient(other).route(doc).scores == RouterClient(url).route(doc).scores
         metrics = httpx.get(f"{url}/metrics").text

@@ -36,8 +36,11 @@ def _route(
     lora_id: int | str | None,
     cache_salt: str | None,
     multimodal: Sequence[Any] | None,
+    fetch_plan: bool = False,
 ) -> calls.Call[RouteResult]:
     body = calls.prompt_body(token_ids, lora_id, cache_salt, multimodal, block_keys)
+    if fetch_plan:
+        body["fetch_plan"] = True
     return calls.Call(
         "POST",
         "/v1/route",
@@ -114,9 +117,12 @@ class RouterClient:
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
         multimodal: Sequence[Any] | None = None,
+        fetch_plan: bool = False,
     ) -> RouteResult:
-        """Each followed sidecar's score for the prompt, best first (``RouteResult``)."""
-        return self._run(_route(token_ids, block_keys, lora_id, cache_salt, multimodal))
+        """Each followed sidecar's score for the prompt, best first (``RouteResult``);
+        ``fetch_plan``: also where to run it by load and what to fetch from which peer
+        (``RouteResult.plan``, docs/disaggregation.md)."""
+        return self._run(_route(token_ids, block_keys, lora_id, cache_salt, multimodal, fetch_plan))
 
     def sidecars(self) -> list[SidecarStatus]:
         """How the router follows each sidecar it was given."""
@@ -169,8 +175,11 @@ class AsyncRouterClient:
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
         multimodal: Sequence[Any] | None = None,
+        fetch_plan: bool = False,
     ) -> RouteResult:
-        return await self._run(_route(token_ids, block_keys, lora_id, cache_salt, multimodal))
+        return await self._run(
+            _route(token_ids, block_keys, lora_id, cache_salt, multimodal, fetch_plan)
+        )
 
     async def sidecars(self) -> list[SidecarStatus]:
         return await self._run(_sidecars())

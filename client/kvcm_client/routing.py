@@ -28,6 +28,9 @@ class RouteRequest(_Frozen):
     lora_id: Annotated[int, Strict()] | Annotated[str, Strict()] | None = None
     cache_salt: Annotated[str, Strict()] | None = None
     multimodal: list[MultimodalInput] | None = None
+    fetch_plan: Annotated[bool, Strict()] = False
+    """Also answer ``plan``: the least loaded sidecar, and what it should fetch from the one
+    that holds the longest prefix (docs/disaggregation.md)."""
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RouteRequest:
@@ -72,6 +75,25 @@ class SidecarScore(_Frozen):
     running_requests: int | None
 
 
+class FetchPlan(_Frozen):
+    """Where to run a request by load, and what to fetch first.
+
+    ``run_on`` is the least loaded sidecar (fewest running requests, then most free
+    blocks, then by name); ``fetch_from`` the one holding the longest prefix on its device,
+    when it holds more than ``run_on`` does (else None and ``fetch_blocks`` 0). The
+    scheduler then calls ``fetch(..., peer=fetch_from)`` on ``run_on`` (whose ``--peer``
+    list must name it alike). Example: a holds 10 blocks and runs 8 requests, b holds 2 and
+    runs 1: run on b, fetch 8 blocks from a."""
+
+    run_on: str
+    run_on_url: str
+    fetch_from: str | None
+    fetch_from_url: str | None
+    fetch_blocks: int
+    hit_blocks: int
+    """Blocks ``run_on`` reuses once the fetch is done (its own hit, or the peer's)."""
+
+
 class RouteResult(_Frozen):
     """Scores of the sidecars the router follows, best first: more ``hit_blocks``, then
     more ``device_hit_blocks``, fewer ``running_requests``, more ``free_blocks``, then by
@@ -81,6 +103,9 @@ class RouteResult(_Frozen):
     tokens_per_block: int
     num_blocks: int
     scores: list[SidecarScore]
+    plan: FetchPlan | None = None
+    """With ``fetch_plan``: where to run and what to fetch (None without a sidecar whose
+    load is known)."""
 
 
 SidecarState = Literal["connecting", "syncing", "following", "refused", "unreachable"]

@@ -18,6 +18,7 @@ from time import monotonic, perf_counter
 
 from kvcm_client.errors import IndexUnavailable, InvalidArgument, NoModel
 from kvcm_client.routing import (
+    FetchPlan,
     GroupHit,
     RouteRequest,
     RouteResult,
@@ -82,6 +83,34 @@ def rank(scores: Sequence[SidecarScore]) -> list[SidecarScore]:
             -(s.free_blocks or 0),
             s.sidecar,
         ),
+    )
+
+
+def fetch_plan(scores: Sequence[SidecarScore]) -> FetchPlan | None:
+    """The least loaded sidecar, and the peer it should fetch a longer prefix from
+    (``FetchPlan``). Example: a holds 10 blocks with 8 running, b 2 blocks with 1 running:
+    run on b, fetch 8 blocks from a. Sidecars whose load is unknown are not run on."""
+    known = [s for s in scores if s.running_requests is not None]
+    if not known:
+        return None
+    run = min(known, key=lambda s: (s.running_requests, -(s.free_blocks or 0), s.sidecar))
+    longest = max(scores, key=lambda s: (s.device_hit_blocks, s.sidecar == run.sidecar))
+    if longest.sidecar == run.sidecar or longest.device_hit_blocks <= run.hit_blocks:
+        return FetchPlan(
+            run_on=run.sidecar,
+            run_on_url=run.url,
+            fetch_from=None,
+            fetch_from_url=None,
+            fetch_blocks=0,
+            hit_blocks=run.hit_blocks,
+        )
+    return FetchPlan(
+        run_on=run.sidecar,
+        run_on_url=run.url,
+        fetch_from=longest.sidecar,
+        fetch_from_url=longest.url,
+        fetch_blocks=longest.device_hit_blocks - run.hit_blocks,
+        hit_blocks=longest.device_hit_blocks,
     )
 
 
@@ -192,8 +221,12 @@ class Router:
             self._score(following[name], walk.cursors[name].generation, hits, tpb)
             for name, hits in walk.hits().items()
         ]
+        ranked = rank(scores)
         result = RouteResult.model_construct(
-            tokens_per_block=tpb, num_blocks=walk.cap, scores=rank(scores)
+            tokens_per_block=tpb,
+            num_blocks=walk.cap,
+            scores=ranked,
+            plan=fetch_plan(ranked) if request.fetch_plan else None,
         )
         self.metrics.routes.observe(perf_counter() - start)
         return result
