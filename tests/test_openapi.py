@@ -217,6 +217,12 @@ VALID = {
     "/v1/consumers": {"pid": 1, "generation": "g"},
     "/v1/sessions": {"ttl_s": 1},
     "/v1/model": {"layers": [layer(0)], "tokens_per_block": 4, "max_seq_len": 64, "num_blocks": 8},
+    "/v1/transfer/hand_off": {"request_id": "v"},
+    "/v1/transfer/export": {"request_id": "v", "scope": "s"},
+    "/v1/transfer/pull": {"request_id": "v", "peer": "a", "peer_request_id": "v"},
+    "/v1/transfer/prefix": {"token_ids": [1]},
+    "/v1/transfer/fetch": {"request_id": "v", "peer": "a", "num_tokens": 2, "token_ids": [1, 2]},
+    "/v1/transfer/status": {"request_ids": ["v"]},
 }
 #: Values for the routes' path and query parameters.
 PATH_IDS = {"consumer_id": "nope", "session_id": "nope"}
@@ -254,7 +260,7 @@ def _specific(call: Recorder, generation: str) -> None:
     """Each route's own errors, in an order that builds the state each needs."""
     nope = {"request_id": "nope"}
     for route, body in VALID.items():
-        if route == "/v1/allocate":
+        if route == "/v1/allocate" or route.startswith("/v1/transfer/"):  # _transfers
             continue
         if "request_id" in body:
             call("POST", route, "unknown_request", json=body | nope)
@@ -366,6 +372,130 @@ def _state_layers(call: Recorder) -> None:
     call("POST", "/v1/rewind", "state_not_rewindable", json={"request_id": "h", "num_tokens": 1})
 
 
+def _no_transfer(call: Recorder) -> None:
+    """A sidecar started without --transfer: every transfer route says so."""
+    call("GET", "/v1/transfer/agent", "transfer_unavailable")
+    for route, body in VALID.items():
+        if route.startswith("/v1/transfer/"):
+            call("POST", route, "transfer_unavailable", json=body)
+
+
+def _transfers(a: Recorder, b: Recorder, o: Recorder) -> None:
+    """Hand-offs, pulls and fetches between live sidecars: ``a`` (a host tier, max_seq_len
+    128), ``b`` (8 slots, pulls from a, from o of another block size, from a gone peer), and
+    ``o``."""
+    # a: a handed-off request refuses every op that needs its blocks.
+    a("POST", "/v1/allocate", 200, json={"request_id": "h", "num_tokens": 4})
+    a("POST", "/v1/commit", 200, json={"request_id": "h", "token_ids": [1, 2, 3, 4]})
+    a("POST", "/v1/transfer/hand_off", 200, json={"request_id": "h"})
+    h = {"request_id": "h"}
+    ids = {"request_ids": ["h"]}
+    for method, route, body in (
+        ("POST", "/v1/extend", h | {"num_new_tokens": 1}),
+        ("POST", "/v1/extend_many", ids),
+        ("POST", "/v1/rewind", h | {"num_tokens": 1}),
+        ("POST", "/v1/commit", h | {"token_ids": [1]}),
+        ("POST", "/v1/commit_many", ids | {"token_ids": [[1]]}),
+        ("POST", "/v1/suspend", h),
+        ("POST", "/v1/page_indices", ids | {"layer_id": 0}),
+        ("POST", "/v1/ragged_page_indices", ids | {"layer_id": 0}),
+        ("POST", "/v1/slot_mapping", ids | {"layer_id": 0}),
+        ("POST", "/v1/slot_mappings", ids),
+        ("POST", "/v1/transfer/hand_off", h),
+    ):
+        a(method, route, "kv_in_flight", json=body)
+    a("GET", "/v1/block_table", "kv_in_flight", params=h)
+    a("POST", "/v1/transfer/hand_off", "unknown_request", json={"request_id": "nope"})
+    a("POST", "/v1/allocate", 200, json={"request_id": "s", "num_tokens": 1})
+    a("POST", "/v1/suspend", 200, json={"request_id": "s"})
+    a("POST", "/v1/transfer/hand_off", "request_suspended", json={"request_id": "s"})
+    a("POST", "/v1/transfer/export", "unknown_request", json={"request_id": "nope", "scope": "x"})
+    a("POST", "/v1/transfer/export", "scope_mismatch", json={"request_id": "h", "scope": "x"})
+    a("POST", "/v1/transfer/prefix", "sequence_too_long", json={"token_ids": [1] * 200})
+    a("POST", "/v1/transfer/status", 200, json={"request_ids": ["h"]})
+    a("GET", "/v1/transfer/agent", 200)
+
+    # b pulls.
+    pull = {"request_id": "p", "peer": "a", "peer_request_id": "h"}
+    b("POST", "/v1/transfer/pull", "unknown_peer", json=pull | {"peer": "elsewhere"})
+    b("POST", "/v1/transfer/pull", "peer_unreachable", json=pull | {"peer": "gone"})
+    b("POST", "/v1/transfer/pull", "unknown_request", json=pull | {"peer_request_id": "nope"})
+    b("POST", "/v1/transfer/pull", "scope_mismatch", json=pull | {"cache_salt": "t"})
+    b("POST", "/v1/allocate", 200, json={"request_id": "p", "num_tokens": 1})
+    b("POST", "/v1/transfer/pull", "duplicate_request", json=pull)
+    b("POST", "/v1/free", 204, json={"request_id": "p"})
+    b("POST", "/v1/transfer/pull", 200, json=pull)
+    fetch = {"request_id": "f", "peer": "a", "num_tokens": 9, "token_ids": list(range(9))}
+    b("POST", "/v1/transfer/fetch", "unknown_peer", json=fetch | {"peer": "elsewhere"})
+    b("POST", "/v1/transfer/fetch", "peer_unreachable", json=fetch | {"peer": "gone"})
+    b("POST", "/v1/transfer/fetch", "duplicate_request", json=fetch | {"request_id": "p"})
+    # o has another block size: refused before anything moves.
+    o("POST", "/v1/allocate", 200, json={"request_id": "x", "num_tokens": 8, "token_ids": [1] * 8})
+    o("POST", "/v1/commit", 200, json={"request_id": "x", "token_ids": [1] * 8})
+    o("POST", "/v1/transfer/hand_off", 200, json={"request_id": "x"})
+    b(
+        "POST",
+        "/v1/transfer/pull",
+        "layout_mismatch",
+        json=pull | {"request_id": "p5", "peer": "o", "peer_request_id": "x"},
+    )
+    o("POST", "/v1/free", 204, json={"request_id": "x"})
+    b(
+        "POST",
+        "/v1/transfer/fetch",
+        "layout_mismatch",
+        json=fetch | {"peer": "o", "token_ids": [1] * 9},
+    )
+    # a's long request: past b's max_seq_len (64), then past b's 6 free slots.
+    long = list(range(100, 180))
+    a("POST", "/v1/allocate", 200, json={"request_id": "l", "num_tokens": 80, "token_ids": long})
+    a("POST", "/v1/commit", 200, json={"request_id": "l", "token_ids": long})
+    a("POST", "/v1/transfer/hand_off", 200, json={"request_id": "l"})
+    b(
+        "POST",
+        "/v1/transfer/pull",
+        "sequence_too_long",
+        json=pull | {"request_id": "p4", "peer_request_id": "l"},
+    )
+    b(
+        "POST",
+        "/v1/transfer/fetch",
+        "sequence_too_long",
+        json=fetch | {"num_tokens": 80, "token_ids": long},
+    )
+    other = list(range(300, 320))
+    q = {"request_id": "q", "num_tokens": 20, "token_ids": other}
+    a("POST", "/v1/allocate", 200, json=q)
+    nothing_committed = {"request_id": "q"}
+    a("POST", "/v1/transfer/hand_off", "invalid_argument", json=nothing_committed)
+    a("POST", "/v1/commit", 200, json={"request_id": "q", "token_ids": other})
+    a("POST", "/v1/transfer/hand_off", 200, json={"request_id": "q"})
+    b(
+        "POST",
+        "/v1/transfer/pull",
+        "out_of_blocks",
+        json=pull | {"request_id": "p2", "peer_request_id": "q"},
+    )
+    b(
+        "POST",
+        "/v1/transfer/fetch",
+        "out_of_blocks",
+        json=fetch | {"num_tokens": 30, "token_ids": long[:30]},
+    )
+    for i in range(3):  # b's 4 rows: p and three more
+        b("POST", "/v1/allocate", 200, json={"request_id": f"r{i}", "num_tokens": 1})
+    b(
+        "POST",
+        "/v1/transfer/pull",
+        "max_requests_reached",
+        json=pull | {"request_id": "p3", "peer_request_id": "q"},
+    )
+    b("POST", "/v1/transfer/fetch", "max_requests_reached", json=fetch | {"request_id": "f2"})
+    # a's rows all taken (h, s, l, q): no pin for a prefix, so it exports none.
+    r = a("POST", "/v1/transfer/prefix", 200, json={"token_ids": long[:9]})
+    assert r.json()["token_ids"] == []
+
+
 def _without_a_model(call: Recorder) -> None:
     """Every route that needs the model, on a service that has none; and a registration on a
     device the service cannot use."""
@@ -409,13 +539,38 @@ def test_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) ->
             path = route.replace("{consumer_id}", "c").replace("{session_id}", "s")
             call(method, route, "stale_generation", path=path, headers=stale)
 
+        _no_transfer(call)
+
         def broken(*_: object) -> None:
             raise ZeroDivisionError("a bug")
 
         with monkeypatch.context() as patch:
             patch.setattr(manager, "stats", broken)
-            call("GET", "/v1/stats", "internal_error")
+            call("GET", "/v1/stats", "internal_error")  # the last call: it drops the connection
         samples = call.samples
+    # KV moves between sidecars: three with a transfer endpoint, b pulling from the others.
+    pytest.importorskip("nixl_cu12", reason="the transfer extra (nixl-cu12) is not installed")
+    moving = CONFIG | {"transfer": "nixl"}
+    a_mgr = KVCacheManager(
+        moving
+        | {"transfer_name": "a", "max_seq_len": 128, "num_blocks": 96, "host_memory_bytes": 512}
+    )
+    o_mgr = KVCacheManager(moving | {"transfer_name": "o", "tokens_per_block": 8})
+    b_mgr = KVCacheManager(moving | {"transfer_name": "b", "num_blocks": 8})
+    with (
+        serve_in_thread(create_app(a_mgr, api_token=TOKEN)) as a_url,
+        serve_in_thread(create_app(o_mgr, api_token=TOKEN)) as o_url,
+    ):
+        peers = {"a": (a_url, TOKEN), "o": (o_url, TOKEN), "gone": ("http://127.0.0.1:9", TOKEN)}
+        with (
+            serve_in_thread(create_app(b_mgr, api_token=TOKEN, peers=peers)) as b_url,
+            httpx.Client(base_url=a_url) as ha,
+            httpx.Client(base_url=b_url) as hb,
+            httpx.Client(base_url=o_url) as ho,
+        ):
+            recorders = [Recorder(ha), Recorder(hb), Recorder(ho)]
+            _transfers(*recorders)
+            samples += [s for r in recorders for s in r.samples]
     # The same without share=True: /v1/pools has nothing to describe.
     with serve_in_thread(create_app(KVCacheManager(CONFIG))) as url:
         samples.append(("GET", "/v1/pools", httpx.get(f"{url}/v1/pools")))
@@ -762,6 +917,8 @@ STATE_CODES = {
     "stale_generation",
     "limit_reached",
     "step_aborted",  # the other ops of an all-or-nothing step that one op failed
+    "kv_in_flight",  # a request whose KV moves between sidecars
+    "transfer_unavailable",  # the transfer routes of a sidecar started without --transfer
 }
 
 

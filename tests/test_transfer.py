@@ -267,15 +267,10 @@ def test_pull_past_its_deadline_fails_cleanly(local: KVCacheManager) -> None:
         export = prefill(p, "p5", list(range(5000, 5020)), seed=7)
         free = local.num_free_blocks()
         p.kill()
-        try:
-            state = local.pull("d5", export, deadline_s=2.0)
-        except Exception as exc:  # NIXL may refuse to post to a dead peer at once
-            assert local.num_free_blocks() == free and local.request_ids() == []
-            assert type(exc).__name__ in ("TransferFailed",), exc
-            return
+        # NIXL refuses to post to a dead peer (failed at once), or the READ fails later.
+        state = local.pull("d5", export, deadline_s=2.0)
         if state.state == "pulling":
             state = wait_done(local, "d5", timeout=30)
-        print("peer killed: the pull ended", state.state, state.error)
         assert state.state == "failed" and state.error["code"] == "transfer_failed", state
         assert local.num_free_blocks() == free and local.request_ids() == []
         assert local.probe(list(range(5000, 5020))) == 0
@@ -371,6 +366,8 @@ def test_fetch_a_prefix_the_peer_caches(peer: Peer, local: KVCacheManager) -> No
     export = peer.call("export_prefix", prompt, None, None, 20.0)
     assert export.token_ids == prompt[:24] and export.request_id.startswith("kvcm-fetch-")
     source = peer.call("digests", export.request_id, 24)
+    with pytest.raises(KVInFlight):  # the peer's pin takes no op
+        peer.call("extend", export.request_id, 1)
     state = local.fetch("f", 30, prompt, export)
     assert state.state in ("pulling", "ready")
     assert wait_done(local, "f").state == "ready"
@@ -380,8 +377,6 @@ def test_fetch_a_prefix_the_peer_caches(peer: Peer, local: KVCacheManager) -> No
     assert mine[0][1:] == source[0][1:]  # block 0 was a hit here
     stored = [e for e in local.events(after=seq).events if e.kind == "block_stored"]
     assert len(stored) > 0 and local.probe(prompt) == 24
-    with pytest.raises(KVInFlight):
-        peer.call("extend", export.request_id, 1)
     local.commit("f", prompt[24:])  # the scheduler prefills the rest
     assert wait_free(peer, free_peer) == free_peer  # the peer's pin is gone
     local.free("f")

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from .results import LoraId
+from .specs import NonNegCount, PositiveCount, RequestId, StrictStr, TokenId, _Frozen
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+#: A peer's name: what ``kvcm serve --peer NAME=URL`` and ``--transfer-name`` take.
+PeerName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+#: Seconds a hand-off stays pinned, a pull may take.
+Deadline = Annotated[float, Field(gt=0, le=3600)]
 
 
 class TransferRegion(_Frozen):
@@ -67,52 +71,52 @@ class TransferAgent(_Frozen):
 class HandOffRequest(_Frozen):
     """``POST /v1/transfer/hand_off``: pin ``request_id`` for a pull for ``deadline_s``."""
 
-    request_id: Annotated[str, Field(min_length=1, max_length=256)]
-    deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    request_id: RequestId
+    deadline_s: Deadline = 30.0
 
 
 class PullRequest(_Frozen):
     """``POST /v1/transfer/pull``: start ``request_id`` here with the KV of ``peer``'s
     request ``peer_request_id`` (a peer of the operator's ``--peer`` list)."""
 
-    request_id: Annotated[str, Field(min_length=1, max_length=256)]
-    peer: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    peer_request_id: Annotated[str, Field(min_length=1, max_length=256)]
-    lookahead: Annotated[int, Field(ge=0)] = 0
-    lora_id: int | str | None = None
-    cache_salt: str | None = None
-    deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    request_id: RequestId
+    peer: PeerName
+    peer_request_id: RequestId
+    lookahead: NonNegCount = 0
+    lora_id: LoraId | None = None
+    cache_salt: StrictStr | None = None
+    deadline_s: Deadline = 30.0
 
 
 class FetchRequest(_Frozen):
     """``POST /v1/transfer/fetch``: allocate ``request_id`` (``num_tokens`` tokens, prompt
     ``token_ids``) with the longest prefix of it that ``peer`` caches pulled in first."""
 
-    request_id: Annotated[str, Field(min_length=1, max_length=256)]
-    peer: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    num_tokens: Annotated[int, Field(gt=0)]
-    token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
-    lookahead: Annotated[int, Field(ge=0)] = 0
-    lora_id: int | str | None = None
-    cache_salt: str | None = None
-    deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    request_id: RequestId
+    peer: PeerName
+    num_tokens: PositiveCount
+    token_ids: list[TokenId]
+    lookahead: NonNegCount = 0
+    lora_id: LoraId | None = None
+    cache_salt: StrictStr | None = None
+    deadline_s: Deadline = 30.0
 
 
 class PrefixRequest(_Frozen):
     """``POST /v1/transfer/prefix`` (peer to peer): pin the longest cached prefix of
     ``token_ids`` in the scope of ``lora_id`` and ``cache_salt`` and export it."""
 
-    token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
-    lora_id: int | str | None = None
-    cache_salt: str | None = None
-    deadline_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    token_ids: list[TokenId]
+    lora_id: LoraId | None = None
+    cache_salt: StrictStr | None = None
+    deadline_s: Deadline = 30.0
 
 
 class ExportRequest(_Frozen):
     """``POST /v1/transfer/export`` (peer to peer): the export of a handed-off request, if
     its scope is ``scope``."""
 
-    request_id: Annotated[str, Field(min_length=1, max_length=256)]
+    request_id: RequestId
     scope: Annotated[str, Field(max_length=64)]
 
 
@@ -133,4 +137,4 @@ class PullStates(_Frozen):
 
 
 class TransferStatusRequest(_Frozen):
-    request_ids: Annotated[list[str], Field(max_length=4096)]
+    request_ids: Annotated[list[RequestId], Field(max_length=4096)]

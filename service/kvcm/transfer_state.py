@@ -98,10 +98,15 @@ class Transfers:
         """Forget a pull; record its outcome (None: a cancelled pull, which has none)."""
         pull = self.pulls.pop(request_id)
         if outcome is not None:
-            self.outcomes[request_id] = outcome
-            while len(self.outcomes) > MAX_OUTCOMES:
-                self.outcomes.popitem(last=False)
+            self.record(outcome)
         return pull
+
+    def record(self, outcome: PullState) -> None:
+        """Keep a finished pull's outcome for ``transfer_status`` (the last MAX_OUTCOMES)."""
+        self.outcomes.pop(outcome.request_id, None)
+        self.outcomes[outcome.request_id] = outcome
+        while len(self.outcomes) > MAX_OUTCOMES:
+            self.outcomes.popitem(last=False)
 
     def close(self) -> None:
         self.engine.close()

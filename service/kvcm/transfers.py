@@ -44,6 +44,8 @@ from kvcm_client.errors import (
     InvalidArgument,
     KVCMError,
     LayoutMismatch,
+    OutOfBlocks,
+    RequestLimitReached,
     ScopeMismatch,
     TransferFailed,
     TransferUnavailable,
@@ -350,7 +352,9 @@ def export_prefix(
 ) -> KVExport:
     """The peer side of a prefix fetch: pin the longest prefix of ``token_ids`` this
     manager caches (block-aligned, at most all but the last token, as a hit) and describe
-    it like a hand-off; an export without tokens when nothing is cached.
+    it like a hand-off; an export without tokens when nothing is cached, or when this
+    manager has no row or block free to pin it (a fetch is an optimisation: the fetcher then
+    computes the prefix itself).
 
     The blocks are pinned by an internal request (``kvcm-fetch-<hex>``, a row until the
     puller is done or the deadline passes) of the prefix plus one token, whose hit is the
@@ -360,7 +364,16 @@ def export_prefix(
     if not 0 < deadline_s <= 3600:
         raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
     hit = prefix_reuse.probe(m, token_ids, lora_id, cache_salt)
-    if hit == 0:
+    if hit:
+        request_id = f"kvcm-fetch-{secrets.token_hex(8)}"
+        prefix = list(token_ids[: hit + 1])
+        try:
+            allocation.start(
+                m, request_id, hit + 1, prefix, 0, lora_id, cache_salt, None, None, None
+            )
+        except (OutOfBlocks, RequestLimitReached):
+            hit = 0  # no room to pin it: the fetcher computes the prefix itself
+    if not hit:
         return KVExport(
             agent=t.engine.name,
             generation=m.generation,
@@ -373,9 +386,6 @@ def export_prefix(
             deadline=time.time() + deadline_s,
             notify="",
         )
-    request_id = f"kvcm-fetch-{secrets.token_hex(8)}"
-    prefix = list(token_ids[: hit + 1])
-    allocation.start(m, request_id, hit + 1, prefix, 0, lora_id, cache_salt, None, None, None)
     return hand_off(m, request_id, deadline_s)
 
 
@@ -442,6 +452,13 @@ def _start(
                     (remote_kind, remote_device),
                 )
             )
+    except TransferFailed as exc:  # NIXL refused to post (the peer died): a failed pull
+        for x in xfers:
+            t.engine.release(x)
+        request_rows.free_row(m, row)
+        failed = PullState(request_id=request_id, state="failed", error=exc.to_dict())
+        t.record(failed)
+        return failed
     except BaseException:
         for x in xfers:
             t.engine.release(x)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from kvcm_client.errors import (
     KVCMError,
     PeerUnreachable,
+    TransferUnavailable,
     Unauthorized,
     UnknownPeer,
     error_from_dict,
@@ -162,12 +163,18 @@ def install(
         peers.agents[peer] = agent.name
 
     def configured(peer: str) -> None:
+        if state.manager.parts.transfers is None:
+            raise TransferUnavailable(
+                "this sidecar has no transfer endpoint (kvcm serve --transfer nixl)", backend=None
+            )
         if peer not in peers.peers:
             raise UnknownPeer(
                 f"peer {peer!r} is not configured here (kvcm serve --peer NAME=URL)", peer=peer
             )
 
     def guard(request: Request) -> None:
+        """The model first (``no_model``), then the token: every transfer route needs one."""
+        _ = state.manager
         if not token_set:
             raise Unauthorized("the transfer routes need the service to run with KVCM_API_TOKEN")
         authorize(request)
@@ -182,8 +189,9 @@ def install(
     async def hand_off(request: Request) -> Response:
         """Pin a committed request for a peer's pull; freed when the pull ends or at the
         deadline (``KVCacheManager.hand_off``)."""
+        data = await request.body()  # read whole before any answer (keep-alive)
         guard(request)
-        body = _parse(HandOffRequest, await request.body())
+        body = _parse(HandOffRequest, data)
         export = state.manager.hand_off(body.request_id, body.deadline_s)
         poller.wake.set()
         return _json(export)
@@ -191,16 +199,18 @@ def install(
     @app.post("/v1/transfer/export", response_model=KVExport, tags=["transfer"])
     async def export(request: Request) -> Response:
         """A handed-off request's export, for a peer pulling it in the same scope."""
+        data = await request.body()  # read whole before any answer (keep-alive)
         guard(request)
-        body = _parse(ExportRequest, await request.body())
+        body = _parse(ExportRequest, data)
         return _json(state.manager.export_of(body.request_id, body.scope))
 
     @app.post("/v1/transfer/pull", response_model=PullState, tags=["transfer"])
     async def pull(request: Request) -> Response:
         """Start a request with the KV a configured peer handed off (``pulling`` until
         ``/v1/transfer/status`` says ``ready``)."""
+        data = await request.body()  # read whole before any answer (keep-alive)
         guard(request)
-        body: PullRequest = _parse(PullRequest, await request.body())
+        body: PullRequest = _parse(PullRequest, data)
         configured(body.peer)
         scope = scope_digest(root_key(body.lora_id, body.cache_salt))
         found = KVExport.model_validate_json(
@@ -228,8 +238,9 @@ def install(
     async def prefix(request: Request) -> Response:
         """Pin the longest cached prefix of a prompt for a peer's fetch and export it (no
         tokens: nothing cached). ``KVCacheManager.export_prefix``."""
+        data = await request.body()  # read whole before any answer (keep-alive)
         guard(request)
-        body: PrefixRequest = _parse(PrefixRequest, await request.body())
+        body: PrefixRequest = _parse(PrefixRequest, data)
         export = state.manager.export_prefix(
             body.token_ids, body.lora_id, body.cache_salt, body.deadline_s
         )
@@ -240,8 +251,9 @@ def install(
     async def fetch(request: Request) -> Response:
         """Allocate a request with the prefix a configured peer caches pulled in first
         (``KVCacheManager.fetch``); ``pulling`` until ``/v1/transfer/status`` says ready."""
+        data = await request.body()  # read whole before any answer (keep-alive)
         guard(request)
-        body: FetchRequest = _parse(FetchRequest, await request.body())
+        body: FetchRequest = _parse(FetchRequest, data)
         configured(body.peer)
         found = KVExport.model_validate_json(
             await peers.call(
