@@ -155,6 +155,7 @@ def test_pull_moves_every_block_byte_for_byte(peer: Peer, local: KVCacheManager)
     assert done.state == "ready", done
     info = local.request("d1")
     assert (info.num_tokens, info.num_committed, info.num_hit_tokens) == (30, 30, 0)
+    assert (done.handle, done.num_committed) == (info.handle, 30)
     assert local.committed_tokens("d1") == tokens
     assert digests(local, "d1") == source
     assert untouched(local, snapshot, moved_slots(local, "d1"))
@@ -391,3 +392,18 @@ def test_fetch_with_nothing_cached_at_the_peer(peer: Peer, local: KVCacheManager
     assert state.state == "ready" and state.blocks == 0
     assert local.request("n").num_committed == 0
     local.free("n")
+
+
+def test_state_layers_are_refused_not_pulled_without_their_state() -> None:
+    state = {"layer_id": 9, "buffers": [{"name": "s", "shape": [4]}]}
+    m = KVCacheManager({**config("hybrid"), "state_layers": [state]})
+    try:
+        m.allocate("r", 4, [1, 2, 3, 4])
+        m.commit("r", [1, 2, 3, 4])
+        with pytest.raises(TransferUnavailable, match="state layers"):
+            m.hand_off("r")
+        with pytest.raises(TransferUnavailable, match="state layers"):
+            m.export_prefix([1, 2, 3, 4, 5])
+        assert m.request("r").handle != -1 and m.request_ids() == ["r"]
+    finally:
+        m.close()

@@ -129,6 +129,10 @@ class PullState(_Frozen):
     state: Literal["pulling", "ready", "failed", "unknown"]
     blocks: int = 0
     bytes: int = 0
+    handle: int = 0
+    """Once ``ready``: the request's handle (for the columnar step); 0 before."""
+    num_committed: int = 0
+    """Once ``ready``: its committed tokens (the pulled ones and its hit)."""
     error: dict[str, Any] | None = None
 
 

@@ -153,6 +153,16 @@ def endpoint(m: Components) -> Transfers:
     return m.transfers
 
 
+def _no_state(m: Components) -> None:
+    """State layers do not move yet (their slots are registered, their copies not built):
+    a hybrid's request is refused rather than pulled without its state."""
+    if m.state is not None:
+        raise TransferUnavailable(
+            "this model has state layers, whose state does not move between sidecars yet",
+            backend="nixl",
+        )
+
+
 # -- the prefill side --------------------------------------------------------------------------
 
 
@@ -162,6 +172,7 @@ def hand_off(m: Components, request_id: str, deadline_s: float) -> KVExport:
     takes no op until the peer's pull ends or ``deadline_s`` passes, then it is freed (its
     full blocks stay cached, as any free leaves them)."""
     t = endpoint(m)
+    _no_state(m)
     if not 0 < deadline_s <= 3600:
         raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
     if m.requests.undo is not None:
@@ -289,6 +300,7 @@ def _check(
 ) -> None:
     """What a pull or a fetch refuses before anything changes: a bad deadline, a
     transaction, another layout, another scope, a peer not connected, a live id."""
+    _no_state(m)
     if not 0 < deadline_s <= 3600:
         raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
     if m.requests.undo is not None:
@@ -361,6 +373,7 @@ def export_prefix(
     prefix: example (tokens_per_block 4), 10 prompt tokens of which 8 are cached: the
     request holds 9 tokens, 8 committed, and the export lists those 8."""
     t = endpoint(m)
+    _no_state(m)
     if not 0 < deadline_s <= 3600:
         raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
     hit = prefix_reuse.probe(m, token_ids, lora_id, cache_salt)
@@ -492,7 +505,14 @@ def _complete(m: Components, t: Transfers, pull: Pull) -> None:
         commits.commit_row(m, pull.row, pull.tokens)
     t.finish(
         pull.request_id,
-        PullState(request_id=pull.request_id, state="ready", blocks=pull.blocks, bytes=pull.nbytes),
+        PullState(
+            request_id=pull.request_id,
+            state="ready",
+            blocks=pull.blocks,
+            bytes=pull.nbytes,
+            handle=m.requests.handle.item(pull.row),
+            num_committed=m.requests.committed.item(pull.row),
+        ),
     )
     if pull.notify:  # a peer with nothing cached pinned nothing
         t.engine.notify(pull.peer, pull.notify)

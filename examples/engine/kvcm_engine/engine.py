@@ -185,7 +185,10 @@ class Engine:
         max_running: int = 16,
         preempt: Literal["free", "suspend"] = "free",
         attention: Literal["auto", "paged", "gather"] = "auto",
+        hand_off_s: float | None = None,
     ) -> None:
+        """``hand_off_s``: a prefill engine of a disaggregated pair hands its finished
+        requests off for this many seconds (``Scheduler``, docs/disaggregation.md)."""
         self.model = built.model
         self.backend = backend
         family = built.hf_config.get("model_type")
@@ -207,6 +210,7 @@ class Engine:
             max_running=max_running,
             align=backend.tokens_per_block if self._hybrid else 1,
             preempt=preempt,
+            hand_off_s=hand_off_s,
         )
         self.stats = EngineStats()
         self._views: dict[tuple[int, str], torch.Tensor] = {}

@@ -23,6 +23,16 @@ requests are resumed, oldest first, in the next steps' calls (the ``resume`` sec
 ``extend`` and ``allocate``) and compute again from the step after; new requests wait while
 any is suspended. A victim with nothing computed yet, or one the host cannot hold, is freed.
 
+Disaggregated prefill and decode (docs/disaggregation.md): a prefill engine's scheduler
+(``hand_off_s``) hands each finished request off instead of freeing it (its last commit runs
+first, in the step's call), one ``hand_off`` call each, and lists it in ``handed_off``. A
+decode engine's request that names its prefill (``Request.source``: the peer and its kv id;
+its output holds the prefill's first token) is admitted by a ``pull``; it waits, polled with
+one ``transfer_status`` call per step for all of them, and runs once ``ready`` with its
+prompt computed and committed: its first decode step computes the first token's KV. A pull
+that fails falls back to computing the prompt here. A request with ``fetch_from`` first
+fetches the prefix that peer caches (``fetch``), then prefills the rest here.
+
 Sequence arithmetic: a request's sequence is prompt + output; the KV of ``seq[:computed]`` is
 in the cache. Worked example (tokens_per_block 2, chunk 4, a 10-token prompt whose first 2
 tokens are cached): the allocate asks for 2 + 4 = 6 tokens and computes positions 2..5; the
@@ -35,6 +45,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from kvcm_client.errors import KVCMError
 
 #: Statuses that mean "no room now": the scheduler preempts or waits instead of failing.
 _ROOM = frozenset({"out_of_blocks", "max_requests_reached"})
@@ -64,6 +76,10 @@ class Request:
     handle: int = 0
     admissions: int = 0
     hit_tokens: int = 0
+    source: tuple[str, str] | None = None
+    """Disaggregated decode: (peer, the request's kv id there), whose KV is pulled."""
+    fetch_from: str | None = None
+    """A peer to fetch the prompt's cached prefix from before prefilling the rest."""
     held: int = 0
     """Tokens kvcm holds for it: ``computed`` plus what this step's ops added."""
     seq: list[int] = field(init=False)
@@ -106,6 +122,11 @@ class SchedulerStats:
     admitted: int = 0
     suspends: int = 0
     resumes: int = 0
+    pulls: int = 0
+    pulled_tokens: int = 0
+    fetched_tokens: int = 0
+    moved_blocks: int = 0
+    pull_failures: int = 0
 
 
 class Scheduler:
@@ -120,10 +141,12 @@ class Scheduler:
         max_running: int,
         align: int = 1,
         preempt: Literal["free", "suspend"] = "free",
+        hand_off_s: float | None = None,
     ) -> None:
         """``align``: a prefill chunk that stops short of the sequence's end ends on a
         multiple of this many tokens where it can (``_chunk``); ``preempt``: how a victim
-        gives its blocks back (the module docstring)."""
+        gives its blocks back (the module docstring); ``hand_off_s``: a prefill engine's, hand
+        finished requests off for this many seconds instead of freeing them."""
         if chunk < 1 or max_batch_tokens < 1 or max_running < 1 or align < 1:
             raise ValueError("chunk, max_batch_tokens, max_running and align must be positive")
         if preempt not in ("free", "suspend"):
@@ -139,6 +162,14 @@ class Scheduler:
         self.finished: list[Request] = []
         self._to_free: list[Request] = []
         self.suspended: deque[Request] = deque()  # the longest suspended first
+        self.hand_off_s = hand_off_s
+        #: Handed-off requests (``hand_off_s``), in order: what a decode engine pulls.
+        self.handed_off: list[Request] = []
+        #: Requests whose KV a pull or a fetch brings, waiting for ``ready``.
+        self.pulling: list[Request] = []
+        #: This step's rewinds (handle, tokens) and frees of fetched requests that landed.
+        self._rewinds: list[tuple[int, int]] = []
+        self._free_now: list[int] = []
         self.stats = SchedulerStats()
         #: This step's slot mapping per planned request (by ``request_id``): the mapping its
         #: kvcm call answered (``map_slots``) and the column its tokens start at.
@@ -149,7 +180,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self._to_free or self.suspended)
+        return not (self.waiting or self.running or self._to_free or self.suspended or self.pulling)
 
     def _commits(self) -> tuple[list[int], list[list[int]]]:
         handles, tokens = [], []
@@ -165,8 +196,12 @@ class Scheduler:
         self.stats.steps += 1
         budget = self.max_batch_tokens
         commit, commit_tokens = self._commits()
-        free = [r.handle for r in self._to_free]
-        self._to_free.clear()
+        handing = self._to_free if self.hand_off_s is not None else []
+        free = [] if handing else [r.handle for r in self._to_free]
+        self._to_free = []
+        self._landed()
+        free += self._free_now
+        rewinds, self._rewinds, self._free_now = self._rewinds, [], []
         plan: list[Work] = []
         # Decodes first (one token each), then prefill chunks, in admission order.
         for decoding in (True, False):
@@ -179,6 +214,10 @@ class Scheduler:
                 plan.append(Work(r, r.computed, n))
         resume = list(self.suspended)[: max(0, self.max_running - len(self.running))]
         admits = [] if self.suspended else self._candidates(budget)
+        moving = [a for a in admits if a[0].source is not None or a[0].fetch_from is not None]
+        if moving:
+            admits = [a for a in admits if a not in moving]
+            self._start_moves([r for r, _, _ in moving])
         allocate = []
         for r, n, k in admits:
             r.admissions += 1
@@ -189,11 +228,17 @@ class Scheduler:
             commit=commit,
             commit_tokens=commit_tokens,
             free=free,
+            rewind=[h for h, _ in rewinds],
+            rewind_tokens=[n for _, n in rewinds] or 1,
             resume=[r.handle for r in resume],
             extend=[w.request.handle for w in plan],
             num_new_tokens=[w.count for w in plan] or 1,
             allocate=allocate,
         )
+        for r in handing:  # committed by the call above: pinned for the decode engine
+            self.stats.kvcm_calls += 1
+            self.kvcm.hand_off(r.kv_id, self.hand_off_s)
+            self.handed_off.append(r)
         column = self._mapped(
             out, [w for w, status in zip(plan, out.status["extend"], strict=True) if not status]
         )
@@ -233,6 +278,75 @@ class Scheduler:
                 f"(its first allocation of {n} tokens was refused)"
             )
         return self._preempt_for(failed, plan)
+
+    def _start_moves(self, requests: list[Request]) -> None:
+        """Admit requests whose KV moves from a peer: a ``pull`` of a handed-off request
+        (``source``) or a ``fetch`` of a cached prefix (``fetch_from``); they wait in
+        ``pulling`` until ``_landed`` sees them ready."""
+        for r in requests:
+            self.waiting.remove(r)
+            r.admissions += 1
+            self.stats.kvcm_calls += 1
+            try:
+                if r.source is not None:
+                    state = self.kvcm.pull(r.kv_id, r.source[0], r.source[1])
+                else:
+                    assert r.fetch_from is not None
+                    state = self.kvcm.fetch(r.kv_id, r.fetch_from, len(r.seq), r.seq)
+            except KVCMError as exc:
+                if exc.code in _ROOM:  # no room yet: it waits in its place
+                    r.admissions -= 1
+                    self.waiting.appendleft(r)
+                    continue
+                # The peer is gone, restarted, or never had it: compute it here.
+                self._fall_back(r)
+                continue
+            self.pulling.append(r)
+            if state.state == "failed":
+                self._landed()
+
+    def _fall_back(self, r: Request) -> None:
+        """A pull or fetch that cannot bring the KV: the request computes its sequence here
+        (a pulled one's first token stays: greedy decoding gives it again anyway)."""
+        self.stats.pull_failures += 1
+        r.source = r.fetch_from = None
+        r.computed = r.committed = r.held = 0
+        r.row, r.handle = -1, 0
+        self.waiting.appendleft(r)
+
+    def _landed(self) -> None:
+        """Requests whose pull or fetch ended: ready ones run (their committed tokens
+        computed), failed ones go back to the queue to be computed here. One
+        ``transfer_status`` call for all of them."""
+        if not self.pulling:
+            return
+        self.stats.kvcm_calls += 1
+        states = self.kvcm.transfer_status([r.kv_id for r in self.pulling])
+        for r, state in zip(list(self.pulling), states, strict=True):
+            if state.state == "pulling":
+                continue
+            self.pulling.remove(r)
+            if state.state != "ready":  # compute it here instead (its sequence as it is)
+                self._fall_back(r)
+                continue
+            r.handle, r.row = state.handle, state.handle & ROW_MASK
+            r.computed = r.committed = state.num_committed
+            self.stats.admitted += 1
+            self.stats.moved_blocks += state.blocks
+            if r.source is not None:  # its prompt, all of it: it decodes from here
+                r.held = r.computed
+                self.stats.pulls += 1
+                self.stats.pulled_tokens += r.computed
+            else:  # the fetch allocated the whole prompt: the uncomputed rest goes back
+                self.stats.fetched_tokens += r.computed
+                if r.computed == 0:  # nothing came: compute it all here
+                    self._free_now.append(r.handle)
+                    r.fetch_from, r.handle, r.row = None, 0, -1
+                    self.waiting.appendleft(r)
+                    continue
+                self._rewinds.append((r.handle, len(r.seq) - r.computed))
+                r.held = r.computed
+            self.running.append(r)
 
     def _candidates(self, budget: int) -> list[tuple[Request, int, int | None]]:
         """Waiting requests to allocate this step: (request, ``num_tokens``,
@@ -319,6 +433,7 @@ class Scheduler:
                 self.suspended.append(victim)
                 self.stats.suspends += 1
             else:
+                victim.source = victim.fetch_from = None  # recomputed here, not pulled again
                 victim.computed = victim.committed = victim.held = 0
                 victim.row, victim.handle = -1, 0
                 self.waiting.appendleft(victim)
