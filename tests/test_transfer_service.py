@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("nixl_cu12", reason="the transfer extra (nixl-cu12) is not installed")
 
-from servers import serve_process
+from servers import free_port, serve_process
 
 from kvcm_client import KVCacheClient
 from kvcm_client.errors import (
@@ -233,3 +233,49 @@ def test_fetch_a_prefix_from_a_peer_over_http(sidecars: tuple[str, str]) -> None
                 break
             time.sleep(0.01)
         assert p.request_ids() == [] and p.num_free_blocks() == free_p
+
+
+def test_a_restarted_peer_is_a_new_agent(tmp_path: Path) -> None:
+    """The prefill sidecar restarts on its port: its handed-off request died with it
+    (``unknown_request``, nothing reserved here), and the next pull loads its new agent."""
+    layers = tmp_path / "layers.json"
+    layers.write_text(json.dumps(LAYERS))
+    port = free_port()
+    prefill = ["--layers", str(layers), *FLAGS, "--transfer-name", "prefill"]
+    env_p = {"KVCM_API_TOKEN": "tok-prefill"}
+    prefill_url = f"http://127.0.0.1:{port}"
+    with (
+        serve_process(
+            "--layers",
+            str(layers),
+            *FLAGS,
+            "--transfer-name",
+            "decode",
+            "--peer",
+            f"prefill={prefill_url}",
+            env={"KVCM_API_TOKEN": "tok-decode", "KVCM_PEER_TOKEN": "tok-prefill"},
+        ) as (decode_url, _, _),
+        KVCacheClient(decode_url, token="tok-decode") as d,
+    ):
+        free_d = d.num_free_blocks()
+        agents = []
+        for life in range(2):
+            with serve_process(*prefill, env=env_p, port=port) as (url, _, _):
+                assert url == prefill_url
+                with KVCacheClient(url, token="tok-prefill") as p:
+                    agents.append(p.transfer_agent().name)
+                    if life == 1:  # r, handed off before the restart, died with it
+                        with pytest.raises(UnknownRequest):
+                            d.pull("old", "prefill", "r")
+                    tokens = list(range(100 * life, 100 * life + 9))
+                    p.allocate("r", 9, tokens)
+                    p.commit("r", tokens)
+                    p.hand_off("r", deadline_s=30)
+                    if life == 0:
+                        continue  # dies with r handed off and never pulled
+                    assert d.pull("new", "prefill", "r").state in ("pulling", "ready")
+                    assert wait(d, "new").state == "ready"
+                    assert d.committed_tokens("new") == tokens
+                    d.free("new")
+        assert agents[0] != agents[1]  # a new generation is a new agent
+        assert d.num_free_blocks() == free_d and d.request_ids() == []
