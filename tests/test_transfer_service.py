@@ -264,18 +264,21 @@ def test_a_restarted_peer_is_a_new_agent(tmp_path: Path) -> None:
                 assert url == prefill_url
                 with KVCacheClient(url, token="tok-prefill") as p:
                     agents.append(p.transfer_agent().name)
-                    if life == 1:  # r, handed off before the restart, died with it
+                    if life == 1:  # "dies", handed off before the restart, died with it
                         with pytest.raises(UnknownRequest):
-                            d.pull("old", "prefill", "r")
+                            d.pull("old", "prefill", "dies")
                     tokens = list(range(100 * life, 100 * life + 9))
                     p.allocate("r", 9, tokens)
                     p.commit("r", tokens)
                     p.hand_off("r", deadline_s=30)
+                    # Each life's first pull loads that life's agent.
+                    assert d.pull(f"new{life}", "prefill", "r").state in ("pulling", "ready")
+                    assert wait(d, f"new{life}").state == "ready"
+                    assert d.committed_tokens(f"new{life}") == tokens
+                    d.free(f"new{life}")
                     if life == 0:
-                        continue  # dies with r handed off and never pulled
-                    assert d.pull("new", "prefill", "r").state in ("pulling", "ready")
-                    assert wait(d, "new").state == "ready"
-                    assert d.committed_tokens("new") == tokens
-                    d.free("new")
+                        p.allocate("dies", 4, [1, 2, 3, 4])
+                        p.commit("dies", [1, 2, 3, 4])
+                        p.hand_off("dies", deadline_s=30)
         assert agents[0] != agents[1]  # a new generation is a new agent
         assert d.num_free_blocks() == free_d and d.request_ids() == []
