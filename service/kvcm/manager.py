@@ -717,6 +717,15 @@ class KVCacheManager:
     def connect_peer(self, metadata: str) -> str:
         return transfers.connect(self.parts, metadata)
 
+    def connected_agents(self) -> frozenset[str]:
+        """The peers' transfer agents loaded now (``connect_peer``); none after a model
+        registration, which starts a new agent."""
+        return frozenset(transfers.endpoint(self.parts).engine.peers)
+
+    @_doc(transfers.disconnect)
+    def disconnect_peer(self, agent: str) -> None:
+        transfers.disconnect(self.parts, agent)
+
     @_doc(transfers.hand_off)
     def hand_off(self, request_id: str, deadline_s: float = 30.0) -> KVExport:
         return transfers.hand_off(self.parts, request_id, deadline_s)

@@ -226,6 +226,11 @@ def connect(m: Components, metadata: str) -> str:
     return endpoint(m).engine.connect(metadata)
 
 
+def disconnect(m: Components, agent: str) -> None:
+    """Drop a peer's agent (it restarted: its new generation is another agent)."""
+    endpoint(m).engine.forget(agent)
+
+
 def _match_windows(m: Components, row: int, export: KVExport) -> None:
     """Release the pulled request's window blocks that the peer had released: it allocated
     the whole prompt at once, so it holds every position, but the KV of those the peer

@@ -152,13 +152,16 @@ def install(
 
     async def connected(peer: str, found: KVExport) -> None:
         """Load ``peer``'s agent unless the one the export names is loaded already."""
-        if not found.token_ids or peers.agents.get(peer) == found.agent:
+        if not found.token_ids or found.agent in state.manager.connected_agents():
             return
         agent = TransferAgent.model_validate_json(
             await peers.call(peer, "GET", "/v1/transfer/agent", None)
         )
         if agent.name != found.agent:
             raise PeerUnreachable(f"peer {peer!r} restarted while this pull asked it", peer=peer)
+        old = peers.agents.get(peer)
+        if old is not None and old in state.manager.connected_agents():
+            state.manager.disconnect_peer(old)  # its previous life
         state.manager.connect_peer(agent.metadata)
         peers.agents[peer] = agent.name
 
