@@ -201,6 +201,8 @@ def test_refusals_change_nothing(peer: Peer, local: KVCacheManager) -> None:
         local.pull("d3", export)  # no salt: another scope
     with pytest.raises(ScopeMismatch):
         local.pull("d3", export, cache_salt="tenant-b")
+    with pytest.raises(ScopeMismatch):  # a LoRA is a scope too
+        local.pull("d3", export, lora_id=3, cache_salt="tenant-a")
     local.allocate("d3", 4)
     with pytest.raises(DuplicateRequest):
         local.pull("d3", export, cache_salt="tenant-a")
