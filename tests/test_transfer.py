@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("nixl_cu12", reason="the transfer extra (nixl-cu12) is not installed")
 
-from transfer_peer import Peer, digests, wait_done, wait_free
+from transfer_peer import Peer, digests, state_digest, wait_done, wait_free
 
 from kvcm import transfer_engine
 from kvcm.manager import KVCacheManager
@@ -396,16 +396,61 @@ def test_fetch_with_nothing_cached_at_the_peer(peer: Peer, local: KVCacheManager
     local.free("n")
 
 
-def test_state_layers_are_refused_not_pulled_without_their_state() -> None:
-    state = {"layer_id": 9, "buffers": [{"name": "s", "shape": [4]}]}
-    m = KVCacheManager({**config("hybrid"), "state_layers": [state]})
+def hybrid(name: str) -> dict[str, Any]:
+    """``config`` with two state layers (one state group) checkpointed every block."""
+    states = [
+        {
+            "layer_id": 10 + i,
+            "buffers": [{"name": "conv", "shape": [3, 8]}, {"name": "ssm", "shape": [4, 4]}],
+        }
+        for i in range(2)
+    ]
+    return {**config(name), "state_layers": states, "state_checkpoint_stride": 1}
+
+
+def test_a_hybrid_pull_moves_its_state_and_a_fetch_the_checkpoint() -> None:
+    """A hybrid's live state moves with its blocks (the state after its committed tokens),
+    and a prefix fetch brings the peer's state at the prefix; the pulled commits save
+    checkpoints here, so a later request hits the prefix locally with that state."""
+    p = Peer(hybrid("hybrid-prefill"))
+    m = KVCacheManager(hybrid("hybrid-decode"))
     try:
-        m.allocate("r", 4, [1, 2, 3, 4])
-        m.commit("r", [1, 2, 3, 4])
-        with pytest.raises(TransferUnavailable, match="state layers"):
-            m.hand_off("r")
-        with pytest.raises(TransferUnavailable, match="state layers"):
-            m.export_prefix([1, 2, 3, 4, 5])
-        assert m.request("r").handle != -1 and m.request_ids() == ["r"]
+        m.connect_peer(p.agent.metadata)
+        tokens = list(range(9000, 9014))  # 14 tokens: 3 full blocks
+        p.call("allocate", "h", 14, tokens)
+        p.call("fill", "h", 21)
+        p.call("fill_state", "h", 22)
+        p.call("commit", "h", tokens)
+        source, state = p.call("digests", "h"), p.call("state_digest", "h")
+        export = p.call("hand_off", "h", 20.0)
+        assert export.state_slot >= 0 and len(export.state_regions) == 1
+        m.pull("h", export)
+        assert wait_done(m, "h").state == "ready"
+        assert digests(m, "h") == source
+        assert state_digest(m, "h") == state
+        m.free("h")
+
+        # The peer caches a 12-token prefix with its checkpoint: the state filled before
+        # the commit of 12 tokens is what that commit saves and a hit restores.
+        prompt = list(range(9100, 9120))
+        p.call("allocate", "c", 13, prompt[:13])
+        p.call("fill", "c", 23)
+        p.call("fill_state", "c", 24)
+        p.call("commit", "c", prompt[:12])  # a checkpoint of this state at 3 blocks
+        p.call("free", "c")
+        export = p.call("export_prefix", prompt, None, None, 20.0)
+        assert export.token_ids == prompt[:12]
+        checkpoint = p.call("state_digest", export.request_id)  # the hit restored it
+        m.fetch("f", 20, prompt, export)
+        assert wait_done(m, "f").state == "ready"
+        assert m.request("f").num_committed == 12
+        assert state_digest(m, "f") == checkpoint
+        m.free("f")
+        # Fetched and committed here: a later request hits it, its state restored from the
+        # checkpoint the commit saved.
+        m.allocate("g", 20, prompt)
+        assert m.request("g").num_hit_tokens == 12
+        assert state_digest(m, "g") == checkpoint
     finally:
         m.close()
+        p.stop()

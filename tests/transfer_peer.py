@@ -75,6 +75,22 @@ def fill(m: KVCacheManager, request_id: str, seed: int) -> None:
                 t[s] = torch_bytes(rng.integers(0, 256, t.shape[1], dtype=np.uint8))
 
 
+def fill_state(m: KVCacheManager, request_id: str, seed: int) -> None:
+    """Seeded random bytes in the request's live state slot of every state group."""
+    rng = np.random.default_rng(seed)
+    slot = m.parts.state_slot.item(m.parts.requests.rows[request_id])
+    for t in m.parts.state.memory:
+        t[slot] = torch_bytes(rng.integers(0, 256, t.shape[1], dtype=np.uint8))
+
+
+def state_digest(m: KVCacheManager, request_id: str) -> str:
+    """sha256 of the request's live state slots, group after group."""
+    slot = m.parts.state_slot.item(m.parts.requests.rows[request_id])
+    return hashlib.sha256(
+        b"".join(t[slot].numpy().tobytes() for t in m.parts.state.memory)
+    ).hexdigest()
+
+
 def torch_bytes(a: np.ndarray) -> Any:
     import torch
 
@@ -88,7 +104,13 @@ def _serve(conn: Connection, config: dict[str, Any]) -> None:
         conn.send(("error", exc))
         return
     conn.send(("ok", m.transfer_agent()))
-    helpers = {"fill": fill, "digests": digests, "pool_digest": pool_digest}
+    helpers = {
+        "fill": fill,
+        "digests": digests,
+        "pool_digest": pool_digest,
+        "fill_state": fill_state,
+        "state_digest": state_digest,
+    }
     while True:
         if not conn.poll(0.001):
             if m.transfers_busy:

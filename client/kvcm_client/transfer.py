@@ -40,10 +40,12 @@ class KVExport(_Frozen):
     """A handed-off request, as a puller needs it.
 
     ``blocks[g][p]`` is the slot of block position ``p`` in layer group ``g`` (-1: released
-    by a window), the same positions as ``block_table``; ``token_ids`` are its committed
-    tokens, whose KV the blocks hold; ``scope`` is the digest of its LoRA and cache salt;
-    ``layout`` the facts a puller's layout must equal; ``notify`` the message a finished
-    pull sends so that the sidecar unpins the blocks before ``deadline`` (Unix seconds).
+    by a window), the same positions as ``block_table``; a hybrid's live state, the state
+    after its committed tokens, is slot ``state_slot`` of each of ``state_regions``;
+    ``token_ids`` are its committed tokens, whose KV the blocks hold; ``scope`` is the digest
+    of its LoRA and cache salt; ``layout`` the facts a puller's layout must equal;
+    ``notify`` the message a finished pull sends so that the sidecar unpins the blocks
+    before ``deadline`` (Unix seconds).
     """
 
     agent: str
@@ -56,6 +58,10 @@ class KVExport(_Frozen):
     regions: list[TransferRegion]
     deadline: float
     notify: str
+    state_slot: int = -1
+    """A hybrid's live state slot (the same id in every state group; -1: no state layers)."""
+    state_regions: list[TransferRegion] = Field(default_factory=list)
+    """The state groups' slots, one region per group (``pool`` is the group)."""
 
 
 class TransferAgent(_Frozen):

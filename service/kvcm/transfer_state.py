@@ -55,11 +55,13 @@ class Transfers:
         self,
         engine: NixlEngine,
         regions: list[TransferRegion],
+        state_regions: list[TransferRegion],
         layout: dict[str, Any],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.regions = regions
+        self.state_regions = state_regions
         self.layout = layout
         self.clock = clock
         self.pulls: dict[str, Pull] = {}

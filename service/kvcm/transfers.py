@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from kvcm_client.errors import (
     DuplicateRequest,
@@ -121,26 +122,31 @@ def build(m: Components) -> Transfers:
             backend="nixl",
         )
     tensors = list(m.memory.tensors)
-    regions = []
-    for pool, tensor in zip(m.layout.pools, m.memory.tensors, strict=True):
-        kind, device = memory_kind(tensor)
-        regions.append(
-            TransferRegion(
-                pool=int(pool.pool_id),
-                pool_group=int(pool.pool_group),
-                address=tensor.data_ptr(),
-                slot_bytes=int(tensor.shape[1]),
-                num_slots=int(tensor.shape[0]),
-                memory=kind,  # type: ignore[arg-type]
-                device_id=device,
-            )
-        )
+    regions = [
+        _region(int(pool.pool_id), int(pool.pool_group), tensor)
+        for pool, tensor in zip(m.layout.pools, m.memory.tensors, strict=True)
+    ]
+    state_regions = [_region(g, 0, t) for g, t in enumerate(m.state.memory)] if m.state else []
     if m.host is not None:
         tensors += m.host.tensors()
     if m.state is not None:
         tensors += list(m.state.memory)
     engine = NixlEngine(f"{config.transfer_name}-{m.generation}", tensors)
-    return Transfers(engine, regions, layout_facts(m))
+    return Transfers(engine, regions, state_regions, layout_facts(m))
+
+
+def _region(pool: int, pool_group: int, tensor: torch.Tensor) -> TransferRegion:
+    """A ``[slots, slot_bytes]`` uint8 tensor as a ``TransferRegion``."""
+    kind, device = memory_kind(tensor)
+    return TransferRegion(
+        pool=pool,
+        pool_group=pool_group,
+        address=tensor.data_ptr(),
+        slot_bytes=int(tensor.shape[1]),
+        num_slots=int(tensor.shape[0]),
+        memory=kind,  # type: ignore[arg-type]
+        device_id=device,
+    )
 
 
 def endpoint(m: Components) -> Transfers:
@@ -153,16 +159,6 @@ def endpoint(m: Components) -> Transfers:
     return m.transfers
 
 
-def _no_state(m: Components) -> None:
-    """State layers do not move yet (their slots are registered, their copies not built):
-    a hybrid's request is refused rather than pulled without its state."""
-    if m.state is not None:
-        raise TransferUnavailable(
-            "this model has state layers, whose state does not move between sidecars yet",
-            backend="nixl",
-        )
-
-
 # -- the prefill side --------------------------------------------------------------------------
 
 
@@ -172,7 +168,6 @@ def hand_off(m: Components, request_id: str, deadline_s: float) -> KVExport:
     takes no op until the peer's pull ends or ``deadline_s`` passes, then it is freed (its
     full blocks stay cached, as any free leaves them)."""
     t = endpoint(m)
-    _no_state(m)
     if not 0 < deadline_s <= 3600:
         raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
     if m.requests.undo is not None:
@@ -197,6 +192,8 @@ def hand_off(m: Components, request_id: str, deadline_s: float) -> KVExport:
         regions=t.regions,
         deadline=time.time() + deadline_s,
         notify=secrets.token_hex(16),
+        state_slot=m.state_slot.item(row),
+        state_regions=t.state_regions,
     )
     m.requests.hold(row)
     t.lend(request_id, Lent(row, export, t.clock() + deadline_s))
@@ -305,7 +302,6 @@ def _check(
 ) -> None:
     """What a pull or a fetch refuses before anything changes: a bad deadline, a
     transaction, another layout, another scope, a peer not connected, a live id."""
-    _no_state(m)
     if not 0 < deadline_s <= 3600:
         raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
     if m.requests.undo is not None:
@@ -334,6 +330,37 @@ def _check(
     if request_id in m.requests.rows or request_id in t.pulls:
         shown = request_id[:64]
         raise DuplicateRequest(f"request {shown!r} is live", request_id=shown)
+
+
+def _plan_state(
+    m: Components,
+    row: int,
+    export: KVExport,
+    groups: dict[tuple[str, int, str, int], list[tuple[int, int, int]]],
+) -> None:
+    """A hybrid's live state moves too: the peer's, after its committed tokens, replaces
+    the one the allocation restored (its hit is shorter, or there would be nothing to pull).
+    One descriptor per state group, into the same READs."""
+    if m.state is None:
+        return
+    slot = m.state_slot.item(row)
+    if export.state_slot < 0 or slot < 0 or len(export.state_regions) != len(m.state.memory):
+        raise LayoutMismatch(
+            "the export carries no state for this model's state layers",
+            differences=["state_slot"],
+        )
+    for tensor, region in zip(m.state.memory, export.state_regions, strict=True):
+        size = int(tensor.shape[1])
+        if region.slot_bytes != size or export.state_slot >= region.num_slots:
+            raise LayoutMismatch("the peer's state slots differ", differences=["state slot bytes"])
+        kind, device = memory_kind(tensor)
+        groups.setdefault((kind, device, region.memory, region.device_id), []).append(
+            (
+                tensor.data_ptr() + slot * size,
+                region.address + export.state_slot * region.slot_bytes,
+                size,
+            )
+        )
 
 
 def pull(
@@ -378,7 +405,6 @@ def export_prefix(
     prefix: example (tokens_per_block 4), 10 prompt tokens of which 8 are cached: the
     request holds 9 tokens, 8 committed, and the export lists those 8."""
     t = endpoint(m)
-    _no_state(m)
     if not 0 < deadline_s <= 3600:
         raise InvalidArgument("deadline_s must be in (0, 3600]", deadline_s=deadline_s)
     hit = prefix_reuse.probe(m, token_ids, lora_id, cache_salt)
@@ -403,6 +429,7 @@ def export_prefix(
             regions=t.regions,
             deadline=time.time() + deadline_s,
             notify="",
+            state_regions=t.state_regions,
         )
     return hand_off(m, request_id, deadline_s)
 
@@ -457,8 +484,11 @@ def _start(
     row, hit = started.row, started.hit_tokens
     xfers: list[Xfer] = []
     try:
+        m.settle()  # the allocation's own state copies land first: the READ comes after
         _match_windows(m, row, export)
         groups, moved = _plan(m, t, row, hit, export)
+        if hit < len(export.token_ids):
+            _plan_state(m, row, export, groups)
         for (kind, device, remote_kind, remote_device), rows in groups.items():
             table = np.asarray(rows, dtype=np.int64)
             xfers.append(
