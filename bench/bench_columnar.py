@@ -21,6 +21,9 @@ Workloads (block size 16, 4 full-attention layers of 1 KV head; every request ha
 - ``publish``: ``commit`` of a whole 8192-token request (512 blocks keyed and published),
   per block; allocate computed the prompt's keys, so commit reuses them.
 - ``extend_many`` by string ids over the same 256 requests: the per-id baseline.
+- ``decode with table_edits``: the decode step answering the page-table cells it changed
+  (``kvcm.table_mirror``: one compare of the host tables against their shadow), beside the
+  plain decode row.
 - ``decode with one stale handle``: the decode step with a freed request's handle appended
   (a scheduler that missed a free): that item fails alone, the 256 others still run as one
   batch.
@@ -112,6 +115,12 @@ def bench(repeats: int) -> dict[str, float]:
     _, window_handles = _running(w, N)
     rows["decode, a 128-token window in every other layer, N=256"] = _median_us(
         lambda: w.step_columns(extend=window_handles), repeats, 20
+    )
+    e = _manager()
+    _, edit_handles = _running(e, N)
+    e.table_edits()  # the first answer lists every page; the step's answers, its changes
+    rows["decode with table_edits (an engine's own copy of the tables), N=256"] = _median_us(
+        lambda: e.step_columns(extend=edit_handles, table_edits=True), repeats, 20
     )
     stale = m.allocate("stale", 1).handle
     m.free("stale")

@@ -306,6 +306,7 @@ class AsyncKVCacheClient:
         resume: Any = (),
         atomic: bool = False,
         map_slots: bool = False,
+        table_edits: bool = False,
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when

@@ -98,6 +98,14 @@ class StepColumnsRequest(_Frozen):
             "allocate's past its hit)"
         ),
     )
+    table_edits: Annotated[bool, Strict()] = Field(
+        False,
+        description=(
+            "Also answer table_edits: the page-table cells changed since the last answer "
+            "that had them, [group, row, position, value] each, for an engine's own copy of "
+            "the tables (the first answer lists every cell that holds a page)"
+        ),
+    )
 
 
 class ItemErrorInfo(_Frozen):
@@ -125,6 +133,10 @@ class StepColumnsResponse(_Frozen):
     failed: tuple[str, int] | None = None
     slot_mapping: list[list[int]] | None = None
     """With ``map_slots``: ``[groups][tokens]``, -1 where a window released the page."""
+    table_edits: list[Annotated[list[int], Documented({"minItems": 4, "maxItems": 4})]] | None = (
+        None
+    )
+    """With ``table_edits``: ``[group, row, position, value]`` per changed cell."""
 
 
 #: Request ids that must be distinct (one op each of a batch).

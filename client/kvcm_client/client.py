@@ -337,12 +337,14 @@ class KVCacheClient:
         resume: Any = (),
         atomic: bool = False,
         map_slots: bool = False,
+        table_edits: bool = False,
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when
         this client has one (raw int64 arrays), else ``POST /v1/step_columns``.
         ``map_slots=True``: ``.slot_mapping`` of the step's computed tokens, in the same
-        round trip."""
+        round trip; ``table_edits=True``: ``.table_edits``, the page-table cells changed
+        since the last answer that had them (for an engine's own copy of the tables)."""
         if self._channel is None:
             return self._run(calls.step_columns(given_fields(locals())))
         self._channel.wake()  # before the frame is built (docs/step-channel.md)
@@ -360,6 +362,7 @@ class KVCacheClient:
             suspend=suspend,
             resume=resume,
             map_slots=map_slots,
+            table_edits=table_edits,
         )
         return self._over_channel(channel.step_columns(args))
 

@@ -80,6 +80,7 @@ def wire_columns(
     suspend: Any = (),
     resume: Any = (),
     map_slots: bool = False,
+    table_edits: bool = False,
 ) -> dict[str, Any]:
     """The ``args`` map of a ``step_columns`` frame. Empty sections are left out."""
     args: dict[str, Any] = {}
@@ -108,6 +109,8 @@ def wire_columns(
         args["atomic"] = atomic
     if map_slots:
         args["map_slots"] = map_slots
+    if table_edits:
+        args["table_edits"] = table_edits
     return args
 
 
@@ -248,6 +251,25 @@ class StepColumnsResult:
                     rows.append(row)
                 self._cache["slot_mapping"] = rows
         return self._cache["slot_mapping"]
+
+    @property
+    def table_edits(self) -> array | None:
+        """With ``table_edits``: the page-table cells changed since the last answer that had
+        them, flat int64 ``array('q')`` of (group, row, position, value) rows:
+        ``numpy.asarray(edits).reshape(-1, 4)``; apply with
+        ``mirror[e[:, 0], e[:, 1], e[:, 2]] = e[:, 3]``. None without ``table_edits``."""
+        if "table_edits" not in self._cache:
+            raw = self._raw.get("table_edits")
+            if raw is None:
+                return None
+            if isinstance(raw, list):  # HTTP's JSON lists
+                self._cache["table_edits"] = array("q", [v for edit in raw for v in edit])
+            else:  # the step channel's raw little-endian int64 bytes
+                edits = array("q", raw)
+                if not _LITTLE:  # pragma: no cover
+                    edits.byteswap()
+                self._cache["table_edits"] = edits
+        return self._cache["table_edits"]
 
     def __repr__(self) -> str:
         return f"StepColumnsResult(ok={self.ok}, errors={self.errors!r})"

@@ -30,6 +30,7 @@ from .ranks import Rank, build_rank
 from .request_table import RequestTable
 from .shared_memory import CudaSegments, SharedSegments
 from .state_pools import StatePools, build_state_groups
+from .table_mirror import TableMirror
 from .views import TablesAndViews
 
 
@@ -156,6 +157,7 @@ def build(config: ManagerConfig, check_budget: bool = True, serial_base: int = 0
         host=host,
         views=views,
         ranks=ranks,
+        mirror=TableMirror(coord),
     )
     rows_of.bind(parts)
     if cfg.transfer is not None:

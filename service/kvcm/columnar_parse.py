@@ -168,6 +168,7 @@ _WIRE_KEYS = frozenset(
         "allocate",
         "atomic",
         "map_slots",
+        "table_edits",
         "suspend",
         "resume",
     }

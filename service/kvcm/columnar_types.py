@@ -93,6 +93,9 @@ class StepOutcome:
     ``[groups, tokens]``) of the tokens the engine computes for this step's items: each
     successful extend's new tokens, then each successful allocate's past its hit, in item
     order (``kvcm.columnar.mapped_tokens``); None without."""
+    table_edits: np.ndarray | None = None
+    """With ``table_edits``: the page-table cells changed since the last answer that had
+    them, int64 ``[E, 4]`` (group, row, position, value; ``kvcm.table_mirror``)."""
 
     @property
     def infos(self) -> list[Any]:
@@ -119,6 +122,7 @@ class StepOutcome:
                 if self.slot_mapping is None
                 else {"slot_mapping": self.slot_mapping.cpu().tolist()}
             ),
+            **({} if self.table_edits is None else {"table_edits": self.table_edits.tolist()}),
         }
 
     def to_wire(self) -> dict[str, Any]:
@@ -141,6 +145,8 @@ class StepOutcome:
         if self.slot_mapping is not None:
             mapping = self.slot_mapping.cpu().numpy()
             out["slot_mapping"] = {"shape": list(mapping.shape), "data": _wire(mapping, _I8)}
+        if self.table_edits is not None:
+            out["table_edits"] = _wire(self.table_edits, _I8)
         return out
 
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .shared_memory import CudaSegments, SharedSegments
     from .sizing import Sizing
     from .state_pools import StatePools
+    from .table_mirror import TableMirror
     from .transfer_state import Transfers
     from .views import TablesAndViews
 
@@ -73,6 +74,8 @@ class Components:
     host: HostTier | None
     views: TablesAndViews
     ranks: list[Rank]
+    #: The shadow of the host tables that ``step_columns(table_edits=True)`` diffs against.
+    mirror: TableMirror
     #: The transfer endpoint (``kvcm.transfers``): None unless the config asks for one.
     #: Set once by ``kvcm.assembly`` after the pools exist (it registers them).
     transfers: Transfers | None = None

@@ -36,6 +36,15 @@ class EditLog:
     refs: list[np.ndarray]
     cache: Any
 
+    def start_edit_log(self) -> bool:
+        """Log every table edit from now on (``take_edits``), for a consumer of its own;
+        False when the log is on already, which means device tables consume it."""
+        if self.edits is not None:
+            return False
+        self.edits = []
+        self.ops_since_take = 0
+        return True
+
     def take_edits(self) -> np.ndarray:
         """The table edits since the last call as int64 ``[E, 4]``, one per cell (the last).
 

@@ -366,6 +366,7 @@ class KVCacheManager:
         resume: Sequence[int] | np.ndarray = (),
         atomic: bool = False,
         map_slots: bool = False,
+        table_edits: bool = False,
     ) -> StepOutcome:
         """One scheduler step as arrays: the primary API (docs/requests.md#the-columnar-step).
 
@@ -387,13 +388,20 @@ class KVCacheManager:
         (``out.slot_mapping``: every layer group's slots of each successful extend's new
         tokens, then each successful allocate's past its hit; ``kvcm.columnar.mapped_tokens``),
         as ``slot_mappings`` would, in the same call: one round trip per step for a sidecar.
+        ``table_edits=True`` also answers the page-table cells changed since the last such
+        answer (``out.table_edits``, int64 ``[E, 4]``: group, row, position, value), for an
+        engine that keeps its own copy of the tables (``kvcm.table_mirror``).
         """
         # Settles as ``_settles`` does, written out: the wrapper's argument passing costs a
         # step's twelve keywords a third of a microsecond.
         try:
-            if type(atomic) is not bool or type(map_slots) is not bool:
-                name = "atomic" if type(atomic) is not bool else "map_slots"
-                raise InvalidArgument(f"{name} must be a bool")
+            for name, flag in (
+                ("atomic", atomic),
+                ("map_slots", map_slots),
+                ("table_edits", table_edits),
+            ):
+                if type(flag) is not bool:
+                    raise InvalidArgument(f"{name} must be a bool")
             cols = parse_columns(
                 free,
                 rewind,
@@ -420,6 +428,8 @@ class KVCacheManager:
                 rows, starts, counts = mapped_tokens(self.parts.coord.num_tokens, cols, out)
                 out.slot_mapping = self.parts.views.map_tokens(rows, starts, counts)
                 self._sync_other_ranks()
+            if table_edits:
+                out.table_edits = self.parts.mirror.take()
             return out
         finally:
             _settle(self)
@@ -501,6 +511,12 @@ class KVCacheManager:
         return [self.parts.coord.block_list(g.group_id, row) for g in self.layout.layer_groups]
 
     # -- tables (the tables-and-views component's; ``kvcm.views``) ----------------------------
+
+    def table_edits(self) -> np.ndarray:
+        """The page-table cells changed since the last ``table_edits`` (or step with
+        ``table_edits=True``), int64 ``[E, 4]``: layer group, row, position, value
+        (``kvcm.table_mirror``); the first call lists every cell that holds a page."""
+        return self.parts.mirror.take()
 
     @_doc(TablesAndViews.page_table)
     def page_table(self, layer_group: int) -> torch.Tensor:
