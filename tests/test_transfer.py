@@ -153,6 +153,10 @@ def test_pull_moves_every_block_byte_for_byte(peer: Peer, local: KVCacheManager)
         local.commit("d1", [1])
     done = wait_done(local, "d1")
     assert done.state == "ready", done
+    # The next step's answer says so too (a scheduler needs no transfer_status), once.
+    pulls = local.step_columns().pulls
+    assert pulls is not None and [(p.request_id, p.state) for p in pulls] == [("d1", "ready")]
+    assert local.step_columns().pulls is None
     info = local.request("d1")
     assert (info.num_tokens, info.num_committed, info.num_hit_tokens) == (30, 30, 0)
     assert (done.handle, done.num_committed) == (info.handle, 30)

@@ -140,6 +140,15 @@ def test_prefill_to_decode_over_http(sidecars: tuple[str, str]) -> None:
 
         state = d.pull("dec", "prefill", "req", lookahead=2)
         assert state.state in ("pulling", "ready")
+        # A step's answer lists it once it ended (the service's loop polls meanwhile).
+        ended = []
+        for _ in range(2000):
+            ended += d.step_columns().pulls or []
+            if ended:
+                break
+            time.sleep(0.002)
+        assert [(p.request_id, p.state) for p in ended] == [("dec", "ready")]
+        assert ended[0].handle == d.request("dec").handle
         assert wait(d, "dec").state == "ready"
         info = d.request("dec")
         assert (info.num_tokens, info.num_committed, info.capacity) == (26, 26, 28)

@@ -27,6 +27,7 @@ from .specs import (
     _Frozen,
 )
 from .state import SharedStateBuffer, StateLayerSpec
+from .transfer import PullState
 
 # --- service wire bodies ----------------------------------------------------------------------
 # Bodies of the HTTP routes that are not an op model themselves. Ops (AllocateOp, ...) are the
@@ -137,6 +138,8 @@ class StepColumnsResponse(_Frozen):
         None
     )
     """With ``table_edits``: ``[group, row, position, value]`` per changed cell."""
+    pulls: list[PullState] | None = None
+    """Pulls and fetches from other sidecars that ended since the last step's answer."""
 
 
 #: Request ids that must be distinct (one op each of a batch).

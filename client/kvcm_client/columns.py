@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import STATUS_CODES, InvalidArgument, KVCMError, error_from_dict
+from .transfer import PullState
 
 #: The sections of a step, in the order they run.
 SECTIONS = ("commit", "free", "rewind", "suspend", "resume", "extend", "allocate")
@@ -270,6 +271,14 @@ class StepColumnsResult:
                     edits.byteswap()
                 self._cache["table_edits"] = edits
         return self._cache["table_edits"]
+
+    @property
+    def pulls(self) -> list[PullState] | None:
+        """Pulls and fetches from other sidecars that ended since the last step's answer
+        (``PullState``: ready with the request's handle, or failed with its error); None
+        when none did (docs/disaggregation.md)."""
+        raw = self._raw.get("pulls")
+        return None if raw is None else [PullState.model_validate(p) for p in raw]
 
     def __repr__(self) -> str:
         return f"StepColumnsResult(ok={self.ok}, errors={self.errors!r})"

@@ -93,6 +93,9 @@ class StepOutcome:
     ``[groups, tokens]``) of the tokens the engine computes for this step's items: each
     successful extend's new tokens, then each successful allocate's past its hit, in item
     order (``kvcm.columnar.mapped_tokens``); None without."""
+    pulls: list[Any] | None = None
+    """The ``PullState`` of the pulls and fetches that ended since the last step's answer
+    (``kvcm.transfers``); None when none did."""
     table_edits: np.ndarray | None = None
     """With ``table_edits``: the page-table cells changed since the last answer that had
     them, int64 ``[E, 4]`` (group, row, position, value; ``kvcm.table_mirror``)."""
@@ -123,6 +126,7 @@ class StepOutcome:
                 else {"slot_mapping": self.slot_mapping.cpu().tolist()}
             ),
             **({} if self.table_edits is None else {"table_edits": self.table_edits.tolist()}),
+            **({} if self.pulls is None else {"pulls": [p.model_dump() for p in self.pulls]}),
         }
 
     def to_wire(self) -> dict[str, Any]:
@@ -147,6 +151,8 @@ class StepOutcome:
             out["slot_mapping"] = {"shape": list(mapping.shape), "data": _wire(mapping, _I8)}
         if self.table_edits is not None:
             out["table_edits"] = _wire(self.table_edits, _I8)
+        if self.pulls is not None:
+            out["pulls"] = [p.model_dump() for p in self.pulls]
         return out
 
 

@@ -390,7 +390,10 @@ class KVCacheManager:
         as ``slot_mappings`` would, in the same call: one round trip per step for a sidecar.
         ``table_edits=True`` also answers the page-table cells changed since the last such
         answer (``out.table_edits``, int64 ``[E, 4]``: group, row, position, value), for an
-        engine that keeps its own copy of the tables (``kvcm.table_mirror``).
+        engine that keeps its own copy of the tables (``kvcm.table_mirror``). Where pulls
+        or fetches from other sidecars ended since the last step, ``out.pulls`` lists their
+        ``PullState`` (ready, with the handle, or failed), so a scheduler needs no
+        ``transfer_status`` call (docs/disaggregation.md).
         """
         # Settles as ``_settles`` does, written out: the wrapper's argument passing costs a
         # step's twelve keywords a third of a microsecond.
@@ -430,6 +433,8 @@ class KVCacheManager:
                 self._sync_other_ranks()
             if table_edits:
                 out.table_edits = self.parts.mirror.take()
+            if self.parts.transfers is not None and self.parts.transfers.ended:
+                out.pulls = self.parts.transfers.take_ended()
             return out
         finally:
             _settle(self)

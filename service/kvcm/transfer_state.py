@@ -5,7 +5,7 @@ pulls. A component of ``kvcm.components``: its fields change only through its me
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +69,8 @@ class Transfers:
         #: notify message -> request id of a lent request.
         self.by_notify: dict[bytes, str] = {}
         self.outcomes: OrderedDict[str, PullState] = OrderedDict()
+        #: Outcomes not yet in a step's answer (``take_ended``), oldest first.
+        self.ended: deque[PullState] = deque(maxlen=MAX_OUTCOMES)
 
     @property
     def busy(self) -> bool:
@@ -109,6 +111,13 @@ class Transfers:
         self.outcomes[outcome.request_id] = outcome
         while len(self.outcomes) > MAX_OUTCOMES:
             self.outcomes.popitem(last=False)
+        self.ended.append(outcome)
+
+    def take_ended(self) -> list[PullState]:
+        """The outcomes recorded since the last call (what a step's answer carries)."""
+        out = list(self.ended)
+        self.ended.clear()
+        return out
 
     def close(self) -> None:
         self.engine.close()

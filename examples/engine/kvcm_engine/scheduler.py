@@ -27,9 +27,10 @@ Disaggregated prefill and decode (docs/disaggregation.md): a prefill engine's sc
 (``hand_off_s``) hands each finished request off instead of freeing it (its last commit runs
 first, in the step's call), one ``hand_off`` call each, and lists it in ``handed_off``. A
 decode engine's request that names its prefill (``Request.source``: the peer and its kv id;
-its output holds the prefill's first token) is admitted by a ``pull``; it waits, polled with
-one ``transfer_status`` call per step for all of them, and runs once ``ready`` with its
-prompt computed and committed: its first decode step computes the first token's KV. A pull
+its output holds the prefill's first token) is admitted by a ``pull``; it waits until a
+step's answer lists it ended (``StepColumnsResult.pulls``: no call of its own), and runs
+from the next step once ``ready``, with its prompt computed and committed: its first decode
+step computes the first token's KV. A pull
 that fails falls back to computing the prompt here. A request with ``fetch_from`` first
 fetches the prefix that peer caches (``fetch``), then prefills the rest here.
 
@@ -170,6 +171,8 @@ class Scheduler:
         #: This step's rewinds (handle, tokens) and frees of fetched requests that landed.
         self._rewinds: list[tuple[int, int]] = []
         self._free_now: list[int] = []
+        #: Pulls the step answers so far said ended, for the next step to take in.
+        self._ended: list[Any] = []
         self.stats = SchedulerStats()
         #: This step's slot mapping per planned request (by ``request_id``): the mapping its
         #: kvcm call answered (``map_slots``) and the column its tokens start at.
@@ -199,7 +202,8 @@ class Scheduler:
         handing = self._to_free if self.hand_off_s is not None else []
         free = [] if handing else [r.handle for r in self._to_free]
         self._to_free = []
-        self._landed()
+        ended, self._ended = self._ended, []
+        self._landed(ended)
         free += self._free_now
         rewinds, self._rewinds, self._free_now = self._rewinds, [], []
         plan: list[Work] = []
@@ -302,8 +306,8 @@ class Scheduler:
                 self._fall_back(r)
                 continue
             self.pulling.append(r)
-            if state.state == "failed":
-                self._landed()
+            if state.state != "pulling":  # failed, or nothing to move: ready at once
+                self._landed([state])
 
     def _fall_back(self, r: Request) -> None:
         """A pull or fetch that cannot bring the KV: the request computes its sequence here
@@ -314,16 +318,15 @@ class Scheduler:
         r.row, r.handle = -1, 0
         self.waiting.appendleft(r)
 
-    def _landed(self) -> None:
-        """Requests whose pull or fetch ended: ready ones run (their committed tokens
-        computed), failed ones go back to the queue to be computed here. One
-        ``transfer_status`` call for all of them."""
-        if not self.pulling:
-            return
-        self.stats.kvcm_calls += 1
-        states = self.kvcm.transfer_status([r.kv_id for r in self.pulling])
-        for r, state in zip(list(self.pulling), states, strict=True):
-            if state.state == "pulling":
+    def _landed(self, states: list[Any]) -> None:
+        """Pulls and fetches that ended (``PullState`` of a step's answer, or of the call
+        itself): ready ones run (their committed tokens computed), failed ones go back to
+        the queue to be computed here. States of requests not waiting are ignored (one
+        that landed at once is listed again by the next step)."""
+        waiting = {r.kv_id: r for r in self.pulling}
+        for state in states:
+            r = waiting.pop(state.request_id, None)
+            if r is None:
                 continue
             self.pulling.remove(r)
             if state.state != "ready":  # compute it here instead (its sequence as it is)
@@ -400,6 +403,8 @@ class Scheduler:
         allocate, a suspend or a resume is a bug here."""
         self.stats.kvcm_calls += 1
         out = self.kvcm.step_columns(**columns, map_slots=True)
+        if out.pulls:
+            self._ended += out.pulls
         if not out.ok:
             bad = [
                 e
