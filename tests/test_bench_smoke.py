@@ -181,3 +181,23 @@ def test_bench_cadence_quick_measures_the_step_against_its_echo() -> None:
     # a spinning server gets depends on what else runs: it yields between looks).
     assert names == ["kvcm step channel, default", "kvcm step channel, busy-poll mode"] * 2
     assert all(float(p50) > 0 and float(p99) > 0 for _, p50, p99, _ in rows), stdout
+
+
+def test_bench_transfer_tiny_pulls_every_way() -> None:
+    """Two sidecars over NIXL: every way's row, each after its bytes were verified (a
+    mismatch exits non-zero)."""
+    pytest.importorskip("nixl_cu12", reason="the transfer extra (nixl-cu12) is not installed")
+    stdout = _bench(
+        "bench_transfer.py", "--gib", "0.01", "--tokens", "64", "--repeat", "1", "--skip-32k"
+    )
+    ways = re.findall(r"^\| ([^|]+?) \| \d+ \| [\d-]+ \| [\d.]+ \| [\d.]+ \|", stdout, re.M)
+    assert [w.split(" (")[0] if w.startswith("torch") else w for w in ways] == [
+        "kvcm pull, 10 MiB (80 tokens)",
+        "raw NIXL READ, same 5 descriptors",
+        "raw NIXL READ, one contiguous descriptor",
+        "memcpy in one process (numpy.copyto)",
+        "torch copy_ in one process",  # (N threads)
+        "kvcm pull, 64-token request",
+        "raw NIXL READ, same 4 descriptors",
+    ], stdout
+    assert "kvcm / raw NIXL (same descriptors), 10 MiB: " in stdout
