@@ -15,7 +15,7 @@ pytest.importorskip("nixl_cu12", reason="the transfer extra (nixl-cu12) is not i
 
 from transfer_peer import Peer, digests, state_digest, wait_done, wait_free
 
-from kvcm import transfer_engine
+from kvcm import transfer_engine, transfers
 from kvcm.manager import KVCacheManager
 from kvcm_client.errors import (
     DuplicateRequest,
@@ -458,3 +458,35 @@ def test_a_hybrid_pull_moves_its_state_and_a_fetch_the_checkpoint() -> None:
     finally:
         m.close()
         p.stop()
+
+
+def test_pieces_split_by_bytes() -> None:
+    """80 descriptors of 2 MiB: pieces of 32, 32 and 16; one descriptor past the limit is a
+    piece of its own."""
+    two = 2 << 20
+    groups = {("DRAM", 0, "DRAM", 0): [(i * two, 10**9 + i * two, two) for i in range(80)]}
+    assert [p.local.shape[0] for p in transfers._pieces(groups)] == [32, 32, 16]
+    big = {("DRAM", 0, "DRAM", 0): [(0, 0, 100 << 20), (1, 1, 8)]}
+    pieces = transfers._pieces(big)
+    assert [p.local.shape[0] for p in pieces] == [1, 1] and pieces[0].nbytes == 100 << 20
+    assert pieces[1].remote.tolist() == [[1, 8]]
+
+
+def test_a_pull_in_many_pieces(
+    peer: Peer, local: KVCacheManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every descriptor its own READ, each posted when the one before ended: the same bytes."""
+    monkeypatch.setattr(transfers, "PIECE_BYTES", 1)
+    posted = []
+    post = transfers._post
+    monkeypatch.setattr(transfers, "_post", lambda *a: posted.append(1) or post(*a))
+    local.connect_peer(peer.agent.metadata)
+    tokens = list(range(11000, 11030))
+    export = prefill(peer, "p9", tokens, seed=31)
+    source = peer.call("digests", "p9")
+    state = local.pull("d9", export)
+    assert wait_done(local, "d9").state == "ready"
+    assert digests(local, "d9") == source
+    # A descriptor per (block, pool): 8 blocks of group 0 in 2 pools, group 1's in 1.
+    assert len(posted) == 8 * 2 + (state.blocks - 8)
+    local.free("d9")

@@ -133,10 +133,13 @@ class NixlEngine:
         n = local.shape[0]
         local_descs = self.agent.get_xfer_descs(_descs(local, local_memory[1]), local_memory[0])
         remote_descs = self.agent.get_xfer_descs(_descs(remote, remote_memory[1]), remote_memory[0])
+        handle = None
         try:
             handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, peer)
             state = self.agent.transfer(handle)
         except Exception as exc:  # NIXL raises its own types
+            if handle is not None:
+                self.release(Xfer(handle, 0, n))
             raise TransferFailed(f"NIXL refused the read from {peer!r}: {exc}", peer=peer) from exc
         if state == "ERR":
             self.agent.release_xfer_handle(handle)

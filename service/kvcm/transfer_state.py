@@ -36,6 +36,9 @@ class Pull:
     cancelled: bool = False
     error: KVCMError | None = None
     done: set[int] = field(default_factory=set)
+    #: READs not posted yet (``kvcm.transfers.Piece``): each is posted once the one before
+    #: it ended, so that no single post holds the sidecar's loop for long.
+    queued: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)

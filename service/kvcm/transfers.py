@@ -35,6 +35,7 @@ import hashlib
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,6 +63,55 @@ from .transfer_state import Lent, Pull, Transfers
 
 if TYPE_CHECKING:
     from .components import Components
+
+
+#: Most bytes one posted READ moves. Where UCX copies inside the post (``cma`` between
+#: processes of one host, about 3 GB/s here), a post holds the sidecar's loop while it
+#: copies: a 4 GiB pull posted whole stalled it 1.3 s (bench/bench_transfer.py). In pieces,
+#: each posted when the one before ended (``poll``), a post holds it about 20 ms; over RDMA,
+#: where a post returns at once, a piece costs a poll interval.
+PIECE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One READ to post: (address, bytes) rows here and at the peer, and each side's memory
+    (kind, device)."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    local_memory: tuple[str, int]
+    remote_memory: tuple[str, int]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local[:, 1].sum())
+
+
+def _pieces(groups: dict[tuple[str, int, str, int], list[tuple[int, int, int]]]) -> list[Piece]:
+    """The READs of a pull: per memory kind, descriptors in runs of at most ``PIECE_BYTES``
+    (one descriptor larger than that is a piece of its own). Example: 80 blocks of 2 MiB of
+    one kind make pieces of 32, 32 and 16 descriptors."""
+    out = []
+    for (kind, device, remote_kind, remote_device), rows in groups.items():
+        table = np.asarray(rows, dtype=np.int64)
+        ends = np.cumsum(table[:, 2])
+        start = 0
+        while start < len(table):
+            base = ends[start - 1] if start else 0
+            stop = max(start + 1, int(np.searchsorted(ends, base + PIECE_BYTES, side="right")))
+            part = table[start:stop]
+            out.append(
+                Piece(
+                    part[:, [0, 2]], part[:, [1, 2]], (kind, device), (remote_kind, remote_device)
+                )
+            )
+            start = stop
+    return out
+
+
+def _post(t: Transfers, peer: str, piece: Piece) -> Xfer:
+    return t.engine.read(peer, piece.local, piece.remote, piece.local_memory, piece.remote_memory)
 
 
 def scope_digest(root: bytes) -> str:
@@ -489,17 +539,9 @@ def _start(
         groups, moved = _plan(m, t, row, hit, export)
         if hit < len(export.token_ids):
             _plan_state(m, row, export, groups)
-        for (kind, device, remote_kind, remote_device), rows in groups.items():
-            table = np.asarray(rows, dtype=np.int64)
-            xfers.append(
-                t.engine.read(
-                    export.agent,
-                    table[:, [0, 2]],
-                    table[:, [1, 2]],
-                    (kind, device),
-                    (remote_kind, remote_device),
-                )
-            )
+        pieces = _pieces(groups)
+        if pieces:
+            xfers.append(_post(t, export.agent, pieces[0]))
     except TransferFailed as exc:  # NIXL refused to post (the peer died): a failed pull
         for x in xfers:
             t.engine.release(x)
@@ -521,7 +563,8 @@ def _start(
         notify=export.notify.encode(),
         deadline=t.clock() + deadline_s,
         blocks=moved,
-        nbytes=sum(x.nbytes for x in xfers),
+        nbytes=sum(piece.nbytes for piece in pieces),
+        queued=pieces[1:],
     )
     m.requests.hold(row)
     t.start(pull)
@@ -533,8 +576,9 @@ def _start(
 def _complete(m: Components, t: Transfers, pull: Pull) -> None:
     """The READs ended: commit the pulled tokens (publishing the full blocks), give the
     request its handle back and tell the peer."""
-    for x in pull.xfers:
-        t.engine.release(x)
+    for i, x in enumerate(pull.xfers):
+        if i not in pull.done:
+            t.engine.release(x)
     m.requests.unhold(pull.request_id, pull.row)
     if pull.tokens:
         commits.commit_row(m, pull.row, pull.tokens)
@@ -596,6 +640,8 @@ def poll(m: Components) -> None:
     now = t.clock()
     for pull in list(t.pulls.values()):
         late = now > pull.deadline
+        if pull.cancelled or late:
+            pull.queued.clear()  # nothing more is posted
         if pull.cancelled:
             if _settled(t, pull, abort=True):
                 request_rows.free_row(m, pull.row)
@@ -613,8 +659,18 @@ def poll(m: Components) -> None:
                 _fail(m, t, pull, pull.error or TransferFailed("the read failed", peer=pull.peer))
             continue
         if all(s == "DONE" for s in states):
-            pull.done.update(pending)
-            _complete(m, t, pull)
+            for i in pending:
+                t.engine.release(pull.xfers[i])
+                pull.done.add(i)
+            if not pull.queued:
+                _complete(m, t, pull)
+                continue
+            try:  # the next piece
+                pull.xfers.append(_post(t, pull.peer, pull.queued.pop(0)))
+            except TransferFailed as exc:
+                pull.queued.clear()
+                _settled(t, pull, abort=True)
+                _fail(m, t, pull, exc)
     for _sender, message in t.engine.notifications():
         request_id = t.by_notify.get(message)
         if request_id is not None:  # the one-time message is the puller's proof
