@@ -74,6 +74,10 @@ def main() -> None:
     print(f"| workload | base {args.base} | this tree | base / this |")
     print("|---|---|---|---|")
     for name in head_runs[0]:
+        if name not in base_runs[0]:  # a row the base tree cannot run
+            h = statistics.median(run[name] for run in head_runs)
+            print(f"| {name} | - | {h:.2f} | - |")
+            continue
         b = statistics.median(run[name] for run in base_runs)
         h = statistics.median(run[name] for run in head_runs)
         print(f"| {name} | {b:.2f} | {h:.2f} | {b / h:.2f}x |")

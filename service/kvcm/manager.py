@@ -398,13 +398,11 @@ class KVCacheManager:
         # Settles as ``_settles`` does, written out: the wrapper's argument passing costs a
         # step's twelve keywords a third of a microsecond.
         try:
-            for name, flag in (
-                ("atomic", atomic),
-                ("map_slots", map_slots),
-                ("table_edits", table_edits),
-            ):
-                if type(flag) is not bool:
-                    raise InvalidArgument(f"{name} must be a bool")
+            if type(atomic) is not bool or type(map_slots) is not bool:
+                name = "atomic" if type(atomic) is not bool else "map_slots"
+                raise InvalidArgument(f"{name} must be a bool")
+            if type(table_edits) is not bool:
+                raise InvalidArgument("table_edits must be a bool")
             cols = parse_columns(
                 free,
                 rewind,
@@ -420,7 +418,8 @@ class KVCacheManager:
             )
             if atomic and (cols.suspend.size or cols.resume.size):
                 raise InvalidArgument("suspend and resume cannot be part of an all-or-nothing step")
-            if self.parts.transfers is not None and self.parts.transfers.busy:
+            moves = self.parts.transfers
+            if moves is not None and moves.busy:
                 transfers.poll(self.parts)  # a pull that ended runs in this step
             sizes = cols.sizes()
             total = sum(sizes.values())
@@ -433,8 +432,8 @@ class KVCacheManager:
                 self._sync_other_ranks()
             if table_edits:
                 out.table_edits = self.parts.mirror.take()
-            if self.parts.transfers is not None and self.parts.transfers.ended:
-                out.pulls = self.parts.transfers.take_ended()
+            if moves is not None and moves.ended:
+                out.pulls = moves.take_ended()
             return out
         finally:
             _settle(self)
