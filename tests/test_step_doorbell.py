@@ -526,13 +526,15 @@ def test_a_current_service_refusing_the_frame_itself_keeps_the_doorbell(tmp_path
 
 
 class Echo(Recorder):
-    """Answers each frame 50 ms late with its request id."""
+    """Answers each frame 0.3 s late with its request id: late enough that a client stalled
+    by a loaded machine still times out at 10 ms first (at 50 ms, a loop descheduled that
+    long found the answer and the timeout ready together, and took the answer)."""
 
     def serve(self, conn: socket.socket) -> None:
         for body in self.frames(conn):
             if not body:
                 continue
-            time.sleep(0.05)
+            time.sleep(0.3)
             try:
                 conn.sendall(pack({"result": unpack(body)["args"]["request_id"]}))
             except OSError:  # the client closed meanwhile
