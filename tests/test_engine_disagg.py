@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -55,14 +56,10 @@ def engine(role: str, url: str, token: str, handoffs: Path, model: str) -> dict[
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model", ["llama", "gemma3", "qwen3_next"])
-def test_prefill_and_decode_on_two_sidecars(model: str, tmp_path: Path) -> None:
-    """Llama; Gemma-3 (sliding-window layers: the released window blocks are released on
-    the decode side too); Qwen3-Next (state layers: the live state moves with the blocks,
-    a fetch brings the peer's checkpoint)."""
-    if model in HYBRIDS and (why := hybrid_unsupported()) is not None:
-        pytest.skip(why)
-    handoffs = tmp_path / "handoffs.json"
+@pytest.fixture(scope="module")
+def sidecars() -> Iterator[tuple[str, str]]:
+    """The two sidecars, started with no model: each model's engines register theirs (a new
+    generation, so a new transfer agent, every time)."""
     with (
         serve_process(
             "--transfer",
@@ -83,15 +80,29 @@ def test_prefill_and_decode_on_two_sidecars(model: str, tmp_path: Path) -> None:
             model=False,
         ) as (decode_url, _, _),
     ):
-        first = engine("prefill", prefill_url, "tok-p", handoffs, model)
-        assert first["handed_off"] == first["requests"] == 9
-        second = engine("decode", decode_url, "tok-d", handoffs, model)
-        assert second["match"] == "12/12", second
-        assert second["pulls"] == 9 and second["pull_failures"] == 0
-        assert second["fetched_tokens"] > 0 and second["moved_blocks"] > 0
-        for url in (prefill_url, decode_url):
-            stats = httpx.get(f"{url}/v1/stats").json()
-            # Every request gone (the prefill side's pins released by the pulls) and
-            # every block back.
-            assert stats["num_requests"] == 0, (url, stats)
-            assert stats["request_free_blocks"] == stats["request_total_blocks"]
+        yield prefill_url, decode_url
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma3", "qwen3_next"])
+def test_prefill_and_decode_on_two_sidecars(
+    model: str, sidecars: tuple[str, str], tmp_path: Path
+) -> None:
+    """Llama; Gemma-3 (sliding-window layers: the released window blocks are released on
+    the decode side too); Qwen3-Next (state layers: the live state moves with the blocks,
+    a fetch brings the peer's checkpoint)."""
+    if model in HYBRIDS and (why := hybrid_unsupported()) is not None:
+        pytest.skip(why)
+    handoffs = tmp_path / "handoffs.json"
+    prefill_url, decode_url = sidecars
+    first = engine("prefill", prefill_url, "tok-p", handoffs, model)
+    assert first["handed_off"] == first["requests"] == 9
+    second = engine("decode", decode_url, "tok-d", handoffs, model)
+    assert second["match"] == "12/12", second
+    assert second["pulls"] == 9 and second["pull_failures"] == 0
+    assert second["fetched_tokens"] > 0 and second["moved_blocks"] > 0
+    for url in (prefill_url, decode_url):
+        stats = httpx.get(f"{url}/v1/stats").json()
+        # Every request gone (the prefill side's pins released by the pulls) and
+        # every block back.
+        assert stats["num_requests"] == 0, (url, stats)
+        assert stats["request_free_blocks"] == stats["request_total_blocks"]
