@@ -582,9 +582,11 @@ class AsyncStepSocket(_Doorbell):
         if self._conn is None:
             self._rang = False  # as in StepSocket._connect
             try:
-                self._conn = await asyncio.wait_for(
-                    asyncio.open_unix_connection(self.path), self.timeout
-                )
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a caller's
+                # cancel that lands as the connection opens, and the cancelled call then
+                # ran on (tests/test_step_doorbell.py caught it under load).
+                async with asyncio.timeout(self.timeout):
+                    self._conn = await asyncio.open_unix_connection(self.path)
             except (OSError, TimeoutError) as exc:
                 raise _Broken(exc, sent=False) from None
         reader, writer = self._conn
@@ -608,11 +610,13 @@ class AsyncStepSocket(_Doorbell):
             await writer.drain()
         except OSError as exc:
             try:  # as in StepSocket: the service's answer may be here (a refused frame)
-                return await asyncio.wait_for(self._read(reader), 0.05)
+                async with asyncio.timeout(0.05):
+                    return await self._read(reader)
             except (OSError, EOFError, TimeoutError):
                 raise _Broken(exc, sent=False) from None
         try:
-            answer = await asyncio.wait_for(self._read(reader), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                answer = await self._read(reader)
         except (OSError, EOFError, TimeoutError) as exc:
             raise _Broken(exc, sent=True) from None
         if self._conn is not None:  # still open: idle from now on
