@@ -3,6 +3,8 @@
 # GPU machine in one call. Needs the service wheels in .whl (../shared/gpu/fetch-wheels .whl
 # httptools msgpack). Logs and JSON go to $OUT (or ./gpu-out). PHASES picks what runs, in this
 # order (default: all):
+#   suite        tests/gpu whole (every GPU test file)
+#   step         bench/bench_cuda_step.py --profile (the whole decode step on CUDA, host included)
 #   kernel       tests/gpu/test_paged_attention_gpu.py (kernel vs dense SDPA, engine vs generate)
 #   micro        the kernels' device time (do_bench median) and host time per launch
 #   bench        bench/bench_engine.py --device cuda: transformers' batched generate, the engine
@@ -11,7 +13,7 @@
 #   engine-cpu   tests/test_engine.py tests/test_paged_attention.py (the CPU path)
 set -uo pipefail
 out=${OUT:-gpu-out}
-phases=${PHASES:-kernel micro bench engine-gpu engine-cpu}
+phases=${PHASES:-suite step micro bench engine-cpu}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -22,6 +24,16 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 transformers.__version__, 'triton', triton.__version__)"
 has() { [[ " $phases " == *" $1 "* ]]; }
 summary=()
+python3 setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || tail -5 "$out/build.log"
+if has suite; then
+  timeout "${SUITE_S:-420}" python3 -m pytest tests/gpu -p no:cacheprovider -q -ra -o addopts="" \
+    --timeout=150 --durations=12 2>&1 | tee "$out/pytest-gpu.log" | grep -v "^\s*$" | tail -40
+  summary+=("suite: $(tail -1 "$out/pytest-gpu.log")")
+fi
+if has step; then
+  timeout "${STEP_S:-240}" python3 bench/bench_cuda_step.py --profile --json "$out/cuda-step.json" \
+    2>&1 | tee "$out/cuda-step.log" | head -${STEP_LINES:-120}
+fi
 if has kernel; then
   timeout "${KERNEL_S:-300}" python3 -m pytest tests/gpu/test_paged_attention_gpu.py \
     -p no:cacheprovider -q -ra -s 2>&1 | tee "$out/pytest-paged.log" | grep -v "^\s*$" | tail -20

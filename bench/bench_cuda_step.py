@@ -1,0 +1,197 @@
+"""The whole decode step as an engine pays for it on CUDA, host included (issue 35, item 1).
+
+  python bench/bench_cuda_step.py   # cuda:0 (kernels and torch reference) and cpu
+  python bench/bench_cuda_step.py --devices cpu   # the CPU path alone (no GPU needed)
+  python bench/bench_cuda_step.py --profile   # also where the host time goes (cProfile)
+
+One step is what an engine does once per forward pass: ``step_columns(extend=handles,
+map_slots=True)`` (+1 token for each of 256 running requests, the slot mappings of every layer
+group in the same call) and ``page_tables()`` (the tables its kernels read). No host
+synchronize inside the step: the kernels are queued on torch's current stream, so the
+engine's forward queued after them sees the tables and the mapping.
+
+Layouts: 1 layer group (full attention) and 4 (full plus windows of 256, 512 and 1024 tokens,
+a Gemma-3-like mix: window rows release blocks as they slide, so each step has edits).
+
+Columns: ``wall``: the whole run's wall time over its steps (the final synchronize included),
+per step; ``host p50/p99``: each step's own host time; ``device``: the GPU's kernel and copy
+time per step (torch.profiler's CUPTI records, which include CuPy's launches); ``span``: the
+median CUDA-event time from before a step's first call to after its last, on the stream (the
+device's view of a step, launch gaps included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import platform
+import pstats
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcm import KVCacheManager
+
+TPB = 16
+N = 256
+
+
+def manager(groups: int, device: str) -> tuple[KVCacheManager, np.ndarray]:
+    windows = [None, 256, 512, 1024][:groups]
+    layers = [
+        {"layer_id": i, "num_kv_heads": 1, "head_dim": 64}
+        | ({} if window is None else {"sliding_window": window})
+        for i, window in enumerate(windows)
+    ]
+    m = KVCacheManager(
+        {
+            "layers": layers,
+            "tokens_per_block": TPB,
+            "max_requests": N,
+            "max_seq_len": 8192,
+            "num_blocks": groups * N * 8192 // TPB,
+            "device": device,
+        }
+    )
+    rng = np.random.default_rng(0)
+    ops = [
+        {"request_id": f"r{i}", "num_tokens": int(n)}
+        for i, n in enumerate(rng.integers(500, 4000, size=N))
+    ]
+    out = m.step_columns(allocate=ops)
+    assert (out.status["allocate"] == 0).all()
+    return m, out.handles.copy()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(groups: int, device: str, steps: int, reference: bool = False) -> dict[str, Any]:
+    if reference:
+        os.environ["KVCM_KERNELS"] = "reference"
+    try:
+        m, handles = manager(groups, device)
+
+        def step() -> torch.Tensor:
+            out = m.step_columns(extend=handles, map_slots=True)
+            m.page_tables()
+            return out.slot_mapping
+
+        for _ in range(50):
+            step()
+        _sync(device)
+        host = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t = time.perf_counter()
+            mapping = step()
+            host.append(time.perf_counter() - t)
+        _sync(device)
+        wall = (time.perf_counter() - t0) / steps
+        assert mapping.shape == (groups, N)
+        row = {
+            "groups": groups,
+            "device": device + (" (torch reference)" if reference else ""),
+            "wall_us": wall * 1e6,
+            "host_p50_us": statistics.median(host) * 1e6,
+            "host_p99_us": float(np.percentile(host, 99)) * 1e6,
+            "device_us": None,
+            "span_us": None,
+        }
+        if device.startswith("cuda"):
+            row["device_us"] = _kernel_time(step, 200)
+            row["span_us"] = _span(step, 200)
+        return row
+    finally:
+        os.environ.pop("KVCM_KERNELS", None)
+
+
+def _kernel_time(step: Any, steps: int) -> float:
+    """GPU kernel + copy time per step, from the profiler's device records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total = 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total += evt.device_time
+    return total / steps
+
+
+def _span(step: Any, steps: int) -> float:
+    pairs = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+
+
+def profile_host(groups: int, device: str, steps: int) -> None:
+    m, handles = manager(groups, device)
+    for _ in range(50):
+        m.step_columns(extend=handles, map_slots=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        m.step_columns(extend=handles, map_slots=True)
+        m.page_tables()
+    prof.disable()
+    _sync(device)
+    print(f"\n## where the host time goes: {groups} group(s), {device}, {steps} steps")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(28)
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", nargs="+", default=None)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    devices = args.devices or (["cuda:0", "cpu"] if torch.cuda.is_available() else ["cpu"])
+    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor()
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')} {card}, torch {torch.__version__}, "
+        f"{N} decoding requests, {args.steps} steps"
+    )
+    rows = []
+    for groups in (1, 4):
+        for device in devices:
+            rows.append(run(groups, device, args.steps))
+            if device.startswith("cuda"):
+                rows.append(run(groups, device, args.steps, reference=True))
+    print("| groups | device | wall us/step | host p50 | host p99 | device us | span us |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['groups']} | {r['device']} | {r['wall_us']:.1f} | {r['host_p50_us']:.1f} | "
+            f"{r['host_p99_us']:.1f} | {_fmt(r['device_us'])} | {_fmt(r['span_us'])} |"
+        )
+    if args.profile:
+        for groups in (1, 4):
+            profile_host(groups, devices[0], 300)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
