@@ -240,7 +240,8 @@ class CoreSpy:
     expected); prefix hits: ``hit int`` (placed in C), ``hit miss`` (none), ``hit NoneType``
     (did not fit), ``hit bool`` (left to numpy). Decode batches: ``planned`` in C,
     ``around`` failing items, ``deferred`` to the numpy plan (only a batch with more items
-    than rows may be)."""
+    than rows may be); their window releases: ``window True`` (in C), ``window False`` (left
+    to numpy)."""
 
     def __init__(self, m: KVCacheManager) -> None:
         from kvcm import native
@@ -266,6 +267,11 @@ class CoreSpy:
         out = self._core.decode_take(*args)
         self.results["take tuple" if type(out) is tuple else f"take {out}"] += 1
         self.results["take evict"] += type(out) is tuple and any(out)
+        return out
+
+    def decode_release(self, *args: Any) -> Any:
+        out = self._core.decode_release(*args)
+        self.results[f"window {out}"] += 1
         return out
 
     def row_grow(self, *args: Any) -> Any:

@@ -303,6 +303,9 @@ def test_decode_batches_match_the_numpy_path(
     # Every planned batch's new blocks were taken in C, some of them evicting cached blocks.
     assert spy.results["take tuple"] > 10 and spy.results["take False"] == 0, spy.results
     assert spy.results["take evict"] > 0, spy.results
+    # Every planned batch's window releases ran in C (the layouts with a window).
+    windows = any("sliding_window" in spec for spec in layers)
+    assert (spy.results["window True"] > 10) == windows and not spy.results["window False"]
     # New rows and frees ran in C, a full pool's allocate was left to numpy to name its error.
     placed = sum(
         spy.results[k]
@@ -576,6 +579,42 @@ def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None
     assert c.tables[0][5, 1] == head[0] and c.tables[0][6, 4] == head[1]
     assert c.refs[0][head[:2]].tolist() == [1, 1]
     assert c.pools[0].free_order()[0] == head[2]
+
+
+@built
+def test_decode_release_frees_each_slot_once_and_leaves_odd_input_to_numpy() -> None:
+    """decode_release's worked example: rows [5 8], items [0 1], positions [0 0]: the slot of
+    row 5's cell, held once, joins the queue's tail; row 8's, held twice, stays held once;
+    both cells are emptied. A slot named by more cells than hold it, an item, row or
+    position out of range: False, nothing changed."""
+    core = native._built
+    m = manager([layer(0, sliding_window=8)], max_requests=12, num_blocks=32, max_seq_len=64)
+    for i in range(9):
+        m.allocate(f"r{i}", 4)  # rows 0-8, a block each
+    c, nd = m.parts.coord, m.parts.native_decode
+    context, pools, _ = nd.row_args(core, m.parts)
+    a, b = int(c.tables[0][5, 0]), int(c.tables[0][8, 0])
+    c.refs[0][b] = 2  # as if another row shared it
+    rows = np.array([5, 8], dtype=np.int64)
+    items, positions = np.zeros((1, 4), dtype=np.int64), np.zeros((1, 4), dtype=np.int64)
+    items[0, :2] = [0, 1]
+    before = manager_state(m)
+
+    def release(r: np.ndarray, i: np.ndarray, p: np.ndarray, k: int = 2) -> Any:
+        return core.decode_release(r, (k,), context, pools, i, p)
+
+    assert release(rows, np.array([[0, 2, 0, 0]]), positions) is False  # an item past rows
+    assert release(np.array([5, 12]), items, positions) is False  # a row past the table
+    assert release(rows, items, np.array([[0, c.tables.shape[2], 0, 0]])) is False
+    assert release(rows, items, positions, k=5) is False  # more than the arrays hold
+    assert release(rows, np.array([[0, 0, 0, 0]]), positions) is False  # a held-once slot twice
+    assert same(manager_state(m), before)
+    tail = c.pools[0].free_order().tolist()
+    assert release(rows, items, positions) is True
+    assert c.pools[0].free_order().tolist() == [*tail, a]
+    assert c.refs[0][a] == 0 and c.refs[0][b] == 1
+    assert c.tables[0][5, 0] == c.tables[0][8, 0] == c.empty
+    assert c.pools[0].num_free == len(tail) + 1
 
 
 @built

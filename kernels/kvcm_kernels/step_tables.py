@@ -14,9 +14,12 @@ mapping reads the edited entry, 9 * 16 + 1 = 145. Entries below ``min_live`` are
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
 
-from ._dispatch import gpu_path_pinned_inputs, i32, launch, ptr
+from ._dispatch import _cupy, _function, gpu_path_pinned_inputs, i32, launch, ptr
 from .page_table_edits import apply_page_table_edits
 from .slot_mapping import slot_mapping
 
@@ -136,3 +139,94 @@ def apply_edits_and_map_slots(
     return apply_edits_and_map_slots_reference(
         tables, *on_device, tokens_per_block, pad_to, first_group, groups, out, min_live
     )
+
+
+class StepLaunch:
+    """``apply_edits_and_map_slots_cuda`` for one device at the least host cost per step.
+
+    CuPy's kernel call turns each of the kernel's sixteen arguments into a C value, enters
+    the device and the stream as context managers and looks the function up for the current
+    device; a scheduler step pays that every time. Here the function is looked up once, the
+    arguments are written in place into one array whose addresses the driver reads
+    (``cuLaunchKernel``'s ``kernelParams``: an int parameter reads the low four bytes of its
+    8-byte slot, little-endian), and the launch is one driver call on the stream handle the
+    caller took. The inputs are one packed pinned buffer: rows ``[n]``, query_start_loc
+    ``[n + 1]``, positions ``[total]``, edits ``[E, 4]``, int64, back to back.
+
+    Example: 2 requests, 3 tokens, 1 edit at host address A: rows at A, query_start_loc at
+    A + 16, positions at A + 40, the edit at A + 64 (8 bytes an entry).
+    """
+
+    ARGS = 16
+
+    def __init__(self, index: int) -> None:
+        cupy = _cupy()
+        self.index = index
+        self._launch = cupy.cuda.driver.launchKernel
+        self._current = cupy.cuda.runtime.getDevice
+        with cupy.cuda.Device(index):
+            kernel = _function("step_tables", "apply_edits_and_map_slots", index)
+            self._fn = int(kernel.kernel.ptr)
+        self._args = np.zeros(self.ARGS, dtype=np.int64)
+        base = self._args.ctypes.data
+        self._params = np.arange(base, base + 8 * self.ARGS, 8, dtype=np.uint64)
+        self._params_ptr = int(self._params.ctypes.data)
+
+    @classmethod
+    def create(cls, device: torch.device) -> StepLaunch | None:
+        """One for ``device`` where CuPy can launch there; None where the step takes the
+        usual dispatch (no CuPy: the references)."""
+        if device.type != "cuda" or _cupy() is None:
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return cls(index)
+
+    def __call__(
+        self,
+        tables: torch.Tensor,
+        address: int,
+        n: int,
+        total: int,
+        num_edits: int,
+        tokens_per_block: int,
+        first_group: int,
+        out: torch.Tensor,
+        min_live: int,
+        stream: int,
+    ) -> bool:
+        """Launch on ``stream`` (a raw handle on this device) for the packed inputs at host
+        ``address``, writing ``out [num_groups, pad_to]``; False, with nothing launched,
+        where the usual dispatch must run it: ``KVCM_KERNELS=reference``, another current
+        device, or more work than one block takes."""
+        num_groups, pad_to = out.shape
+        if (
+            num_edits + num_groups * pad_to > SINGLE_BLOCK_LIMIT
+            or self._current() != self.index
+            or os.environ.get("KVCM_KERNELS") == "reference"
+        ):
+            return False
+        _, table_rows, cols = tables.shape
+        staged = n + 1 <= STAGED_QSL_LIMIT
+        qsl = address + 8 * n
+        positions = qsl + 8 * (n + 1)
+        self._args[:] = (
+            tables.data_ptr(),
+            positions + 8 * total,  # the edits
+            num_edits,
+            address,  # the rows
+            qsl,
+            positions,
+            out.data_ptr(),
+            n,
+            pad_to,
+            first_group,
+            num_groups,
+            table_rows,
+            cols,
+            tokens_per_block,
+            min_live,
+            int(staged),
+        )
+        shared = 8 * (n + 1) if staged else 0
+        self._launch(self._fn, 1, 1, 1, THREADS, 1, 1, shared, stream, self._params_ptr, 0)
+        return True

@@ -443,6 +443,12 @@ class Coordinator(PrefixHits, EditLog):
         if self.edits is not None:
             self.edits.append((g, rows, positions, slots))
 
+    def released_in_c(self, g: int, rows: np.ndarray, positions: np.ndarray) -> None:
+        """Cells of layer group g the C core emptied (a window's released blocks, their
+        slots back in the free queue): logged, as ``set_cells`` logs them."""
+        if self.edits is not None:
+            self.edits.append((g, rows, positions, None))
+
     def set_cells(
         self,
         g: int,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import kvcm_kernels
+from kvcm_kernels.step_tables import StepLaunch
 
 from .context_parallel import local_edits, table_width
 from .coordinator import Coordinator
@@ -72,6 +73,7 @@ class Uploader:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.dtype = dtype
         self._host = [torch.empty(0, dtype=dtype, pin_memory=True) for _ in range(self.DEPTH)]
+        self._numpy = [host.numpy() for host in self._host]
         # Raw CUDA events (CuPy's runtime): a record and a wait cost well under a microsecond
         # each, a torch event's record with its stream lookup several; a step records one
         # per rank. torch's events without CuPy.
@@ -91,12 +93,11 @@ class Uploader:
         self._staged = 0
         self._dev = torch.empty(0, dtype=dtype, device=device)
 
-    def stage(self, array: np.ndarray) -> torch.Tensor:
-        """Copy ``array`` into the next pinned buffer and return it (a host tensor).
-
-        Kernels may read it in place (unified addressing); call ``commit`` once the work that
-        reads it is queued, so the buffer is not rewritten before that work is done.
-        """
+    def reserve(self, n: int) -> np.ndarray:
+        """The next pinned buffer's first ``n`` int64 (or this uploader's dtype) as a numpy
+        array to fill in place: no copy of its own. Kernels may read it at ``address``
+        (unified addressing); call ``commit`` once the work that reads it is queued, so the
+        buffer is not rewritten before that work is done."""
         k = self._turn
         self._turn = (k + 1) % self.DEPTH
         if self._used[k]:
@@ -104,18 +105,36 @@ class Uploader:
                 self._events[k].synchronize()
             else:
                 self._rt.eventSynchronize(self._events[k])
-        n = array.size
         if n > self._host[k].numel():
             self._host[k] = torch.empty(max(n, 4096), dtype=self.dtype, pin_memory=True)
-        host = self._host[k][:n]
-        host.numpy()[:] = array.reshape(-1)
+            self._numpy[k] = self._host[k].numpy()
         self._staged = k
-        return host.view(array.shape)
+        return self._numpy[k][:n]
 
-    def commit(self) -> None:
+    @property
+    def address(self) -> int:
+        """The host address of the buffer ``reserve`` or ``stage`` gave last."""
+        return self._host[self._staged].data_ptr()
+
+    def staged(self, n: int) -> torch.Tensor:
+        """The first ``n`` entries of the buffer ``reserve`` gave last, as a pinned tensor."""
+        return self._host[self._staged][:n]
+
+    def stage(self, array: np.ndarray) -> torch.Tensor:
+        """Copy ``array`` into the next pinned buffer and return it (a host tensor), as
+        ``reserve`` then ``staged``."""
+        self.reserve(array.size)[:] = array.reshape(-1)
+        return self.staged(array.size).view(array.shape)
+
+    def commit(self, stream: int | None = None) -> None:
+        """Fence the buffer given last with the work queued so far on ``stream`` (a raw
+        handle on the current device, as a step's launch took it), else on torch's current
+        stream of the uploader's device."""
         k = self._staged
         if self._rt is None:
             self._events[k].record(torch.cuda.current_stream(self.device))
+        elif stream is not None:
+            self._rt.eventRecord(self._events[k], stream)
         else:
             with kvcm_kernels.block_copy.on_device(self.index):  # handle 0: this device's
                 stream = kvcm_kernels.current_stream_handle(self.index)
@@ -157,6 +176,7 @@ class DeviceTables:
         self.device = device
         host = coordinator.tables
         self._upload: Uploader | None = None
+        self._launch: StepLaunch | None = None
         if cp[0] > 1:
             groups, rows, cols = host.shape
             shape = (groups, rows, table_width(cols, cp[0]))
@@ -178,10 +198,17 @@ class DeviceTables:
                 self.tensor.copy_(torch.from_numpy(host))
             coordinator.edits = []
             self._upload = Uploader(device, torch.int64)
+            self._launch = StepLaunch.create(device)
 
     @property
     def uploader(self) -> Uploader | None:
         return self._upload
+
+    @property
+    def launch(self) -> StepLaunch | None:
+        """The step's fused launch on these tables' device (``kvcm_kernels.step_tables``):
+        rank 0's CUDA tables with CuPy; None elsewhere."""
+        return self._launch
 
     def take_pending(self) -> np.ndarray:
         """The edits not yet on the device, int64 ``[E, 4]``; the caller must apply them on

@@ -185,6 +185,27 @@ class NativeDecode:
             else:
                 c.taken_in_c(g, r, positions, evicts[g])
 
+    def _release(
+        self, core: ModuleType, m: Components, rows: np.ndarray, released: tuple[int, ...]
+    ) -> None:
+        """The planned window releases, ``released`` per layer group: the slots dropped, put
+        back and the cells emptied in C (``decode_release``), then the table edits logged;
+        by the coordinator where C leaves them (``unref`` and ``set_cells``)."""
+        c = m.coord
+        _, _, _, items, where = self.out
+        context, pools, _ = self.row_args(core, m)
+        in_c = core.decode_release(rows, released, context, pools, items, where)
+        for g, k in enumerate(released):
+            if not k or (in_c and c.edits is None):
+                continue
+            r = rows[items[g, :k]]
+            positions = where[g, :k].copy()  # kept by the edit log
+            if in_c:
+                c.released_in_c(g, r, positions)
+            else:
+                c.unref(c.group_pool[g], c.tables[g][r, positions])
+                c.set_cells(g, r, positions, None)
+
     def extend(
         self, core: ModuleType, m: Components, handles: np.ndarray, new: Any, ahead: Any
     ) -> tuple[np.ndarray, np.ndarray] | bool | None:
@@ -242,13 +263,8 @@ class NativeDecode:
         rows = self.rows[: handles.size].copy()
         if len(failing) == handles.size:  # nothing to extend (an op that changes nothing)
             return rows, np.empty(0, dtype=np.int32), failing
-        release_items, release_positions = self.out[3], self.out[4]
-        for g, k in enumerate(released):  # a window's stale blocks first, as the numpy plan
-            if k:
-                r = rows[release_items[g, :k]]
-                positions = release_positions[g, :k].copy()  # kept by the edit log
-                c.unref(c.group_pool[g], c.tables[g][r, positions])
-                c.set_cells(g, r, positions, None)
+        if any(released):  # a window's stale blocks first, as the numpy plan
+            self._release(core, m, rows, released)
         if any(added):
             self._take(core, m, rows, added)
         kept = rows

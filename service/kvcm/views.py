@@ -384,14 +384,35 @@ class TablesAndViews(LayoutDescriptors):
         # rows | query_start_loc | positions | pending table edits in one pinned buffer, read
         # in place by one launch that applies the edits and maps the slots (on CUDA).
         ends = np.cumsum([n, n + 1, total, edits.size])
-        packed = np.empty(int(ends[-1]), dtype=np.int64)
+        uploader = self._tables.uploader
+        size = int(ends[-1])
+        packed = np.empty(size, dtype=np.int64) if uploader is None else uploader.reserve(size)
         packed[: ends[0]] = rows
         packed[ends[0]] = 0
         np.cumsum(counts, out=packed[ends[0] + 1 : ends[1]])
         packed[ends[1] : ends[2]] = positions
         packed[ends[2] :] = edits.reshape(-1)
-        uploader = self._tables.uploader
-        staged = torch.from_numpy(packed) if uploader is None else uploader.stage(packed)
+        launch = self._tables.launch
+        if launch is not None and uploader is not None:
+            groups = len(tables) if group is None else 1
+            out = torch.empty((groups, pad_to), dtype=torch.int64, device=tables.device)
+            stream = kvcm_kernels.current_stream_handle(launch.index)
+            first = group or 0
+            if launch(
+                tables,
+                uploader.address,
+                n,
+                total,
+                len(edits),
+                self.tokens_per_block,
+                first,
+                out,
+                self._min_live,
+                stream,
+            ):
+                uploader.commit(stream)
+                return out if group is None else out[0]
+        staged = torch.from_numpy(packed) if uploader is None else uploader.staged(size)
         out = kvcm_kernels.apply_edits_and_map_slots(
             tables,
             staged[ends[2] :].view(-1, 4),

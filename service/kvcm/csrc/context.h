@@ -99,6 +99,7 @@ int sinks_get(PyObject *t, const Ctx *c, int64_t *out);
  * out of shape; -1 with an error). grow_write: the pops, cells, references and counters. */
 int64_t pool_span(const Pool *p, int64_t k, Py_ssize_t slots);
 void pool_pop(Pool *p, int64_t k, int32_t *out);
+void pool_push(Pool *p, int32_t slot);
 int grow_plan(const Ctx *c, int64_t row, int64_t history, const int64_t *current, int64_t nt,
               int64_t la, Py_ssize_t *add, int64_t *need);
 int grow_stage(Pool *p, int pools, const int64_t *need, const int64_t *claimed, const Ctx *c);

@@ -412,3 +412,133 @@ done:
     if (c) ctx_close(c, &local);
     return result;
 }
+
+/* decode_release(rows, released, context, pools, items, positions) -> True | False
+ *
+ * A planned batch's window releases (decode_plan's `released`, and its (item, position)
+ * pairs in `items` and `positions`, int64 [groups, cap]), before its new blocks are taken:
+ * each layer group in turn drops one reference from the slot of each released cell, puts
+ * the slots nobody holds any more at the tail of its pool group's free queue, each once, in
+ * the order of their first cell, and empties the cells, as the coordinator's unref and
+ * set_cells do. The caller logs the table edits.
+ *
+ * False, with nothing changed, when the numpy path must release them: an item, row or
+ * position out of range, a cell that holds no page or whose slot too few hold, a queue that
+ * might need compacting first.
+ *
+ * Example (one layer group, empty -1, free queue [4]): released (2,), items [0 1],
+ * positions [0 0], rows [5 8]; tables[0][5, 0] = 7 (held once), tables[0][8, 0] = 3 (held
+ * twice): the queue becomes [4 7], 3 is held once, both cells are -1. */
+PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
+    PyObject *rows_o, *released_o, *ctx_o, *pools_o, *items_o, *pos_o;
+    if (!PyArg_ParseTuple(args, "OO!OOOO", &rows_o, &PyTuple_Type, &released_o, &ctx_o,
+                          &pools_o, &items_o, &pos_o))
+        return NULL;
+    Ctx local, *c = NULL;
+    Pool p[MAX_GROUPS];
+    Buf rows = {0}, items = {0}, positions = {0};
+    int got = 0;
+    int64_t k[MAX_GROUPS] = {0}, cells_of[MAX_GROUPS] = {0};
+    PyObject *result = NULL;
+    if (!(c = ctx_open(ctx_o, &local, 1)) || pools_get(pools_o, c, p, &got) < 0 ||
+        buf_get(rows_o, &rows, 8, 0) < 0 || buf_get(items_o, &items, 8, 0) < 0 ||
+        buf_get(pos_o, &positions, 8, 0) < 0)
+        goto done;
+    if (PyTuple_GET_SIZE(released_o) != c->groups || items.n != positions.n ||
+        items.n % c->groups) {
+        PyErr_SetString(PyExc_ValueError, "decode_release: a count per layer group, items' shape");
+        goto done;
+    }
+    Py_ssize_t cap = items.n / c->groups;
+    const int64_t *it = I64P(items), *at = I64P(positions), *rw = I64P(rows);
+    int32_t *tables = I32P(c->tables);
+#define CELL(g, j) (tables + ((g) * c->nrows + rw[it[(g) * cap + (j)]]) * c->width + at[(g) * cap + (j)])
+    for (int g = 0; g < c->groups; g++) {
+        k[g] = PyLong_AsLongLong(PyTuple_GET_ITEM(released_o, g));
+        if (k[g] == -1 && PyErr_Occurred()) goto done;
+        if (k[g] < 0 || k[g] > cap) goto numpy;
+        int q = c->group_pool[g];
+        for (int64_t j = 0; j < k[g]; j++) {
+            int64_t item = it[g * cap + j], pos = at[g * cap + j];
+            if (item < 0 || item >= rows.n || pos < 0 || pos >= c->width) goto numpy;
+            if (rw[item] < 0 || rw[item] >= c->nrows) goto numpy;
+            int64_t slot = *CELL(g, j);
+            if (slot <= c->empty || slot >= c->refs[q].n || slot >= p[q].pos.n) goto numpy;
+        }
+        cells_of[q] += k[g];
+    }
+    /* Every reference dropped once, checked, then put back: a slot held by fewer cells than
+     * name it is the numpy path's to handle. */
+    int bad = 0;
+    int64_t dropped = 0;
+    for (int g = 0; g < c->groups && !bad; g++) {
+        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+        for (int64_t j = 0; j < k[g]; j++, dropped++) {
+            int32_t slot = *CELL(g, j);
+            if (refs[slot] < 1) {
+                bad = 1;
+                break;
+            }
+            refs[slot]--;
+        }
+    }
+    for (int g = 0, undone = 0; g < c->groups && undone < dropped; g++) {
+        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+        for (int64_t j = 0; j < k[g] && undone < dropped; j++, undone++) refs[*CELL(g, j)]++;
+    }
+    if (bad) goto numpy;
+    for (int q = 0; q < c->pools; q++) /* BlockPool.push might compact first */
+        if (cells_of[q] && p[q].len + cells_of[q] > p[q].ring.n) goto numpy;
+    /* Everything that can fail comes before the first write: the queues' new counters (each
+     * slot that comes back is pushed once), then the result. */
+    int64_t back[MAX_GROUPS] = {0};
+    for (int g = 0; g < c->groups; g++) { /* count as the writes will: drop, mark, restore */
+        int q = c->group_pool[g];
+        int32_t *refs = I32P(c->refs[q]);
+        for (int64_t j = 0; j < k[g]; j++) refs[*CELL(g, j)]--;
+        for (int64_t j = 0; j < k[g]; j++) {
+            int32_t *r = &refs[*CELL(g, j)];
+            if (*r == 0) {
+                back[q]++;
+                *r = -1;
+            }
+        }
+        for (int64_t j = 0; j < k[g]; j++) {
+            int32_t *r = &refs[*CELL(g, j)];
+            *r = *r == -1 ? 1 : *r + 1;
+        }
+    }
+    for (int q = 0; q < c->pools; q++)
+        if (back[q] && pool_stage(&p[q], p[q].head, p[q].len + back[q], p[q].count + back[q]) < 0)
+            goto done;
+    result = Py_NewRef(Py_True);
+    for (int g = 0; g < c->groups; g++) {
+        int q = c->group_pool[g];
+        int32_t *refs = I32P(c->refs[q]);
+        for (int64_t j = 0; j < k[g]; j++) refs[*CELL(g, j)]--;
+        for (int64_t j = 0; j < k[g]; j++) { /* in the order of each slot's first cell */
+            int32_t slot = *CELL(g, j);
+            if (refs[slot] == 0) {
+                pool_push(&p[q], slot);
+                refs[slot] = -1;
+            }
+        }
+        for (int64_t j = 0; j < k[g]; j++) {
+            int32_t *cell = CELL(g, j);
+            if (refs[*cell] == -1) refs[*cell] = 0;
+            *cell = (int32_t)c->empty;
+        }
+    }
+#undef CELL
+    if (pools_commit(p, c->pools) < 0) Py_CLEAR(result);
+    goto done;
+numpy:
+    result = Py_NewRef(Py_False);
+done:
+    buf_release(&rows);
+    buf_release(&items);
+    buf_release(&positions);
+    pools_release(p, got);
+    if (c) ctx_close(c, &local);
+    return result;
+}

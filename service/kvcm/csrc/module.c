@@ -41,6 +41,7 @@ static PyMethodDef methods[] = {
     {"context", kvcm_context, METH_O, "The decode context's arrays, read once."},
     {"live_rows", kvcm_live_rows, METH_VARARGS, "Rows of live, distinct handles, or False."},
     {"decode_take", kvcm_decode_take, METH_VARARGS, "A planned batch's new blocks taken."},
+    {"decode_release", kvcm_decode_release, METH_VARARGS, "A planned batch's window releases."},
     {"row_grow", kvcm_row_grow, METH_VARARGS, "One row's new blocks (no window releasing)."},
     {"row_release", kvcm_row_release, METH_VARARGS, "Free every block of a row."},
     {"commit_run", kvcm_commit_run, METH_VARARGS, "A step's commits and their publishing."},
@@ -64,7 +65,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* API: the interface version kvcm.native expects (bumped when a function's arguments or
      * results change; a stale build is then left unused, not called wrongly). */
     if (m && (PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0 ||
-              PyModule_AddIntConstant(m, "API", 6) < 0))
+              PyModule_AddIntConstant(m, "API", 7) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -37,6 +37,7 @@ PyObject *kvcm_decode_plan(PyObject *self, PyObject *args);
 PyObject *kvcm_decode_commit(PyObject *self, PyObject *args);
 PyObject *kvcm_live_rows(PyObject *self, PyObject *args);
 PyObject *kvcm_decode_take(PyObject *self, PyObject *args);
+PyObject *kvcm_decode_release(PyObject *self, PyObject *args);
 
 /* context.c: the coordinator's arrays read once */
 PyObject *kvcm_context(PyObject *self, PyObject *t);

@@ -33,7 +33,7 @@ void pool_pop(Pool *p, int64_t k, int32_t *out) {
 }
 
 /* BlockPool.push of one slot at the tail (the caller checked len < capacity). */
-static void pool_push(Pool *p, int32_t slot) {
+void pool_push(Pool *p, int32_t slot) {
     int64_t at = p->head + p->len;
     I32P(p->ring)[at % p->ring.n] = slot;
     I64P(p->pos)[slot] = at;
