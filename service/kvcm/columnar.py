@@ -459,16 +459,28 @@ def mapped_tokens(
     after the step, and an allocate of 20 tokens with a 16-token hit in row 0: rows [3, 0],
     starts [8, 16], counts [1, 4].
     """
-    ok = out.status["extend"] == 0
-    rows = cols.extend[ok] & request_rows.ROW_MASK
     new = cols.num_new_tokens
-    if type(new) is int:
-        counts = np.full(rows.size, new, dtype=np.int64)
-    elif type(new) is list:  # unchecked ints: those of successful items are counts
-        counts = np.array([n for n, fine in zip(new, ok.tolist(), strict=True) if fine], np.int64)
+    if not out.errors:  # every item ran (a decode step): no masks
+        rows = cols.extend & request_rows.ROW_MASK
+        if type(new) is int:
+            counts = np.full(rows.size, new, dtype=np.int64)
+        else:
+            counts = np.asarray(new, dtype=np.int64)
+        starts = lengths[rows] - counts
+        if not len(cols.allocate):
+            return rows, starts, counts
     else:
-        counts = new[ok]
-    starts = lengths[rows] - counts
+        ok = out.status["extend"] == 0
+        rows = cols.extend[ok] & request_rows.ROW_MASK
+        if type(new) is int:
+            counts = np.full(rows.size, new, dtype=np.int64)
+        elif type(new) is list:  # unchecked ints: those of successful items are counts
+            counts = np.array(
+                [n for n, fine in zip(new, ok.tolist(), strict=True) if fine], np.int64
+            )
+        else:
+            counts = new[ok]
+        starts = lengths[rows] - counts
     done = np.flatnonzero(out.status["allocate"] == 0)
     if done.size:
         hits = out.hit_tokens[done]

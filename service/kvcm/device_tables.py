@@ -218,10 +218,8 @@ class DeviceTables:
             edits = self._queues.take(self._rank)
             cp, mine = self._cp
             return edits if cp == 1 else local_edits(edits, cp, mine)
-        if self._upload is None:
-            return np.empty((0, 4), dtype=np.int64)
-        if not self._coord.ops_since_take:
-            return np.empty((0, 4), dtype=np.int64)
+        if self._upload is None or not self._coord.ops_since_take:
+            return _NO_EDITS  # read only: nobody writes an empty array
         if self._coord.host is not None:
             self._coord.host.copier.order_before(torch.cuda.current_stream(self.device))
         return self._coord.take_edits()
