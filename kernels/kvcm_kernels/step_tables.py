@@ -159,7 +159,7 @@ class StepLaunch:
 
     ARGS = 16
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, tables: torch.Tensor, index: int) -> None:
         cupy = _cupy()
         self.index = index
         self._launch = cupy.cuda.driver.launchKernel
@@ -171,19 +171,21 @@ class StepLaunch:
         base = self._args.ctypes.data
         self._params = np.arange(base, base + 8 * self.ARGS, 8, dtype=np.uint64)
         self._params_ptr = int(self._params.ctypes.data)
+        self._tables = tables  # kept alive: its address is in every launch
+        _, table_rows, cols = tables.shape
+        self._args[0], self._args[11], self._args[12] = tables.data_ptr(), table_rows, cols
 
     @classmethod
-    def create(cls, device: torch.device) -> StepLaunch | None:
-        """One for ``device`` where CuPy can launch there; None where the step takes the
-        usual dispatch (no CuPy: the references)."""
-        if device.type != "cuda" or _cupy() is None:
+    def create(cls, tables: torch.Tensor) -> StepLaunch | None:
+        """One for these CUDA ``tables [G, R, B]`` (int32, contiguous: the launches write
+        them in place) where CuPy can launch there; None where the step takes the usual
+        dispatch (no CuPy: the references)."""
+        if not tables.is_cuda or not tables.is_contiguous() or _cupy() is None:
             return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return cls(index)
+        return cls(tables, tables.device.index)
 
     def __call__(
         self,
-        tables: torch.Tensor,
         address: int,
         n: int,
         total: int,
@@ -205,12 +207,11 @@ class StepLaunch:
             or os.environ.get("KVCM_KERNELS") == "reference"
         ):
             return False
-        _, table_rows, cols = tables.shape
         staged = n + 1 <= STAGED_QSL_LIMIT
         qsl = address + 8 * n
         positions = qsl + 8 * (n + 1)
-        self._args[:] = (
-            tables.data_ptr(),
+        a = self._args  # 0, 11 and 12 (the tables' address and shape) are set once
+        a[1:11] = (
             positions + 8 * total,  # the edits
             num_edits,
             address,  # the rows
@@ -221,12 +222,8 @@ class StepLaunch:
             pad_to,
             first_group,
             num_groups,
-            table_rows,
-            cols,
-            tokens_per_block,
-            min_live,
-            int(staged),
         )
+        a[13:] = (tokens_per_block, min_live, int(staged))
         shared = 8 * (n + 1) if staged else 0
         self._launch(self._fn, 1, 1, 1, THREADS, 1, 1, shared, stream, self._params_ptr, 0)
         return True

@@ -51,15 +51,18 @@ class EditLog:
         A single op never edits a cell twice, so only several ops need the de-duplication.
         """
         records = self.edits or []
-        n = sum(len(r[1]) for r in records)
+        n = 0
+        for record in records:
+            n += len(record[1])
         out = np.empty((n, 4), dtype=np.int64)
-        if n:
-            out[:, 0] = np.repeat([r[0] for r in records], [len(r[1]) for r in records])
-            out[:, 1] = np.concatenate([r[1] for r in records])
-            out[:, 2] = np.concatenate([r[2] for r in records])
-            out[:, 3] = np.concatenate(
-                [np.full(len(r[1]), self.empty) if r[3] is None else r[3] for r in records]
-            )
+        at = 0
+        for g, rows, positions, slots in records:  # a step logs a few records: slices
+            end = at + len(rows)
+            out[at:end, 0] = g
+            out[at:end, 1] = rows
+            out[at:end, 2] = positions
+            out[at:end, 3] = self.empty if slots is None else slots
+            at = end
         if self.ops_since_take > 1 and n > 1:
             out = self.last_edits(out)
         if self.edits is not None:

@@ -198,7 +198,7 @@ class DeviceTables:
                 self.tensor.copy_(torch.from_numpy(host))
             coordinator.edits = []
             self._upload = Uploader(device, torch.int64)
-            self._launch = StepLaunch.create(device)
+            self._launch = StepLaunch.create(self.tensor)
 
     @property
     def uploader(self) -> Uploader | None:

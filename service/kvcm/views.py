@@ -367,8 +367,12 @@ class TablesAndViews(LayoutDescriptors):
                     [mapped, np.full((len(window), pad_to - total), -1, np.int64)], axis=1
                 )
             return torch.from_numpy(mapped if group is None else mapped[0])
-        items, offsets = segments(counts)
-        positions = starts[items] + offsets
+        items: np.ndarray | slice = slice(None)
+        if total == n and (not n or counts.min() == 1):  # a token each (decode): no segments
+            positions = starts
+        else:
+            items, offsets = segments(counts)
+            positions = starts[items] + offsets
         if self.cp > 1:  # this rank's pages only: other ranks' tokens map to -1
             width = self._tables.tensor.shape[2]
             positions = local_positions(
@@ -383,14 +387,15 @@ class TablesAndViews(LayoutDescriptors):
             return torch.from_numpy(mapped if group is None else mapped[0])
         # rows | query_start_loc | positions | pending table edits in one pinned buffer, read
         # in place by one launch that applies the edits and maps the slots (on CUDA).
-        ends = np.cumsum([n, n + 1, total, edits.size])
+        qsl, at = n + 1, 2 * n + 1  # where query_start_loc ends, where positions start
+        ends = (n, at, at + total, at + total + edits.size)
         uploader = self._tables.uploader
-        size = int(ends[-1])
+        size = ends[3]
         packed = np.empty(size, dtype=np.int64) if uploader is None else uploader.reserve(size)
-        packed[: ends[0]] = rows
-        packed[ends[0]] = 0
-        np.cumsum(counts, out=packed[ends[0] + 1 : ends[1]])
-        packed[ends[1] : ends[2]] = positions
+        packed[:n] = rows
+        packed[n] = 0
+        np.cumsum(counts, out=packed[qsl:at])
+        packed[at : ends[2]] = positions
         packed[ends[2] :] = edits.reshape(-1)
         launch = self._tables.launch
         if launch is not None and uploader is not None:
@@ -399,7 +404,6 @@ class TablesAndViews(LayoutDescriptors):
             stream = kvcm_kernels.current_stream_handle(launch.index)
             first = group or 0
             if launch(
-                tables,
                 uploader.address,
                 n,
                 total,
