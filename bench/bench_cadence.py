@@ -3,6 +3,7 @@
   python bench/bench_cadence.py                  # 5 ms and back to back, 2000 steps (~2 min)
   python bench/bench_cadence.py --gap-ms 10 --steps 1000
   python bench/bench_cadence.py --quick          # a smoke run
+  python bench/bench_cadence.py --device cuda:0 --map-slots   # a GPU sidecar, with mappings
 
 An engine calls its KV-cache manager once per forward pass, every 5-30 ms, not back to back:
 between two steps the service sleeps, and a sleeping service pays a wake-up and cold caches
@@ -157,9 +158,12 @@ def echo_server(tmp: Path, spin_s: float) -> Iterator[Variant]:
 
 
 @contextmanager
-def kvcm_server(tmp: Path, name: str, spin_s: float, steps: int) -> Iterator[Variant]:
-    """``kvcm serve`` with a step channel and room for 256 requests to grow by ``steps``
-    tokens each; the variant is the typed client's decode step over the channel."""
+def kvcm_server(
+    tmp: Path, name: str, spin_s: float, steps: int, device: str = "cpu", map_slots: bool = False
+) -> Iterator[Variant]:
+    """``kvcm serve`` on ``device`` with a step channel and room for 256 requests to grow by
+    ``steps`` tokens each; the variant is the typed client's decode step over the channel
+    (with the engine's slot mappings in the answer with ``map_slots``)."""
     layers = tmp / "layers.json"
     layers.write_text(json.dumps([{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}]))
     sock = tmp / f"{name}.sock"
@@ -168,6 +172,7 @@ def kvcm_server(tmp: Path, name: str, spin_s: float, steps: int) -> Iterator[Var
     cmd = [sys.executable, "-m", "kvcm", "serve", "--port", "0", "--layers", str(layers)]
     cmd += ["--num-blocks", str(blocks), "--max-requests", str(REQUESTS)]
     cmd += ["--max-seq-len", str(seq), "--step-socket", str(sock), "--log-level", "warning"]
+    cmd += ["--device", device]
     if spin_s:
         cmd += ["--step-spin-s", str(spin_s)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -187,7 +192,7 @@ def kvcm_server(tmp: Path, name: str, spin_s: float, steps: int) -> Iterator[Var
             handles = array("q", out.handles)
 
             def call() -> None:
-                if not kv.step_columns(extend=handles).ok:
+                if not kv.step_columns(extend=handles, map_slots=map_slots).ok:
                     raise RuntimeError(f"{name}: a decode step failed")
 
             yield Variant(name, proc.pid, call, spin_s)
@@ -213,6 +218,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="timed calls per variant")
     parser.add_argument("--spin-s", type=float, default=0.1, help="the busy-poll mode's spin")
     parser.add_argument("--quick", action="store_true", help="200 steps")
+    parser.add_argument("--device", default="cpu", help="the sidecar's device (cuda:0: a GPU)")
+    parser.add_argument(
+        "--map-slots", action="store_true", help="the step answers the slot mappings too"
+    )
     args = parser.parse_args()
     steps = 200 if args.quick else args.steps
     gaps = [args.gap_ms / 1000, 0.0]
@@ -221,8 +230,17 @@ def main() -> None:
         with (
             echo_server(tmp, 0.0) as blocking,
             echo_server(tmp, args.spin_s) as busy,
-            kvcm_server(tmp, "kvcm step channel, default", 0.0, 2 * steps) as default,
-            kvcm_server(tmp, "kvcm step channel, busy-poll mode", args.spin_s, 2 * steps) as spin,
+            kvcm_server(
+                tmp, "kvcm step channel, default", 0.0, 2 * steps, args.device, args.map_slots
+            ) as default,
+            kvcm_server(
+                tmp,
+                "kvcm step channel, busy-poll mode",
+                args.spin_s,
+                2 * steps,
+                args.device,
+                args.map_slots,
+            ) as spin,
         ):
             variants = [blocking, busy, default, spin]
             for gap in gaps:
@@ -238,7 +256,11 @@ def main() -> None:
                     done += n
     floors = {default.name: blocking, spin.name: busy}
     print(f"# bench_cadence {platform.node()} {platform.processor() or platform.machine()}")
-    print(f"{REQUESTS}-request decode step_columns; {steps} calls per variant and cadence")
+    mapped = " with map_slots" if args.map_slots else ""
+    print(
+        f"{REQUESTS}-request decode step_columns{mapped} on {args.device}; {steps} calls per "
+        "variant and cadence"
+    )
     for gap in gaps:
         cadence = f"a call every {gap * 1000:g} ms" if gap else "back to back"
         print(f"\n{cadence}")
