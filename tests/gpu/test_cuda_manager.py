@@ -148,3 +148,53 @@ def test_cuda_views_alias_device_pools() -> None:
     assert bool((chunk == 3.0).all())
     assert gpu.pointer_table().is_cuda
     assert int(gpu.layer_pointer_table()[1, 1]) == view.data_ptr()
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_columnar_steps_map_slots_with_one_launch_as_on_the_cpu(
+    reference: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random columnar steps with ``map_slots`` (chunks, lookahead, rejected drafts, frees,
+    new requests): the CUDA manager's mapping and tables equal the CPU manager's after every
+    step, each step's edits and mapping in one driver launch (``StepLaunch``), or, with
+    ``KVCM_KERNELS=reference``, in none of it (the torch reference)."""
+    from kvcm_kernels.step_tables import StepLaunch
+
+    launches = []
+    real = StepLaunch.__call__
+
+    def counted(self: StepLaunch, *args: object) -> bool:
+        launched = real(self, *args)
+        launches.append(launched)
+        return launched
+
+    monkeypatch.setattr(StepLaunch, "__call__", counted)
+    if reference:
+        monkeypatch.setenv("KVCM_KERNELS", "reference")
+    rng = np.random.default_rng(11)
+    cpu, gpu = _pair()
+    live: list[int] = []
+    for step in range(200):
+        cols: dict[str, object] = {}
+        if live and rng.random() < 0.15:
+            cols["free"] = [live.pop(int(rng.integers(len(live))))]
+        if live and rng.random() < 0.2:
+            cols["rewind"] = [live[int(rng.integers(len(live)))]]
+            cols["rewind_tokens"] = int(rng.integers(1, 3))
+        if live:
+            cols["extend"] = live
+            cols["num_new_tokens"] = rng.integers(1, 6, len(live)).tolist()
+            cols["lookahead"] = int(rng.integers(0, 3))
+        if len(live) < 12 and rng.random() < 0.4:
+            cols["allocate"] = [{"request_id": f"q{step}", "num_tokens": int(rng.integers(1, 20))}]
+        a = cpu.step_columns(**cols, map_slots=True)
+        b = gpu.step_columns(**cols, map_slots=True)
+        assert all((a.status[s] == b.status[s]).all() for s in a.status), step
+        assert torch.equal(b.slot_mapping.cpu(), a.slot_mapping), step
+        assert torch.equal(gpu.page_tables().cpu(), cpu.page_tables()), step
+        gone = {
+            h for h, s in zip(cols.get("extend", []), a.status.get("extend", []), strict=False) if s
+        }
+        live = [h for h in live if h not in gone] + [int(h) for h in a.handles if h]
+    assert launches
+    assert not any(launches) if reference else all(launches)
