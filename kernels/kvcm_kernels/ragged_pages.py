@@ -227,3 +227,57 @@ def ragged_page_indices(
         total,
         indptr,
     )
+
+
+def ragged_decode_attention_reference(
+    query: torch.Tensor,
+    kv_pages: torch.Tensor,
+    ragged: Ragged,
+    scale: float,
+    window: int | None = None,
+    sink_tokens: int = 0,
+) -> torch.Tensor:
+    """Decode attention through ragged page metadata, in FlashInfer's layout: the oracle of
+    a kernel that takes it (FlashInfer's batch decode wrapper where it is installed).
+
+    ``query`` ``[R, q_heads, dim]``: request i's one query, at its last token; ``kv_pages``
+    ``[pages, 2, tokens_per_block, kv_heads, dim]`` (FlashInfer's NHD paged KV cache: the
+    keys then the values of a page), indexed by ``ragged``'s kernel-mode indices. Request i's
+    keys are its listed pages' tokens: a sink page j (``j < num_sink_pages[i]``) holds
+    positions ``j * tokens_per_block + t``, the k-th page after them ``first_token[i] + k *
+    tokens_per_block + t``, the last one only its first ``last_page_len[i]`` tokens. The
+    query at the last position q sees p <= q with, under a ``window`` W, ``q - p < W`` or
+    ``p < sink_tokens``. Grouped-query: ``q_heads`` a multiple of ``kv_heads``. Returns
+    ``[R, q_heads, dim]`` (zeros for a request that lists no page).
+
+    Example (tokens_per_block 4, W 6, sink_tokens 2): pages [p0 | p5 p6] with one sink page,
+    first_token 20, last_page_len 3: keys at 0-3 and 20-26, q = 26; visible 0, 1 (sinks)
+    and 21-26 (the window).
+    """
+    indptr, indices, last_page_len, first_token, num_sink_pages = (
+        t.to(torch.int64).tolist() for t in ragged
+    )
+    tpb, kv_heads = kv_pages.shape[2], kv_pages.shape[3]
+    out = torch.zeros_like(query)
+    group = query.shape[1] // kv_heads
+    for i in range(query.shape[0]):
+        listed = indices[indptr[i] : indptr[i + 1]]
+        if not listed:
+            continue
+        sinks = num_sink_pages[i]
+        pages = kv_pages[torch.tensor(listed, dtype=torch.long, device=kv_pages.device)]
+        starts = [
+            j * tpb if j < sinks else first_token[i] + (j - sinks) * tpb for j in range(len(listed))
+        ]
+        positions = torch.tensor([s + t for s in starts for t in range(tpb)], device=query.device)
+        keep = torch.ones(len(listed) * tpb, dtype=torch.bool, device=query.device)
+        keep[(len(listed) - 1) * tpb + last_page_len[i] :] = False
+        q_pos = int(positions[keep][-1])
+        if window is not None:
+            keep &= (q_pos - positions < window) | (positions < sink_tokens)
+        k = pages[:, 0].reshape(-1, kv_heads, kv_pages.shape[-1])[keep]
+        v = pages[:, 1].reshape(-1, kv_heads, kv_pages.shape[-1])[keep]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        logits = torch.einsum("hd,khd->hk", query[i].float(), k.float()) * scale
+        out[i] = torch.einsum("hk,khd->hd", logits.softmax(-1), v.float()).to(query.dtype)
+    return out
