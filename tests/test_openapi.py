@@ -638,6 +638,7 @@ def test_unknown_routes_and_methods_keep_the_error_body() -> None:
 #: Integers of request bodies and queries without an upper bound in the document, and why.
 _NO_MAXIMUM = {
     "layer_id": "any id: one the model lacks is unknown_layer (404), the model's to say",
+    "ragged_layers": "layer ids, as layer_id: one the model lacks is unknown_layer",
     "start": "a multimodal item past the prompt touches no block",
     "length": "a multimodal item past the prompt touches no block",
     "num_requests": "any number answers whether they fit",

@@ -307,6 +307,7 @@ class AsyncKVCacheClient:
         atomic: bool = False,
         map_slots: bool = False,
         table_edits: bool = False,
+        ragged_layers: Any = (),
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when

@@ -67,6 +67,22 @@ _Others = Annotated[list[Handle], Documented({"maxItems": MAX_STEP_OTHER_OPS})]
 _ONE_PER = "One int for every item, or one per item of the section {}, in its order"
 
 
+class RaggedPageIndices(_Frozen):
+    """Requests' pages as FlashInfer's ragged (CSR) paged-KV arrays (docs/index-contract.md).
+
+    Request i's pages are ``indices[indptr[i]:indptr[i + 1]]``, kernel-mode indices as
+    ``page_indices(mode="kernel")`` gives them, of the blocks that hold its tokens and that
+    it holds; the first ``num_sink_pages[i]`` are sink blocks, the rest hold positions from
+    ``first_token[i]`` on, one block after another; the last holds ``last_page_len[i]``
+    tokens (1..tokens_per_block; 0 where a context-parallel rank holds none of its blocks)."""
+
+    indptr: list[int]
+    indices: list[int]
+    last_page_len: list[int]
+    first_token: list[int]
+    num_sink_pages: list[int]
+
+
 class StepColumnsRequest(_Frozen):
     """A columnar step (docs/requests.md#the-columnar-step): requests by handle, sections
     run commit, free, rewind, suspend, resume, extend, allocate; counts are one int or one
@@ -107,6 +123,14 @@ class StepColumnsRequest(_Frozen):
             "the tables (the first answer lists every cell that holds a page)"
         ),
     )
+    ragged_layers: Annotated[list[LayerId], Documented({"maxItems": 1024})] = Field(
+        [],
+        description=(
+            "Also answer ragged: per layer id listed here, FlashInfer's ragged (CSR) "
+            "pages of the requests the step maps, in slot_mapping's order "
+            "(ragged_page_indices with per_layer=true)"
+        ),
+    )
 
 
 class ItemErrorInfo(_Frozen):
@@ -138,6 +162,8 @@ class StepColumnsResponse(_Frozen):
         None
     )
     """With ``table_edits``: ``[group, row, position, value]`` per changed cell."""
+    ragged: dict[str, RaggedPageIndices] | None = None
+    """With ``ragged_layers``: per layer id, the ragged pages of the requests the step maps."""
     pulls: list[PullState] | None = None
     """Pulls and fetches from other sidecars that ended since the last step's answer."""
 
@@ -181,22 +207,6 @@ class RaggedPageIndicesRequest(_Frozen):
     layer_id: LayerId = Field(description=_LAYER)
     role: StrictStr = Field("key", description="One of the layer's roles (GET /v1/layout)")
     per_layer: bool = Field(False, description="Add the layer's page offset in the slot")
-
-
-class RaggedPageIndices(_Frozen):
-    """Requests' pages as FlashInfer's ragged (CSR) paged-KV arrays (docs/index-contract.md).
-
-    Request i's pages are ``indices[indptr[i]:indptr[i + 1]]``, kernel-mode indices as
-    ``page_indices(mode="kernel")`` gives them, of the blocks that hold its tokens and that
-    it holds; the first ``num_sink_pages[i]`` are sink blocks, the rest hold positions from
-    ``first_token[i]`` on, one block after another; the last holds ``last_page_len[i]``
-    tokens (1..tokens_per_block; 0 where a context-parallel rank holds none of its blocks)."""
-
-    indptr: list[int]
-    indices: list[int]
-    last_page_len: list[int]
-    first_token: list[int]
-    num_sink_pages: list[int]
 
 
 class SlotMappingRequest(_Frozen):

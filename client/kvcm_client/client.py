@@ -338,13 +338,16 @@ class KVCacheClient:
         atomic: bool = False,
         map_slots: bool = False,
         table_edits: bool = False,
+        ragged_layers: Any = (),
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when
         this client has one (raw int64 arrays), else ``POST /v1/step_columns``.
         ``map_slots=True``: ``.slot_mapping`` of the step's computed tokens, in the same
         round trip; ``table_edits=True``: ``.table_edits``, the page-table cells changed
-        since the last answer that had them (for an engine's own copy of the tables)."""
+        since the last answer that had them (for an engine's own copy of the tables);
+        ``ragged_layers=[layer ids]``: ``.ragged``, per layer the ragged (CSR) pages of the
+        requests the step maps, for a FlashInfer-style kernel."""
         if self._channel is None:
             return self._run(calls.step_columns(given_fields(locals())))
         self._channel.wake()  # before the frame is built (docs/step-channel.md)
@@ -363,6 +366,7 @@ class KVCacheClient:
             resume=resume,
             map_slots=map_slots,
             table_edits=table_edits,
+            ragged_layers=ragged_layers,
         )
         return self._over_channel(channel.step_columns(args))
 

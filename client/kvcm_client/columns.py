@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .bodies import RaggedPageIndices
 from .errors import STATUS_CODES, InvalidArgument, KVCMError, error_from_dict
 from .transfer import PullState
 
@@ -82,6 +83,7 @@ def wire_columns(
     resume: Any = (),
     map_slots: bool = False,
     table_edits: bool = False,
+    ragged_layers: Any = (),
 ) -> dict[str, Any]:
     """The ``args`` map of a ``step_columns`` frame. Empty sections are left out."""
     args: dict[str, Any] = {}
@@ -112,6 +114,8 @@ def wire_columns(
         args["map_slots"] = map_slots
     if table_edits:
         args["table_edits"] = table_edits
+    if len(ragged_layers):
+        args["ragged_layers"] = [int(k) if hasattr(k, "item") else k for k in ragged_layers]
     return args
 
 
@@ -273,6 +277,22 @@ class StepColumnsResult:
         return self._cache["table_edits"]
 
     @property
+    def ragged(self) -> dict[int, RaggedPageIndices] | None:
+        """With ``ragged_layers``: per layer id, the ragged (CSR) pages of the requests the
+        step maps, in ``slot_mapping``'s order (``RaggedPageIndices``); None without."""
+        if "ragged" not in self._cache:
+            raw = self._raw.get("ragged")
+            if raw is None:
+                return None
+            self._cache["ragged"] = {
+                int(layer): RaggedPageIndices(
+                    **{name: _int32_list(v) for name, v in arrays.items()}
+                )
+                for layer, arrays in raw.items()
+            }
+        return self._cache["ragged"]
+
+    @property
     def pulls(self) -> list[PullState] | None:
         """Pulls and fetches from other sidecars that ended since the last step's answer
         (``PullState``: ready with the request's handle, or failed with its error); None
@@ -282,3 +302,13 @@ class StepColumnsResult:
 
     def __repr__(self) -> str:
         return f"StepColumnsResult(ok={self.ok}, errors={self.errors!r})"
+
+
+def _int32_list(value: Any) -> list[int]:
+    """JSON's list, or the step channel's little-endian int32 bytes, as a list."""
+    if isinstance(value, list):
+        return value
+    out = array("i", value)
+    if not _LITTLE:  # pragma: no cover
+        out.byteswap()
+    return out.tolist()

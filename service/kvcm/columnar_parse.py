@@ -169,6 +169,7 @@ _WIRE_KEYS = frozenset(
         "atomic",
         "map_slots",
         "table_edits",
+        "ragged_layers",
         "suspend",
         "resume",
     }

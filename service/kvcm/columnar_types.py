@@ -99,6 +99,9 @@ class StepOutcome:
     table_edits: np.ndarray | None = None
     """With ``table_edits``: the page-table cells changed since the last answer that had
     them, int64 ``[E, 4]`` (group, row, position, value; ``kvcm.table_mirror``)."""
+    ragged: dict[int, Any] | None = None
+    """With ``ragged_layers``: per layer id, the ``RaggedPages`` (``kvcm.views``) of the
+    requests the step maps, in ``slot_mapping``'s order, kernel-mode per-layer indices."""
 
     @property
     def infos(self) -> list[Any]:
@@ -126,6 +129,11 @@ class StepOutcome:
                 else {"slot_mapping": self.slot_mapping.cpu().tolist()}
             ),
             **({} if self.table_edits is None else {"table_edits": self.table_edits.tolist()}),
+            **(
+                {}
+                if self.ragged is None
+                else {"ragged": {str(k): _ragged(v, _lists) for k, v in self.ragged.items()}}
+            ),
             **({} if self.pulls is None else {"pulls": [p.model_dump() for p in self.pulls]}),
         }
 
@@ -151,6 +159,8 @@ class StepOutcome:
             out["slot_mapping"] = {"shape": list(mapping.shape), "data": _wire(mapping, _I8)}
         if self.table_edits is not None:
             out["table_edits"] = _wire(self.table_edits, _I8)
+        if self.ragged is not None:
+            out["ragged"] = {str(k): _ragged(v, _int32_bytes) for k, v in self.ragged.items()}
         if self.pulls is not None:
             out["pulls"] = [p.model_dump() for p in self.pulls]
         return out
@@ -165,3 +175,20 @@ def _wire(values: np.ndarray, dtype: np.dtype[Any]) -> bytes:
     if values.dtype == dtype:
         return values.tobytes()
     return values.astype(dtype).tobytes()
+
+
+#: The arrays of a ``RaggedPages``, in the order the answers list them.
+RAGGED_FIELDS = ("indptr", "indices", "last_page_len", "first_token", "num_sink_pages")
+
+
+def _lists(t: Any) -> list[int]:
+    return t.cpu().tolist()
+
+
+def _int32_bytes(t: Any) -> bytes:
+    return _wire(t.cpu().numpy(), _I4)
+
+
+def _ragged(pages: Any, encode: Any) -> dict[str, Any]:
+    """A ``RaggedPages``' arrays as JSON lists or little-endian int32 bytes."""
+    return {name: encode(getattr(pages, name)) for name in RAGGED_FIELDS}

@@ -114,6 +114,10 @@ def _settles(method: _F) -> _F:
     return call  # type: ignore[return-value]
 
 
+#: ``step_columns``' default ragged_layers: none (checked by identity, a step's cost).
+_NO_LAYERS: tuple[int, ...] = ()
+
+
 class KVCacheManager:
     """Owns the pools, the page tables and the requests of an engine's ranks."""
 
@@ -367,6 +371,7 @@ class KVCacheManager:
         atomic: bool = False,
         map_slots: bool = False,
         table_edits: bool = False,
+        ragged_layers: Sequence[int] = _NO_LAYERS,
     ) -> StepOutcome:
         """One scheduler step as arrays: the primary API (docs/requests.md#the-columnar-step).
 
@@ -393,7 +398,11 @@ class KVCacheManager:
         engine that keeps its own copy of the tables (``kvcm.table_mirror``). Where pulls
         or fetches from other sidecars ended since the last step, ``out.pulls`` lists their
         ``PullState`` (ready, with the handle, or failed), so a scheduler needs no
-        ``transfer_status`` call (docs/disaggregation.md).
+        ``transfer_status`` call (docs/disaggregation.md). ``ragged_layers`` (layer ids) also
+        answers, per layer, the ragged pages of the requests the step maps
+        (``out.ragged[layer]``, ``ragged_page_indices(..., per_layer=True)`` of those
+        requests, in ``slot_mapping``'s order): a FlashInfer-style kernel's metadata for the
+        forward, in the same call.
         """
         # Settles as ``_settles`` does, written out: the wrapper's argument passing costs a
         # step's twelve keywords a third of a microsecond.
@@ -403,6 +412,7 @@ class KVCacheManager:
                 raise InvalidArgument(f"{name} must be a bool")
             if type(table_edits) is not bool:
                 raise InvalidArgument("table_edits must be a bool")
+            layers = () if ragged_layers is _NO_LAYERS else self._ragged_layers(ragged_layers)
             cols = parse_columns(
                 free,
                 rewind,
@@ -426,10 +436,14 @@ class KVCacheManager:
             if total > MAX_STEP_OPS or total - sizes["extend"] > MAX_STEP_OTHER_OPS:
                 self._check_step_size(total, total - sizes["extend"])
             out = run_columns(self.parts, cols, atomic, sizes)
-            if map_slots:
+            if map_slots or layers:
                 rows, starts, counts = mapped_tokens(self.parts.coord.num_tokens, cols, out)
-                out.slot_mapping = self.parts.views.map_tokens(rows, starts, counts)
-                self._sync_other_ranks()
+                if map_slots:
+                    out.slot_mapping = self.parts.views.map_tokens(rows, starts, counts)
+                    self._sync_other_ranks()
+                if layers:
+                    views = self.parts.views
+                    out.ragged = {k: views.ragged_rows(rows, k, "key", True) for k in layers}
             if table_edits:
                 out.table_edits = self.parts.mirror.take()
             if moves is not None and moves.ended:
@@ -437,6 +451,22 @@ class KVCacheManager:
             return out
         finally:
             _settle(self)
+
+    def _ragged_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """``step_columns``' ragged_layers checked before the step runs: distinct layer ids
+        of layers with a key (``UnknownLayer`` otherwise, as ``ragged_page_indices``)."""
+        if (
+            not isinstance(layers, Sequence | np.ndarray)
+            or isinstance(layers, str | bytes)
+            or not all(type(k) is int or isinstance(k, np.integer) for k in layers)
+        ):
+            raise InvalidArgument("ragged_layers must be a list of layer ids")
+        out = tuple(int(k) for k in layers)
+        if len(set(out)) != len(out):
+            raise InvalidArgument("ragged_layers names a layer twice", ragged_layers=list(out))
+        for k in out:
+            self.parts.views.placement(k, "key")
+        return out
 
     def _check_step_size(self, num_ops: int, others: int) -> None:
         if num_ops > MAX_STEP_OPS or others > MAX_STEP_OTHER_OPS:

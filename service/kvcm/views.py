@@ -235,8 +235,14 @@ class TablesAndViews(LayoutDescriptors):
         Errors are page_indices': ``UnknownLayer``, ``InvalidArgument`` for a role the layer
         lacks, ``UnknownRequest``, ``RequestSuspended``; nothing changes.
         """
+        return self.ragged_rows(self._rows_of(request_ids), layer_id, role, per_layer)
+
+    def ragged_rows(
+        self, rows: np.ndarray, layer_id: int, role: Role = "key", per_layer: bool = False
+    ) -> RaggedPages:
+        """``ragged_page_indices`` of page-table rows the caller checked (a step's mapped
+        requests, ``step_columns(ragged_layers=...)``)."""
         place = self.placement(layer_id, role)
-        rows = self._rows_of(request_ids)
         group = place.layer_group
         c = self._coord
         lengths = c.num_tokens[rows]
