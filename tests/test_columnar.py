@@ -598,11 +598,6 @@ def test_map_slots_maps_each_successful_item_s_computed_tokens() -> None:
     assert without.slot_mapping is None
     with pytest.raises(InvalidArgument, match="map_slots"):
         m.step_columns(extend=[hb], map_slots=1)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgument, match="map_slots"):
-        m.step_columns(extend=[hb], map_slots="device")  # type: ignore[arg-type]
-    assert m.request("b").num_tokens == 9  # the refusals ran nothing
-    host = m.step_columns(extend=[hb], num_new_tokens=2, map_slots="host")
-    assert host.slot_mapping.tolist() == m.slot_mappings(["b"], [2]).tolist()
 
 
 def test_an_atomic_step_that_stops_maps_nothing() -> None:

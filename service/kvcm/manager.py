@@ -369,7 +369,7 @@ class KVCacheManager:
         suspend: Sequence[int] | np.ndarray = (),
         resume: Sequence[int] | np.ndarray = (),
         atomic: bool = False,
-        map_slots: bool | Literal["host"] = False,
+        map_slots: bool = False,
         table_edits: bool = False,
         ragged_layers: Sequence[int] = _NO_LAYERS,
     ) -> StepOutcome:
@@ -393,9 +393,6 @@ class KVCacheManager:
         (``out.slot_mapping``: every layer group's slots of each successful extend's new
         tokens, then each successful allocate's past its hit; ``kvcm.columnar.mapped_tokens``),
         as ``slot_mappings`` would, in the same call: one round trip per step for a sidecar.
-        ``map_slots="host"`` answers it as a CPU tensor computed from the host tables, on
-        any device (the device tables still get the step's edits, queued, with no wait): what
-        a sidecar sends back, without a device-to-host copy that would wait for the GPU.
         ``table_edits=True`` also answers the page-table cells changed since the last such
         answer (``out.table_edits``, int64 ``[E, 4]``: group, row, position, value), for an
         engine that keeps its own copy of the tables (``kvcm.table_mirror``). Where pulls
@@ -410,10 +407,9 @@ class KVCacheManager:
         # Settles as ``_settles`` does, written out: the wrapper's argument passing costs a
         # step's twelve keywords a third of a microsecond.
         try:
-            if type(atomic) is not bool:
-                raise InvalidArgument("atomic must be a bool")
-            if type(map_slots) is not bool and map_slots != "host":
-                raise InvalidArgument("map_slots must be a bool or 'host'")
+            if type(atomic) is not bool or type(map_slots) is not bool:
+                name = "atomic" if type(atomic) is not bool else "map_slots"
+                raise InvalidArgument(f"{name} must be a bool")
             if type(table_edits) is not bool:
                 raise InvalidArgument("table_edits must be a bool")
             layers = () if ragged_layers is _NO_LAYERS else self._ragged_layers(ragged_layers)
@@ -443,9 +439,7 @@ class KVCacheManager:
             if map_slots or layers:
                 rows, starts, counts = mapped_tokens(self.parts.coord.num_tokens, cols, out)
                 if map_slots:
-                    host = map_slots == "host"
-                    mapping = self.parts.views.map_tokens(rows, starts, counts, on_host=host)
-                    out.slot_mapping = mapping.cpu() if host else mapping
+                    out.slot_mapping = self.parts.views.map_tokens(rows, starts, counts)
                     self._sync_other_ranks()
                 if layers:
                     views = self.parts.views

@@ -334,7 +334,6 @@ class TablesAndViews(LayoutDescriptors):
         counts: np.ndarray,
         pad_to: int | None = None,
         group: int | None = None,
-        on_host: bool = False,
     ) -> torch.Tensor:
         """The slot mapping of positions ``[starts[i], starts[i] + counts[i])`` of the
         request in page-table row ``rows[i]``, request after request: int64 ``[groups,
@@ -346,28 +345,17 @@ class TablesAndViews(LayoutDescriptors):
         Example (tokens_per_block 4, one group): rows [3, 0], starts [6, 0], counts [1, 2],
         row 3's table [5, 9, ...], row 0's [2, ...]: position 6 of row 3 is slot 9 offset 2
         (38), positions 0 and 1 of row 0 are 8 and 9: [[38, 8, 9]].
-
-        ``on_host``: a CPU tensor from the host tables whatever the device (the C core's
-        mapping; where it cannot, the device's, copied); on CUDA the pending edits still reach
-        the device tables, in one launch the host does not wait for.
         """
         total = int(counts.sum())
         if pad_to is None:
             pad_to = total
         n = rows.size
-        tables = self._tables.tensor
-        if on_host and tables.device.type != "cpu" and self.cp == 1 and native.core is not None:
-            self._tables.sync()  # the edits to the device tables, queued
-            host_tables = self._coord.tables
-        else:
-            on_host = False
-            host_tables = None
         edits = self._tables.take_pending()
-        host = not edits.size and (tables.device.type == "cpu" or on_host)
+        tables = self._tables.tensor
+        host = not edits.size and tables.device.type == "cpu"  # the manager's own arrays
         if host and self.cp == 1 and native.core is not None:  # one C call
             first = group or 0
-            source = tables.numpy() if host_tables is None else host_tables
-            window = source[first : first + (1 if group is not None else len(source))]
+            window = tables.numpy()[first : first + (1 if group is not None else len(tables))]
             mapped = np.empty((len(window), total), dtype=np.int64)
             native.core.map_slots(
                 window,

@@ -150,16 +150,14 @@ def test_cuda_views_alias_device_pools() -> None:
     assert int(gpu.layer_pointer_table()[1, 1]) == view.data_ptr()
 
 
-@pytest.mark.parametrize("mode", ["launch", "reference", "host"])
+@pytest.mark.parametrize("reference", [False, True])
 def test_columnar_steps_map_slots_with_one_launch_as_on_the_cpu(
-    mode: str, monkeypatch: pytest.MonkeyPatch
+    reference: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random columnar steps with ``map_slots`` (chunks, lookahead, rejected drafts, frees,
     new requests): the CUDA manager's mapping and tables equal the CPU manager's after every
     step, each step's edits and mapping in one driver launch (``StepLaunch``), or, with
-    ``KVCM_KERNELS=reference``, in none of it (the torch reference); with ``map_slots="host"``
-    (what a sidecar answers) the mapping is the host tables' and the device tables still
-    follow every step."""
+    ``KVCM_KERNELS=reference``, in none of it (the torch reference)."""
     from kvcm_kernels.step_tables import StepLaunch
 
     launches = []
@@ -171,9 +169,8 @@ def test_columnar_steps_map_slots_with_one_launch_as_on_the_cpu(
         return launched
 
     monkeypatch.setattr(StepLaunch, "__call__", counted)
-    if mode == "reference":
+    if reference:
         monkeypatch.setenv("KVCM_KERNELS", "reference")
-    mapping = "host" if mode == "host" else True
     rng = np.random.default_rng(11)
     cpu, gpu = _pair()
     live: list[int] = []
@@ -191,8 +188,7 @@ def test_columnar_steps_map_slots_with_one_launch_as_on_the_cpu(
         if len(live) < 12 and rng.random() < 0.4:
             cols["allocate"] = [{"request_id": f"q{step}", "num_tokens": int(rng.integers(1, 20))}]
         a = cpu.step_columns(**cols, map_slots=True)
-        b = gpu.step_columns(**cols, map_slots=mapping)
-        assert b.slot_mapping.is_cuda == (mode != "host")
+        b = gpu.step_columns(**cols, map_slots=True)
         assert all((a.status[s] == b.status[s]).all() for s in a.status), step
         assert torch.equal(b.slot_mapping.cpu(), a.slot_mapping), step
         assert torch.equal(gpu.page_tables().cpu(), cpu.page_tables()), step
@@ -200,8 +196,5 @@ def test_columnar_steps_map_slots_with_one_launch_as_on_the_cpu(
             h for h, s in zip(cols.get("extend", []), a.status.get("extend", []), strict=False) if s
         }
         live = [h for h in live if h not in gone] + [int(h) for h in a.handles if h]
-    if mode == "host":
-        assert not launches
-    else:
-        assert launches
-        assert all(launches) if mode == "launch" else not any(launches)
+    assert launches
+    assert not any(launches) if reference else all(launches)

@@ -323,8 +323,6 @@ class ServiceState:
         """A columnar step (``KVCacheManager.step_columns`` keyword arguments) with leases
         and op counts updated: the step of ``POST /v1/step_columns`` and the step channel."""
         self.touch(session_id)
-        if columns.get("map_slots") is True:  # the answer carries it as bytes: no device copy
-            columns["map_slots"] = "host"
         out = self.manager.step_columns(**columns)
         metrics = self.metrics
         if out.ok:  # every item ok: a count per section, no tally (every step pays this)
