@@ -618,6 +618,39 @@ def test_decode_release_frees_each_slot_once_and_leaves_odd_input_to_numpy() -> 
 
 
 @built
+def test_decode_release_counts_drops_across_groups_and_cells_named_twice() -> None:
+    """Two layer groups of one pool group name one slot held twice: the first drop frees
+    nothing, the second puts it on the queue, once, and the queue's counters say so (as
+    ``Coordinator.unref`` group after group). A cell named twice in one group, its slot held
+    twice: one push, the cell emptied."""
+    core = native._built
+    m = manager([layer(0, sliding_window=8), layer(1)], max_requests=12, num_blocks=40)
+    for i in range(9):
+        m.allocate(f"r{i}", 4)
+    c, nd = m.parts.coord, m.parts.native_decode
+    assert c.group_pool[0] == c.group_pool[1]
+    context, pools, _ = nd.row_args(core, m.parts)
+    rows = np.array([5, 8], dtype=np.int64)
+    positions = np.zeros((2, 4), dtype=np.int64)
+    items = np.zeros((2, 4), dtype=np.int64)
+    items[1, 0] = 1  # group 0: row 5's cell; group 1: row 8's
+    a = int(c.tables[0][5, 0])
+    c.tables[1][8, 0] = a  # (its own slot is left aside: this state is made up)
+    c.refs[0][a] = 2
+    tail = c.pools[0].free_order().tolist()
+    assert core.decode_release(rows, (1, 1), context, pools, items, positions) is True
+    assert c.pools[0].free_order().tolist() == [*tail, a]
+    assert c.pools[0].num_free == len(tail) + 1 and c.refs[0][a] == 0
+    b = int(c.tables[0][6, 0])
+    c.refs[0][b] = 2
+    twice = np.zeros((2, 4), dtype=np.int64)  # row 6's cell, twice
+    rows = np.array([6], dtype=np.int64)
+    assert core.decode_release(rows, (2, 0), context, pools, twice, positions) is True
+    assert c.pools[0].free_order().tolist() == [*tail, a, b]
+    assert c.refs[0][b] == 0 and c.tables[0][6, 0] == c.empty
+
+
+@built
 @pytest.mark.parametrize("seed", range(5))
 def test_map_slots_equals_the_numpy_mapping(seed: int) -> None:
     """``map_slots`` (the CPU's step mapping in C) against ``slot_mapping_host`` (numpy) on

@@ -145,6 +145,14 @@ def check_against_dense(null_page: bool, seed: int, device: str) -> None:
             ).cpu()
             for i, rid in enumerate(live):
                 k, v = dense[(rid, layer)]
+                # The listed pages end at the request's last token (first_token places them).
+                pages, sinks = int(rag.indptr[i + 1] - rag.indptr[i]), int(rag.num_sink_pages[i])
+                last = (
+                    (pages - 1) * TPB
+                    if pages <= sinks
+                    else int(rag.first_token[i]) + (pages - 1 - sinks) * TPB
+                )
+                assert last + int(rag.last_page_len[i]) == k.shape[0], (step, rid, layer)
                 assert torch.allclose(out[i], dense_attention(q[i], k, v, window), atol=1e-5), (
                     step,
                     rid,

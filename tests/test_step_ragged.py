@@ -12,11 +12,13 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers import layer, manager
 from servers import serve_process
 
 from kvcm_client import KVCacheClient
+from kvcm_client.columns import wire_columns
 from kvcm_client.errors import InvalidArgument, UnknownLayer
 
 LAYERS = [layer(0), layer(1, sliding_window=8, sink_tokens=4), layer(2, kv_factor=1)]
@@ -91,7 +93,9 @@ def test_a_step_answers_the_ragged_pages_of_what_it_maps(null_page: bool) -> Non
 def test_bad_layer_lists_are_refused_before_the_step_runs() -> None:
     m = manager(LAYERS, num_blocks=40, max_requests=8)
     h = int(m.step_columns(allocate=[{"request_id": "a", "num_tokens": 5}]).handles[0])
-    for bad, error in (([9], UnknownLayer), ([0, 0], InvalidArgument), ("0", InvalidArgument)):
+    bad_lists = [([9], UnknownLayer), ([0, 0], InvalidArgument), ("0", InvalidArgument)]
+    bad_lists += [(np.array(0), InvalidArgument), ([True], InvalidArgument)]
+    for bad, error in bad_lists:
         with pytest.raises(error):
             m.step_columns(extend=[h], ragged_layers=bad)
         assert m.request("a").num_tokens == 5  # nothing ran
@@ -115,3 +119,10 @@ def test_over_the_sidecar(channel: bool, tmp_path: Path) -> None:
         with pytest.raises(UnknownLayer):
             kv.step_columns(extend=[h], ragged_layers=[9])
         assert kv.request("z").num_tokens == 3
+
+
+def test_the_client_sends_numpy_layer_ids_as_their_own_python_values() -> None:
+    """numpy ints go as ints, a numpy bool or float as what it is: the service refuses those
+    (not a 1 made up on the way)."""
+    sent = wire_columns(ragged_layers=[np.int64(2), np.True_, np.float64(1.5)])["ragged_layers"]
+    assert sent == [2, True, 1.5] and [type(k) for k in sent] == [int, bool, float]

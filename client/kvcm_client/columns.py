@@ -115,7 +115,8 @@ def wire_columns(
     if table_edits:
         args["table_edits"] = table_edits
     if len(ragged_layers):
-        args["ragged_layers"] = [int(k) if hasattr(k, "item") else k for k in ragged_layers]
+        # numpy scalars as Python values of their own type: the service checks them
+        args["ragged_layers"] = [k.item() if hasattr(k, "item") else k for k in ragged_layers]
     return args
 
 

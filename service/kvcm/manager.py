@@ -457,6 +457,7 @@ class KVCacheManager:
         of layers with a key (``UnknownLayer`` otherwise, as ``ragged_page_indices``)."""
         if (
             not isinstance(layers, Sequence | np.ndarray)
+            or (isinstance(layers, np.ndarray) and layers.ndim != 1)
             or isinstance(layers, str | bytes)
             or not all(type(k) is int or isinstance(k, np.integer) for k in layers)
         ):

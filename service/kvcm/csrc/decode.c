@@ -492,7 +492,11 @@ PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
     /* Everything that can fail comes before the first write: the queues' new counters (each
      * slot that comes back is pushed once), then the result. */
     int64_t back[MAX_GROUPS] = {0};
-    for (int g = 0; g < c->groups; g++) { /* count as the writes will: drop, mark, restore */
+    /* Count as the writes will: group after group, the drops kept from one group to the
+     * next (two groups of one pool group may name one slot), each slot that reaches 0
+     * counted once (marked -1, then 0 again); then every drop put back. No reference goes
+     * below 0 here: the check above dropped them all in this same order. */
+    for (int g = 0; g < c->groups; g++) {
         int q = c->group_pool[g];
         int32_t *refs = I32P(c->refs[q]);
         for (int64_t j = 0; j < k[g]; j++) refs[*CELL(g, j)]--;
@@ -503,10 +507,12 @@ PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
                 *r = -1;
             }
         }
-        for (int64_t j = 0; j < k[g]; j++) {
-            int32_t *r = &refs[*CELL(g, j)];
-            *r = *r == -1 ? 1 : *r + 1;
-        }
+        for (int64_t j = 0; j < k[g]; j++)
+            if (refs[*CELL(g, j)] == -1) refs[*CELL(g, j)] = 0;
+    }
+    for (int g = 0; g < c->groups; g++) {
+        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+        for (int64_t j = 0; j < k[g]; j++) refs[*CELL(g, j)]++;
     }
     for (int q = 0; q < c->pools; q++)
         if (back[q] && pool_stage(&p[q], p[q].head, p[q].len + back[q], p[q].count + back[q]) < 0)
@@ -525,7 +531,7 @@ PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
         }
         for (int64_t j = 0; j < k[g]; j++) {
             int32_t *cell = CELL(g, j);
-            if (refs[*cell] == -1) refs[*cell] = 0;
+            if (*cell > c->empty && refs[*cell] == -1) refs[*cell] = 0; /* a cell named twice */
             *cell = (int32_t)c->empty;
         }
     }
