@@ -34,38 +34,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_kernels import decode_manager
 
 from kvcm import KVCacheManager
 
-TPB = 16
 N = 256
 
 
 def manager(groups: int, device: str) -> tuple[KVCacheManager, np.ndarray]:
-    windows = [None, 256, 512, 1024][:groups]
-    layers = [
-        {"layer_id": i, "num_kv_heads": 1, "head_dim": 64}
-        | ({} if window is None else {"sliding_window": window})
-        for i, window in enumerate(windows)
-    ]
-    m = KVCacheManager(
-        {
-            "layers": layers,
-            "tokens_per_block": TPB,
-            "max_requests": N,
-            "max_seq_len": 8192,
-            "num_blocks": groups * N * 8192 // TPB,
-            "device": device,
-        }
-    )
-    rng = np.random.default_rng(0)
-    ops = [
-        {"request_id": f"r{i}", "num_tokens": int(n)}
-        for i, n in enumerate(rng.integers(500, 4000, size=N))
-    ]
-    out = m.step_columns(allocate=ops)
-    assert (out.status["allocate"] == 0).all()
-    return m, out.handles.copy()
+    """bench_kernels' decode workload (256 requests of 500-4000 tokens) and its handles."""
+    m, ids = decode_manager(groups, device, N)
+    return m, np.array([m.request(rid).handle for rid in ids], dtype=np.int64)
 
 
 def _sync(device: str) -> None:

@@ -78,7 +78,9 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * nbytes / (us * 1e-6)
 
 
-def _manager(groups: int, device: str, n: int = 256) -> tuple[KVCacheManager, list[str]]:
+def decode_manager(groups: int, device: str, n: int = 256) -> tuple[KVCacheManager, list[str]]:
+    """``n`` requests of 500-4000 tokens over ``groups`` layer groups (full, then windows of
+    256, 512, 1024): the decode workload of this bench and bench/bench_cuda_step.py."""
     windows = [None, 256, 512, 1024][:groups]
     # One small layer per layer group: the bookkeeping does not depend on KV bytes.
     layers = [
@@ -105,7 +107,7 @@ def _manager(groups: int, device: str, n: int = 256) -> tuple[KVCacheManager, li
 
 def bench_step(groups: int) -> dict[str, float]:
     n = 256
-    host, ids = _manager(groups, "cpu", n)
+    host, ids = decode_manager(groups, "cpu", n)
     coord = host.parts.coord
     coord.edits = []
     for _ in range(15):  # warm: some requests cross block and window boundaries each step
@@ -218,7 +220,7 @@ def bench_indices(requests: int, blocks: int, copy_bw: float) -> dict[str, float
 
 
 def bench_manager_step(groups: int) -> dict[str, float]:
-    m, ids = _manager(groups, "cuda:0")
+    m, ids = decode_manager(groups, "cuda:0")
 
     def step() -> None:
         m.extend_many(ids)

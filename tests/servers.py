@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -115,6 +116,17 @@ def serve_process(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def small_model_args(tmp_path: Path, layers: list[dict[str, Any]]) -> tuple[list[str], Path]:
+    """``kvcm serve`` arguments for a tiny model of ``layers`` (4 tokens a block, 40 blocks,
+    8 requests of at most 64 tokens) with a step socket: (the arguments, the socket)."""
+    spec = tmp_path / "layers.json"
+    spec.write_text(json.dumps(layers))
+    sock = tmp_path / "step.sock"
+    args = ["--layers", str(spec), "--tokens-per-block", "4", "--num-blocks", "40"]
+    args += ["--max-requests", "8", "--max-seq-len", "64", "--step-socket", str(sock)]
+    return args, sock
 
 
 def free_port() -> int:

@@ -7,7 +7,6 @@ the step channel; a bad layer list is refused before the step runs."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import layer, manager
-from servers import serve_process
+from servers import serve_process, small_model_args
 
 from kvcm_client import KVCacheClient
 from kvcm_client.columns import wire_columns
@@ -105,11 +104,7 @@ def test_bad_layer_lists_are_refused_before_the_step_runs() -> None:
 
 @pytest.mark.parametrize("channel", [False, True])
 def test_over_the_sidecar(channel: bool, tmp_path: Path) -> None:
-    layers = tmp_path / "layers.json"
-    layers.write_text(json.dumps(LAYERS))
-    sock = tmp_path / "step.sock"
-    args = ["--layers", str(layers), "--tokens-per-block", "4", "--num-blocks", "40"]
-    args += ["--max-requests", "8", "--max-seq-len", "64", "--step-socket", str(sock)]
+    args, sock = small_model_args(tmp_path, LAYERS)
     with (
         serve_process(*args) as (url, _, _),
         KVCacheClient(url, step_socket=sock if channel else None) as kv,

@@ -467,39 +467,28 @@ PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
         }
         cells_of[q] += k[g];
     }
-    /* Every reference dropped once, checked, then put back: a slot held by fewer cells than
-     * name it is the numpy path's to handle. */
+    for (int q = 0; q < c->pools; q++) /* BlockPool.push might compact first */
+        if (cells_of[q] && p[q].len + cells_of[q] > p[q].ring.n) goto numpy;
+    /* Everything that can fail comes before the first write: the count of the slots that
+     * come back (each pushed once), the queues' new counters, then the result. The count
+     * drops as the writes will, group after group, keeping the drops from one group to the
+     * next (two groups of one pool group may name one slot); a slot that reaches 0 counts
+     * once (marked -1, then 0 again); then every drop is put back. A slot held by fewer
+     * cells than name it stops the count: the numpy path's to handle. */
+    int64_t back[MAX_GROUPS] = {0}, dropped = 0;
     int bad = 0;
-    int64_t dropped = 0;
     for (int g = 0; g < c->groups && !bad; g++) {
-        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+        int q = c->group_pool[g];
+        int32_t *refs = I32P(c->refs[q]);
         for (int64_t j = 0; j < k[g]; j++, dropped++) {
-            int32_t slot = *CELL(g, j);
-            if (refs[slot] < 1) {
+            int32_t *r = &refs[*CELL(g, j)];
+            if (*r < 1) {
                 bad = 1;
                 break;
             }
-            refs[slot]--;
+            --*r;
         }
-    }
-    for (int g = 0, undone = 0; g < c->groups && undone < dropped; g++) {
-        int32_t *refs = I32P(c->refs[c->group_pool[g]]);
-        for (int64_t j = 0; j < k[g] && undone < dropped; j++, undone++) refs[*CELL(g, j)]++;
-    }
-    if (bad) goto numpy;
-    for (int q = 0; q < c->pools; q++) /* BlockPool.push might compact first */
-        if (cells_of[q] && p[q].len + cells_of[q] > p[q].ring.n) goto numpy;
-    /* Everything that can fail comes before the first write: the queues' new counters (each
-     * slot that comes back is pushed once), then the result. */
-    int64_t back[MAX_GROUPS] = {0};
-    /* Count as the writes will: group after group, the drops kept from one group to the
-     * next (two groups of one pool group may name one slot), each slot that reaches 0
-     * counted once (marked -1, then 0 again); then every drop put back. No reference goes
-     * below 0 here: the check above dropped them all in this same order. */
-    for (int g = 0; g < c->groups; g++) {
-        int q = c->group_pool[g];
-        int32_t *refs = I32P(c->refs[q]);
-        for (int64_t j = 0; j < k[g]; j++) refs[*CELL(g, j)]--;
+        if (bad) break;
         for (int64_t j = 0; j < k[g]; j++) {
             int32_t *r = &refs[*CELL(g, j)];
             if (*r == 0) {
@@ -510,10 +499,12 @@ PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
         for (int64_t j = 0; j < k[g]; j++)
             if (refs[*CELL(g, j)] == -1) refs[*CELL(g, j)] = 0;
     }
-    for (int g = 0; g < c->groups; g++) {
+    int64_t undone = 0;
+    for (int g = 0; g < c->groups && undone < dropped; g++) {
         int32_t *refs = I32P(c->refs[c->group_pool[g]]);
-        for (int64_t j = 0; j < k[g]; j++) refs[*CELL(g, j)]++;
+        for (int64_t j = 0; j < k[g] && undone < dropped; j++, undone++) refs[*CELL(g, j)]++;
     }
+    if (bad) goto numpy;
     for (int q = 0; q < c->pools; q++)
         if (back[q] && pool_stage(&p[q], p[q].head, p[q].len + back[q], p[q].count + back[q]) < 0)
             goto done;
