@@ -86,10 +86,12 @@ def store_kv_reference(
     r, _, q, _ = key.shape
     tpb = key_cache.shape[1]
     counts = meta[2].long().cpu()
+    firsts = meta[3].long().cpu()  # where each request's tokens start in the slot mapping
     req = torch.repeat_interleave(torch.arange(r), counts)
     first = torch.cumsum(counts, 0) - counts
-    cols = (q - counts)[req] + torch.arange(int(counts.sum())) - first[req]
-    slots = slot_mapping.to(key.device).long()
+    j = torch.arange(int(counts.sum())) - first[req]  # the token's index in its request
+    cols = (q - counts)[req] + j
+    slots = slot_mapping.to(key.device).long()[(firsts[req] + j).to(key.device)]
     new = slots >= 0
     req, cols, slots = req[new.cpu()], cols[new.cpu()], slots[new]
     for states, cache in ((key, key_cache), (value, value_cache)):
@@ -173,6 +175,98 @@ def _triton() -> Any:
     return paged_attention_triton
 
 
+#: ``KVCM_TRITON_PREBOUND=0``: every launch through Triton's JIT dispatch (``kernel[grid]``).
+PREBOUND = os.environ.get("KVCM_TRITON_PREBOUND", "1") != "0"
+
+
+class _PreBound:
+    """Launches of one jitted kernel without Triton's per-call dispatch.
+
+    ``kernel[grid](...)`` binds the arguments, builds the specialisation key as a string, looks
+    the compiled kernel up and computes launch metadata on every call: 25-50 us of host time,
+    more than a decode's kernel takes on the device. Here the first launch of each
+    specialisation goes through that path (it compiles, and returns the compiled kernel); the
+    next ones call the compiled kernel's launcher directly with the same arguments. The key
+    holds what Triton specialises on: each tensor's dtype and 16-byte alignment, each int's
+    ``== 1``, ``% 16 == 0`` and 32-bit range, the constexprs and the device. With a launch hook
+    set (a profiler) every launch takes the JIT path, which calls it.
+    """
+
+    __slots__ = ("compiled", "direct", "kernel", "launches")
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.compiled: dict[tuple[Any, ...], Any] = {}
+        self.direct = PREBOUND
+        #: Launches that went straight to the compiled kernel (tests read it).
+        self.launches = 0
+
+    def __call__(
+        self,
+        grid: tuple[int, int, int],
+        args: tuple[Any, ...],
+        constexprs: tuple[Any, ...],
+        names: tuple[str, ...],
+        tensors: int,
+    ) -> None:
+        device = torch.cuda.current_device()
+        key = (
+            device,
+            constexprs,
+            tuple((t.dtype, t.data_ptr() % 16 == 0) for t in args[:tensors]),
+            tuple(
+                None if isinstance(v, float) else (v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
+                for v in args[tensors:]
+            ),
+        )
+        compiled = self.compiled.get(key) if self.direct else None
+        if compiled is not None and not _hooked():
+            stream = torch._C._cuda_getCurrentRawStream(device)  # noqa: SLF001
+            compiled.run(
+                grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                None, None, None, *args, *constexprs,
+            )  # fmt: skip
+            self.launches += 1
+            return
+        compiled = self.kernel[grid](*args, **dict(zip(names, constexprs, strict=True)))
+        if self.direct and compiled is not None and hasattr(compiled, "packed_metadata"):
+            self.compiled[key] = compiled
+
+
+def _hooked() -> bool:
+    """Whether Triton has a launch hook set (a profiler's), which only its JIT path calls."""
+    knobs = getattr(_triton().triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    return runtime is not None and (
+        runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    )
+
+
+_LAUNCHERS: dict[int, _PreBound] = {}
+
+
+def _launch(
+    kernel: Any,
+    grid: tuple[int, int, int],
+    args: tuple[Any, ...],
+    constexprs: tuple[Any, ...],
+    names: tuple[str, ...],
+    tensors: int,
+) -> None:
+    """Launch ``kernel`` on ``grid`` (``_PreBound``): ``args`` in its order, the first
+    ``tensors`` of them tensors, then its constexprs ``names`` = ``constexprs``."""
+    launcher = _LAUNCHERS.get(id(kernel))
+    if launcher is None:
+        launcher = _LAUNCHERS[id(kernel)] = _PreBound(kernel)
+    launcher(grid, args, constexprs, names, tensors)
+
+
+def launcher_of(kernel_name: str) -> _PreBound | None:
+    """The pre-bound launcher of ``paged_attention_triton.<kernel_name>`` once it launched."""
+    kernels = _triton()
+    return None if kernels is None else _LAUNCHERS.get(id(getattr(kernels, kernel_name)))
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
@@ -197,11 +291,13 @@ def store_kv(
     if r == 0 or q == 0:
         return
     assert slot_mapping.dtype == torch.int64 and slot_mapping.stride(-1) == 1
-    kernels.store_kernel[(r, q)](
-        key, value, key_cache, value_cache, slot_mapping, meta, r, q,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        KV_HEADS=heads, HEAD_DIM=dim, V_DIM=v_dim, BLOCK_H=_pow2(heads, 1),
-        BLOCK_D=_pow2(dim, 1), BLOCK_DV=_pow2(v_dim, 1), TPB=key_cache.shape[1],
+    _launch(
+        kernels.store_kernel, (r, q, 1),
+        (key, value, key_cache, value_cache, slot_mapping, meta, r, q,
+         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride()),
+        (heads, dim, v_dim, _pow2(heads, 1), _pow2(dim, 1), _pow2(v_dim, 1), key_cache.shape[1]),
+        ("KV_HEADS", "HEAD_DIM", "V_DIM", "BLOCK_H", "BLOCK_D", "BLOCK_DV", "TPB"),
+        6,
     )  # fmt: skip
 
 
@@ -249,15 +345,18 @@ def paged_attention(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     block_m = BLOCK_M if q * group <= BLOCK_M else 64  # decode: one tile; prefill: 64 rows
     grid = (r, kv_heads, -(-q * group // block_m))
-    kernels.attention_kernel[grid](
-        query, key_cache, value_cache, out, page_table, meta, miss,
-        r, q, page_table.shape[-1], empty,
-        dim**-0.5 if scale is None else scale, softcap or 0.0,
-        window if windowed else 0, sinks if windowed else 0,
-        *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
-        page_table.stride(0),
-        GROUP=group, HEAD_DIM=dim, V_DIM=v_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_D=_pow2(dim), BLOCK_DV=_pow2(v_dim), TPB=key_cache.shape[1],
-        WINDOWED=windowed, SOFTCAP=softcap is not None, PRECISION=precision,
+    _launch(
+        kernels.attention_kernel, grid,
+        (query, key_cache, value_cache, out, page_table, meta, miss,
+         r, q, page_table.shape[-1], empty,
+         dim**-0.5 if scale is None else scale, softcap or 0.0,
+         window if windowed else 0, sinks if windowed else 0,
+         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+         page_table.stride(0)),
+        (group, dim, v_dim, block_m, BLOCK_N, _pow2(dim), _pow2(v_dim), key_cache.shape[1],
+         windowed, softcap is not None, precision),
+        ("GROUP", "HEAD_DIM", "V_DIM", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "TPB",
+         "WINDOWED", "SOFTCAP", "PRECISION"),
+        7,
     )  # fmt: skip
     return out
