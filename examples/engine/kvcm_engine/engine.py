@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .cache import CacheMiss, KVCMCache, LayerInfo, PagedTables, StepStates, StepTables
+from .graphs import DecodeGraphs
 from .models import BuiltModel, UnsupportedFamily, hybrid_unsupported, state_path
 from .scheduler import Request, Scheduler, Work
 
@@ -186,9 +187,14 @@ class Engine:
         preempt: Literal["free", "suspend"] = "free",
         attention: Literal["auto", "paged", "gather"] = "auto",
         hand_off_s: float | None = None,
+        cuda_graphs: bool | Literal["auto"] = "auto",
     ) -> None:
         """``hand_off_s``: a prefill engine of a disaggregated pair hands its finished
-        requests off for this many seconds (``Scheduler``, docs/disaggregation.md)."""
+        requests off for this many seconds (``Scheduler``, docs/disaggregation.md).
+        ``cuda_graphs``: decode forwards replayed from CUDA graphs (``graphs.DecodeGraphs``);
+        ``auto`` on the paged path on a CUDA device for a model without state layers;
+        ``True`` elsewhere on the paged path runs the same static-buffer forward without
+        capture (the CPU tests of that path)."""
         self.model = built.model
         self.backend = backend
         family = built.hf_config.get("model_type")
@@ -241,6 +247,7 @@ class Engine:
                 and hasattr(getattr(m, "config", None), "_attn_implementation")
             }.values()
         )
+        self.graphs = self._decode_graphs(cuda_graphs, max_running)
 
     def _view(self, layer_id: int, role: str) -> torch.Tensor:
         """The backend's pool view, made once per layer and role (a view costs microseconds
@@ -275,6 +282,32 @@ class Engine:
 
         probe = self._view(next(iter(self.backend.layers)), "key")
         return "paged" if probe.is_cuda and triton_usable(probe) else "gather"
+
+    def _decode_graphs(
+        self, cuda_graphs: bool | Literal["auto"], max_running: int
+    ) -> DecodeGraphs | None:
+        """The decode forwards' graphs (``cuda_graphs``, see ``__init__``), or None."""
+        if cuda_graphs not in (True, False, "auto"):
+            raise ValueError(f"cuda_graphs must be True, False or 'auto', not {cuda_graphs!r}")
+        capture = self._device.type == "cuda"
+        if cuda_graphs == "auto":
+            cuda_graphs = capture and self.attention == "paged" and not self._hybrid
+        if not cuda_graphs:
+            return None
+        if self.attention != "paged" or self._hybrid:
+            raise ValueError("cuda_graphs needs the paged attention path and no state layers")
+        b = self.backend
+        return DecodeGraphs(
+            self.model,
+            self._view,
+            b.layers,
+            b.windows,
+            0 if b.null_page else -1,
+            self._graph_forward,
+            max_running,
+            self._device,
+            capture,
+        )
 
     def _masks(self, types: Sequence[str] | None) -> dict[str, int | None] | None:
         """Which kvcm layer group's mask each layer type takes (a dict), or None where the
@@ -335,8 +368,11 @@ class Engine:
             tables = self.backend.page_tables()
             kvcm_s += time.perf_counter() - t
             t = time.perf_counter()
-            for work, work_slots in self._forwards(batch, slots):
-                next_tokens.update(self._forward(work, work_slots, tables))
+            if self.graphs is not None and self.graphs.fits([w.count for w in batch]):
+                next_tokens.update(self._graph_step(batch, slots, tables))
+            else:
+                for work, work_slots in self._forwards(batch, slots):
+                    next_tokens.update(self._forward(work, work_slots, tables))
             self.stats.model_s += time.perf_counter() - t
         self.scheduler.finish_step(plan, next_tokens)
         self.stats.kvcm_s += kvcm_s
@@ -435,11 +471,7 @@ class Engine:
                 self._dtype,
             )
             masks = [t.mask for t in step_tables.groups]
-        mask: Any = (
-            masks[0]
-            if self._mask_groups is None
-            else {kind: None if g is None else masks[g] for kind, g in self._mask_groups.items()}
-        )
+        mask = self._mask_arg(masks)
         states = None
         if b.state_view is not None:
             assert b.state_slots is not None
@@ -448,19 +480,9 @@ class Engine:
             )
             states = StepStates(b.state_view, b.state_buffers, state_slots)
         cache = KVCMCache(self._view, b.layers, step_tables, states, self._state_ids)
-        with (
-            cache.paged_forward(self._attention_configs)
-            if isinstance(step_tables, PagedTables)
-            else contextlib.nullcontext()
-        ):
-            out = self.model(
-                input_ids=ids.to(self._device),
-                position_ids=pos.to(self._device),
-                attention_mask=mask,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_arg: cache},
-            )
+        out = self._call_model(
+            cache, ids.to(self._device), pos.to(self._device), mask, self.attention == "paged"
+        )
         if states is not None:
             states.write_back()
         best_t = out.logits[:, -1].float().argmax(dim=-1)
@@ -476,6 +498,10 @@ class Engine:
                 )
         else:
             best = best_t.tolist()
+        return self._emit(plan, best)
+
+    def _emit(self, plan: list[Work], best: Sequence[int]) -> dict[str, int]:
+        """A forward's next tokens, by request, for the requests it finished computing."""
         self.stats.forwards += 1
         self.stats.tokens_computed += sum(w.count for w in plan)
         done = {}
@@ -484,6 +510,57 @@ class Engine:
                 done[w.request.request_id] = token
                 self.stats.tokens_generated += 1
         return done
+
+    def _mask_arg(self, masks: list[torch.Tensor]) -> Any:
+        """The model's ``attention_mask``: the one group's mask, or one per layer type."""
+        if self._mask_groups is None:
+            return masks[0]
+        return {kind: None if g is None else masks[g] for kind, g in self._mask_groups.items()}
+
+    def _call_model(
+        self, cache: KVCMCache, ids: torch.Tensor, pos: torch.Tensor, mask: Any, paged: bool
+    ) -> Any:
+        """One forward of the model on ``cache`` (the paged forward's context on the kernel
+        path)."""
+        with cache.paged_forward(self._attention_configs) if paged else contextlib.nullcontext():
+            return self.model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_arg: cache},
+            )
+
+    def _graph_forward(
+        self, cache: KVCMCache, ids: torch.Tensor, pos: torch.Tensor, batch: int
+    ) -> torch.Tensor:
+        """The decode forward that ``DecodeGraphs`` captures: the next tokens ``[batch]``."""
+        unused = torch.empty((batch, 1, 1, 1), dtype=self._dtype, device=self._device)
+        mask = self._mask_arg([unused] * len(self.backend.windows))
+        out = self._call_model(cache, ids, pos, mask, True)
+        return out.logits[:, -1].float().argmax(dim=-1)
+
+    @torch.no_grad()
+    def _graph_step(
+        self, plan: list[Work], slots: torch.Tensor, tables: torch.Tensor
+    ) -> dict[str, int]:
+        """A decode forward through ``self.graphs`` (a replay of its CUDA graph)."""
+        assert self.graphs is not None
+        best, miss = self.graphs.run(
+            [w.request.seq[w.start] for w in plan],
+            [w.request.row for w in plan],
+            [w.start for w in plan],
+            slots,
+            tables,
+        )
+        g = next((g for g, m in enumerate(miss) if m), None)
+        if g is not None:
+            raise CacheMiss(
+                f"layer group {g}: a position the model needs has no page in kvcm's page "
+                f"table (rows {[w.request.row for w in plan]})"
+            )
+        return self._emit(plan, best)
 
 
 def _as_tensor(mapping: Any) -> torch.Tensor:
