@@ -27,9 +27,14 @@ gather (each request's history gathered out of the pages, then the model's SDPA)
 ``--compare-gather`` adds an in-process row on the gather path. ``--ways`` picks the kvcm ways
 (default all four).
 
+On CUDA the engine's decode forwards replay CUDA graphs (``kvcm_engine.graphs``; ``--cuda-graphs
+off`` runs them launch by launch, ``--compare-eager`` adds an in-process row without them; a
+row's name says ``graphs`` when its decodes replayed them).
+
 Per way: generated tokens per second, steps, mean and p50 step time, and kvcm's time per step
-(its ``step_columns`` call with the probes of new requests, the mapping cut per forward,
-reading the tables): mean, p50 and p99, its share of the step, and the calls made. Every kvcm
+(the scheduler's planning, its ``step_columns`` call with the probes of new requests, the
+mapping cut per forward, reading the tables): mean, the part inside the ``step_columns``
+call, p50 and p99, its share of the step, and the calls made. Every kvcm
 run's tokens are checked against the baseline's (they must be equal; a mismatch is reported,
 not hidden). ``--gap-ms`` sleeps after each step (untimed in the step): an engine whose model
 pass is that much longer, so that the sidecar sleeps between steps as it does beside a GPU.
@@ -129,7 +134,11 @@ def baseline(built: Any, requests: list[Any], device: str) -> dict[str, Any]:
 
 
 def engine_run(
-    built: Any, backend: Backend, args: argparse.Namespace, attention: str | None = None
+    built: Any,
+    backend: Backend,
+    args: argparse.Namespace,
+    attention: str | None = None,
+    graphs: bool = True,
 ) -> dict[str, Any]:
     engine = Engine(
         built,
@@ -138,6 +147,7 @@ def engine_run(
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.requests,
         attention=attention or args.attention,  # type: ignore[arg-type]
+        cuda_graphs="auto" if graphs and args.cuda_graphs == "auto" else False,
     )
     gap = getattr(args, "gap_ms", 0.0) / 1000
     if gap:  # a longer model pass after each step (untimed): the engine's cadence
@@ -168,6 +178,8 @@ def engine_run(
         "step_ms_mean": float(steps.mean()),
         "step_ms_p50": float(np.percentile(steps, 50)),
         "kvcm_ms_per_step": s.kvcm_s * 1e3 / s.steps,
+        "kvcm_call_ms_per_step": engine.scheduler.stats.call_s * 1e3 / s.steps,
+        "graph_forwards": 0 if engine.graphs is None else engine.graphs.replays,
         "kvcm_share": s.kvcm_s / float(steps.sum() / 1e3),
         "hit_tokens": engine.scheduler.stats.hit_tokens,
         "preemptions": engine.scheduler.stats.preemptions,
@@ -176,14 +188,18 @@ def engine_run(
 
 
 def measured(
-    built: Any, backend: Backend, args: argparse.Namespace, attention: str | None = None
+    built: Any,
+    backend: Backend,
+    args: argparse.Namespace,
+    attention: str | None = None,
+    graphs: bool = True,
 ) -> dict[str, Any]:
-    """A warm-up run (first touches of the pools, allocator caches, the kernels' compiles), an
-    emptied prefix cache, then the measured run: both ways start from the same cold prefix
-    cache."""
-    engine_run(built, backend, args, attention)
+    """A warm-up run (first touches of the pools, allocator caches, the kernels' compiles, the
+    decode graphs' captures), an emptied prefix cache, then the measured run: both ways start
+    from the same cold prefix cache."""
+    engine_run(built, backend, args, attention, graphs)
     backend.kvcm.reset_prefix_cache()
-    return engine_run(built, backend, args, attention)
+    return engine_run(built, backend, args, attention, graphs)
 
 
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,6 +210,11 @@ def _workload(args: argparse.Namespace) -> dict[str, Any]:
         "arrival_every": 0,
         "vocab": SHAPES[_kind(args.device)]["vocab_size"],
     }
+
+
+def _path(row: dict[str, Any]) -> str:
+    """The engine's attention path in a row's name, and whether decodes replayed graphs."""
+    return row["attention"] + (", graphs" if row["graph_forwards"] else "")
 
 
 def _kind(device: str) -> str:
@@ -257,6 +278,17 @@ def main() -> None:
         action="store_true",
         help="add an in-process row on the gather path (the attention before the kernel)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "off"),
+        default="auto",
+        help="decode forwards replayed from CUDA graphs (auto: on the paged path on CUDA)",
+    )
+    p.add_argument(
+        "--compare-eager",
+        action="store_true",
+        help="add an in-process row on the paged path without CUDA graphs",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args()
@@ -278,13 +310,15 @@ def main() -> None:
     if unknown := set(ways) - set(WAYS):
         p.error(f"unknown ways {sorted(unknown)}; of {', '.join(WAYS)}")
     layers = layers_from_hf_config(built.hf_config)
-    in_process: list[str | None] = [] if "in-process" not in ways else [None]
+    in_process: list[tuple[str | None, bool]] = [] if "in-process" not in ways else [(None, True)]
+    if args.compare_eager:
+        in_process.append(("paged", False))
     if args.compare_gather:
-        in_process.append("gather")
-    for attention in in_process:
+        in_process.append(("gather", False))
+    for attention, graphs in in_process:
         manager = KVCacheManager({"layers": layers, "device": args.device, **kv_settings(args)})
-        row = measured(built, Backend.in_process(manager), args, attention)
-        rows.append({"way": f"kvcm in-process ({row['attention']})", **row})
+        row = measured(built, Backend.in_process(manager), args, attention, graphs)
+        rows.append({"way": f"kvcm in-process ({_path(row)})", **row})
         manager.close()
     sidecar_ways = [
         ("http", "kvcm sidecar, HTTP", [], False),
@@ -305,7 +339,7 @@ def main() -> None:
             with KVCacheClient(url, step_socket=step_socket if channel else None) as client:
                 client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
                 row = measured(built, Backend.sidecar(client), args)
-                rows.append({"way": f"{way} ({row['attention']})", **row})
+                rows.append({"way": f"{way} ({_path(row)})", **row})
         finally:
             proc.terminate()
             proc.wait(10)
@@ -324,20 +358,21 @@ def main() -> None:
     )
     print(
         "| way | tok/s | vs transformers | steps | step ms mean / p50 | kvcm ms/step "
-        "| kvcm ms p50 / p99 | kvcm share | calls | hits | preempt | match |"
+        "| of it in the call | kvcm ms p50 / p99 | kvcm share | calls | hits | preempt | match |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = row["tok_s"] / rows[0]["tok_s"]
         if "step_ms_mean" in row:
             step = f"{row['step_ms_mean']:.2f} / {row['step_ms_p50']:.2f}"
             kv = (
-                f"{row['kvcm_ms_per_step']:.3f} | {row['kvcm_ms_p50']:.3f} / "
+                f"{row['kvcm_ms_per_step']:.3f} | {row['kvcm_call_ms_per_step']:.3f} | "
+                f"{row['kvcm_ms_p50']:.3f} / "
                 f"{row['kvcm_ms_p99']:.3f} | {row['kvcm_share']:.1%} | {row['kvcm_calls']} | "
                 f"{row['hit_tokens']} | {row['preemptions']}"
             )
         else:
-            step, kv = "-", "- | - | - | - | - | -"
+            step, kv = "-", "- | - | - | - | - | - | -"
         print(
             f"| {row['way']} | {row['tok_s']:.0f} | {ratio:.2f}x | {row['steps']} | {step} "
             f"| {kv} | {row['match']} |"

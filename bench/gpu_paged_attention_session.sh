@@ -6,7 +6,8 @@
 #   suite        tests/gpu whole (every GPU test file)
 #   step         bench/bench_cuda_step.py --profile (the whole decode step on CUDA, host included)
 #   kernel       tests/gpu/test_paged_attention_gpu.py (kernel vs dense SDPA, engine vs generate)
-#   micro        the kernels' device time (do_bench median) and host time per launch
+#   micro        the kernels' device time (do_bench median) and host time per launch (pre-bound
+#                and through Triton's dispatch)
 #   bench        bench/bench_engine.py --device cuda: transformers' batched generate, the engine
 #                in process on the kernel and on the gather, and the sidecar ways (BENCH_WAYS)
 #   engine-gpu   tests/gpu/test_engine_gpu.py (CUDA manager and CUDA IPC sidecar, kernel on)
@@ -42,6 +43,7 @@ fi
 if has micro; then
   timeout 120 python3 - <<'EOF' 2>&1 | tee "$out/kernel-micro.log"
 import time, torch, triton
+from kvcm_kernels import paged_attention as pa
 from kvcm_kernels.paged_attention import paged_attention, step_meta, store_kv
 dev, tpb, R, H, KVH, D, LAYERS = "cuda", 16, 16, 16, 8, 128, 16
 pool = torch.randn(1024, LAYERS * 2, tpb, KVH, D, device=dev, dtype=torch.float16)
@@ -59,24 +61,30 @@ for hist, q in ((200, 1), (600, 1), (0, 128), (128, 128)):
     att(); st(); torch.cuda.synchronize()
     t_att, t_st = triton.testing.do_bench(att, return_mode="median"), triton.testing.do_bench(st, return_mode="median")
     n = 300
-    t = time.perf_counter()
-    for _ in range(n): att()
-    host_att = (time.perf_counter() - t) / n
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n): st()
-    host_st = (time.perf_counter() - t) / n
-    torch.cuda.synchronize()
+    host = {}
+    for direct in (True, False):  # pre-bound launches, then Triton's own dispatch
+        for launcher in pa._LAUNCHERS.values():
+            launcher.direct = direct
+        t = time.perf_counter()
+        for _ in range(n): att()
+        host_att = (time.perf_counter() - t) / n
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n): st()
+        host_st = (time.perf_counter() - t) / n
+        torch.cuda.synchronize()
+        host[direct] = (host_att * 1e6, host_st * 1e6)
     kv_bytes = 2 * R * (hist + q) * KVH * D * 2
     print(f"history {hist} + {q} new x {R} req: attention {t_att*1e3:.1f} us device "
-          f"({kv_bytes / (t_att * 1e-3) / 1e12:.2f} TB/s of K+V), {host_att*1e6:.1f} us host/launch; "
-          f"store {t_st*1e3:.1f} us device, {host_st*1e6:.1f} us host/launch")
+          f"({kv_bytes / (t_att * 1e-3) / 1e12:.2f} TB/s of K+V), host/launch {host[True][0]:.1f} us "
+          f"pre-bound, {host[False][0]:.1f} us Triton's dispatch; store {t_st*1e3:.1f} us device, "
+          f"host/launch {host[True][1]:.1f} / {host[False][1]:.1f} us")
 EOF
 fi
 if has bench; then
   for args in "" ${BENCH_EXTRA:-}; do
     args=${args//,/ }
-    timeout "${BENCH_S:-300}" python3 bench/bench_engine.py --device cuda --compare-gather \
+    timeout "${BENCH_S:-300}" python3 bench/bench_engine.py --device cuda ${BENCH_COMPARE:---compare-gather} \
       --ways "${BENCH_WAYS:-in-process,channel}" $args --json "$out/engine-cuda${args// /}.json" \
       2>&1 | tee -a "$out/bench-engine-cuda.log" | grep -E "^(#|\|)"
   done

@@ -43,6 +43,7 @@ decode step extends by 1 and computes the previous output token.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -128,6 +129,9 @@ class SchedulerStats:
     fetched_tokens: int = 0
     moved_blocks: int = 0
     pull_failures: int = 0
+    call_s: float = 0.0
+    """Time inside kvcm's ``step_columns`` calls (the rest of a step's kvcm time is the
+    scheduler's own planning and the engine's cut of the mapping)."""
 
 
 class Scheduler:
@@ -402,7 +406,9 @@ class Scheduler:
         (``map_slots``: no second call for it); any failure but "no room" for an extend, an
         allocate, a suspend or a resume is a bug here."""
         self.stats.kvcm_calls += 1
+        begin = time.perf_counter()
         out = self.kvcm.step_columns(**columns, map_slots=True)
+        self.stats.call_s += time.perf_counter() - begin
         if out.pulls:
             self._ended += out.pulls
         if not out.ok:
