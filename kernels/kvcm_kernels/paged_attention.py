@@ -234,12 +234,14 @@ class _PreBound:
 
 
 def _hooked() -> bool:
-    """Whether Triton has a launch hook set (a profiler's), which only its JIT path calls."""
+    """Whether Triton has a launch hook set (a profiler's), which only its JIT path calls: a
+    hook that is not None, or (Triton 3.5 on) a ``HookChain`` with calls in it."""
     knobs = getattr(_triton().triton, "knobs", None)
     runtime = getattr(knobs, "runtime", None)
-    return runtime is not None and (
-        runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
-    )
+    if runtime is None:
+        return False
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
 _LAUNCHERS: dict[int, _PreBound] = {}
