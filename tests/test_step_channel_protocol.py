@@ -32,7 +32,7 @@ class FakeChannel:
     def limit(self) -> int:
         return 1 << 20
 
-    def handle(self, body: bytes) -> tuple[dict[str, Any], bool, str]:
+    def handle(self, body: bytes, conn: Any = None) -> tuple[dict[str, Any], bool, str]:
         return {"result": msgpack.unpackb(body)["args"]["i"]}, False, "x"
 
 

@@ -61,7 +61,7 @@ class Channel:
     def limit(self) -> int:
         return 1000 if not self.answer_size else 1 << 24
 
-    def handle(self, body: bytes) -> tuple[dict[str, Any], bool, str]:
+    def handle(self, body: bytes, conn: Any = None) -> tuple[dict[str, Any], bool, str]:
         try:
             message = msgpack.unpackb(body)
         except Exception:

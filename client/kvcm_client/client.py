@@ -101,20 +101,28 @@ class KVCacheClient:
         retries: int = 2,
         backoff_s: float = 0.05,
         step_wake_after_s: float | None = channel.WAKE_AFTER_S,
+        step_ring: bool = False,
     ) -> None:
         """``step_socket``: the service's step channel (``kvcm serve --step-socket``); the
         step-path methods (``step``, ``extend_many``, ``slot_mapping(s)``, ``probe``,
         ``allocate``, ``extend``, ``rewind``, ``commit``, ``free``) go over it, the rest
         over HTTP (docs/step-channel.md). ``step_wake_after_s``: a call after the channel
         was idle this long rings the service's doorbell first (None: never; "The doorbell"
-        there)."""
+        there). ``step_ring=True``: the frames go through a shared-memory ring where the
+        service offers one (busy-poll mode, x86-64 Linux), else over the socket as before
+        ("The shared-memory ring" there; ``ring_attached`` says which)."""
         url, headers = base_and_headers(base_url, uds, token)
         self._token = token_or_env(token)
         self._channel = (
             None
             if step_socket is None
             else channel.StepSocket(
-                str(step_socket), timeout, retries, backoff_s, wake_after_s=step_wake_after_s
+                str(step_socket),
+                timeout,
+                retries,
+                backoff_s,
+                wake_after_s=step_wake_after_s,
+                ring=step_ring,
             )
         )
         transport = httpx.HTTPTransport(uds=str(uds)) if uds is not None else None
@@ -130,6 +138,11 @@ class KVCacheClient:
         self.session_id: str | None = None
         #: The service generation this client pinned (the first one it saw); see reconnect().
         self.generation: str | None = None
+
+    @property
+    def ring_attached(self) -> bool:
+        """Whether the step channel's calls go through a shared-memory ring now."""
+        return self._channel is not None and self._channel.ring is not None
 
     def __enter__(self) -> KVCacheClient:
         return self

@@ -324,6 +324,14 @@ class UnknownPeer(KVCMError):
     status = 404
 
 
+class RingUnavailable(KVCMError):
+    """The step channel offers no shared-memory ring here: the service is not in busy-poll
+    mode, or the machine is not x86-64 Linux (``detail.reason``). The socket serves instead."""
+
+    code = "ring_unavailable"
+    status = 409
+
+
 class PeerUnreachable(KVCMError):
     """A configured peer did not answer (down, restarting, or refusing the token)."""
 
@@ -376,6 +384,7 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         TransferFailed,
         UnknownPeer,
         PeerUnreachable,
+        RingUnavailable,
     )
 }
 
@@ -427,6 +436,7 @@ STATUS_CODES: tuple[str, ...] = (
     "transfer_failed",
     "unknown_peer",
     "peer_unreachable",
+    "ring_unavailable",
 )
 STATUS_OF: dict[str, int] = {code: i for i, code in enumerate(STATUS_CODES)}
 

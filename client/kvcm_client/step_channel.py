@@ -36,6 +36,7 @@ from .errors import (
     error_from_dict,
 )
 from .models import OpResult, RequestInfo
+from .step_ring import RING_OP, ClientRing, supported
 
 T = TypeVar("T")
 
@@ -243,6 +244,8 @@ class _Broken(Exception):
 
 #: How long a call polls for its answer before it sleeps in the kernel (seconds).
 SPIN_S = 0.002
+#: Looks at a ring's answer for each yield of the core while a call polls for it.
+_RING_LOOKS = 16
 #: Bytes asked for by an answer's first read: room for a decode step's whole answer.
 _READ = 1 << 16
 
@@ -369,6 +372,11 @@ class StepSocket(_Doorbell):
 
     A call that begins after the connection was idle longer than ``wake_after_s`` rings the
     doorbell first (``wake``); None turns that off.
+
+    ``ring=True``: each connection asks for a shared-memory ring (``step_ring``) as it opens
+    and, where the service offers one, sends its frames through it (a frame larger than the
+    ring's area still goes over the socket); where it refuses (``ring_unavailable``, or an
+    older service), the socket serves, as without.
     """
 
     def __init__(
@@ -379,6 +387,7 @@ class StepSocket(_Doorbell):
         backoff_s: float,
         spin_s: float = SPIN_S,
         wake_after_s: float | None = WAKE_AFTER_S,
+        ring: bool = False,
     ) -> None:
         self.path = path
         self.timeout = timeout
@@ -388,9 +397,17 @@ class StepSocket(_Doorbell):
         super().__init__(wake_after_s)
         self._sock: socket.socket | None = None
         self._packer = new_packer()
+        self.want_ring = ring and supported()
+        #: This connection's ring, if the service gave one.
+        self.ring: ClientRing | None = None
+        #: Why the service refused the last ring asked for (its error code), if it did.
+        self.ring_refusal: str | None = None
 
     def close(self) -> None:
         self._idle_since = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -455,7 +472,41 @@ class StepSocket(_Doorbell):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             self._sock = sock
+            if self.want_ring:
+                self._attach_ring(sock)
         return self._sock
+
+    def _attach_ring(self, sock: socket.socket) -> None:
+        """Ask for this connection's ring; its fd comes with the answer's first bytes. A
+        refusal leaves the connection on the socket (``ring_refusal`` says why)."""
+        try:
+            sock.sendall(pack({"op": RING_OP}))
+            data, fds, _, _ = socket.recv_fds(sock, _READ, 1)
+        except OSError as exc:
+            raise _Broken(exc, sent=False) from None
+        try:
+            if not data:
+                raise _Broken(ConnectionResetError("the step channel closed"), sent=False)
+            if len(data) < HEADER.size:
+                data += _recv_exactly(sock, HEADER.size - len(data))
+            end = HEADER.size + HEADER.unpack_from(data)[0]
+            if len(data) < end:
+                data += _recv_exactly(sock, end - len(data))
+            answer = unpack(memoryview(data)[HEADER.size : end])
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise _Broken(exc, sent=False) from None
+        error = answer.get("error")
+        if fds and error is None:
+            self.ring = ClientRing(fds[0], int(answer["result"]["slot"]))
+            self.ring_refusal = None
+            return
+        for fd in fds:
+            os.close(fd)
+        self.ring_refusal = str(error.get("code")) if type(error) is dict else "no_fd"
+        if answer.get("close"):  # a service that closes on what it cannot read
+            raise _Broken(ConnectionResetError("the step channel refused the ring"), sent=False)
 
     def _exchange(self, frame: bytes) -> dict[str, Any]:
         sock = self._connect()
@@ -470,6 +521,15 @@ class StepSocket(_Doorbell):
             raise
 
     def _send_and_read(self, sock: socket.socket, frame: bytes) -> dict[str, Any]:
+        ring = self.ring
+        if ring is not None and len(frame) - HEADER.size <= ring.slot:
+            try:
+                answer = self._over_ring(ring, sock, frame)
+            except OSError as exc:
+                raise _Broken(exc, sent=True) from None
+            if self._sock is not None:
+                self._idle_since = time.perf_counter_ns()
+            return answer
         try:
             sock.sendall(frame)
         except OSError as exc:
@@ -485,6 +545,42 @@ class StepSocket(_Doorbell):
             raise _Broken(exc, sent=True) from None
         if self._sock is not None:  # still open: idle from now on
             self._idle_since = time.perf_counter_ns()
+        return answer
+
+    def _over_ring(self, ring: ClientRing, sock: socket.socket, frame: bytes) -> dict[str, Any]:
+        """A call through the ring: the body in, the doorbell if the service says it sleeps,
+        then the answer polled for (``spin_s``, yielding the core), then looked for every
+        50 us, the socket checked for a service gone, until the timeout. A call not answered
+        in 1 ms rings once more, in case the service fell asleep just as the frame went in.
+        The answer is read from the socket where the ring says it went there."""
+        seq = ring.post(memoryview(frame)[HEADER.size :])
+        rang = not ring.awake()
+        if rang:
+            sock.sendall(DOORBELL)
+        now = start = time.perf_counter_ns()
+        spin_until = start + self.spin_ns
+        ring_again = start + 1_000_000
+        deadline = None if self.timeout is None else start + int(self.timeout * 1e9)
+        looks = 0
+        while not ring.answered(seq):
+            looks += 1
+            if not rang and now >= ring_again:
+                sock.sendall(DOORBELL)
+                rang = True
+            if now < spin_until:
+                if not looks % _RING_LOOKS:  # a load is cheap, a system call is not
+                    os.sched_yield()
+            else:
+                if _peer_closed(sock):
+                    raise ConnectionResetError("the step channel closed the connection")
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError("the step channel did not answer in time")
+                time.sleep(0.00005)
+            now = time.perf_counter_ns()
+        body = ring.answer_body()
+        answer = self._read(sock, spin=False) if body is None else unpack(body)
+        if answer.get("close"):
+            self.close()
         return answer
 
     def _leftover(self, sock: socket.socket) -> dict[str, Any] | None:
@@ -648,6 +744,14 @@ def _first_bytes(sock: socket.socket, until_ns: int) -> bytes:
     if not chunk:
         raise ConnectionResetError("the step channel closed the connection")
     return chunk
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer closed the connection (a ring's service gone), without blocking."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter, perf_counter_ns
@@ -33,8 +34,10 @@ from kvcm_client.errors import (
     InternalError,
     InvalidArgument,
     KVCMError,
+    LimitReached,
     MalformedRequest,
     PayloadTooLarge,
+    RingUnavailable,
     StaleGeneration,
     Unauthorized,
     invalid_from_validation,
@@ -52,11 +55,13 @@ from kvcm_client.models import (
     StepRequest,
 )
 from kvcm_client.step_channel import HEADER, OPS, unpack
+from kvcm_client.step_ring import RING_OP, SLOT_BYTES, supported
 
 from ..columnar_parse import columns_from_wire
 from ..ops import plain_step
 from .state import ServiceState
 from .step_poll import DEFAULT_POLL_US, WAKE, FramePoll, GapPredictor
+from .step_ring import MAX_RINGS, ServiceRing
 from .unix_socket import OwnSocket, bind
 
 log = logging.getLogger("kvcm.step_channel")
@@ -105,6 +110,8 @@ class StepChannel:
         self.socket_file: OwnSocket | None = None
         #: The open connections: each adds itself when made and removes itself when lost.
         self.connections: set[_Connection] = set()
+        #: The connections with a shared-memory ring (``step_ring``), which the spin polls.
+        self.ringed: set[_Connection] = set()
         m = state.metrics
         self._latency = {op: m.latency.labels(f"/v1/{op}") for op in OPS}
         self._handlers: dict[str, Callable[[Any, str | None], Any]] = {
@@ -143,9 +150,12 @@ class StepChannel:
 
     # -- one frame -----------------------------------------------------------------------------
 
-    def handle(self, body: bytes) -> tuple[dict[str, Any], bool, str]:
+    def handle(
+        self, body: bytes, conn: _Connection | None = None
+    ) -> tuple[dict[str, Any], bool, str]:
         """The answer to one frame, whether to close the connection after it, and its op
-        (``invalid`` for a frame without a known op)."""
+        (``invalid`` for a frame without a known op). ``conn``: the connection it came on
+        (the ``ring`` op attaches its ring to it)."""
         try:
             message = unpack(body)
         except Exception:  # msgpack raises several types for junk
@@ -155,9 +165,9 @@ class StepChannel:
             err = MalformedRequest("a frame must hold a msgpack map")
             return self.error_frame("invalid", err), True, "invalid"
         op = message.get("op")
-        label = op if type(op) is str and op in OPS else "invalid"
+        label = op if type(op) is str and (op in OPS or op == RING_OP) else "invalid"
         try:
-            result = self._call(op, message)
+            result = self._offer_ring(conn, message) if op == RING_OP else self._call(op, message)
         except KVCMError as exc:
             return self.error_frame(label, exc), False, label
         except Exception as exc:
@@ -208,6 +218,35 @@ class StepChannel:
             if type(given) is not str or not hmac.compare_digest(given.encode(), self.token):
                 raise Unauthorized("this op needs the service's token (KVCM_API_TOKEN)")
 
+    def _offer_ring(self, conn: _Connection | None, message: dict[str, Any]) -> dict[str, int]:
+        """The ``ring`` op: a shared-memory ring for ``conn`` (``step_ring``), whose fd goes
+        with the answer. Offered in busy-poll mode only (a ring is polled by the spin; a
+        service that sleeps would need a doorbell per frame, which is what the socket costs),
+        on x86-64 Linux, one per connection, ``MAX_RINGS`` in all. It grants no op: each frame
+        through it is checked as on the socket (generation, token)."""
+        if not message.keys() <= _KEYS:
+            unknown = sorted(str(k) for k in message.keys() - _KEYS)
+            raise InvalidArgument(f"unknown keys in a step channel frame: {unknown}")
+        if message.get("args", {}) != {}:
+            raise InvalidArgument("the ring op takes no args")
+        if conn is None or conn.ring is not None:
+            raise InvalidArgument("a ring is asked for once, on the socket")
+        if not self.spin_ns:
+            raise RingUnavailable(
+                "the step ring needs busy-poll mode (kvcm serve --step-spin-s) on 2+ CPUs",
+                reason="busy_poll_off",
+            )
+        if not supported():
+            raise RingUnavailable("the step ring runs on x86-64 Linux only", reason="platform")
+        if len(self.ringed) >= MAX_RINGS:
+            raise LimitReached(f"{MAX_RINGS} step rings are open", max_rings=MAX_RINGS)
+        if conn.transport is None or conn.transport.get_write_buffer_size():
+            raise RingUnavailable("answers to this connection are unsent", reason="unsent")
+        slot = min(SLOT_BYTES, self.limit())
+        conn.attach(ServiceRing(slot))
+        self.ringed.add(conn)
+        return {"slot": slot}
+
     def rang(self) -> None:
         """Count a doorbell (``kvcm_step_channel_frames_total{op="wake"}``)."""
         metrics = self.state.metrics
@@ -237,7 +276,9 @@ class StepChannel:
         is left. Example (spin 100 ms, a step every 5 ms): each answer pushes the end out to
         100 ms after it, the service never sleeps while the steps come, and it sleeps again
         100 ms after the last one."""
-        self._spin_until = perf_counter_ns() + self.spin_ns
+        self._spin_until = until = perf_counter_ns() + self.spin_ns
+        for conn in self.ringed:
+            conn.ring_awake(until)
         if not self._spinning:
             self._spinning = True
             asyncio.get_running_loop().call_soon(self._spin_slice)
@@ -246,16 +287,50 @@ class StepChannel:
     SPIN_SLICE_NS = 200_000
 
     def _spin_slice(self) -> None:
+        try:
+            again = self._spin_on()
+        except BaseException:
+            self._spinning = False  # a doorbell or an answer starts the next spin
+            raise
+        if again:
+            asyncio.get_running_loop().call_soon(self._spin_slice)
+        else:
+            self._spinning = False
+
+    def _spin_on(self) -> bool:
+        """One slice of the spin; whether to go on with another."""
         left = self._spin_until - perf_counter_ns()
         if left <= 0 or not self.connections or self.server is None:
-            self._spinning = False
-            return
+            self._rings_asleep()
+            return self._spin_until > perf_counter_ns()  # a frame served as it ended
         assert self.poll is not None
         # Part of an answer unsent: only the loop sends the rest, so this slice is its.
-        if _nothing_unsent(self.connections) and self.poll.wait(min(left, self.SPIN_SLICE_NS)):
-            self._spinning = False  # a frame: the loop reads it next; its answer spins again
-            return
-        asyncio.get_running_loop().call_soon(self._spin_slice)
+        ready = self._ring_frame if self.ringed else None
+        window = min(left, self.SPIN_SLICE_NS)
+        looked = _nothing_unsent(self.connections) and self.poll.wait(window, ready)
+        # A socket frame: the loop reads it next, and its answer spins again.
+        return not looked or self._serve_rings()
+
+    def _ring_frame(self) -> bool:
+        """Whether a ring holds a frame to serve (the spin's look at the rings)."""
+        return any(conn.ring_pending() for conn in self.ringed)
+
+    def _serve_rings(self) -> bool:
+        """Serve each ring's waiting frame, in the spin (each answer spins again); whether
+        there was one."""
+        served = False
+        for conn in list(self.ringed):
+            if conn.ring_pending():
+                conn.serve_ring()
+                served = True
+        return served
+
+    def _rings_asleep(self) -> None:
+        """The spin ended: tell the rings' clients to ring the doorbell from now on, then
+        serve a frame that came as the spin ended (it may have seen the service awake)."""
+        for conn in self.ringed:
+            conn.ring_awake(0)
+        self._serve_rings()  # each answer spins again
 
     def error_frame(self, label: str, exc: KVCMError) -> dict[str, Any]:
         """The answer of a frame that failed; ``label``: its op, or ``invalid``."""
@@ -326,6 +401,8 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.closing = False
         self.fd: int | None = None  # registered with the channel's poll
+        #: The shared-memory ring (``step_ring``), once the client asked for one.
+        self.ring: ServiceRing | None = None
         poll = channel.poll
         #: The adaptive poll's record (none in busy-poll mode, which polls after every
         #: answer).
@@ -348,14 +425,80 @@ class _Connection(asyncio.Protocol):
         self.channel.connections.discard(self)
         self._stop_timer()
         self._unpoll()
+        self._drop_ring()
         self.closing = True
 
     def close(self) -> None:
         self.closing = True
         self._stop_timer()
         self._unpoll()  # before the transport closes the descriptor, which may be reused
+        self._drop_ring()
         if self.transport is not None:
             self.transport.close()
+
+    # -- the ring --------------------------------------------------------------------------------
+
+    def attach(self, ring: ServiceRing) -> None:
+        """This connection's ring (``StepChannel._offer_ring``); its fd goes with the answer."""
+        self.ring = ring
+
+    def ring_pending(self) -> bool:
+        return self.ring is not None and not self.closing and self.ring.pending()
+
+    def ring_awake(self, until_ns: int) -> None:
+        if self.ring is not None:
+            self.ring.awake_until(until_ns)
+
+    def serve_ring(self) -> None:
+        """Answer the frame waiting in the ring, as ``_frames`` answers one from the socket
+        (an answer over the ring's area goes over the socket), then spin again."""
+        ring, channel = self.ring, self.channel
+        assert ring is not None
+        limit = min(ring.slot, channel.limit())
+        taken = ring.take(limit)
+        if type(taken) is int:
+            err = PayloadTooLarge(f"frame over the {limit}-byte limit", limit=limit, size=taken)
+            answer, close = channel.error_frame("invalid", err), True
+        else:
+            answer, close, _ = channel.handle(taken, self)
+        body = _body(answer, close)
+        if not ring.reply(body):
+            assert self.transport is not None
+            self.transport.write(HEADER.pack(len(body)) + body)
+            ring.replied_on_socket()
+        if close:
+            self.close()
+        elif channel.spin_ns:
+            channel.spin()
+
+    def _drop_ring(self) -> None:
+        if self.ring is not None:
+            self.channel.ringed.discard(self)
+            self.ring.close()
+            self.ring = None
+
+    def _send_ring(self, answer: dict[str, Any], close: bool) -> None:
+        """The ``ring`` op's answer, with the ring's fd beside its first bytes (``SCM_RIGHTS``),
+        on the connection's socket itself (asyncio's transports send no fds; nothing of this
+        connection is unsent: ``_offer_ring`` checked)."""
+        assert self.ring is not None and self.transport is not None
+        body = _body(answer, close)
+        frame = HEADER.pack(len(body)) + body
+        fd = self.ring.give_fd()
+        try:
+            raw = self.transport.get_extra_info("socket").fileno()
+            with socket.socket(fileno=os.dup(raw)) as sock:
+                sent = socket.send_fds(sock, [frame], [fd])
+        except OSError:
+            log.warning("could not send a step ring to its client; connection closed")
+            self.close()
+            return
+        finally:
+            os.close(fd)
+        if sent < len(frame):
+            self.transport.write(frame[sent:])
+        if close:
+            self.close()
 
     def _unpoll(self) -> None:
         if self.fd is not None:
@@ -398,6 +541,8 @@ class _Connection(asyncio.Protocol):
             if not size:  # the doorbell: no answer; the client's frame follows
                 del buffer[:end]
                 channel.rang()
+                if self.ring_pending():  # it is in the ring already
+                    self.serve_ring()
                 poll = None if self.gaps is None else self.gaps.rang()
                 news = True
                 continue
@@ -406,8 +551,11 @@ class _Connection(asyncio.Protocol):
             body = bytes(buffer[HEADER.size : end])
             del buffer[:end]
             self._stop_timer()  # the next frame, if begun, gets a timer of its own
-            answer, close, op = channel.handle(body)
-            self._send(answer, close)
+            answer, close, op = channel.handle(body, self)
+            if op == RING_OP and self.ring is not None and "result" in answer:
+                self._send_ring(answer, close)
+            else:
+                self._send(answer, close)
             poll = None if self.gaps is None else self.gaps.answered(op)
             news = True
         if self.closing or self.paused:
@@ -438,13 +586,18 @@ class _Connection(asyncio.Protocol):
             self.timer = None
 
     def _send(self, answer: dict[str, Any], close: bool) -> None:
-        if close:
-            answer["close"] = True
-        body = msgpack.packb(answer, default=str)
+        body = _body(answer, close)
         assert self.transport is not None
         self.transport.write(HEADER.pack(len(body)) + body)
         if close:
             self.close()
+
+
+def _body(answer: dict[str, Any], close: bool) -> bytes:
+    """An answer's msgpack body, saying ``close`` when the connection closes after it."""
+    if close:
+        answer["close"] = True
+    return msgpack.packb(answer, default=str)
 
 
 def _cpus() -> int:

@@ -62,17 +62,38 @@ class FramePoll:
     def remove(self, fd: int) -> None:
         self._poll.unregister(fd)
 
-    def wait(self, window_ns: int | None = None) -> bool:
-        """Poll until a connection has bytes to read (True) or the window passes (False;
-        ``window_ns``, default this poll's), yielding the core between looks: a client that
-        shares it gets to send its frame."""
+    def wait(self, window_ns: int | None = None, ready: Callable[[], bool] | None = None) -> bool:
+        """Poll until a connection has bytes to read or ``ready()`` says so (True; the step
+        rings' look) or the window passes (False; ``window_ns``, default this poll's),
+        yielding the core between looks: a client that shares it gets to send its frame."""
         poll = self._poll.poll
         until = perf_counter_ns() + (self.window_ns if window_ns is None else window_ns)
+        if ready is not None:
+            return self._wait_ready(until, ready)
         while not poll(0):
             if perf_counter_ns() >= until:
                 return False
             sched_yield()
         return True
+
+    #: Looks at the rings between two looks at the sockets (and yields of the core).
+    RING_LOOKS = 16
+
+    def _wait_ready(self, until: int, ready: Callable[[], bool]) -> bool:
+        """``wait`` with rings: ``ready()`` is a load from shared memory, a system call
+        is a microsecond or more on a virtual machine, so the rings are looked at
+        ``RING_LOOKS`` times for each poll of the sockets and yield of the core."""
+        poll = self._poll.poll
+        looks = self.RING_LOOKS
+        while True:
+            for _ in range(looks):
+                if ready():
+                    return True
+            if poll(0):
+                return True
+            if perf_counter_ns() >= until:
+                return False
+            sched_yield()
 
 
 class GapPredictor:

@@ -1,0 +1,132 @@
+"""The step ring: the step channel's frames through shared memory (docs/step-channel.md,
+"The shared-memory ring").
+
+A service in busy-poll mode (``kvcm serve --step-spin-s``) polls for the next frame anyway;
+over the socket each frame still pays four system calls and a wake-up of the reader on each
+side, tens of microseconds at an engine's cadence (and most of the tail). Over the ring a frame
+is a copy into a mapping both processes share and an 8-byte store the service's poll sees.
+
+A connection asks for its ring with the ``ring`` op; the answer brings a memfd
+(``SCM_RIGHTS``), so only that peer can map it. The mapping (``slot`` from the answer):
+
+=============================  ===============================================================
+bytes                          what
+=============================  ===============================================================
+word 8 (byte 64)               request sequence number, written by the client *last*
+word 9 (byte 72)               request length in bytes
+word 16 (byte 128)             answer sequence number, written by the service *last*
+word 17 (byte 136)             answer length (``ON_SOCKET``: the answer came over the socket)
+word 24 (byte 192)             until when the service polls, CLOCK_MONOTONIC ns (0: asleep)
+[4096, 4096 + slot)            the request's msgpack body (the frame without its length prefix)
+[4096 + slot, 4096 + 2 slot)   the answer's msgpack body
+=============================  ===============================================================
+
+Sequence numbers count from 1, each side's words in a cache line of their own. A reader
+waits for the exact next number, so a store seen half done (never the next number) is never
+taken for a frame. x86-64 only: its stores become visible in program order, so a sequence
+number seen means the body before it is there too (a weaker memory model would need fences
+Python does not have); elsewhere the service refuses the ring and the socket serves.
+
+Example: the client's 3rd call writes its 2,080-byte body at 4096, then word 9 = 2080, then
+word 8 = 3; the service, polling word 8 for 3, copies the body out, runs it, writes the answer
+at 4096 + slot, word 17 = its length, then word 16 = 3, which the client was polling for.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+from typing import Any
+
+#: The op that asks for a ring (on the socket; not one of ``step_channel.OPS``: it runs nothing).
+RING_OP = "ring"
+#: Bytes before the bodies: the words above, a page.
+HEADER_BYTES = 4096
+#: Bytes of each body area (the service may offer less: its frame limit).
+SLOT_BYTES = 1 << 20
+#: The words (8-byte indices into the header page).
+REQUEST_SEQ, REQUEST_LEN = 8, 9
+ANSWER_SEQ, ANSWER_LEN = 16, 17
+AWAKE_UNTIL = 24
+#: An answer too large for its area went over the socket instead, whole, as a frame.
+ON_SOCKET = (1 << 64) - 1
+#: Architectures whose stores are seen in program order (see the module docstring).
+ORDERED = frozenset({"x86_64", "AMD64", "amd64"})
+
+
+def supported() -> bool:
+    """Whether this machine can run a ring (Linux memfds, x86-64's store order)."""
+    return hasattr(os, "memfd_create") and platform.machine() in ORDERED
+
+
+def ring_bytes(slot: int) -> int:
+    """The mapping's size for ``slot`` bytes each way."""
+    return HEADER_BYTES + 2 * slot
+
+
+class Ring:
+    """One side's view of a ring: the mapping, its words and its two body areas. The
+    service makes it (``create``), the client maps the fd it was sent (``Ring(fd, slot)``)."""
+
+    def __init__(self, fd: int, slot: int) -> None:
+        """Map ``fd`` (``ring_bytes(slot)`` long); the fd is closed once mapped."""
+        try:
+            self._map = mmap.mmap(fd, ring_bytes(slot))
+        finally:
+            os.close(fd)
+        self.slot = slot
+        view = memoryview(self._map)
+        #: The header's words: native stores of 8 aligned bytes each.
+        self.words = view[:HEADER_BYTES].cast("Q")
+        self.request = view[HEADER_BYTES : HEADER_BYTES + slot]
+        self.answer = view[HEADER_BYTES + slot : HEADER_BYTES + 2 * slot]
+
+    @classmethod
+    def create(cls, slot: int) -> tuple[Ring, int]:
+        """A new ring and a duplicate of its fd to send to the peer (the caller closes it)."""
+        fd = os.memfd_create("kvcm-step-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, ring_bytes(slot))
+            peer = os.dup(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, slot), peer
+
+    def close(self) -> None:
+        """Unmap (the views first: a mapping with views exported cannot close)."""
+        for view in (self.words, self.request, self.answer):
+            view.release()
+        self._map.close()
+
+
+class ClientRing(Ring):
+    """The client's side: one call at a time, in order."""
+
+    def __init__(self, fd: int, slot: int) -> None:
+        super().__init__(fd, slot)
+        self.seq = int(self.words[REQUEST_SEQ])
+
+    def post(self, body: Any) -> int:
+        """Write a request body (at most ``slot`` bytes) and publish it; its sequence number."""
+        n = len(body)
+        words = self.words
+        self.request[:n] = body
+        words[REQUEST_LEN] = n
+        self.seq = seq = self.seq + 1
+        words[REQUEST_SEQ] = seq  # last: the service takes the frame once it sees this
+        return seq
+
+    def awake(self) -> bool:
+        """Whether the service says it polls now (no doorbell needed), with 50 us to spare."""
+        return self.words[AWAKE_UNTIL] > time.perf_counter_ns() + 50_000
+
+    def answered(self, seq: int) -> bool:
+        return self.words[ANSWER_SEQ] == seq
+
+    def answer_body(self) -> memoryview | None:
+        """The answer's body once ``answered``; None when it came over the socket."""
+        n = self.words[ANSWER_LEN]
+        return None if n == ON_SOCKET else self.answer[:n]

@@ -1,0 +1,88 @@
+"""The service's side of a step ring (``kvcm_client.step_ring``; docs/step-channel.md, "The
+shared-memory ring"): a connection's frames through shared memory, polled by the busy-poll
+mode's spin instead of read from the socket.
+
+The ring serves what the socket does, the same way: each frame goes through
+``StepChannel.handle`` (the same checks, limits, metrics and order), and an answer too large
+for its area goes over the socket instead. The client's body is copied out of the mapping
+before it is parsed, so a client that keeps writing cannot change a frame under its parser.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvcm_client.step_ring import (
+    ANSWER_LEN,
+    ANSWER_SEQ,
+    AWAKE_UNTIL,
+    ON_SOCKET,
+    REQUEST_LEN,
+    REQUEST_SEQ,
+    Ring,
+)
+
+#: Rings a service keeps at once (each maps 2 MiB of shared memory); beyond, ``limit_reached``
+#: and the client stays on its socket.
+MAX_RINGS = 64
+
+
+class ServiceRing:
+    """One connection's ring, the service's side: it owns the mapping and the count of the
+    frames it took."""
+
+    def __init__(self, slot: int) -> None:
+        self.ring, peer = Ring.create(slot)
+        self._peer_fd: int | None = peer
+        self.slot = slot
+        #: The last request's sequence number taken (the next frame is ``seq + 1``).
+        self.seq = 0
+
+    def give_fd(self) -> int:
+        """The fd to send to the client, once (the caller closes it after sending)."""
+        fd, self._peer_fd = self._peer_fd, None
+        if fd is None:
+            raise RuntimeError("the ring's fd was given already")
+        return fd
+
+    def pending(self) -> bool:
+        """Whether the client published its next frame."""
+        return self.ring.words[REQUEST_SEQ] == self.seq + 1
+
+    def take(self, limit: int) -> bytes | int:
+        """The next frame's body (a copy), or its length when over the slot or ``limit``
+        (the channel's frame limit now, which a registered model may have lowered since the
+        ring was made): refused."""
+        self.seq += 1
+        n = self.ring.words[REQUEST_LEN]
+        if n > min(self.slot, limit):
+            return n
+        return bytes(self.ring.request[:n])
+
+    def reply(self, body: bytes) -> bool:
+        """Publish the answer to the frame last taken; False when it does not fit (the
+        caller sends it over the socket and then ``replied_on_socket``)."""
+        n = len(body)
+        if n > self.slot:
+            return False
+        words = self.ring.words
+        self.ring.answer[:n] = body
+        words[ANSWER_LEN] = n
+        words[ANSWER_SEQ] = self.seq  # last: the client reads the answer once it sees this
+        return True
+
+    def replied_on_socket(self) -> None:
+        """The answer to the frame last taken went over the socket, whole."""
+        words = self.ring.words
+        words[ANSWER_LEN] = ON_SOCKET
+        words[ANSWER_SEQ] = self.seq
+
+    def awake_until(self, ns: int) -> None:
+        """Tell the client until when the service polls (CLOCK_MONOTONIC ns; 0: asleep)."""
+        self.ring.words[AWAKE_UNTIL] = ns
+
+    def close(self) -> None:
+        if self._peer_fd is not None:  # never sent
+            os.close(self._peer_fd)
+            self._peer_fd = None
+        self.ring.close()

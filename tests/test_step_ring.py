@@ -1,0 +1,257 @@
+"""The step ring (``KVCacheClient(..., step_ring=True)`` with ``kvcm serve --step-spin-s``;
+docs/step-channel.md, "The shared-memory ring"): the step channel's frames through shared
+memory. A random engine workload through it equals the same steps in process, across pauses
+longer than the spin (the doorbell path); an answer too large for the ring comes over the
+socket; without busy-poll mode the ring is refused and the socket serves; frames through it are
+checked as on the socket (token, limits, junk), a client gets no more than one, and a service
+that dies mid-call fails the call at once instead of at the timeout."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from helpers import layer, manager
+from servers import serve_process, small_model_args
+
+from kvcm_client import KVCacheClient
+from kvcm_client.errors import ServiceUnavailable, Unauthorized
+from kvcm_client.step_channel import HEADER, pack, unpack
+from kvcm_client.step_ring import (
+    ANSWER_LEN,
+    ANSWER_SEQ,
+    AWAKE_UNTIL,
+    HEADER_BYTES,
+    ON_SOCKET,
+    REQUEST_LEN,
+    REQUEST_SEQ,
+    SLOT_BYTES,
+    ClientRing,
+    supported,
+)
+
+pytestmark = [
+    pytest.mark.skipif(not supported(), reason="the step ring runs on x86-64 Linux only"),
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="busy-poll mode needs 2 CPUs"),
+]
+
+LAYERS = [layer(0), layer(1, sliding_window=8, sink_tokens=4)]
+SPIN = ["--step-spin-s", "0.1"]
+
+
+def frames_by_op(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    found = re.findall(r'kvcm_step_channel_frames_total\{op="(\w+)",result="ok"\} (\S+)', text)
+    return {op: float(n) for op, n in found}
+
+
+def same_step(kv: Any, m: Any, rng: random.Random, live: dict[str, int], serial: int) -> int:
+    """One random engine step (frees, rewinds, chunked extends with lookahead, allocates
+    with shared prefixes, slot mappings) through ``kv`` and in process on ``m``: the
+    outcomes must be equal. ``live``: request id -> handle (the same on both sides)."""
+    free = [h for h in live.values() if rng.random() < 0.15]
+    extend = [h for h in live.values() if h not in free]
+    counts = [rng.choice([1, 1, 2, 5]) for _ in extend]
+    rewind = [h for h in extend if rng.random() < 0.2]
+    allocate = []
+    for _ in range(rng.randint(0, 2)):
+        serial += 1
+        n = rng.randint(1, 18)
+        prompt = [rng.choice([1, 2]) for _ in range(n)]
+        allocate.append({"request_id": f"r{serial}", "num_tokens": n, "token_ids": prompt})
+    cols = {
+        "free": free,
+        "rewind": rewind,
+        "rewind_tokens": 1,
+        "extend": extend,
+        "num_new_tokens": counts or 1,
+        "lookahead": [rng.choice([0, 2]) for _ in extend] or 0,
+        "allocate": allocate,
+        "map_slots": True,
+    }
+    got, want = kv.step_columns(**cols), m.step_columns(**cols)
+    for section, status in want.status.items():
+        assert list(got.status[section]) == status.tolist(), section
+    assert list(got.handles) == want.handles.tolist()
+    assert [list(g) for g in got.slot_mapping] == np.asarray(want.slot_mapping).tolist()
+    for h, s in zip(free, want.status["free"], strict=True):
+        if s == 0:
+            live.pop(next(r for r, x in live.items() if x == h))
+    for op, h, s in zip(allocate, want.handles, want.status["allocate"], strict=True):
+        if s == 0:
+            live[op["request_id"]] = int(h)
+    return serial
+
+
+def test_a_workload_through_the_ring_equals_the_same_steps_in_process(tmp_path: Path) -> None:
+    args, sock = small_model_args(tmp_path, LAYERS)
+    m = manager(LAYERS, num_blocks=40, null_page=True)  # as `kvcm serve`
+    rng = random.Random(5)
+    with (
+        serve_process(*args, *SPIN) as (url, _, _),
+        KVCacheClient(url, step_socket=sock, step_ring=True) as kv,
+    ):
+        live: dict[str, int] = {}
+        serial = 0
+        for step in range(60):
+            if step % 15 == 7:
+                time.sleep(0.25)  # past the spin: the service sleeps, the call rings first
+            serial = same_step(kv, m, rng, live, serial)
+            assert kv.ring_attached  # (asked for as the connection opened)
+        assert serial > 30
+        frames = frames_by_op(url)
+        # Every step went through the ring (asked for once); the pauses rang the doorbell.
+        assert frames["ring"] == 1 and frames["step_columns"] == 60
+        assert frames["wake"] >= 3
+
+
+def test_an_answer_too_large_for_the_ring_comes_over_the_socket(tmp_path: Path) -> None:
+    """With a 2 KiB frame limit the ring's areas are 2 KiB: a step whose slot mappings
+    take more answers over the socket, and the next call goes through the ring again."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    with (
+        serve_process(*args, *SPIN, "--max-body-bytes", "2048", "--num-blocks", "100") as (
+            url,
+            _,
+            _,
+        ),
+        KVCacheClient(url, step_socket=sock, step_ring=True) as kv,
+    ):
+        ops = [{"request_id": f"r{i}", "num_tokens": 60} for i in range(4)]
+        big = kv.step_columns(allocate=ops, map_slots=True)  # 240 slots: ~2.2 KiB of answer
+        ring = kv._channel.ring if kv._channel is not None else None
+        assert ring is not None and ring.slot == 2048
+        assert big.ok and len(big.slot_mapping[0]) == 240
+        assert ring.words[ANSWER_SEQ] == 1 and ring.words[ANSWER_LEN] == ON_SOCKET
+        small = kv.step_columns(extend=big.handles, map_slots=True)
+        assert small.ok and len(small.slot_mapping[0]) == 4
+        assert ring.words[ANSWER_SEQ] == 2 and 0 < ring.words[ANSWER_LEN] <= 2048
+
+
+def test_without_busy_poll_the_ring_is_refused_and_the_socket_serves(tmp_path: Path) -> None:
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    with (
+        serve_process(*args) as (url, _, _),
+        KVCacheClient(url, step_socket=sock, step_ring=True) as kv,
+    ):
+        out = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 5}])
+        assert out.ok and not kv.ring_attached
+        assert kv._channel is not None and kv._channel.ring_refusal == "ring_unavailable"
+        assert kv.step_columns(extend=out.handles).ok
+        assert kv.request("a").num_tokens == 6
+
+
+def raw_ring(sock_path: Path) -> tuple[socket.socket, ClientRing]:
+    """A connection and its ring, asked for by hand."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(sock_path))
+    conn.sendall(pack({"op": "ring"}))
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 1)
+    answer = unpack(data[HEADER.size :])
+    assert len(fds) == 1, answer
+    return conn, ClientRing(fds[0], answer["result"]["slot"])
+
+
+def read_frame(conn: socket.socket) -> dict[str, Any]:
+    data = b""
+    while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
+        chunk = conn.recv(1 << 16)
+        assert chunk, "closed before a whole answer"
+        data += chunk
+    return unpack(data[HEADER.size :])
+
+
+def ring_call(ring: ClientRing, body: bytes, length: int | None = None) -> dict[str, Any]:
+    """Post ``body`` (claiming ``length`` bytes), wait for the answer in the ring."""
+    ring.request[: len(body)] = body
+    ring.words[REQUEST_LEN] = len(body) if length is None else length
+    ring.seq += 1
+    ring.words[REQUEST_SEQ] = ring.seq
+    deadline = time.monotonic() + 5
+    while ring.words[ANSWER_SEQ] != ring.seq:
+        assert time.monotonic() < deadline, "no answer in the ring"
+    return unpack(bytes(ring.answer[: ring.words[ANSWER_LEN]]))
+
+
+def closed(conn: socket.socket) -> bool:
+    conn.settimeout(5)
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_hostile_frames_through_the_ring(tmp_path: Path) -> None:
+    """A second ring, a frame longer than the ring, junk that is not msgpack: each gets the
+    socket's answer for it (the last two close the connection, which unmaps its ring), and
+    the service goes on serving others."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    with serve_process(*args, *SPIN) as (url, _, _):
+        conn, ring = raw_ring(sock)
+        assert ring.slot == SLOT_BYTES and ring.words[AWAKE_UNTIL] == 0  # no answer yet
+        conn.sendall(pack({"op": "ring"}))
+        assert read_frame(conn)["error"]["code"] == "invalid_argument"
+        ok = ring_call(ring, pack({"op": "step_columns", "args": {}})[HEADER.size :])
+        assert "result" in ok and ring.words[AWAKE_UNTIL] > time.perf_counter_ns()
+        assert ring_call(ring, pack({"op": "ring"})[HEADER.size :])["error"]["code"] == (
+            "invalid_argument"  # a ring is asked for on the socket
+        )
+        too_long = ring_call(ring, b"\x80", length=ring.slot + 1)
+        assert too_long["error"]["code"] == "payload_too_large" and too_long["close"]
+        assert closed(conn)
+        ring.close()
+        conn, ring = raw_ring(sock)
+        junk = ring_call(ring, b"\xc1\xc1\xc1")
+        assert junk["error"]["code"] == "malformed_request" and junk["close"]
+        assert closed(conn)
+        ring.close()
+        with KVCacheClient(url, step_socket=sock, step_ring=True) as kv:
+            assert kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}]).ok
+            assert kv.ring_attached
+
+
+def test_frames_through_the_ring_need_the_token_as_on_the_socket(tmp_path: Path) -> None:
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    env = {"KVCM_API_TOKEN": "s3cret"}
+    with serve_process(*args, *SPIN, env=env) as (url, _, _):
+        with KVCacheClient(url, step_socket=sock, step_ring=True, token="wrong") as kv:
+            with pytest.raises(Unauthorized):
+                kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}])
+            assert kv.ring_attached  # the ring grants nothing: its frames are checked
+        with KVCacheClient(url, step_socket=sock, step_ring=True, token="s3cret") as kv:
+            assert kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}]).ok
+            assert kv.ring_attached
+
+
+def test_a_service_that_dies_fails_the_call_at_once(tmp_path: Path) -> None:
+    """Killed between two calls: the next one, posted to a ring nobody polls, sees the
+    socket closed once its own poll ends (2 ms), not at the 10 s timeout; a step is not
+    resent (the service may have applied it)."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    with (
+        serve_process(*args, *SPIN) as (url, proc, _),
+        KVCacheClient(url, step_socket=sock, step_ring=True, timeout=10) as kv,
+    ):
+        out = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}])
+        assert kv.ring_attached
+        proc.kill()
+        proc.wait()
+        start = time.monotonic()
+        with pytest.raises(ServiceUnavailable):
+            kv.step_columns(extend=out.handles)
+        assert time.monotonic() - start < 2
+
+
+def test_the_ring_layout_is_what_the_docstring_says() -> None:
+    """The words sit in cache lines of their own, before the bodies (a page)."""
+    offsets = [8 * w for w in (REQUEST_SEQ, REQUEST_LEN, ANSWER_SEQ, ANSWER_LEN, AWAKE_UNTIL)]
+    assert offsets == [64, 72, 128, 136, 192] and HEADER_BYTES == mmap.PAGESIZE
