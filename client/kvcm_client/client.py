@@ -144,6 +144,11 @@ class KVCacheClient:
         """Whether the step channel's calls go through a shared-memory ring now."""
         return self._channel is not None and self._channel.ring is not None
 
+    @property
+    def ring_refusal(self) -> str | None:
+        """Why the service refused the ring last asked for (its error code), if it did."""
+        return None if self._channel is None else self._channel.ring_refusal
+
     def __enter__(self) -> KVCacheClient:
         return self
 

@@ -244,8 +244,10 @@ class _Broken(Exception):
 
 #: How long a call polls for its answer before it sleeps in the kernel (seconds).
 SPIN_S = 0.002
-#: Looks at a ring's answer for each yield of the core while a call polls for it.
+#: Looks at a ring's answer for each yield of the core while a call polls for it, after the
+#: first ``RING_SPIN_NS`` (without a yield: a decode step's answer usually comes within them).
 _RING_LOOKS = 16
+RING_SPIN_NS = 200_000
 #: Bytes asked for by an answer's first read: room for a decode step's whole answer.
 _READ = 1 << 16
 
@@ -549,7 +551,8 @@ class StepSocket(_Doorbell):
 
     def _over_ring(self, ring: ClientRing, sock: socket.socket, frame: bytes) -> dict[str, Any]:
         """A call through the ring: the body in, the doorbell if the service says it sleeps,
-        then the answer polled for (``spin_s``, yielding the core), then looked for every
+        then the answer polled for (``spin_s``; yielding the core now and then after the
+        first ``RING_SPIN_NS``), then looked for every
         50 us, the socket checked for a service gone, until the timeout. A call not answered
         in 1 ms rings once more, in case the service fell asleep just as the frame went in.
         The answer is read from the socket where the ring says it went there."""
@@ -559,6 +562,7 @@ class StepSocket(_Doorbell):
             sock.sendall(DOORBELL)
         now = start = time.perf_counter_ns()
         spin_until = start + self.spin_ns
+        yield_from = start + RING_SPIN_NS
         ring_again = start + 1_000_000
         deadline = None if self.timeout is None else start + int(self.timeout * 1e9)
         looks = 0
@@ -568,7 +572,10 @@ class StepSocket(_Doorbell):
                 sock.sendall(DOORBELL)
                 rang = True
             if now < spin_until:
-                if not looks % _RING_LOOKS:  # a load is cheap, a system call is not
+                # A load is cheap, a system call is not, and a yield may hand the core to
+                # another process for a while: none in the first RING_SPIN_NS (the service
+                # polls on a core of its own in busy-poll mode), then one every few looks.
+                if now >= yield_from and not looks % _RING_LOOKS:
                     os.sched_yield()
             else:
                 if _peer_closed(sock):
