@@ -14,14 +14,16 @@ busy-polls a non-blocking socket for ``--spin-s`` after each frame (what a servi
 of its own can; it blocks again after that, so that it burns no core while the others run). Then the
 step itself: ``step_columns(extend=handles)`` of 256 requests (+1 token each, the decode
 step) from the typed client over the step channel of a ``kvcm serve``, in its default mode
-(it sleeps between steps: adaptive polls and the client's doorbell only) and in its busy-poll
-mode (``--step-spin-s``: it polls for the next frame for that long after each answer).
+(it sleeps between steps: adaptive polls and the client's doorbell only), in its busy-poll
+mode (``--step-spin-s``: it polls for the next frame for that long after each answer), and in
+busy-poll mode with the client's frames through the shared-memory ring (``step_ring=True``),
+measured against the busy echo too: the floor of a Python round trip over a socket.
 
 Every variant runs at each cadence (``--gap-ms``, and 0: back to back), alternating in
 blocks so the machine's drift hits them alike. Per variant: p50, p99 and p99.9 of the round
 trip in microseconds, the ratio of the step's to the echo's (the blocking echo's for the
-default mode, the busy one's for the busy-poll mode), and the CPU the server used per wall
-second (1.0: a whole core), from /proc.
+default mode, the busy one's for the busy-poll mode and the ring), and the CPU the server
+used per wall second (1.0: a whole core), from /proc.
 """
 
 from __future__ import annotations
@@ -87,6 +89,25 @@ while True:
 """
 
 
+#: Pinned (the default on two or more CPUs): the busy-polling servers (the busy echo, kvcm's
+#: busy-poll mode and ring) on the last CPU this process may use and the client on the others,
+#: as busy-poll mode is meant to be deployed (a core of the sidecar's own; docs/step-channel.md).
+#: Unpinned, a doorbell's wake-up may put the server on the client's CPU (the kernel's
+#: wake-affine placement), and a client that then polls for its answer holds the core the
+#: server needs: ~0.3 ms a call until the balancer moves one. The servers that sleep between
+#: frames (the blocking echo, kvcm's default mode) stay unpinned: pinned, each wake-up would
+#: cross CPUs, which is not how they are deployed.
+PIN: dict[str, set[int]] = {}
+
+
+def _pinned(busy: bool) -> Callable[[], None] | None:
+    """What a server's child runs before exec: onto the server's CPU, if pinning and busy."""
+    if not PIN or not busy:
+        return None
+    cpus = PIN["server"]
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def _cpu_seconds(pid: int) -> float:
     """CPU seconds a process has run so far, every thread (/proc/PID/schedstat: ns, where
     /proc/PID/stat counts 10 ms ticks, too coarse for a block of back-to-back calls)."""
@@ -112,6 +133,12 @@ class Variant:
 
     def block(self, gap_s: float, n: int) -> None:
         times = self.times.setdefault(gap_s, [])
+        # One call first, untimed: the first after the pause between blocks pays the server's
+        # wake-up (the doorbell's case, docs/step-channel.md), which an engine at a steady
+        # cadence does not; timed, it would be each block's first call: 1% of them, the p99.
+        self.call()
+        if gap_s:
+            time.sleep(gap_s)
         cpu0, wall0 = _cpu_seconds(self.pid), time.perf_counter()
         for _ in range(n):
             t0 = time.perf_counter()
@@ -136,6 +163,7 @@ def echo_server(tmp: Path, spin_s: float) -> Iterator[Variant]:
         [sys.executable, "-c", ECHO, str(path), str(spin_s)],
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=_pinned(busy),
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -159,14 +187,21 @@ def echo_server(tmp: Path, spin_s: float) -> Iterator[Variant]:
 
 @contextmanager
 def kvcm_server(
-    tmp: Path, name: str, spin_s: float, steps: int, device: str = "cpu", map_slots: bool = False
+    tmp: Path,
+    name: str,
+    spin_s: float,
+    steps: int,
+    device: str = "cpu",
+    map_slots: bool = False,
+    ring: bool = False,
 ) -> Iterator[Variant]:
     """``kvcm serve`` on ``device`` with a step channel and room for 256 requests to grow by
     ``steps`` tokens each; the variant is the typed client's decode step over the channel
-    (with the engine's slot mappings in the answer with ``map_slots``)."""
+    (with the engine's slot mappings in the answer with ``map_slots``; through the
+    shared-memory ring with ``ring``)."""
     layers = tmp / "layers.json"
     layers.write_text(json.dumps([{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}]))
-    sock = tmp / f"{name}.sock"
+    sock = tmp / f"{len(list(tmp.glob('*.sock')))}.sock"
     seq = 32 + steps + 64
     blocks = REQUESTS * (-(-seq // 16)) + 64
     cmd = [sys.executable, "-m", "kvcm", "serve", "--port", "0", "--layers", str(layers)]
@@ -175,7 +210,13 @@ def kvcm_server(
     cmd += ["--device", device]
     if spin_s:
         cmd += ["--step-spin-s", str(spin_s)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_pinned(spin_s > 0),
+    )
     try:
         assert proc.stdout is not None
         url = None
@@ -185,11 +226,13 @@ def kvcm_server(
                 break
         if url is None:
             raise RuntimeError(f"kvcm serve exited with {proc.wait()}")
-        with KVCacheClient(url, step_socket=sock) as kv:
+        with KVCacheClient(url, step_socket=sock, step_ring=ring) as kv:
             out = kv.step_columns(
                 allocate=[{"request_id": f"r{i}", "num_tokens": 32} for i in range(REQUESTS)]
             )
             handles = array("q", out.handles)
+            if ring and not kv.ring_attached:
+                raise RuntimeError(f"{name}: the service gave no ring")
 
             def call() -> None:
                 if not kv.step_columns(extend=handles, map_slots=map_slots).ok:
@@ -218,12 +261,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="timed calls per variant")
     parser.add_argument("--spin-s", type=float, default=0.1, help="the busy-poll mode's spin")
     parser.add_argument("--quick", action="store_true", help="200 steps")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="leave the servers and the client unpinned"
+    )
     parser.add_argument("--device", default="cpu", help="the sidecar's device (cuda:0: a GPU)")
     parser.add_argument(
         "--map-slots", action="store_true", help="the step answers the slot mappings too"
     )
     args = parser.parse_args()
     steps = 200 if args.quick else args.steps
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2 and not args.no_pin:
+        PIN["server"], PIN["client"] = {cpus[-1]}, set(cpus[:-1])
+        os.sched_setaffinity(0, PIN["client"])
     gaps = [args.gap_ms / 1000, 0.0]
     with tempfile.TemporaryDirectory(prefix="kvcm-cad-") as name:
         tmp = Path(name)
@@ -241,8 +291,17 @@ def main() -> None:
                 args.device,
                 args.map_slots,
             ) as spin,
+            kvcm_server(
+                tmp,
+                "kvcm step ring (busy-poll mode, shared memory)",
+                args.spin_s,
+                2 * steps,
+                args.device,
+                args.map_slots,
+                ring=True,
+            ) as ring,
         ):
-            variants = [blocking, busy, default, spin]
+            variants = [blocking, busy, default, spin, ring]
             for gap in gaps:
                 for v in variants:  # warm-up
                     v.block(gap, 20)
@@ -254,8 +313,10 @@ def main() -> None:
                     for v in variants:
                         v.block(gap, n)
                     done += n
-    floors = {default.name: blocking, spin.name: busy}
+    floors = {default.name: blocking, spin.name: busy, ring.name: busy}
     print(f"# bench_cadence {platform.node()} {platform.processor() or platform.machine()}")
+    pinned = f"busy servers on CPU {sorted(PIN['server'])}, client on {sorted(PIN['client'])}"
+    print(pinned if PIN else "unpinned")
     mapped = " with map_slots" if args.map_slots else ""
     print(
         f"{REQUESTS}-request decode step_columns{mapped} on {args.device}; {steps} calls per "

@@ -259,3 +259,26 @@ def test_the_ring_layout_is_what_the_docstring_says() -> None:
     """The words sit in cache lines of their own, before the bodies (a page)."""
     offsets = [8 * w for w in (REQUEST_SEQ, REQUEST_LEN, ANSWER_SEQ, ANSWER_LEN, AWAKE_UNTIL)]
     assert offsets == [64, 72, 128, 136, 192] and HEADER_BYTES == mmap.PAGESIZE
+
+
+def test_a_service_pinned_to_a_core_of_its_own_spins_and_gives_rings(tmp_path: Path) -> None:
+    """Busy-poll mode's deployment: the service pinned to one CPU (it inherits the test's
+    affinity at start), its client on another. It spins (its answers say so) and gives a
+    ring; the adaptive poll's rule (off on one CPU) does not turn busy-poll mode off."""
+    cpus = sorted(os.sched_getaffinity(0))
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    os.sched_setaffinity(0, {cpus[-1]})
+    try:
+        server = serve_process(*args, *SPIN)
+        url, _, _ = server.__enter__()
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+    try:
+        with KVCacheClient(url, step_socket=sock, step_ring=True) as kv:
+            os.sched_setaffinity(0, set(cpus[:-1]))
+            out = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}])
+            assert out.ok and kv.ring_attached
+            assert kv.step_columns(extend=out.handles).ok
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+        server.__exit__(None, None, None)

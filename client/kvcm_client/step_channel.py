@@ -557,9 +557,10 @@ class StepSocket(_Doorbell):
         in 1 ms rings once more, in case the service fell asleep just as the frame went in.
         The answer is read from the socket where the ring says it went there."""
         seq = ring.post(memoryview(frame)[HEADER.size :])
-        rang = not ring.awake()
-        if rang:
+        rang = self._rang  # ``wake`` rang for this call already
+        if not rang and not ring.awake():
             sock.sendall(DOORBELL)
+            rang = True
         now = start = time.perf_counter_ns()
         spin_until = start + self.spin_ns
         yield_from = start + RING_SPIN_NS

@@ -92,16 +92,21 @@ class StepChannel:
     ) -> None:
         """``poll_us``: the adaptive poll after an answer (``step_poll``); ``spin_s``: the
         busy-poll mode (``spin``): after each answer, poll for this long for the next frame,
-        whatever came before (0: off). Neither runs on one CPU (the client needs it)."""
+        whatever came before (0: off). Neither runs on a machine of one CPU (the client needs
+        it); the adaptive poll neither where the service may run on one CPU only."""
         self.state = state
         self.token = token
         self.limit = limit
         self.read_timeout = read_timeout
-        cpus = _cpus()
-        self.spin_ns = int(spin_s * 1e9) if cpus > 1 else 0
+        # Busy-poll mode is asked for by an operator who gives the sidecar a core of its own,
+        # usually by pinning it to one (taskset, cpuset): it spins wherever the machine has
+        # another CPU for the clients. The adaptive poll, on by default, needs a second CPU
+        # among the service's own.
+        self.spin_ns = int(spin_s * 1e9) if (os.cpu_count() or 1) > 1 else 0
+        adaptive = poll_us > 0 and _cpus() > 1
         #: The poll after an answer (``step_poll``), also the busy poll's; None: sleep in the
         #: loop at once.
-        self.poll = FramePoll(poll_us) if (poll_us > 0 or self.spin_ns) and cpus > 1 else None
+        self.poll = FramePoll(poll_us) if adaptive or self.spin_ns else None
         #: Busy-poll mode: when the current spin ends, and whether one is running.
         self._spin_until = 0
         self._spinning = False
