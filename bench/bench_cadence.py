@@ -281,13 +281,13 @@ def main() -> None:
             echo_server(tmp, 0.0) as blocking,
             echo_server(tmp, args.spin_s) as busy,
             kvcm_server(
-                tmp, "kvcm step channel, default", 0.0, 2 * steps, args.device, args.map_slots
+                tmp, "kvcm step channel, default", 0.0, 3 * steps, args.device, args.map_slots
             ) as default,
             kvcm_server(
                 tmp,
                 "kvcm step channel, busy-poll mode",
                 args.spin_s,
-                2 * steps,
+                3 * steps,
                 args.device,
                 args.map_slots,
             ) as spin,
@@ -295,7 +295,7 @@ def main() -> None:
                 tmp,
                 "kvcm step ring (busy-poll mode, shared memory)",
                 args.spin_s,
-                2 * steps,
+                3 * steps,
                 args.device,
                 args.map_slots,
                 ring=True,
