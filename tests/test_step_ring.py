@@ -8,6 +8,7 @@ that dies mid-call fails the call at once instead of at the timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import random
@@ -23,7 +24,8 @@ import pytest
 from helpers import layer, manager
 from servers import serve_process, small_model_args
 
-from kvcm_client import KVCacheClient
+from kvcm.server.step_ring import MAX_RINGS
+from kvcm_client import KVCacheClient, step_channel
 from kvcm_client.errors import ServiceUnavailable, Unauthorized
 from kvcm_client.step_channel import DOORBELL, HEADER, pack, unpack
 from kvcm_client.step_ring import (
@@ -282,3 +284,88 @@ def test_a_service_pinned_to_a_core_of_its_own_spins_and_gives_rings(tmp_path: P
     finally:
         os.sched_setaffinity(0, set(cpus))
         server.__exit__(None, None, None)
+
+
+def test_a_call_built_after_the_spin_ended_still_wakes_the_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call rings as it begins (the service slept), then its frame takes longer to
+    build than the service spins after that doorbell: the frame lands in a ring nobody
+    polls, and the call rings again after its post instead of waiting out its timeout."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    with (
+        serve_process(*args, "--step-spin-s", "0.05") as (url, _, _),
+        KVCacheClient(url, step_socket=sock, step_ring=True, timeout=5) as kv,
+    ):
+        h = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}]).handles
+        assert kv.ring_attached
+        pack_now = step_channel.pack
+
+        def slow_pack(*a: Any) -> bytes:
+            time.sleep(0.3)  # past the 50 ms spin the doorbell started
+            return pack_now(*a)
+
+        monkeypatch.setattr(step_channel, "pack", slow_pack)
+        time.sleep(0.2)  # the service sleeps: the call rings first
+        wakes = frames_by_op(url).get("wake", 0)
+        start = time.monotonic()
+        assert kv.step_columns(extend=h).ok
+        assert time.monotonic() - start < 2.5  # not the 5 s timeout
+        assert frames_by_op(url)["wake"] == wakes + 2  # before the frame, and after it
+        assert kv.request("a").num_tokens == 4
+
+
+def test_a_client_cannot_shrink_the_ring_under_the_service(tmp_path: Path) -> None:
+    """The memfd's size is sealed: truncating it (which would make the service's next look
+    a SIGBUS) is refused, and the service serves on."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    with serve_process(*args, *SPIN) as (_, proc, _):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(sock))
+        conn.sendall(pack({"op": "ring"}))
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 1)
+        slot = unpack(data[HEADER.size :])["result"]["slot"]
+        for size in (0, 4096, 1 << 30):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fds[0], size)
+        ring = ClientRing(fds[0], slot)
+        ok = ring_call(conn, ring, pack({"op": "step_columns", "args": {}})[HEADER.size :])
+        assert "result" in ok and proc.poll() is None
+        ring.close()
+        conn.close()
+
+
+def test_rings_are_given_back_with_their_connections(tmp_path: Path) -> None:
+    """More connections than MAX_RINGS, one after another, each with its ring: a closed
+    connection's ring no longer counts."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    with serve_process(*args, *SPIN):
+        for _ in range(MAX_RINGS + 6):
+            conn, ring = raw_ring(sock)
+            ring.close()
+            conn.close()
+
+
+def test_a_peer_that_reads_nothing_does_not_hold_up_the_rings(tmp_path: Path) -> None:
+    """A peer floods the socket with frames and reads none of the answers: its connection
+    has answers unsent, which the spin's socket poll waits out; the rings are served all the
+    same, without their clients' 1 ms re-ring."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    with serve_process(*args, *SPIN) as (url, _, _):
+        flood = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        flood.connect(str(sock))
+        flood.setblocking(False)
+        frame = pack({"op": "no_such_op"})  # answered with an error of a few hundred bytes
+        sent = 0
+        with contextlib.suppress(BlockingIOError):
+            while sent < 64 << 20:
+                sent += flood.send(frame * 64)
+        time.sleep(0.2)  # the service answers what it read until its writes back up
+        with KVCacheClient(url, step_socket=sock, step_ring=True) as kv:
+            h = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}]).handles
+            assert kv.ring_attached
+            wakes = frames_by_op(url).get("wake", 0)
+            for _ in range(40):
+                assert kv.step_columns(extend=h).ok
+            assert frames_by_op(url).get("wake", 0) - wakes < 20
+        flood.close()

@@ -407,12 +407,14 @@ class StepSocket(_Doorbell):
 
     def close(self) -> None:
         self._idle_since = None
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        ring, self.ring = self.ring, None
+        sock, self._sock = self._sock, None
+        try:
+            if ring is not None:
+                ring.close()
+        finally:
+            if sock is not None:
+                sock.close()
 
     def wake(self) -> None:
         """``_Doorbell.wake``: ``DOORBELL`` without blocking; one that cannot go out at
@@ -483,30 +485,33 @@ class StepSocket(_Doorbell):
         refusal leaves the connection on the socket (``ring_refusal`` says why)."""
         try:
             sock.sendall(pack({"op": RING_OP}))
-            data, fds, _, _ = socket.recv_fds(sock, _READ, 1)
+            data, fds, _, _ = socket.recv_fds(sock, _READ, 1, socket.MSG_CMSG_CLOEXEC)
         except OSError as exc:
             raise _Broken(exc, sent=False) from None
+        left = list(fds)  # closed below unless a ring took one
         try:
             if not data:
-                raise _Broken(ConnectionResetError("the step channel closed"), sent=False)
+                raise ConnectionResetError("the step channel closed")
             if len(data) < HEADER.size:
                 data += _recv_exactly(sock, HEADER.size - len(data))
             end = HEADER.size + HEADER.unpack_from(data)[0]
             if len(data) < end:
                 data += _recv_exactly(sock, end - len(data))
             answer = unpack(memoryview(data)[HEADER.size : end])
-        except OSError as exc:
-            for fd in fds:
-                os.close(fd)
+            if type(answer) is not dict:
+                raise ValueError("the step channel's answer is not a map")
+            result = answer.get("result")
+            if left and type(result) is dict and type(result.get("slot")) is int:
+                self.ring = ClientRing(left.pop(0), result["slot"])  # it owns the fd now
+                self.ring_refusal = None
+                return
+        except (OSError, ValueError, msgpack.UnpackException) as exc:
             raise _Broken(exc, sent=False) from None
+        finally:
+            for fd in left:
+                os.close(fd)
         error = answer.get("error")
-        if fds and error is None:
-            self.ring = ClientRing(fds[0], int(answer["result"]["slot"]))
-            self.ring_refusal = None
-            return
-        for fd in fds:
-            os.close(fd)
-        self.ring_refusal = str(error.get("code")) if type(error) is dict else "no_fd"
+        self.ring_refusal = str(error.get("code")) if type(error) is dict else "no_ring"
         if answer.get("close"):  # a service that closes on what it cannot read
             raise _Broken(ConnectionResetError("the step channel refused the ring"), sent=False)
 
@@ -557,10 +562,12 @@ class StepSocket(_Doorbell):
         in 1 ms rings once more, in case the service fell asleep just as the frame went in.
         The answer is read from the socket where the ring says it went there."""
         seq = ring.post(memoryview(frame)[HEADER.size :])
-        rang = self._rang  # ``wake`` rang for this call already
-        if not rang and not ring.awake():
+        # A ring ``wake`` sent before the frame was built does not do: the service's spin
+        # may have ended while it was built. Ring once after the post where the ring says
+        # the service sleeps, else once if no answer comes in 1 ms.
+        rang = not ring.awake()
+        if rang:
             sock.sendall(DOORBELL)
-            rang = True
         now = start = time.perf_counter_ns()
         spin_until = start + self.spin_ns
         yield_from = start + RING_SPIN_NS

@@ -34,6 +34,7 @@ at 4096 + slot, word 17 = its length, then word 16 = 3, which the client was pol
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import platform
@@ -52,6 +53,8 @@ ANSWER_SEQ, ANSWER_LEN = 16, 17
 AWAKE_UNTIL = 24
 #: An answer too large for its area went over the socket instead, whole, as a frame.
 ON_SOCKET = (1 << 64) - 1
+#: The seals a ring's memfd carries: its size fixed for good.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 #: Architectures whose stores are seen in program order (see the module docstring).
 ORDERED = frozenset({"x86_64", "AMD64", "amd64"})
 
@@ -85,15 +88,22 @@ class Ring:
 
     @classmethod
     def create(cls, slot: int) -> tuple[Ring, int]:
-        """A new ring and a duplicate of its fd to send to the peer (the caller closes it)."""
-        fd = os.memfd_create("kvcm-step-ring", os.MFD_CLOEXEC)
+        """A new ring and a duplicate of its fd to send to the peer (the caller closes it).
+        Its size is sealed: a peer that could shrink the memfd would make the service's
+        next look at it a SIGBUS."""
+        fd = os.memfd_create("kvcm-step-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, ring_bytes(slot))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             peer = os.dup(fd)
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, slot), peer
+        try:
+            return cls(fd, slot), peer
+        except BaseException:
+            os.close(peer)
+            raise
 
     def close(self) -> None:
         """Unmap (the views first: a mapping with views exported cannot close)."""
@@ -106,6 +116,10 @@ class ClientRing(Ring):
     """The client's side: one call at a time, in order."""
 
     def __init__(self, fd: int, slot: int) -> None:
+        """Map a ring the service sent; refused (``OSError``) unless its size is sealed."""
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+            os.close(fd)
+            raise OSError("the step ring's memfd is not sealed")
         super().__init__(fd, slot)
         self.seq = int(self.words[REQUEST_SEQ])
 
@@ -126,7 +140,8 @@ class ClientRing(Ring):
     def answered(self, seq: int) -> bool:
         return self.words[ANSWER_SEQ] == seq
 
-    def answer_body(self) -> memoryview | None:
-        """The answer's body once ``answered``; None when it came over the socket."""
+    def answer_body(self) -> bytes | None:
+        """The answer's body once ``answered`` (a copy: no view of the mapping outlives the
+        call, so the ring can always be closed); None when it came over the socket."""
         n = self.words[ANSWER_LEN]
-        return None if n == ON_SOCKET else self.answer[:n]
+        return None if n == ON_SOCKET else bytes(self.answer[:n])

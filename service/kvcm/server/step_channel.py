@@ -282,8 +282,7 @@ class StepChannel:
         100 ms after it, the service never sleeps while the steps come, and it sleeps again
         100 ms after the last one."""
         self._spin_until = until = perf_counter_ns() + self.spin_ns
-        for conn in self.ringed:
-            conn.ring_awake(until)
+        self._rings_awake_until(until)
         if not self._spinning:
             self._spinning = True
             asyncio.get_running_loop().call_soon(self._spin_slice)
@@ -296,6 +295,7 @@ class StepChannel:
             again = self._spin_on()
         except BaseException:
             self._spinning = False  # a doorbell or an answer starts the next spin
+            self._rings_awake_until(0)  # their clients ring from now on
             raise
         if again:
             asyncio.get_running_loop().call_soon(self._spin_slice)
@@ -304,15 +304,21 @@ class StepChannel:
 
     def _spin_on(self) -> bool:
         """One slice of the spin; whether to go on with another."""
+        if not self.connections or self.server is None:
+            self._rings_awake_until(0)
+            return False
         left = self._spin_until - perf_counter_ns()
-        if left <= 0 or not self.connections or self.server is None:
+        if left <= 0:
             self._rings_asleep()
             return self._spin_until > perf_counter_ns()  # a frame served as it ended
         assert self.poll is not None
-        # Part of an answer unsent: only the loop sends the rest, so this slice is its.
+        if not _nothing_unsent(self.connections):
+            # Part of an answer unsent: only the loop sends the rest, so the sockets wait
+            # for it; the rings need not (their clients were told the service is awake).
+            self._serve_rings()
+            return True
         ready = self._ring_frame if self.ringed else None
-        window = min(left, self.SPIN_SLICE_NS)
-        looked = _nothing_unsent(self.connections) and self.poll.wait(window, ready)
+        looked = self.poll.wait(min(left, self.SPIN_SLICE_NS), ready)
         # A socket frame: the loop reads it next, and its answer spins again.
         return not looked or self._serve_rings()
 
@@ -333,9 +339,12 @@ class StepChannel:
     def _rings_asleep(self) -> None:
         """The spin ended: tell the rings' clients to ring the doorbell from now on, then
         serve a frame that came as the spin ended (it may have seen the service awake)."""
-        for conn in self.ringed:
-            conn.ring_awake(0)
+        self._rings_awake_until(0)
         self._serve_rings()  # each answer spins again
+
+    def _rings_awake_until(self, ns: int) -> None:
+        for conn in self.ringed:
+            conn.ring_awake(ns)
 
     def error_frame(self, label: str, exc: KVCMError) -> dict[str, Any]:
         """The answer of a frame that failed; ``label``: its op, or ``invalid``."""
@@ -466,11 +475,15 @@ class _Connection(asyncio.Protocol):
             answer, close = channel.error_frame("invalid", err), True
         else:
             answer, close, _ = channel.handle(taken, self)
-        body = _body(answer, close)
-        if not ring.reply(body):
-            assert self.transport is not None
-            self.transport.write(HEADER.pack(len(body)) + body)
-            ring.replied_on_socket()
+        try:
+            body = _body(answer, close)
+            if not ring.reply(body):
+                assert self.transport is not None
+                self.transport.write(HEADER.pack(len(body)) + body)
+                ring.replied_on_socket()
+        except Exception:  # (a bug) the client must not wait out its timeout for nothing
+            log.exception("step ring answer failed; connection closed")
+            close = True
         if close:
             self.close()
         elif channel.spin_ns:
