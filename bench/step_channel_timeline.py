@@ -33,6 +33,7 @@ import platform
 import signal
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -179,6 +180,9 @@ def main() -> None:
             time.sleep(0.05)
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         client.connect(str(path))
+        # A lost answer raises after 30 s instead of hanging (the kernel's timeout: Python's
+        # timeout mode would poll before every read and change what is measured).
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 30, 0))
 
         def call(frame: bytes) -> bytes:
             client.sendall(frame)

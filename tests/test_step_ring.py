@@ -225,17 +225,30 @@ def test_hostile_frames_through_the_ring(tmp_path: Path) -> None:
             assert kv.ring_attached
 
 
-def test_frames_through_the_ring_need_the_token_as_on_the_socket(tmp_path: Path) -> None:
+def test_the_ring_and_its_frames_need_the_token_as_on_the_socket(tmp_path: Path) -> None:
+    """With a token: no ring without it (the client stays on its socket, where its calls
+    are refused as before); with it, a ring whose frames carry the token each, checked."""
     args, sock = small_model_args(tmp_path, [layer(0)])
     env = {"KVCM_API_TOKEN": "s3cret"}
     with serve_process(*args, *SPIN, env=env) as (url, _, _):
         with KVCacheClient(url, step_socket=sock, step_ring=True, token="wrong") as kv:
             with pytest.raises(Unauthorized):
                 kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}])
-            assert kv.ring_attached  # the ring grants nothing: its frames are checked
+            assert not kv.ring_attached and kv.ring_refusal == "unauthorized"
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(sock))
+        conn.sendall(pack({"op": "ring"}))  # no token at all
+        assert read_frame(conn)["error"]["code"] == "unauthorized"
+        conn.close()
         with KVCacheClient(url, step_socket=sock, step_ring=True, token="s3cret") as kv:
             assert kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}]).ok
             assert kv.ring_attached
+            ring = kv._channel.ring if kv._channel is not None else None
+            assert ring is not None
+            # A frame through the ring without the token is refused like one on the socket.
+            body = pack({"op": "step_columns", "args": {}})[HEADER.size :]
+            refused = ring_call(kv._channel._sock, ring, body)  # type: ignore[union-attr]
+            assert refused["error"]["code"] == "unauthorized"
 
 
 def test_a_service_that_dies_fails_the_call_at_once(tmp_path: Path) -> None:

@@ -123,6 +123,7 @@ class KVCacheClient:
                 backoff_s,
                 wake_after_s=step_wake_after_s,
                 ring=step_ring,
+                token=self._token,
             )
         )
         transport = httpx.HTTPTransport(uds=str(uds)) if uds is not None else None

@@ -376,7 +376,8 @@ class StepSocket(_Doorbell):
     doorbell first (``wake``); None turns that off.
 
     ``ring=True``: each connection asks for a shared-memory ring (``step_ring``) as it opens
-    and, where the service offers one, sends its frames through it (a frame larger than the
+    (with ``token``, where the service has one) and, where the service offers one, sends its
+    frames through it (a frame larger than the
     ring's area still goes over the socket); where it refuses (``ring_unavailable``, or an
     older service), the socket serves, as without.
     """
@@ -390,8 +391,10 @@ class StepSocket(_Doorbell):
         spin_s: float = SPIN_S,
         wake_after_s: float | None = WAKE_AFTER_S,
         ring: bool = False,
+        token: str | None = None,
     ) -> None:
         self.path = path
+        self.token = token  # for the ring op (each call's frame carries its own)
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
@@ -484,7 +487,7 @@ class StepSocket(_Doorbell):
         """Ask for this connection's ring; its fd comes with the answer's first bytes. A
         refusal leaves the connection on the socket (``ring_refusal`` says why)."""
         try:
-            sock.sendall(pack({"op": RING_OP}))
+            sock.sendall(pack({"op": RING_OP} | header(None, None, self.token)))
             data, fds, _, _ = socket.recv_fds(sock, _READ, 1, socket.MSG_CMSG_CLOEXEC)
         except OSError as exc:
             raise _Broken(exc, sent=False) from None

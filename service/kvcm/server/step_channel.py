@@ -227,11 +227,16 @@ class StepChannel:
         """The ``ring`` op: a shared-memory ring for ``conn`` (``step_ring``), whose fd goes
         with the answer. Offered in busy-poll mode only (a ring is polled by the spin; a
         service that sleeps would need a doorbell per frame, which is what the socket costs),
-        on x86-64 Linux, one per connection, ``MAX_RINGS`` in all. It grants no op: each frame
-        through it is checked as on the socket (generation, token)."""
+        on x86-64 Linux, one per connection, ``MAX_RINGS`` in all. Each frame through it is
+        checked as on the socket (generation, token); the ring itself needs the token too,
+        where the service has one, so that a peer without it cannot take the rings."""
         if not message.keys() <= _KEYS:
             unknown = sorted(str(k) for k in message.keys() - _KEYS)
             raise InvalidArgument(f"unknown keys in a step channel frame: {unknown}")
+        if self.token is not None:
+            given = message.get("token")
+            if type(given) is not str or not hmac.compare_digest(given.encode(), self.token):
+                raise Unauthorized("the step ring needs the service's token (KVCM_API_TOKEN)")
         if message.get("args", {}) != {}:
             raise InvalidArgument("the ring op takes no args")
         if conn is None or conn.ring is not None:
