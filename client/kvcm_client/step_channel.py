@@ -405,6 +405,9 @@ class StepSocket(_Doorbell):
         self.want_ring = ring and supported()
         #: This connection's ring, if the service gave one.
         self.ring: ClientRing | None = None
+        #: A call through the ring not answered this long rings the doorbell (once), in case
+        #: the service fell asleep as the frame went in.
+        self.ring_again_ns = 1_000_000
         #: Why the service refused the last ring asked for (its error code), if it did.
         self.ring_refusal: str | None = None
 
@@ -574,7 +577,7 @@ class StepSocket(_Doorbell):
         now = start = time.perf_counter_ns()
         spin_until = start + self.spin_ns
         yield_from = start + RING_SPIN_NS
-        ring_again = start + 1_000_000
+        ring_again = start + self.ring_again_ns
         deadline = None if self.timeout is None else start + int(self.timeout * 1e9)
         looks = 0
         while not ring.answered(seq):
