@@ -332,6 +332,15 @@ class RingUnavailable(KVCMError):
     status = 409
 
 
+class StreamOrderUnavailable(KVCMError):
+    """A stream-ordered step or a consumer's done event needs a manager whose page tables
+    are shared CUDA memory on one rank (docs/shared-memory.md#stream-ordered-steps): this one
+    is on the CPU, not shared, or spread over ranks (``detail.reason``). Nothing changed."""
+
+    code = "stream_order_unavailable"
+    status = 409
+
+
 class PeerUnreachable(KVCMError):
     """A configured peer did not answer (down, restarting, or refusing the token)."""
 
@@ -385,6 +394,7 @@ ERRORS_BY_CODE: dict[str, type[KVCMError]] = {
         UnknownPeer,
         PeerUnreachable,
         RingUnavailable,
+        StreamOrderUnavailable,
     )
 }
 
@@ -437,6 +447,7 @@ STATUS_CODES: tuple[str, ...] = (
     "unknown_peer",
     "peer_unreachable",
     "ring_unavailable",
+    "stream_order_unavailable",
 )
 STATUS_OF: dict[str, int] = {code: i for i, code in enumerate(STATUS_CODES)}
 

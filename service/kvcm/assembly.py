@@ -30,6 +30,7 @@ from .ranks import Rank, build_rank
 from .request_table import RequestTable
 from .shared_memory import CudaSegments, SharedSegments
 from .state_pools import StatePools, build_state_groups
+from .step_order import StepOrder
 from .table_mirror import TableMirror
 from .views import TablesAndViews
 
@@ -78,12 +79,20 @@ def build(config: ManagerConfig, check_budget: bool = True, serial_base: int = 0
         if len(rank_plans) > 1 and (device.type == "cuda" or cfg.context_parallel > 1)
         else None
     )
+    # Stream-ordered steps (kvcm.step_order): shared CUDA tables of one rank, whose edits
+    # one stream applies.
+    order = (
+        StepOrder(segments.index)
+        if isinstance(segments, CudaSegments) and len(rank_plans) == 1 and cfg.context_parallel == 1
+        else None
+    )
     tables = DeviceTables(
         coord,
         device,
         None if tables_buffer is not None else table_memory,
         queues,
         cp=(cfg.context_parallel, 0),
+        order=order,
     )
     state = (
         StatePools(

@@ -168,6 +168,7 @@ _WIRE_KEYS = frozenset(
         "allocate",
         "atomic",
         "map_slots",
+        "stream_ordered",
         "table_edits",
         "ragged_layers",
         "suspend",

@@ -22,6 +22,7 @@ from kvcm_kernels.step_tables import StepLaunch
 
 from .context_parallel import local_edits, table_width
 from .coordinator import Coordinator
+from .step_order import StepOrder
 
 _NO_EDITS = np.empty((0, 4), dtype=np.int64)
 
@@ -164,12 +165,15 @@ class DeviceTables:
         queues: EditQueues | None = None,
         rank: int = 0,
         cp: tuple[int, int] = (1, 0),
+        order: StepOrder | None = None,
     ) -> None:
         """``memory`` (uint8, on ``device``): where the CUDA tables live when shared;
         ``queues``: with several ranks, where this rank (``rank``) takes its edits. ``cp``:
         (context_parallel, this rank's cp_rank); with context parallelism the tables are
-        the rank's local ones (``kvcm.context_parallel``), on the CPU too."""
+        the rank's local ones (``kvcm.context_parallel``), on the CPU too. ``order``: the
+        step and done events of shared CUDA tables on one rank (``kvcm.step_order``)."""
         self._coord = coordinator
+        self._order = order
         self._queues = queues
         self._rank = rank
         self._cp = cp
@@ -210,10 +214,18 @@ class DeviceTables:
         rank 0's CUDA tables with CuPy; None elsewhere."""
         return self._launch
 
+    @property
+    def order(self) -> StepOrder | None:
+        """The step and done events (``kvcm.step_order``): shared CUDA tables on one rank
+        only; None elsewhere."""
+        return self._order
+
     def take_pending(self) -> np.ndarray:
         """The edits not yet on the device, int64 ``[E, 4]``; the caller must apply them on
         the current stream, which then waits for the host tier's copies so far: a table
-        cell never reaches the device before the copy that fills or empties its slot."""
+        cell never reaches the device before the copy that fills or empties its slot. With
+        consumers' done events (``kvcm.step_order``) it waits for those too: every path
+        that edits the shared tables queues its edits after the consumers' reads."""
         if self._queues is not None:  # several ranks (no host tier with them)
             edits = self._queues.take(self._rank)
             cp, mine = self._cp
@@ -222,6 +234,8 @@ class DeviceTables:
             return _NO_EDITS  # read only: nobody writes an empty array
         if self._coord.host is not None:
             self._coord.host.copier.order_before(torch.cuda.current_stream(self.device))
+        if self._order is not None and self._order.watched:
+            self._order.wait_for_consumers(kvcm_kernels.current_stream_handle(self._order.index))
         return self._coord.take_edits()
 
     def sync(self) -> torch.Tensor:
@@ -236,3 +250,10 @@ class DeviceTables:
             kvcm_kernels.apply_page_table_edits(self.tensor, self._upload.stage(edits))
             self._upload.commit()
         return self.tensor
+
+    def publish(self) -> None:
+        """Apply the pending edits on the current stream and record the step event after
+        them (``step_columns(stream_ordered=True)``): no wait on the host. Needs ``order``."""
+        assert self._order is not None
+        self.sync()
+        self._order.record(kvcm_kernels.current_stream_handle(self._order.index))

@@ -28,6 +28,7 @@ from kvcm_client.errors import (
     KVEventsDisabled,
     PrefixCacheInUse,
     RequestsLive,
+    StreamOrderUnavailable,
     UnknownLayer,
 )
 from kvcm_client.models import (
@@ -372,6 +373,7 @@ class KVCacheManager:
         map_slots: bool = False,
         table_edits: bool = False,
         ragged_layers: Sequence[int] = _NO_LAYERS,
+        stream_ordered: bool = False,
     ) -> StepOutcome:
         """One scheduler step as arrays: the primary API (docs/requests.md#the-columnar-step).
 
@@ -403,6 +405,15 @@ class KVCacheManager:
         (``out.ragged[layer]``, ``ragged_page_indices(..., per_layer=True)`` of those
         requests, in ``slot_mapping``'s order): a FlashInfer-style kernel's metadata for the
         forward, in the same call.
+
+        ``stream_ordered=True`` (shared CUDA tables of one rank, else
+        ``StreamOrderUnavailable``) returns without waiting for the device: the step's table
+        edits are queued on the manager's stream after the consumers' done events and
+        followed by the step event (``kvcm.step_order``), and ``out.slot_mapping`` is a host
+        tensor mapped from the host's tables (the same values). An engine in another process
+        makes its stream wait on the step event before it reads the tables
+        (docs/shared-memory.md#stream-ordered-steps); one in this process that uses the
+        manager's stream needs nothing. Not with ``ragged_layers`` (device results).
         """
         # Settles as ``_settles`` does, written out: the wrapper's argument passing costs a
         # step's twelve keywords a third of a microsecond.
@@ -413,6 +424,8 @@ class KVCacheManager:
             if type(table_edits) is not bool:
                 raise InvalidArgument("table_edits must be a bool")
             layers = () if ragged_layers is _NO_LAYERS else self._ragged_layers(ragged_layers)
+            if stream_ordered is not False:
+                self._check_stream_order(stream_ordered, layers)
             cols = parse_columns(
                 free,
                 rewind,
@@ -438,12 +451,16 @@ class KVCacheManager:
             out = run_columns(self.parts, cols, atomic, sizes)
             if map_slots or layers:
                 rows, starts, counts = mapped_tokens(self.parts.coord.num_tokens, cols, out)
-                if map_slots:
+                if stream_ordered:
+                    out.slot_mapping = self.parts.views.map_tokens_host(rows, starts, counts)
+                elif map_slots:
                     out.slot_mapping = self.parts.views.map_tokens(rows, starts, counts)
                     self._sync_other_ranks()
                 if layers:
                     views = self.parts.views
                     out.ragged = {k: views.ragged_rows(rows, k, "key", True) for k in layers}
+            if stream_ordered:
+                self.parts.tables.publish()
             if table_edits:
                 out.table_edits = self.parts.mirror.take()
             if moves is not None and moves.ended:
@@ -451,6 +468,55 @@ class KVCacheManager:
             return out
         finally:
             _settle(self)
+
+    def _check_stream_order(self, stream_ordered: object, layers: tuple[int, ...]) -> None:
+        """``step_columns``' stream_ordered checked before the step runs: a bool, on shared
+        CUDA tables of one rank, without ragged layers (whose answer is read from the
+        device)."""
+        if type(stream_ordered) is not bool:
+            raise InvalidArgument("stream_ordered must be a bool")
+        if self.parts.tables.order is None:
+            raise StreamOrderUnavailable(
+                "stream_ordered needs page tables in shared CUDA memory on one rank "
+                f"(device {self.device}, share={self.config.share}, "
+                f"{len(self.parts.ranks)} rank(s)): answer without it",
+                reason=self._no_stream_order_reason(),
+            )
+        if layers:
+            raise InvalidArgument(
+                "ragged_layers cannot go with stream_ordered (ragged pages are read from the "
+                "device): ask ragged_page_indices after the step",
+                ragged_layers=list(layers),
+            )
+
+    def _no_stream_order_reason(self) -> str:
+        """Why this manager has no step order: ``device`` (not CUDA), ``not_shared`` or
+        ``ranks`` (several ranks, or context parallelism)."""
+        if self.device.type != "cuda":
+            return "device"
+        if not self.config.share:
+            return "not_shared"
+        return "ranks"
+
+    def watch_consumer(self, consumer_id: str, done_event: str) -> None:
+        """Make later table edits wait, on the manager's stream, for consumer
+        ``consumer_id``'s done event (a base64 CUDA IPC event handle it records after its
+        forward's reads of the tables; docs/shared-memory.md#stream-ordered-steps). Shared
+        CUDA tables of one rank only (``StreamOrderUnavailable``); a bad handle is
+        ``InvalidArgument``; either changes nothing."""
+        order = self.parts.tables.order
+        if order is None:
+            raise StreamOrderUnavailable(
+                "done events need page tables in shared CUDA memory on one rank",
+                reason=self._no_stream_order_reason(),
+            )
+        order.watch(consumer_id, done_event)
+
+    def forget_consumer(self, consumer_id: str) -> None:
+        """Stop waiting on a consumer's done event (it detached or died); no-op if none."""
+        order = self.parts.tables.order
+        if order is not None:
+            order.forget(consumer_id)
 
     def _ragged_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """``step_columns``' ragged_layers checked before the step runs: distinct layer ids
@@ -740,6 +806,9 @@ class KVCacheManager:
         layout = views.shared_layout(self.generation, table_segment)
         if rank:
             return layout.model_copy(update={"rank": rank})
+        order = self.parts.tables.order
+        if order is not None:
+            layout = layout.model_copy(update={"step_event": order.handle})
         if self.parts.state is None:
             return layout
         return layout.model_copy(

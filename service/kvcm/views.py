@@ -354,25 +354,7 @@ class TablesAndViews(LayoutDescriptors):
         tables = self._tables.tensor
         host = not edits.size and tables.device.type == "cpu"  # the manager's own arrays
         if host and self.cp == 1 and native.core is not None:  # one C call
-            first = group or 0
-            window = tables.numpy()[first : first + (1 if group is not None else len(tables))]
-            mapped = np.empty((len(window), total), dtype=np.int64)
-            native.core.map_slots(
-                window,
-                window.shape[1],
-                window.shape[2],
-                np.ascontiguousarray(rows, dtype=np.int64),
-                np.ascontiguousarray(starts, dtype=np.int64),
-                np.ascontiguousarray(counts, dtype=np.int64),
-                self.tokens_per_block,
-                self._min_live,
-                mapped,
-            )
-            if pad_to > total:
-                mapped = np.concatenate(
-                    [mapped, np.full((len(window), pad_to - total), -1, np.int64)], axis=1
-                )
-            return torch.from_numpy(mapped if group is None else mapped[0])
+            return self._map_host(tables.numpy(), rows, starts, counts, pad_to, group)
         items: np.ndarray | slice = slice(None)
         if total == n and (not n or counts.min() == 1):  # a token each (decode): no segments
             positions = starts
@@ -438,6 +420,58 @@ class TablesAndViews(LayoutDescriptors):
         if uploader is not None:
             uploader.commit()
         return out if group is None else out[0]
+
+    def map_tokens_host(
+        self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray
+    ) -> torch.Tensor:
+        """``map_tokens`` (every group, no padding) from the host's tables, the coordinator's
+        bookkeeping that the device tables follow edit for edit: the same values as a host
+        tensor, with no device work and no wait (``step_columns(stream_ordered=True)``, on
+        one rank without context parallelism)."""
+        return self._map_host(self._coord.tables, rows, starts, counts, int(counts.sum()), None)
+
+    def _map_host(
+        self,
+        tables: np.ndarray,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        pad_to: int,
+        group: int | None,
+    ) -> torch.Tensor:
+        """The slot mapping of ``map_tokens`` from host ``tables`` (one rank's, not context
+        parallel): one C call, or numpy without the C core."""
+        total = int(counts.sum())
+        first = group or 0
+        window = tables[first : first + (1 if group is not None else len(tables))]
+        if native.core is None:
+            items, offsets = segments(counts)
+            mapped = kvcm_kernels.slot_mapping_host(
+                window,
+                rows[items],
+                starts[items] + offsets,
+                self.tokens_per_block,
+                pad_to,
+                self._min_live,
+            )
+            return torch.from_numpy(mapped if group is None else mapped[0])
+        mapped = np.empty((len(window), total), dtype=np.int64)
+        native.core.map_slots(
+            window,
+            window.shape[1],
+            window.shape[2],
+            np.ascontiguousarray(rows, dtype=np.int64),
+            np.ascontiguousarray(starts, dtype=np.int64),
+            np.ascontiguousarray(counts, dtype=np.int64),
+            self.tokens_per_block,
+            self._min_live,
+            mapped,
+        )
+        if pad_to > total:
+            mapped = np.concatenate(
+                [mapped, np.full((len(window), pad_to - total), -1, np.int64)], axis=1
+            )
+        return torch.from_numpy(mapped if group is None else mapped[0])
 
     def copy_tokens(
         self,
