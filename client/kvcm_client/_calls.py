@@ -432,8 +432,18 @@ def pools(rank: int = 0) -> Call[SharedLayout]:
     return _get("/v1/pools", _model(SharedLayout), rank=rank or None)
 
 
-def register_consumer(pid: int, generation: str) -> Call[ConsumerInfo]:
-    return _post("/v1/consumers", _model(ConsumerInfo), pid=pid, generation=generation)
+def register_consumer(
+    pid: int, generation: str, done_event: str | None = None
+) -> Call[ConsumerInfo]:
+    if done_event is None:
+        return _post("/v1/consumers", _model(ConsumerInfo), pid=pid, generation=generation)
+    return _post(
+        "/v1/consumers",
+        _model(ConsumerInfo),
+        pid=pid,
+        generation=generation,
+        done_event=done_event,
+    )
 
 
 def unregister_consumer(consumer_id: str) -> Call[None]:

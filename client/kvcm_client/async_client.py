@@ -33,6 +33,7 @@ from ._http import (
 )
 from .columns import StepColumnsResult, wire_columns
 from .errors import (
+    InvalidArgument,
     NoModel,
     ServiceUnavailable,
     StaleGeneration,
@@ -308,6 +309,7 @@ class AsyncKVCacheClient:
         map_slots: bool = False,
         table_edits: bool = False,
         ragged_layers: Any = (),
+        stream_ordered: bool = False,
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when
@@ -451,18 +453,29 @@ class AsyncKVCacheClient:
     async def pools(self, rank: int = 0) -> SharedLayout:
         return await self._run(calls.pools(rank))
 
-    async def attach(self, rank: int = 0) -> Attachment:
+    async def attach(self, rank: int = 0, stream_order: bool = False) -> Attachment:
         """As ``KVCacheClient.attach``; call ``detach(attachment)`` to unregister."""
-        from .shared import Attachment, require_torch
+        from .shared import Attachment, StepEvents, require_torch
 
+        if type(stream_order) is not bool:
+            raise InvalidArgument("stream_order must be a bool")
         require_torch()
         layout = await self.pools(rank)
-        info = await self._run(calls.register_consumer(os.getpid(), layout.generation))
+        events = StepEvents(layout) if stream_order else None
         try:
-            attachment = Attachment(layout)
+            done = None if events is None else events.done_handle
+            info = await self._run(calls.register_consumer(os.getpid(), layout.generation, done))
+        except BaseException:
+            if events is not None:
+                events.close()
+            raise
+        try:
+            attachment = Attachment(layout, events=events)
         except BaseException:  # as in the sync client: a mapping that failed leaves no consumer
             with contextlib.suppress(Exception):  # the mapping's error is the one to see
                 await self._run(calls.unregister_consumer(info.consumer_id))
+            if events is not None:
+                events.close()
             raise
         attachment.consumer_id = info.consumer_id  # type: ignore[attr-defined]
         return attachment

@@ -131,6 +131,15 @@ class StepColumnsRequest(_Frozen):
             "(ragged_page_indices with per_layer=true)"
         ),
     )
+    stream_ordered: Annotated[bool, Strict()] = Field(
+        False,
+        description=(
+            "Answer without waiting for the device (shared CUDA tables of one rank): the "
+            "step's table edits are followed by a record of the layout's step_event, on "
+            "which the engine's stream waits before it reads the tables; slot_mapping is "
+            "computed from the host's tables"
+        ),
+    )
 
 
 class ItemErrorInfo(_Frozen):
@@ -416,12 +425,20 @@ class SharedLayout(_Frozen):
     """With context parallelism (docs/ranks.md#context-parallelism) the page tables are this
     rank's own: entry j of a row is global block j * context_parallel + cp_rank, and the
     pools hold this rank's share of the slots."""
+    step_event: str | None = None
+    """Shared CUDA tables of one rank: the base64 IPC handle of the step event, recorded on
+    the service's stream after each stream-ordered step's table edits
+    (docs/shared-memory.md#stream-ordered-steps); None elsewhere."""
 
 
 class ConsumerRequest(_Frozen):
     pid: Annotated[int, Strict(), Field(gt=0, le=2**31 - 1)]
     """A process id (pid_t is a 32-bit int)."""
     generation: StrictStr
+    done_event: Annotated[StrictStr | None, Field(max_length=128)] = None
+    """The base64 IPC handle of an interprocess CUDA event this consumer records after its
+    forward's last read of the page tables: the service's edits wait on it
+    (docs/shared-memory.md#stream-ordered-steps). Needs shared CUDA tables of one rank."""
 
 
 class ConsumerInfo(_Frozen):

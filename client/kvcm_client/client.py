@@ -55,6 +55,7 @@ from ._http import (
 )
 from .columns import StepColumnsResult, wire_columns
 from .errors import (
+    InvalidArgument,
     NoModel,
     ServiceUnavailable,
     StaleGeneration,
@@ -358,6 +359,7 @@ class KVCacheClient:
         map_slots: bool = False,
         table_edits: bool = False,
         ragged_layers: Any = (),
+        stream_ordered: bool = False,
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
         by handle, a status per item, results decoded when read. Over the step channel when
@@ -366,7 +368,10 @@ class KVCacheClient:
         round trip; ``table_edits=True``: ``.table_edits``, the page-table cells changed
         since the last answer that had them (for an engine's own copy of the tables);
         ``ragged_layers=[layer ids]``: ``.ragged``, per layer the ragged (CSR) pages of the
-        requests the step maps, for a FlashInfer-style kernel."""
+        requests the step maps, for a FlashInfer-style kernel; ``stream_ordered=True``
+        (a CUDA sidecar sharing its tables): the answer does not wait for the device, and
+        the engine's stream waits on the step event instead (``Attachment.wait_step``;
+        docs/shared-memory.md#stream-ordered-steps)."""
         if self._channel is None:
             return self._run(calls.step_columns(given_fields(locals())))
         self._channel.wake()  # before the frame is built (docs/step-channel.md)
@@ -386,6 +391,7 @@ class KVCacheClient:
             map_slots=map_slots,
             table_edits=table_edits,
             ragged_layers=ragged_layers,
+            stream_ordered=stream_ordered,
         )
         return self._over_channel(channel.step_columns(args))
 
@@ -541,23 +547,39 @@ class KVCacheClient:
         tensor- or pipeline-parallel engine: docs/ranks.md)."""
         return self._run(calls.pools(rank))
 
-    def attach(self, rank: int = 0) -> Attachment:
+    def attach(self, rank: int = 0, stream_order: bool = False) -> Attachment:
         """Map the pools and page tables (of rank ``rank``) here and register this process
-        as a consumer; ``close()`` on the result unregisters it."""
-        from .shared import Attachment, require_torch
+        as a consumer; ``close()`` on the result unregisters it. ``stream_order=True`` (a
+        CUDA service sharing the tables of one rank, else ``StreamOrderUnavailable`` and no
+        consumer) also opens the service's step event and registers a done event of this
+        process: ``Attachment.wait_step`` and ``step_done`` for
+        ``step_columns(stream_ordered=True)`` (docs/shared-memory.md#stream-ordered-steps)."""
+        from .shared import Attachment, StepEvents, require_torch
 
+        if type(stream_order) is not bool:
+            raise InvalidArgument("stream_order must be a bool")
         require_torch()  # before the service hears of this consumer
         layout = self.pools(rank)
-        info = self._run(calls.register_consumer(os.getpid(), layout.generation))
+        events = StepEvents(layout) if stream_order else None
+        try:
+            done = None if events is None else events.done_handle
+            info = self._run(calls.register_consumer(os.getpid(), layout.generation, done))
+        except BaseException:
+            if events is not None:
+                events.close()
+            raise
         try:
             return Attachment(
                 layout,
                 on_close=lambda: self._unregister(info.consumer_id),
                 check=lambda: check_same_generation(layout.generation, self.check_generation()),
+                events=events,
             )
         except BaseException:  # nothing mapped (no CuPy for CUDA pools, say): no consumer
             with contextlib.suppress(Exception):  # the mapping's error is the one to see
                 self._unregister(info.consumer_id)
+            if events is not None:
+                events.close()
             raise
 
     def _unregister(self, consumer_id: str) -> None:

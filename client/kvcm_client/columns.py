@@ -84,6 +84,7 @@ def wire_columns(
     map_slots: bool = False,
     table_edits: bool = False,
     ragged_layers: Any = (),
+    stream_ordered: bool = False,
 ) -> dict[str, Any]:
     """The ``args`` map of a ``step_columns`` frame. Empty sections are left out."""
     args: dict[str, Any] = {}
@@ -114,6 +115,8 @@ def wire_columns(
         args["map_slots"] = map_slots
     if table_edits:
         args["table_edits"] = table_edits
+    if stream_ordered:
+        args["stream_ordered"] = stream_ordered
     if len(ragged_layers):
         # numpy scalars as Python values of their own type: the service checks them
         args["ragged_layers"] = [k.item() if hasattr(k, "item") else k for k in ragged_layers]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from .errors import DeviceUnavailable, InvalidArgument, StaleGeneration
+from .errors import DeviceUnavailable, InvalidArgument, StaleGeneration, StreamOrderUnavailable
 from .models import SharedLayout, SharedSegment
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,75 @@ def _open(segment: SharedSegment) -> shared_memory.SharedMemory:
     return shm
 
 
+class StepEvents:
+    """The engine's side of stream-ordered steps (docs/shared-memory.md#stream-ordered-steps):
+    the service's step event, opened here, and this process's own done event, whose IPC
+    handle the consumer registration gives the service.
+
+    CUDA streams order work within a process only, so the two events carry the order both
+    ways without a host wait: ``wait_step`` makes a stream wait for the service's latest
+    step edits, ``step_done`` marks the end of a forward's reads of the tables, and the
+    service's next edits wait for it on the device.
+    """
+
+    def __init__(self, layout: SharedLayout) -> None:
+        """Open ``layout``'s step event on its GPU and create the done event there;
+        ``StreamOrderUnavailable`` (nothing created) where the layout has no step event."""
+        if layout.step_event is None:
+            raise StreamOrderUnavailable(
+                "the service offers no step event: stream-ordered steps need its page tables "
+                "in shared CUDA memory on one rank",
+                reason="no_step_event",
+            )
+        import base64
+
+        cupy = cupy_for_ipc()
+        rt = cupy.cuda.runtime
+        self._rt = rt
+        self.index = _device_with_uuid(layout.page_tables.device_uuid or "")
+        with cupy.cuda.Device(self.index):
+            self._step = rt.ipcOpenEventHandle(base64.b64decode(layout.step_event))
+            try:
+                self._done = rt.eventCreateWithFlags(rt.eventDisableTiming | rt.eventInterprocess)
+            except BaseException:
+                rt.eventDestroy(self._step)
+                raise
+            raw = bytes(rt.ipcGetEventHandle(self._done))
+        #: The done event's IPC handle, base64 (``ConsumerRequest.done_event``).
+        self.done_handle = base64.b64encode(raw).decode()
+        self.closed = False
+
+    def _stream(self, stream: Any) -> int:
+        if self.closed:
+            raise InvalidArgument("this attachment is closed")
+        if stream is None:
+            import torch
+
+            return torch.cuda.current_stream(self.index).cuda_stream
+        return int(getattr(stream, "cuda_stream", stream))
+
+    def wait_step(self, stream: Any = None) -> None:
+        """Make ``stream`` (a torch stream or raw handle; default torch's current stream on
+        the service's GPU) wait for the service's latest step edits. No host wait."""
+        self._rt.streamWaitEvent(self._stream(stream), self._step, 0)
+
+    def step_done(self, stream: Any = None) -> None:
+        """Record the done event on ``stream`` (as ``wait_step``) once the work that reads
+        the tables is queued on it: the service's next edits wait for that work."""
+        self._rt.eventRecord(self._done, self._stream(stream))
+
+    def close(self) -> None:
+        """Destroy both events here (the service forgets the done event on unregistering)."""
+        if self.closed:
+            return
+        self.closed = True
+        cupy = cupy_for_ipc()
+        with cupy.cuda.Device(self.index):
+            for event in (self._step, self._done):
+                with contextlib.suppress(Exception):
+                    self._rt.eventDestroy(event)
+
+
 class Attachment:
     """Views of one service generation's pools and page tables (see the module docstring)."""
 
@@ -100,7 +169,10 @@ class Attachment:
         expected_generation: str | None = None,
         on_close: Callable[[], None] | None = None,
         check: Callable[[], object] | None = None,
+        events: StepEvents | None = None,
     ) -> None:
+        """``events``: the stream-ordered steps' events (``KVCacheClient.attach(
+        stream_order=True)``), closed with the attachment."""
         import torch
 
         if expected_generation is not None and layout.generation != expected_generation:
@@ -115,6 +187,7 @@ class Attachment:
         self._ipc: list[tuple[int, int]] = []  # (device index, pointer) opened here
         self._on_close = on_close
         self._check = check
+        self._events = events
 
         def raw(segment: SharedSegment) -> Any:
             if segment.kind == "cuda_ipc":
@@ -180,6 +253,25 @@ class Attachment:
                     name=segment.name,
                 )
 
+    def _step_events(self) -> StepEvents:
+        if self._events is None:
+            raise StreamOrderUnavailable(
+                "this attachment has no step events: attach with stream_order=True",
+                reason="not_attached",
+            )
+        return self._events
+
+    def wait_step(self, stream: Any = None) -> None:
+        """After a ``step_columns(stream_ordered=True)`` answer and before the forward reads
+        the tables: ``stream`` (torch's current stream on the service's GPU by default)
+        waits for the step's table edits on the device; the host does not wait."""
+        self._step_events().wait_step(stream)
+
+    def step_done(self, stream: Any = None) -> None:
+        """Once the forward's reads of the tables are queued on ``stream``, and before the
+        next step is sent: the service's next table edits wait for them on the device."""
+        self._step_events().step_done(stream)
+
     def layer_view(self, layer_id: int, role: str = "key") -> Any:
         try:
             return self.views[(layer_id, role)]
@@ -210,6 +302,8 @@ class Attachment:
             self._on_close()
         self.views.clear()
         del self.page_tables
+        if self._events is not None:
+            self._events.close()
         for shm in self._segments:
             with contextlib.suppress(BufferError):
                 shm.close()

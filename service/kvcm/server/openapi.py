@@ -63,6 +63,7 @@ from kvcm_client.errors import (
     SequenceTooLong,
     StaleGeneration,
     StateNotRewindable,
+    StreamOrderUnavailable,
     TransferUnavailable,
     Unauthorized,
     UnknownConsumer,
@@ -182,7 +183,17 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ),
     # Op errors are results of a step (200), not its status.
     ("POST", "/v1/step"): RouteDoc(_MODEL, **_OP),
-    ("POST", "/v1/step_columns"): RouteDoc(_MODEL, **_OP),
+    ("POST", "/v1/step_columns"): RouteDoc(
+        (*_MODEL, StreamOrderUnavailable),
+        **_OP_ROUTE,
+        notes=(
+            *_BODY_LIMIT,
+            (
+                StreamOrderUnavailable,
+                "stream_ordered on a manager without shared CUDA tables of one rank",
+            ),
+        ),
+    ),
     ("POST", "/v1/page_indices"): RouteDoc((*_LIVE, UnknownLayer), **_READ),
     ("POST", "/v1/ragged_page_indices"): RouteDoc((*_LIVE, UnknownLayer), **_READ),
     ("POST", "/v1/slot_mapping"): RouteDoc((*_LIVE, UnknownLayer), **_READ),
@@ -253,12 +264,16 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     # 422 when the manager was built without share=True.
     ("GET", "/v1/pools"): RouteDoc((InvalidArgument, *_MODEL)),
     ("POST", "/v1/consumers"): RouteDoc(
-        (StaleGeneration, LimitReached, *_MODEL),
+        (StaleGeneration, LimitReached, StreamOrderUnavailable, *_MODEL),
         body=True,
         auth=True,
         notes=(
             *_BODY_LIMIT,
             (LimitReached, "the table of attached consumers is full: detach one first"),
+            (
+                StreamOrderUnavailable,
+                "a done_event on a manager without shared CUDA tables of one rank",
+            ),
         ),
     ),
     ("GET", "/v1/consumers"): RouteDoc(),

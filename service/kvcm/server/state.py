@@ -365,6 +365,8 @@ class ServiceState:
         info = ConsumerInfo(
             consumer_id=secrets.token_urlsafe(9), pid=req.pid, generation=req.generation
         )
+        if req.done_event is not None:  # refused before the consumer counts
+            self.manager.watch_consumer(info.consumer_id, req.done_event)
         self.consumers[info.consumer_id] = info
         return info
 
@@ -372,12 +374,15 @@ class ServiceState:
         if self.consumers.pop(consumer_id, None) is None:
             shown = consumer_id[:64]
             raise UnknownConsumer(f"no consumer {shown!r}", consumer_id=shown)
+        self.manager.forget_consumer(consumer_id)
 
     def prune_consumers(self) -> int:
-        """Forget consumers whose process is gone (died without detaching)."""
+        """Forget consumers whose process is gone (died without detaching), and their done
+        events: a dead engine's reads no longer hold the service's edits back."""
         dead = [c for c, info in self.consumers.items() if not _alive(info.pid)]
         for consumer_id in dead:
             del self.consumers[consumer_id]
+            self.manager.forget_consumer(consumer_id)
         return len(dead)
 
     # -- sessions ------------------------------------------------------------------------------
