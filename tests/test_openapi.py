@@ -540,6 +540,10 @@ def test_live_errors_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) ->
             call(method, route, "stale_generation", path=path, headers=stale)
 
         _no_transfer(call)
+        # Stream-ordered steps and done events need shared CUDA tables; these are the CPU's.
+        call("POST", "/v1/step_columns", "stream_order_unavailable", json={"stream_ordered": True})
+        done = {"pid": 1, "generation": manager.generation, "done_event": "A" * 88}
+        call("POST", "/v1/consumers", "stream_order_unavailable", json=done)
 
         def broken(*_: object) -> None:
             raise ZeroDivisionError("a bug")
