@@ -17,7 +17,10 @@ step) from the typed client over the step channel of a ``kvcm serve``, in its de
 (it sleeps between steps: adaptive polls and the client's doorbell only), in its busy-poll
 mode (``--step-spin-s``: it polls for the next frame for that long after each answer), and in
 busy-poll mode with the client's frames through the shared-memory ring (``step_ring=True``),
-measured against the busy echo too: the floor of a Python round trip over a socket.
+measured against the busy echo too: the floor of a Python round trip over a socket. On a
+CUDA device (``--device cuda:0``) a last variant runs the ring with ``stream_ordered=True``
+(docs/shared-memory.md#stream-ordered-steps): the sidecar shares its tables and answers
+without waiting for the device.
 
 Every variant runs at each cadence (``--gap-ms``, and 0: back to back), alternating in
 blocks so the machine's drift hits them alike. Per variant: p50, p99 and p99.9 of the round
@@ -194,11 +197,13 @@ def kvcm_server(
     device: str = "cpu",
     map_slots: bool = False,
     ring: bool = False,
+    stream_ordered: bool = False,
 ) -> Iterator[Variant]:
     """``kvcm serve`` on ``device`` with a step channel and room for 256 requests to grow by
     ``steps`` tokens each; the variant is the typed client's decode step over the channel
     (with the engine's slot mappings in the answer with ``map_slots``; through the
-    shared-memory ring with ``ring``)."""
+    shared-memory ring with ``ring``; answered without waiting for the device with
+    ``stream_ordered``, on a CUDA sidecar that shares its tables)."""
     layers = tmp / "layers.json"
     layers.write_text(json.dumps([{"layer_id": 0, "num_kv_heads": 1, "head_dim": 8}]))
     sock = tmp / f"{len(list(tmp.glob('*.sock')))}.sock"
@@ -210,6 +215,8 @@ def kvcm_server(
     cmd += ["--device", device]
     if spin_s:
         cmd += ["--step-spin-s", str(spin_s)]
+    if stream_ordered:
+        cmd += ["--share"]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -235,7 +242,10 @@ def kvcm_server(
                 raise RuntimeError(f"{name}: the service gave no ring")
 
             def call() -> None:
-                if not kv.step_columns(extend=handles, map_slots=map_slots).ok:
+                step = kv.step_columns(
+                    extend=handles, map_slots=map_slots, stream_ordered=stream_ordered
+                )
+                if not step.ok:
                     raise RuntimeError(f"{name}: a decode step failed")
 
             yield Variant(name, proc.pid, call, spin_s)
@@ -300,8 +310,22 @@ def main() -> None:
                 args.map_slots,
                 ring=True,
             ) as ring,
+            (
+                kvcm_server(
+                    tmp,
+                    "kvcm step ring, stream-ordered (no device wait)",
+                    args.spin_s,
+                    3 * steps,
+                    args.device,
+                    args.map_slots,
+                    ring=True,
+                    stream_ordered=True,
+                )
+                if args.device.startswith("cuda")
+                else contextlib.nullcontext()
+            ) as ordered,
         ):
-            variants = [blocking, busy, default, spin, ring]
+            variants = [blocking, busy, default, spin, ring, *([ordered] if ordered else [])]
             for gap in gaps:
                 for v in variants:  # warm-up
                     v.block(gap, 20)
@@ -314,6 +338,8 @@ def main() -> None:
                         v.block(gap, n)
                     done += n
     floors = {default.name: blocking, spin.name: busy, ring.name: busy}
+    if ordered is not None:
+        floors[ordered.name] = busy
     print(f"# bench_cadence {platform.node()} {platform.processor() or platform.machine()}")
     pinned = f"busy servers on CPU {sorted(PIN['server'])}, client on {sorted(PIN['client'])}"
     print(pinned if PIN else "unpinned")
