@@ -203,6 +203,8 @@ class DeviceTables:
             coordinator.edits = []
             self._upload = Uploader(device, torch.int64)
             self._launch = StepLaunch.create(self.tensor)
+            #: The empty ``[0, 0]`` mapping of ``publish``'s launch, which maps no token.
+            self._no_tokens = torch.empty((0, 0), dtype=torch.int64, device=device)
 
     @property
     def uploader(self) -> Uploader | None:
@@ -253,7 +255,23 @@ class DeviceTables:
 
     def publish(self) -> None:
         """Apply the pending edits on the current stream and record the step event after
-        them (``step_columns(stream_ordered=True)``): no wait on the host. Needs ``order``."""
-        assert self._order is not None
-        self.sync()
-        self._order.record(kvcm_kernels.current_stream_handle(self._order.index))
+        them (``step_columns(stream_ordered=True)``): no wait on the host. Needs ``order``
+        (shared CUDA tables of one rank, which have the uploader and, with CuPy, the step's
+        pre-bound launch: the edits go as a step that maps no token, one driver call)."""
+        order = self._order
+        assert order is not None and self._upload is not None
+        edits = self.take_pending()
+        stream = kvcm_kernels.current_stream_handle(order.index)
+        if edits.shape[0]:
+            size = 1 + edits.size  # query_start_loc [0], then the edits (StepLaunch's layout)
+            packed = self._upload.reserve(size)
+            packed[0] = 0
+            packed[1:] = edits.reshape(-1)
+            launch = self._launch
+            if launch is None or not launch(
+                self._upload.address, 0, 0, len(edits), 1, 0, self._no_tokens, 0, stream
+            ):
+                staged = self._upload.staged(size)[1:].view(-1, 4)
+                kvcm_kernels.apply_page_table_edits(self.tensor, staged)
+            self._upload.commit(stream)
+        order.record(stream)
