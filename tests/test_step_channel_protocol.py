@@ -32,6 +32,9 @@ class FakeChannel:
     def limit(self) -> int:
         return 1 << 20
 
+    def remember(self, *_: Any) -> None:
+        """No busy poll: nothing to rehearse (``StepChannel.rehearse``)."""
+
     def handle(self, body: bytes, conn: Any = None) -> tuple[dict[str, Any], bool, str]:
         return {"result": msgpack.unpackb(body)["args"]["i"]}, False, "x"
 

@@ -61,6 +61,9 @@ class Channel:
     def limit(self) -> int:
         return 1000 if not self.answer_size else 1 << 24
 
+    def remember(self, *_: Any) -> None:
+        """No busy poll: nothing to rehearse (``StepChannel.rehearse``)."""
+
     def handle(self, body: bytes, conn: Any = None) -> tuple[dict[str, Any], bool, str]:
         try:
             message = msgpack.unpackb(body)

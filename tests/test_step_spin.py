@@ -15,8 +15,9 @@ import pytest
 from helpers import layer
 
 from kvcm import KVCacheManager
+from kvcm.server import step_channel
 from kvcm.server.state import ServiceState
-from kvcm.server.step_channel import StepChannel
+from kvcm.server.step_channel import REHEARSAL_BYTES, StepChannel
 from kvcm_client.columns import wire_columns
 from kvcm_client.step_channel import HEADER, pack, unpack
 
@@ -141,3 +142,54 @@ def _cpu(pid: int, wall: float) -> float:
     before = total()
     time.sleep(wall)
     return total() - before
+
+
+@TWO_CPUS
+def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``rehearse`` parses the last frame remembered again (``step_columns``' arrays too) and
+    packs its answer again: the manager, the metrics and the answer are as they were. Only a
+    frame answered without an error, small, in busy-poll mode is remembered."""
+    channel, m = _channel(0.3)
+    parsed: list[dict] = []
+    real = step_channel.columns_from_wire
+
+    def counted(args: dict) -> dict:
+        parsed.append(args)
+        return real(args)
+
+    monkeypatch.setattr(step_channel, "columns_from_wire", counted)
+
+    def answer(message: dict) -> tuple[bytes, dict]:
+        body = pack(message)[HEADER.size :]
+        out, close, _ = channel.handle(body)
+        assert not close
+        channel.remember(body, out, 200)
+        return body, out
+
+    _, first = answer(
+        {"op": "step_columns", "args": {"allocate": [{"request_id": "a", "num_tokens": 3}]}}
+    )
+    handle = array("q", memoryview(first["result"]["handles"]).cast("q"))
+    _, second = answer({"op": "step_columns", "args": wire_columns(extend=handle)})
+    assert len(parsed) == 2
+    before = (m.request("a").num_tokens, m.num_free_blocks(), channel.state.metrics.render())
+    packed = step_channel._body(dict(second), False)
+    for _ in range(20):
+        channel.rehearse()
+    assert len(parsed) == 22 and parsed[-1] == parsed[1]
+    assert (m.request("a").num_tokens, m.num_free_blocks()) == (4, before[1])
+    assert channel.state.metrics.render() == before[2]
+    assert step_channel._body(dict(second), False) == packed and "close" not in second
+
+    answer({"op": "no_such_op"})  # an error: nothing to rehearse
+    channel.rehearse()
+    channel.remember(b"x" * REHEARSAL_BYTES, second, 1)  # too large together
+    channel.rehearse()
+    assert len(parsed) == 22 and m.request("a").num_tokens == 4
+
+    idle, _ = _channel(0.0)  # not in busy-poll mode: nothing is remembered
+    idle.remember(pack({"op": "step_columns", "args": {}})[HEADER.size :], second, 10)
+    idle.rehearse()
+    assert len(parsed) == 22

@@ -68,6 +68,9 @@ log = logging.getLogger("kvcm.step_channel")
 
 #: Keys a request map may have (docs/step-channel.md).
 _KEYS = frozenset({"op", "args", "session", "generation", "token"})
+#: The largest frame and answer (bytes together) the busy poll rehearses (``rehearse``):
+#: a larger one would hold a frame that comes meanwhile for longer than it saves.
+REHEARSAL_BYTES = 64 << 10
 
 
 def _table(values: Any) -> dict[str, Any]:
@@ -110,6 +113,8 @@ class StepChannel:
         #: Busy-poll mode: when the current spin ends, and whether one is running.
         self._spin_until = 0
         self._spinning = False
+        #: The last small frame answered without an error, and its answer (``rehearse``).
+        self._rehearsal: tuple[bytes, dict[str, Any]] | None = None
         self.server: asyncio.AbstractServer | None = None
         #: The socket file ``start`` made, removed by ``stop``.
         self.socket_file: OwnSocket | None = None
@@ -323,9 +328,35 @@ class StepChannel:
             self._serve_rings()
             return True
         ready = self._ring_frame if self.ringed else None
-        looked = self.poll.wait(min(left, self.SPIN_SLICE_NS), ready)
+        looked = self.poll.wait(min(left, self.SPIN_SLICE_NS), ready, self.rehearse)
         # A socket frame: the loop reads it next, and its answer spins again.
         return not looked or self._serve_rings()
+
+    def remember(self, frame: bytes, answer: dict[str, Any], answer_bytes: int) -> None:
+        """A frame was answered (``answer_bytes`` long): in busy-poll mode, keep it for
+        ``rehearse`` if it succeeded and both are small."""
+        if self.spin_ns:
+            small = len(frame) + answer_bytes <= REHEARSAL_BYTES
+            self._rehearsal = (frame, answer) if small and "result" in answer else None
+
+    def rehearse(self) -> None:
+        """Busy-poll mode, while it waits: parse the last frame again (``step_columns``'
+        arrays too) and pack its answer again, changing nothing.
+
+        Why: the spin keeps the core, not what the step path left in its caches and branch
+        predictors, which other work takes over milliseconds (measured on the development
+        VM: a step run again 5 ms later costs 57% more than back to back, 1 ms later 18%,
+        50 us later nothing). Rehearsing every ``FramePoll.IDLE_EVERY_NS`` keeps the frame's
+        way in and out warm at no cost the spin does not already pay; a frame that comes
+        meanwhile waits at most one rehearsal (a few microseconds: small frames only,
+        ``REHEARSAL_BYTES``). The step itself is not rehearsed: it changes state."""
+        if self._rehearsal is None:
+            return
+        frame, answer = self._rehearsal
+        message = unpack(frame)
+        if message.get("op") == "step_columns":
+            columns_from_wire(message.get("args", {}))
+        _body(answer, False)
 
     def _ring_frame(self) -> bool:
         """Whether a ring holds a frame to serve (the spin's look at the rings)."""
@@ -482,6 +513,8 @@ class _Connection(asyncio.Protocol):
             answer, close, _ = channel.handle(taken, self)
         try:
             body = _body(answer, close)
+            if type(taken) is bytes and not close:
+                channel.remember(taken, answer, len(body))
             if not ring.reply(body):
                 assert self.transport is not None
                 self.transport.write(HEADER.pack(len(body)) + body)
@@ -577,6 +610,8 @@ class _Connection(asyncio.Protocol):
             answer, close, op = channel.handle(body, self)
             if op == RING_OP and self.ring is not None and "result" in answer:
                 self._send_ring(answer, close)
+            elif not close:
+                channel.remember(body, answer, self._send(answer, close))
             else:
                 self._send(answer, close)
             poll = None if self.gaps is None else self.gaps.answered(op)
@@ -608,12 +643,14 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
 
-    def _send(self, answer: dict[str, Any], close: bool) -> None:
+    def _send(self, answer: dict[str, Any], close: bool) -> int:
+        """Write ``answer`` (then close, if ``close``); its body's length."""
         body = _body(answer, close)
         assert self.transport is not None
         self.transport.write(HEADER.pack(len(body)) + body)
         if close:
             self.close()
+        return len(body)
 
 
 def _body(answer: dict[str, Any], close: bool) -> bytes:
