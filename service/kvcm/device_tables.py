@@ -251,18 +251,24 @@ class DeviceTables:
             # The kernel reads the edits from pinned memory: no copy of their own.
             kvcm_kernels.apply_page_table_edits(self.tensor, self._upload.stage(edits))
             self._upload.commit()
+            if self._order is not None:  # the step event follows every edit of the tables
+                self._order.record(kvcm_kernels.current_stream_handle(self._order.index))
         return self.tensor
 
     def publish(self) -> None:
         """Apply the pending edits on the current stream and record the step event after
         them (``step_columns(stream_ordered=True)``): no wait on the host. Needs ``order``
         (shared CUDA tables of one rank, which have the uploader and, with CuPy, the step's
-        pre-bound launch: the edits go as a step that maps no token, one driver call)."""
+        pre-bound launch: the edits go as a step that maps no token, one driver call).
+        Without edits nothing is launched nor recorded (most decode steps cross no block
+        boundary): the event's last record follows every edit that a stream-ordered step or
+        ``sync`` applied, and the other paths (a slot mapping's fused launch) answer over the
+        wire only once the device applied theirs."""
         order = self._order
         assert order is not None and self._upload is not None
         edits = self.take_pending()
-        stream = kvcm_kernels.current_stream_handle(order.index)
         if edits.shape[0]:
+            stream = kvcm_kernels.current_stream_handle(order.index)
             size = 1 + edits.size  # query_start_loc [0], then the edits (StepLaunch's layout)
             packed = self._upload.reserve(size)
             packed[0] = 0
@@ -274,4 +280,4 @@ class DeviceTables:
                 staged = self._upload.staged(size)[1:].view(-1, 4)
                 kvcm_kernels.apply_page_table_edits(self.tensor, staged)
             self._upload.commit(stream)
-        order.record(stream)
+            order.record(stream)

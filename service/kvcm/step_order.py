@@ -7,7 +7,8 @@ an H100. ``step_columns(stream_ordered=True)`` answers without that wait; this c
 orders the device work instead (docs/shared-memory.md#stream-ordered-steps):
 
 - the **step event**: an interprocess CUDA event the manager records on its stream after a
-  step's edits; its IPC handle is in the shared layout, and an engine's stream waits on it
+  step's edits (after any edits ``DeviceTables`` applies; a step without edits leaves the
+  last record); its IPC handle is in the shared layout, and an engine's stream waits on it
   (``cudaStreamWaitEvent``) before its forward reads the tables;
 - **done events**: each consumer that registered one records it on its stream after its
   forward's last read of the tables; the manager's stream waits on every one before it
