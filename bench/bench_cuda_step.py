@@ -10,6 +10,12 @@ group in the same call) and ``page_tables()`` (the tables its kernels read). No 
 synchronize inside the step: the kernels are queued on torch's current stream, so the
 engine's forward queued after them sees the tables and the mapping.
 
+Variants on CUDA: the one-launch kernels (the default), the torch reference
+(``KVCM_KERNELS=reference``), and stream-ordered steps (``stream_ordered=True`` on shared
+tables: the mapping comes from the host's tables in C, the step's table edits are queued on
+the stream after it, and the step copies the mapping to the device from pinned memory, as the
+engine's forward needs it there).
+
 Layouts: 1 layer group (full attention) and 4 (full plus windows of 256, 512 and 1024 tokens,
 a Gemma-3-like mix: window rows release blocks as they slide, so each step has edits).
 
@@ -41,9 +47,9 @@ from kvcm import KVCacheManager
 N = 256
 
 
-def manager(groups: int, device: str) -> tuple[KVCacheManager, np.ndarray]:
+def manager(groups: int, device: str, share: bool = False) -> tuple[KVCacheManager, np.ndarray]:
     """bench_kernels' decode workload (256 requests of 500-4000 tokens) and its handles."""
-    m, ids = decode_manager(groups, device, N)
+    m, ids = decode_manager(groups, device, N, share)
     return m, np.array([m.request(rid).handle for rid in ids], dtype=np.int64)
 
 
@@ -52,13 +58,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(groups: int, device: str, steps: int, reference: bool = False) -> dict[str, Any]:
+def run(
+    groups: int, device: str, steps: int, reference: bool = False, ordered: bool = False
+) -> dict[str, Any]:
+    """``ordered``: ``step_columns(stream_ordered=True)`` on shared tables, whose mapping is
+    computed on the host; the step then copies it to the device from pinned memory, as an
+    engine's forward needs it there (a pageable copy would wait for the stream)."""
     if reference:
         os.environ["KVCM_KERNELS"] = "reference"
     try:
-        m, handles = manager(groups, device)
+        m, handles = manager(groups, device, share=ordered)
 
         def step() -> torch.Tensor:
+            if ordered:
+                out = m.step_columns(extend=handles, map_slots=True, stream_ordered=True)
+                m.page_tables()
+                return out.slot_mapping.pin_memory().to(device, non_blocking=True)
             out = m.step_columns(extend=handles, map_slots=True)
             m.page_tables()
             return out.slot_mapping
@@ -77,7 +92,9 @@ def run(groups: int, device: str, steps: int, reference: bool = False) -> dict[s
         assert mapping.shape == (groups, N)
         row = {
             "groups": groups,
-            "device": device + (" (torch reference)" if reference else ""),
+            "device": device
+            + (" (torch reference)" if reference else "")
+            + (" (stream-ordered, host mapping, pinned copy)" if ordered else ""),
             "wall_us": wall * 1e6,
             "host_p50_us": statistics.median(host) * 1e6,
             "host_p99_us": float(np.percentile(host, 99)) * 1e6,
@@ -157,6 +174,7 @@ def main() -> None:
             rows.append(run(groups, device, args.steps))
             if device.startswith("cuda"):
                 rows.append(run(groups, device, args.steps, reference=True))
+                rows.append(run(groups, device, args.steps, ordered=True))
     print("| groups | device | wall us/step | host p50 | host p99 | device us | span us |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -78,9 +78,12 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * nbytes / (us * 1e-6)
 
 
-def decode_manager(groups: int, device: str, n: int = 256) -> tuple[KVCacheManager, list[str]]:
+def decode_manager(
+    groups: int, device: str, n: int = 256, share: bool = False
+) -> tuple[KVCacheManager, list[str]]:
     """``n`` requests of 500-4000 tokens over ``groups`` layer groups (full, then windows of
-    256, 512, 1024): the decode workload of this bench and bench/bench_cuda_step.py."""
+    256, 512, 1024): the decode workload of this bench and bench/bench_cuda_step.py
+    (``share``: the pools and tables in shared memory, as a sidecar's)."""
     windows = [None, 256, 512, 1024][:groups]
     # One small layer per layer group: the bookkeeping does not depend on KV bytes.
     layers = [
@@ -96,6 +99,7 @@ def decode_manager(groups: int, device: str, n: int = 256) -> tuple[KVCacheManag
             "max_seq_len": 8192,
             "num_blocks": groups * n * 8192 // TPB,
             "device": device,
+            "share": share,
         }
     )
     rng = np.random.default_rng(0)
