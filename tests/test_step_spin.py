@@ -48,7 +48,7 @@ def test_it_spins_after_an_answer_serves_the_loop_meanwhile_and_stops_when_idle(
     channel, m = _channel(0.3)
     path = tmp_path / "step.sock"
 
-    async def run() -> tuple[list[bool], int, list[int]]:
+    async def run() -> tuple[list[bool], list[bool]]:
         await channel.start(path)
         try:
             reader, writer = await asyncio.open_unix_connection(str(path))
@@ -58,12 +58,9 @@ def test_it_spins_after_an_answer_serves_the_loop_meanwhile_and_stops_when_idle(
             first = await _call(reader, writer, frame)
             handle = array("q", memoryview(first["result"]["handles"]).cast("q"))
             spinning = [channel._spinning]
-            ticks = 0
-            deadline = time.monotonic() + 0.1
-            while time.monotonic() < deadline:  # the loop runs while the channel spins
+            for _ in range(20):  # other work on the loop: each slice hands it back
                 await asyncio.sleep(0)
-                ticks += 1
-            spinning.append(channel._spinning)
+            spinning.append(channel._spinning)  # still: the ticks did not wait out the spin
             extend = pack({"op": "step_columns", "args": wire_columns(extend=handle)})
             second = await _call(reader, writer, extend)
             spinning.append(channel._spinning)
@@ -74,13 +71,12 @@ def test_it_spins_after_an_answer_serves_the_loop_meanwhile_and_stops_when_idle(
             spinning.append(channel._spinning)
             writer.close()
             statuses = [not bool(r["result"].get("errors")) for r in (first, second)]
-            return spinning, ticks, statuses
+            return spinning, statuses
         finally:
             await channel.stop()
 
-    spinning, ticks, ok = asyncio.run(run())
+    spinning, ok = asyncio.run(run())
     assert spinning == [True, True, True, False] and ok == [True, True]
-    assert ticks > 10  # each slice (at most 0.2 ms) handed the loop back
     assert m.request("a").num_tokens == 4
 
 
