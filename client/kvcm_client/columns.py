@@ -115,7 +115,7 @@ def wire_columns(
         args["map_slots"] = map_slots
     if table_edits:
         args["table_edits"] = table_edits
-    if stream_ordered:
+    if stream_ordered is not False:  # a non-bool goes too: the service refuses it
         args["stream_ordered"] = stream_ordered
     if len(ragged_layers):
         # numpy scalars as Python values of their own type: the service checks them

@@ -5,8 +5,10 @@ of a manager reads the same one). On CUDA the host keeps the bookkeeping and the
 logs every table edit; with several ranks each rank's tables take the edits from their own
 queue (``kvcm.ranks.EditQueues``). The edits of a step
 reach the device in one upload and one launch for all layer groups: fused with the step's slot
-mapping when the scheduler asks for it (``take_pending``), or alone (``sync``) before anything
-else reads the device tables.
+mapping when the scheduler asks for it (``take_pending``), alone (``sync``) before anything
+else reads the device tables, or alone before a stream-ordered step answers (``publish``).
+With a step order (``kvcm.step_order``) every path records the step event after the edits it
+queued, so the event's last record always follows every edit.
 """
 
 from __future__ import annotations
@@ -240,6 +242,25 @@ class DeviceTables:
             self._order.wait_for_consumers(kvcm_kernels.current_stream_handle(self._order.index))
         return self._coord.take_edits()
 
+    def before_writes(self) -> None:
+        """A step is about to queue device writes (host-tier copies, state copies, table
+        edits): with consumers' done events, the current stream waits for them first, so
+        that no write of this step lands in a page, a state slot or a cell that a
+        consumer's forward still reads (the host tier's copies wait for the current stream's
+        earlier work, so they inherit the wait). Nothing without watched consumers."""
+        order = self._order
+        if order is not None and order.watched:
+            order.wait_for_consumers(kvcm_kernels.current_stream_handle(order.index))
+
+    def edits_queued(self) -> None:
+        """The edits ``take_pending`` gave were queued on the current stream by their
+        caller (a slot mapping's fused launch): the step event follows them, so that a later
+        stream-ordered step without edits of its own, which records nothing, still answers
+        after them."""
+        order = self._order
+        if order is not None:
+            order.record(kvcm_kernels.current_stream_handle(order.index))
+
     def sync(self) -> torch.Tensor:
         """Apply pending edits (one launch) and return the tables ``[groups, rows, blocks]``."""
         edits = self.take_pending()
@@ -261,9 +282,9 @@ class DeviceTables:
         (shared CUDA tables of one rank, which have the uploader and, with CuPy, the step's
         pre-bound launch: the edits go as a step that maps no token, one driver call).
         Without edits nothing is launched nor recorded (most decode steps cross no block
-        boundary): the event's last record follows every edit that a stream-ordered step or
-        ``sync`` applied, and the other paths (a slot mapping's fused launch) answer over the
-        wire only once the device applied theirs."""
+        boundary): every path that applies edits records the event after them (``sync``, a
+        slot mapping's fused launch: ``edits_queued``), so its last record follows them
+        all."""
         order = self._order
         assert order is not None and self._upload is not None
         edits = self.take_pending()

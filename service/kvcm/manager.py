@@ -448,6 +448,7 @@ class KVCacheManager:
             total = sum(sizes.values())
             if total > MAX_STEP_OPS or total - sizes["extend"] > MAX_STEP_OTHER_OPS:
                 self._check_step_size(total, total - sizes["extend"])
+            self.parts.tables.before_writes()
             out = run_columns(self.parts, cols, atomic, sizes)
             if map_slots or layers:
                 rows, starts, counts = mapped_tokens(self.parts.coord.num_tokens, cols, out)
@@ -460,6 +461,9 @@ class KVCacheManager:
                     views = self.parts.views
                     out.ragged = {k: views.ragged_rows(rows, k, "key", True) for k in layers}
             if stream_ordered:
+                # The step's state and host-tier copies first, then the edits and the event
+                # after them all: an engine that waits on the event sees the step whole.
+                self.parts.settle()
                 self.parts.tables.publish()
             if table_edits:
                 out.table_edits = self.parts.mirror.take()

@@ -93,11 +93,6 @@ class StepOrder:
         if event is not None:
             _destroy(self._rt, self.index, [event])
 
-    def forget_all(self) -> None:
-        """Forget every consumer's done event (a new model: the consumers are gone)."""
-        for consumer_id in list(self._done):
-            self.forget(consumer_id)
-
     @property
     def watched(self) -> int:
         """How many done events later edits wait on."""

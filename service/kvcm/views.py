@@ -403,6 +403,8 @@ class TablesAndViews(LayoutDescriptors):
                 stream,
             ):
                 uploader.commit(stream)
+                if edits.shape[0]:
+                    self._tables.edits_queued()
                 return out if group is None else out[0]
         staged = torch.from_numpy(packed) if uploader is None else uploader.staged(size)
         out = kvcm_kernels.apply_edits_and_map_slots(
@@ -419,6 +421,8 @@ class TablesAndViews(LayoutDescriptors):
         )
         if uploader is not None:
             uploader.commit()
+        if edits.shape[0]:
+            self._tables.edits_queued()
         return out if group is None else out[0]
 
     def map_tokens_host(

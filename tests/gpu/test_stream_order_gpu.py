@@ -71,7 +71,21 @@ def _step(rng: random.Random, live: dict[str, int], serial: list[int]) -> dict[s
     return {"free": free, "extend": extend, "num_new_tokens": counts, "allocate": allocate}
 
 
-def _run(tmp_path: Path, steps: int, spin: int, seed: int, null_page: bool) -> None:
+def _run(
+    tmp_path: Path,
+    steps: int,
+    spin: int,
+    seed: int,
+    null_page: bool,
+    mixed: bool = False,
+    spin_after: int = 0,
+) -> None:
+    """``spin``: the engine's stream spins that many cycles before it reads the tables,
+    ``spin_after`` after it read them and before its done event (the forward's other work).
+    ``mixed``: every third step frees one request without ``stream_ordered`` (its edits go
+    through the slot mapping's fused launch and its mapping is empty: no device wait in the
+    answer either), so a stream-ordered step without edits of its own may follow one whose
+    edits only the fused launch's record covers."""
     pytest.importorskip("cupy")
     cfg = CONFIG | {"null_page": null_page}
     path = tmp_path / "cfg.json"
@@ -93,7 +107,14 @@ def _run(tmp_path: Path, steps: int, spin: int, seed: int, null_page: bool) -> N
         for i in range(steps):
             # Every fifth step is empty: it edits nothing, so the service records nothing
             # and the engine's wait refers to the last step that did.
-            step = _step(rng, live, serial) if i % 5 != 4 else EMPTY
+            ordered = not (mixed and i % 3 == 1)
+            if not ordered:
+                free = sorted(live)[:1]
+                for r in free:
+                    del live[r]
+                step = EMPTY | {"free": free}
+            else:
+                step = _step(rng, live, serial) if i % 5 != 4 else EMPTY
             free = step["free"]
             ext = step["extend"]
             args = {"num_new_tokens": np.asarray(step["num_new_tokens"], dtype=np.int64)}
@@ -102,7 +123,7 @@ def _run(tmp_path: Path, steps: int, spin: int, seed: int, null_page: bool) -> N
                 extend=[handles[r][0] for r in ext],
                 allocate=step["allocate"],
                 map_slots=True,
-                stream_ordered=True,
+                stream_ordered=ordered,
                 **args,
             )
             want = ref.step_columns(
@@ -133,6 +154,8 @@ def _run(tmp_path: Path, steps: int, spin: int, seed: int, null_page: bool) -> N
                 if spin:
                     torch.cuda._sleep(spin)  # the engine's device work runs behind
                 copies.append(att.page_tables.clone())
+                if spin_after:
+                    torch.cuda._sleep(spin_after)  # the done event comes late
                 att.step_done()
             expected.append(ref.page_tables().numpy().copy())
         stream.synchronize()
@@ -151,6 +174,14 @@ def test_a_late_engine_stream_still_reads_its_step(tmp_path: Path) -> None:
     """The hazard: each copy runs about 5 ms after the host sent the step, so the service
     answers the next steps long before the engine's device reads this one's tables."""
     _run(tmp_path, steps=60, spin=SPIN_CYCLES, seed=3, null_page=False)
+
+
+def test_a_late_engine_reads_its_step_between_steps_not_stream_ordered(tmp_path: Path) -> None:
+    """A late engine (its done event 5 ms after its read), with a step every third that is
+    not stream-ordered: the service's edits of that step wait for the done event, and the
+    engine's next read, queued behind the same done event, must wait for them too (the
+    event those steps record), not race them."""
+    _run(tmp_path, steps=60, spin=0, seed=5, null_page=False, mixed=True, spin_after=SPIN_CYCLES)
 
 
 def test_refusals_on_a_cuda_service(tmp_path: Path) -> None:
