@@ -72,6 +72,13 @@ def test_stream_ordered_must_be_a_bool(value: object) -> None:
 def test_the_wire_carries_stream_ordered() -> None:
     assert wire_columns(extend=[1], stream_ordered=True)["stream_ordered"] is True
     assert "stream_ordered" not in wire_columns(extend=[1])
+    # A non-bool goes on the wire as given, for the service to refuse (not dropped as off).
+    assert wire_columns(extend=[1], stream_ordered=0)["stream_ordered"] == 0
+    m, h = _started()
+    args = columns_from_wire(wire_columns(extend=[h], stream_ordered=0))
+    with pytest.raises(InvalidArgument, match="stream_ordered must be a bool"):
+        m.step_columns(**args)
+    assert m.request("a").num_tokens == 5
     assert columns_from_wire({"stream_ordered": True})["stream_ordered"] is True
 
 
