@@ -26,6 +26,7 @@ from kvcm_client.errors import (
     StreamOrderUnavailable,
     error_from_dict,
 )
+from kvcm_client.shared import Attachment
 
 
 def _started(**kw: object) -> tuple[KVCacheManager, int]:
@@ -118,3 +119,36 @@ def test_typed_client_refuses_over_http_and_the_channel(tmp_path: Path) -> None:
                 assert info.value.detail["reason"] == "not_attached"
                 with pytest.raises(StreamOrderUnavailable):
                     att.step_done()
+
+
+class _Events:
+    """Stands in for ``StepEvents`` (CUDA only): records how it was closed."""
+
+    def __init__(self) -> None:
+        self.closed_with: list[bool] = []
+
+    def close(self, keep_done: bool = False) -> None:
+        self.closed_with.append(keep_done)
+
+
+@pytest.mark.slow
+def test_an_attachment_keeps_a_done_event_the_service_may_still_wait_on() -> None:
+    """Closed without unregistering (the async client's attachment closed before its
+    ``detach``), the done event is kept: the service still waits on it, and destroying an
+    exported event that another process imported is undefined. Unregistered first (the sync
+    client's close, the async ``detach``), it is destroyed."""
+    with serve_process("--default-model", "--num-blocks", "64") as (url, _, _):
+        with KVCacheClient(url) as kv:
+            layout = kv.pools()
+        bare, told, detached = _Events(), _Events(), _Events()
+        Attachment(layout, events=bare).close()  # type: ignore[arg-type]
+        unregistered: list[bool] = []
+
+        def told_service() -> None:
+            unregistered.append(True)
+
+        Attachment(layout, on_close=told_service, events=told).close()  # type: ignore[arg-type]
+        Attachment(layout, events=detached).close(unregistered=True)  # type: ignore[arg-type]
+    assert bare.closed_with == [True]
+    assert told.closed_with == [False] and unregistered == [True]
+    assert detached.closed_with == [False]

@@ -484,7 +484,7 @@ class AsyncKVCacheClient:
         consumer_id = attachment.consumer_id  # type: ignore[attr-defined]
         with contextlib.suppress(UnknownConsumer, StaleGeneration):  # as in the sync client
             await self._run(calls.unregister_consumer(consumer_id))
-        attachment.close()
+        attachment.close(unregistered=True)
 
     async def consumers(self) -> list[ConsumerInfo]:
         return await self._run(calls.consumers())

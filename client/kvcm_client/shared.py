@@ -148,14 +148,16 @@ class StepEvents:
         the tables is queued on it: the service's next edits wait for that work."""
         self._rt.eventRecord(self._done, self._stream(stream))
 
-    def close(self) -> None:
-        """Destroy both events here (the service forgets the done event on unregistering)."""
+    def close(self, keep_done: bool = False) -> None:
+        """Destroy both events here. ``keep_done``: the service may still wait on the done
+        event (its consumer not unregistered): CUDA leaves an imported event undefined once
+        its exporter destroys it, so that one is left to go with this process."""
         if self.closed:
             return
         self.closed = True
         cupy = cupy_for_ipc()
         with cupy.cuda.Device(self.index):
-            for event in (self._step, self._done):
+            for event in (self._step,) if keep_done else (self._step, self._done):
                 with contextlib.suppress(Exception):
                     self._rt.eventDestroy(event)
 
@@ -289,21 +291,25 @@ class Attachment:
         except KeyError:
             raise InvalidArgument(f"no state buffer {name!r} of layer {layer_id}") from None
 
-    def close(self) -> None:
+    def close(self, unregistered: bool = False) -> None:
         """Unregister from the service and drop this object's views and mappings.
 
         A mapping stays until every tensor made from it is gone; views the caller still
-        holds keep it alive (and valid) until then.
+        holds keep it alive (and valid) until then. ``unregistered``: the caller unregistered
+        the consumer already (the async client's ``detach``); otherwise, without an
+        ``on_close`` that does, a stream-ordered attachment's done event is kept (the
+        service may still wait on it: ``StepEvents.close``).
         """
         if self.closed:
             return
         self.closed = True
         if self._on_close is not None:
             self._on_close()
+            unregistered = True
         self.views.clear()
         del self.page_tables
         if self._events is not None:
-            self._events.close()
+            self._events.close(keep_done=not unregistered)
         for shm in self._segments:
             with contextlib.suppress(BufferError):
                 shm.close()
