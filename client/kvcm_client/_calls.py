@@ -435,15 +435,9 @@ def pools(rank: int = 0) -> Call[SharedLayout]:
 def register_consumer(
     pid: int, generation: str, done_event: str | None = None
 ) -> Call[ConsumerInfo]:
-    if done_event is None:
-        return _post("/v1/consumers", _model(ConsumerInfo), pid=pid, generation=generation)
-    return _post(
-        "/v1/consumers",
-        _model(ConsumerInfo),
-        pid=pid,
-        generation=generation,
-        done_event=done_event,
-    )
+    # Left out when None: a service from before stream-ordered steps refuses unknown keys.
+    extra = {} if done_event is None else {"done_event": done_event}
+    return _post("/v1/consumers", _model(ConsumerInfo), pid=pid, generation=generation, **extra)
 
 
 def unregister_consumer(consumer_id: str) -> Call[None]:

@@ -12,6 +12,7 @@ Needs torch (the inference server has it); ``import kvcm_client`` alone does not
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import os
@@ -111,8 +112,6 @@ class StepEvents:
                 "in shared CUDA memory on one rank",
                 reason="no_step_event",
             )
-        import base64
-
         cupy = cupy_for_ipc()
         rt = cupy.cuda.runtime
         self._rt = rt

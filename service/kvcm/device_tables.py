@@ -238,8 +238,7 @@ class DeviceTables:
             return _NO_EDITS  # read only: nobody writes an empty array
         if self._coord.host is not None:
             self._coord.host.copier.order_before(torch.cuda.current_stream(self.device))
-        if self._order is not None and self._order.watched:
-            self._order.wait_for_consumers(kvcm_kernels.current_stream_handle(self._order.index))
+        self.before_writes()
         return self._coord.take_edits()
 
     def before_writes(self) -> None:
@@ -272,8 +271,7 @@ class DeviceTables:
             # The kernel reads the edits from pinned memory: no copy of their own.
             kvcm_kernels.apply_page_table_edits(self.tensor, self._upload.stage(edits))
             self._upload.commit()
-            if self._order is not None:  # the step event follows every edit of the tables
-                self._order.record(kvcm_kernels.current_stream_handle(self._order.index))
+            self.edits_queued()  # the step event follows every edit of the tables
         return self.tensor
 
     def publish(self) -> None:
