@@ -19,7 +19,11 @@ chunk ``--chunk``), three ways, in the same run:
   step channel (docs/step-channel.md);
 - ``kvcm sidecar, step channel, busy-poll``: the same against a service in busy-poll mode
   (``--step-spin-s``), which needs a core of its own: on a machine whose cores the model's
-  threads take, it competes with them.
+  threads take, it competes with them;
+- ``kvcm sidecar, step channel, stream-ordered`` (``ordered``, CUDA only): the step channel
+  with stream-ordered steps (the service's table edits wait for the engine's forward on the
+  device, its answers for nothing), so that the engine plans each decode step ahead as in
+  process.
 
 The engine's attention (``--attention``): ``auto`` runs the paged-attention kernel
 (``kvcm_kernels.paged_attention``, Triton: the pages are read in place) on a CUDA device and the
@@ -29,12 +33,17 @@ gather (each request's history gathered out of the pages, then the model's SDPA)
 
 On CUDA the engine's decode forwards replay CUDA graphs (``kvcm_engine.graphs``; ``--cuda-graphs
 off`` runs them launch by launch, ``--compare-eager`` adds an in-process row without them; a
-row's name says ``graphs`` when its decodes replayed them).
+row's name says ``graphs`` when its decodes replayed them). With the graphs, the engine plans
+each decode step's successor (its kvcm call included) while the device computes the forward
+(``Engine``'s ``overlap``; the row's name says ``overlap``); ``--compare-overlap`` adds an
+in-process row with graphs and without it.
 
 Per way: generated tokens per second, steps, mean and p50 step time, and kvcm's time per step
 (the scheduler's planning, its ``step_columns`` call with the probes of new requests, the
 mapping cut per forward, reading the tables): mean, the part inside the ``step_columns``
-call, p50 and p99, its share of the step, and the calls made. Every kvcm
+call, p50 and p99, its share of the step, the part of it the step waited for (``exposed``:
+all but the calls planned ahead that the forward hid whole) and its share, and the calls
+made. Every kvcm
 run's tokens are checked against the baseline's (they must be equal; a mismatch is reported,
 not hidden). ``--gap-ms`` sleeps after each step (untimed in the step): an engine whose model
 pass is that much longer, so that the sidecar sleeps between steps as it does beside a GPU.
@@ -84,7 +93,7 @@ SHAPES = {
 
 
 #: The kvcm ways ``--ways`` picks from.
-WAYS = ("in-process", "http", "channel", "busy-poll")
+WAYS = ("in-process", "http", "channel", "busy-poll", "ordered")
 
 
 def kv_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,6 +148,7 @@ def engine_run(
     args: argparse.Namespace,
     attention: str | None = None,
     graphs: bool = True,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     engine = Engine(
         built,
@@ -148,6 +158,7 @@ def engine_run(
         max_running=args.requests,
         attention=attention or args.attention,  # type: ignore[arg-type]
         cuda_graphs="auto" if graphs and args.cuda_graphs == "auto" else False,
+        overlap="auto" if overlap else False,
     )
     gap = getattr(args, "gap_ms", 0.0) / 1000
     if gap:  # a longer model pass after each step (untimed): the engine's cadence
@@ -181,6 +192,10 @@ def engine_run(
         "kvcm_call_ms_per_step": engine.scheduler.stats.call_s * 1e3 / s.steps,
         "graph_forwards": 0 if engine.graphs is None else engine.graphs.replays,
         "kvcm_share": s.kvcm_s / float(steps.sum() / 1e3),
+        "exposed_ms_per_step": s.kvcm_exposed_s * 1e3 / s.steps,
+        "exposed_share": s.kvcm_exposed_s / float(steps.sum() / 1e3),
+        "planned_ahead": s.planned_ahead,
+        "hidden": s.hidden,
         "hit_tokens": engine.scheduler.stats.hit_tokens,
         "preemptions": engine.scheduler.stats.preemptions,
         "kvcm_calls": engine.scheduler.stats.kvcm_calls,
@@ -193,13 +208,14 @@ def measured(
     args: argparse.Namespace,
     attention: str | None = None,
     graphs: bool = True,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     """A warm-up run (first touches of the pools, allocator caches, the kernels' compiles, the
     decode graphs' captures), an emptied prefix cache, then the measured run: both ways start
     from the same cold prefix cache."""
-    engine_run(built, backend, args, attention, graphs)
+    engine_run(built, backend, args, attention, graphs, overlap)
     backend.kvcm.reset_prefix_cache()
-    return engine_run(built, backend, args, attention, graphs)
+    return engine_run(built, backend, args, attention, graphs, overlap)
 
 
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
@@ -213,8 +229,10 @@ def _workload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _path(row: dict[str, Any]) -> str:
-    """The engine's attention path in a row's name, and whether decodes replayed graphs."""
-    return row["attention"] + (", graphs" if row["graph_forwards"] else "")
+    """The engine's attention path in a row's name, whether decodes replayed graphs and
+    whether steps were planned ahead."""
+    graphs = ", graphs" if row["graph_forwards"] else ""
+    return row["attention"] + graphs + (", overlap" if row["planned_ahead"] else "")
 
 
 def _kind(device: str) -> str:
@@ -270,8 +288,9 @@ def main() -> None:
     )
     p.add_argument(
         "--ways",
-        default=",".join(WAYS),
-        help=f"comma-separated kvcm ways to run, of {', '.join(WAYS)}",
+        default=None,
+        help=f"comma-separated kvcm ways to run, of {', '.join(WAYS)} (default: all, "
+        "ordered only on CUDA)",
     )
     p.add_argument(
         "--compare-gather",
@@ -288,6 +307,11 @@ def main() -> None:
         "--compare-eager",
         action="store_true",
         help="add an in-process row on the paged path without CUDA graphs",
+    )
+    p.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="add an in-process row with the graphs, without planning steps ahead",
     )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", help="write the rows to this file")
@@ -306,18 +330,24 @@ def main() -> None:
     from kvcm.model_config import layers_from_hf_config
     from kvcm_client import KVCacheClient
 
-    ways = args.ways.split(",")
+    ways = (
+        args.ways.split(",") if args.ways else [w for w in WAYS if kind == "cuda" or w != "ordered"]
+    )
     if unknown := set(ways) - set(WAYS):
         p.error(f"unknown ways {sorted(unknown)}; of {', '.join(WAYS)}")
     layers = layers_from_hf_config(built.hf_config)
-    in_process: list[tuple[str | None, bool]] = [] if "in-process" not in ways else [(None, True)]
+    in_process: list[tuple[str | None, bool, bool]] = []
+    if "in-process" in ways:
+        in_process.append((None, True, True))
+    if args.compare_overlap:
+        in_process.append((None, True, False))
     if args.compare_eager:
-        in_process.append(("paged", False))
+        in_process.append(("paged", False, False))
     if args.compare_gather:
-        in_process.append(("gather", False))
-    for attention, graphs in in_process:
+        in_process.append(("gather", False, False))
+    for attention, graphs, overlap in in_process:
         manager = KVCacheManager({"layers": layers, "device": args.device, **kv_settings(args)})
-        row = measured(built, Backend.in_process(manager), args, attention, graphs)
+        row = measured(built, Backend.in_process(manager), args, attention, graphs, overlap)
         rows.append({"way": f"kvcm in-process ({_path(row)})", **row})
         manager.close()
     sidecar_ways = [
@@ -329,6 +359,7 @@ def main() -> None:
             ["--step-spin-s", str(args.spin_s)],
             True,
         ),
+        ("ordered", "kvcm sidecar, step channel, stream-ordered", [], True),
     ]
     for key, way, flags, channel in sidecar_ways:
         if key not in ways:
@@ -338,7 +369,8 @@ def main() -> None:
         try:
             with KVCacheClient(url, step_socket=step_socket if channel else None) as client:
                 client.register_model(hf_config=built.hf_config, share=True, **kv_settings(args))
-                row = measured(built, Backend.sidecar(client), args)
+                backend = Backend.sidecar(client, stream_order=key == "ordered")
+                row = measured(built, backend, args)
                 rows.append({"way": f"{way} ({_path(row)})", **row})
         finally:
             proc.terminate()
@@ -358,9 +390,10 @@ def main() -> None:
     )
     print(
         "| way | tok/s | vs transformers | steps | step ms mean / p50 | kvcm ms/step "
-        "| of it in the call | kvcm ms p50 / p99 | kvcm share | calls | hits | preempt | match |"
+        "| of it in the call | kvcm ms p50 / p99 | kvcm share | exposed ms/step | exposed share "
+        "| calls | hits | preempt | match |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = row["tok_s"] / rows[0]["tok_s"]
         if "step_ms_mean" in row:
@@ -368,11 +401,12 @@ def main() -> None:
             kv = (
                 f"{row['kvcm_ms_per_step']:.3f} | {row['kvcm_call_ms_per_step']:.3f} | "
                 f"{row['kvcm_ms_p50']:.3f} / "
-                f"{row['kvcm_ms_p99']:.3f} | {row['kvcm_share']:.1%} | {row['kvcm_calls']} | "
-                f"{row['hit_tokens']} | {row['preemptions']}"
+                f"{row['kvcm_ms_p99']:.3f} | {row['kvcm_share']:.1%} | "
+                f"{row['exposed_ms_per_step']:.3f} | {row['exposed_share']:.1%} | "
+                f"{row['kvcm_calls']} | {row['hit_tokens']} | {row['preemptions']}"
             )
         else:
-            step, kv = "-", "- | - | - | - | - | - | -"
+            step, kv = "-", "- | - | - | - | - | - | - | - | -"
         print(
             f"| {row['way']} | {row['tok_s']:.0f} | {ratio:.2f}x | {row['steps']} | {step} "
             f"| {kv} | {row['match']} |"

@@ -10,6 +10,7 @@ from test_paged_attention import _manager
 
 from kvcm_engine import Backend, Engine, build_model, make_requests, reference_outputs
 from kvcm_engine.graphs import buckets
+from kvcm_engine.scheduler import UNKNOWN, Request, Scheduler
 
 
 def test_buckets_worked_example() -> None:
@@ -19,11 +20,18 @@ def test_buckets_worked_example() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "null_page"), [("llama", True), ("mistral", False)])
-def test_decode_on_static_buffers_equals_generate(family: str, null_page: bool) -> None:
+@pytest.mark.parametrize(
+    ("family", "null_page", "overlap"),
+    [("llama", True, True), ("mistral", False, True), ("llama", False, False)],
+)
+def test_decode_on_static_buffers_equals_generate(
+    family: str, null_page: bool, overlap: bool
+) -> None:
     """Prefix hits, chunked prefill, preemption, a window (Mistral), padded buckets
     (``max_running`` 12: buckets of 1, 2, 4, 8 and 12 requests): every token equals
-    transformers' generate, and the decodes ran on the static buffers."""
+    transformers' generate, and the decodes ran on the static buffers; with ``overlap``
+    the decode steps planned the next step (and made its kvcm call) before their tokens were
+    read, preemptions among those plans."""
     built = build_model(family)
     engine = Engine(
         built,
@@ -33,14 +41,74 @@ def test_decode_on_static_buffers_equals_generate(family: str, null_page: bool) 
         max_running=12,
         attention="paged",
         cuda_graphs=True,
+        overlap=overlap,
     )
     assert engine.graphs is not None and not engine.graphs.capture  # the CPU: no capture
-    done = engine.run(make_requests(16))
+    assert engine.overlap is overlap
+    preempted_ahead = 0
+    if overlap:  # count the preemptions made by a step planned ahead
+        schedule = engine.scheduler.schedule
+
+        def counted() -> list:
+            nonlocal preempted_ahead
+            before = engine.scheduler.stats.preemptions
+            ahead = any(r.output and r.output[-1] == UNKNOWN for r in engine.scheduler.running)
+            plan = schedule()
+            if ahead:
+                preempted_ahead += engine.scheduler.stats.preemptions - before
+            return plan
+
+        engine.scheduler.schedule = counted  # type: ignore[method-assign]
+    # Arrivals every step: preemptions fall in decode steps too, planned ahead with overlap.
+    done = engine.run(make_requests(16, arrival_every=1))
     assert {r.request_id: r.output for r in done} == reference_outputs(built, make_requests(16))
     assert engine.graphs.replays > 0
     assert engine.graphs.replays < engine.stats.forwards  # the prefills ran the usual way
     assert engine.scheduler.stats.preemptions > 0
     assert engine.scheduler.stats.hit_tokens > 0
+    stats = engine.stats
+    if overlap:
+        # Every replayed decode step planned the next one; on the CPU none is hidden.
+        assert stats.planned_ahead == engine.graphs.replays
+        assert stats.hidden == 0 and stats.kvcm_exposed_s == pytest.approx(stats.kvcm_s)
+        # Llama's run (this workload and pool) preempts in two decode steps planned ahead.
+        assert preempted_ahead > 0 or family != "llama"
+    else:
+        assert stats.planned_ahead == 0
+    assert all(UNKNOWN not in r.output for r in done)
+
+
+def test_overlap_choice() -> None:
+    """auto: on wherever the decodes run on the graphs' buffers; forced on, it needs them;
+    any other value is refused."""
+    llama = build_model("llama")
+    manager = _manager(llama)
+    assert not Engine(llama, Backend.in_process(manager), attention="paged").overlap
+    assert Engine(llama, Backend.in_process(manager), attention="paged", cuda_graphs=True).overlap
+    with pytest.raises(ValueError, match="overlap needs the decode graphs"):
+        Engine(llama, Backend.in_process(manager), attention="paged", overlap=True)
+    with pytest.raises(ValueError, match="overlap must be"):
+        Engine(llama, Backend.in_process(manager), overlap="yes")  # type: ignore[arg-type]
+
+
+def test_settle_and_unknown_tokens() -> None:
+    """A token emitted unknown is settled once; a waiting request whose last token is still
+    unknown is never allocated (its token ids would go to kvcm's prefix cache)."""
+    r = Request("a", [5, 6], max_new_tokens=3)
+    r.emit(UNKNOWN)
+    r.settle(9)
+    assert r.output == [9] and r.seq == [5, 6, 9]
+    with pytest.raises(RuntimeError, match="already known"):
+        r.settle(10)
+    llama = build_model("llama")
+    scheduler = Scheduler(
+        Backend.in_process(_manager(llama)).kvcm, chunk=8, max_batch_tokens=8, max_running=2
+    )
+    waiting = Request("b", [1, 2, 3], max_new_tokens=2)
+    waiting.emit(UNKNOWN)
+    scheduler.add(waiting)
+    with pytest.raises(RuntimeError, match="not known yet"):
+        scheduler.schedule()
 
 
 def test_cuda_graphs_choice() -> None:

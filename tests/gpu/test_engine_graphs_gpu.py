@@ -2,7 +2,9 @@
 the kernels' pre-bound launches (``kvcm_kernels.paged_attention._PreBound``) on CUDA: float32
 tokens equal transformers' ``generate`` with the graphs on, in process (the manager's tables
 and slot mappings on the device) and through a CUDA sidecar (IPC tables, host slot
-mappings), with padded buckets; a pre-bound launch gives the same bytes as Triton's own
+mappings), with padded buckets, each decode step planning the next one while the device
+computes it (``overlap``: in process, and through a sidecar with stream-ordered steps; a
+sidecar without them never overlaps); a pre-bound launch gives the same bytes as Triton's own
 dispatch, and the kernel still equals dense attention."""
 
 from __future__ import annotations
@@ -33,17 +35,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _check(engine: Engine, built) -> None:
+def _check(engine: Engine, built, overlap: bool) -> None:
     assert engine.graphs is not None and engine.graphs.capture  # auto: on for CUDA, paged
-    done = engine.run(make_requests(16))
+    assert engine.overlap is overlap
+    # Arrivals every step: preemptions fall in decode steps too (planned ahead, overlapping).
+    done = engine.run(make_requests(16, arrival_every=1))
     assert {r.request_id: r.output for r in done} == reference_outputs(built, make_requests(16))
     assert engine.graphs.failed is None, engine.graphs.failed
     assert engine.graphs.captures > 0 and engine.graphs.replays > 0
     assert engine.scheduler.stats.preemptions > 0 and engine.scheduler.stats.hit_tokens > 0
+    assert engine.stats.planned_ahead == (engine.graphs.replays if overlap else 0)
 
 
-@pytest.mark.parametrize(("family", "null_page"), [("llama", True), ("mistral", False)])
-def test_graphs_in_process_equal_generate(family: str, null_page: bool) -> None:
+@pytest.mark.parametrize(
+    ("family", "null_page", "overlap"),
+    [("llama", True, True), ("mistral", False, True), ("llama", True, False)],
+)
+def test_graphs_in_process_equal_generate(family: str, null_page: bool, overlap: bool) -> None:
     """max_running 12: buckets of 1, 2, 4, 8 and 12 requests, most decodes padded."""
     built = build_model(family, device=DEVICE)
     m = KVCacheManager(
@@ -52,18 +60,49 @@ def test_graphs_in_process_equal_generate(family: str, null_page: bool) -> None:
     for spec in m.config.layers:  # unwritten memory must never enter attention
         for role in ("key", "value"):
             m.layer_view(spec.layer_id, role)[1 if null_page else 0 :] = float("nan")
-    engine = Engine(built, Backend.in_process(m), chunk=16, max_batch_tokens=48, max_running=12)
-    _check(engine, built)
+    engine = Engine(
+        built,
+        Backend.in_process(m),
+        chunk=16,
+        max_batch_tokens=48,
+        max_running=12,
+        overlap="auto" if overlap else False,
+    )
+    _check(engine, built, overlap)
 
 
 def test_graphs_through_a_cuda_sidecar_equal_generate() -> None:
+    """Without stream-ordered steps the sidecar edits the tables on its own stream: the
+    engine never plans ahead (auto), and refuses to when asked."""
     built = build_model("llama", device=DEVICE)
     with (
         serve_process("--device", DEVICE, model=False) as (url, _, _),
         KVCacheClient(url) as client,
     ):
         client.register_model(hf_config=built.hf_config, share=True, **SIZING)
-        _check(Engine(built, Backend.sidecar(client), chunk=16, max_batch_tokens=48), built)
+        backend = Backend.sidecar(client)
+        with pytest.raises(ValueError, match="stream_order"):
+            Engine(built, backend, overlap=True)
+        _check(Engine(built, backend, chunk=16, max_batch_tokens=48), built, False)
+
+
+def test_overlap_through_a_stream_ordered_sidecar_equals_generate(tmp_path) -> None:
+    """Stream-ordered steps over the step channel: each decode step's call for the next one
+    goes while the forward runs; the sidecar's edits wait for it on the device."""
+    built = build_model("llama", device=DEVICE)
+    sock = tmp_path / "step.sock"
+    with (
+        serve_process("--device", DEVICE, "--step-socket", str(sock), model=False) as (
+            url,
+            _,
+            _,
+        ),
+        KVCacheClient(url, step_socket=sock) as client,
+    ):
+        client.register_model(hf_config=built.hf_config, share=True, **SIZING)
+        backend = Backend.sidecar(client, stream_order=True)
+        engine = Engine(built, backend, chunk=16, max_batch_tokens=48)
+        _check(engine, built, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

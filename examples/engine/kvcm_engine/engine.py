@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .cache import CacheMiss, KVCMCache, LayerInfo, PagedTables, StepStates, StepTables
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, Launched
 from .models import BuiltModel, UnsupportedFamily, hybrid_unsupported, state_path
 from .scheduler import Request, Scheduler, Work
 
@@ -63,6 +63,13 @@ class Backend:
     """Per state layer: its conv buffer's name, then its recurrent one's."""
     state_slots: Callable[[list[str], list[int]], torch.Tensor] | None = None
     """The state slots of requests (by kvcm id and page-table row)."""
+    step_order: Any = None
+    """A stream-ordered sidecar's ``Attachment`` (``wait_step`` before the step's forwards,
+    ``step_done`` after them; its step calls pass ``stream_ordered``), or None."""
+    ordered: bool = True
+    """Whether a step's table edits come after the forwards already queued on the device:
+    in process (one stream) or a stream-ordered sidecar; what planning ahead needs
+    (``Engine``'s ``overlap``)."""
 
     @staticmethod
     def _make(
@@ -72,6 +79,8 @@ class Backend:
         shared: Any,
         state_view: Any = None,
         state_slots: Any = None,
+        step_order: Any = None,
+        ordered: bool = True,
     ) -> Backend:
         layers = {
             spec.layer_id: LayerInfo(
@@ -97,6 +106,8 @@ class Backend:
             state_view if shared.state_layers else None,
             {s.layer_id: (s.buffers[0].name, s.buffers[1].name) for s in shared.state_layers},
             state_slots if shared.state_layers else None,
+            step_order,
+            ordered,
         )
 
     @staticmethod
@@ -125,13 +136,14 @@ class Backend:
         )
 
     @staticmethod
-    def sidecar(client: Any) -> Backend:
+    def sidecar(client: Any, stream_order: bool = False) -> Backend:
         """A ``KVCacheClient``: calls over HTTP, pools and page tables attached (shared memory
         on the CPU, CUDA IPC on a GPU). A hybrid model's state slots are the requests' rows
         (the step's answers carry no slots): kvcm gives the request in row r live slot r,
         resumed ones too, when every row has one (``state_live_slots`` left at
-        ``max_requests``)."""
-        attachment = client.attach()
+        ``max_requests``). ``stream_order`` (a CUDA sidecar sharing its tables): stream-ordered
+        steps (``Backend.step_order``), which let the engine plan a step ahead."""
+        attachment = client.attach(stream_order=stream_order)
         layout = attachment.layout
         if layout.state_layers:
             config = client.model().config
@@ -147,6 +159,8 @@ class Backend:
             layout,
             attachment.state_view,
             lambda ids, rows: torch.tensor(rows),
+            attachment if stream_order else None,
+            ordered=stream_order,
         )
 
 
@@ -170,7 +184,16 @@ class EngineStats:
     wall_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
     kvcm_step_s: list[float] = field(default_factory=list)
-    """Each step's time in kvcm (its calls, the mapping cut per batch, the tables read)."""
+    """Each step's time in kvcm (its calls, the mapping cut per batch, the tables read); a
+    step planned ahead counts its call here too, though it ran in the step before."""
+    kvcm_exposed_s: float = 0.0
+    """The part of ``kvcm_s`` the steps waited for: all of it but the calls planned ahead
+    that ended while the device still computed the forward before them (those the forward
+    hid; one that ended after it counts whole, though the forward hid part of it)."""
+    planned_ahead: int = 0
+    """Steps planned (their kvcm call made) while the step before was launched
+    (``overlap``), and of them those whose call the forward hid whole."""
+    hidden: int = 0
 
 
 class Engine:
@@ -188,13 +211,17 @@ class Engine:
         attention: Literal["auto", "paged", "gather"] = "auto",
         hand_off_s: float | None = None,
         cuda_graphs: bool | Literal["auto"] = "auto",
+        overlap: bool | Literal["auto"] = "auto",
     ) -> None:
         """``hand_off_s``: a prefill engine of a disaggregated pair hands its finished
         requests off for this many seconds (``Scheduler``, docs/disaggregation.md).
         ``cuda_graphs``: decode forwards replayed from CUDA graphs (``graphs.DecodeGraphs``);
         ``auto`` on the paged path on a CUDA device for a model without state layers;
         ``True`` elsewhere on the paged path runs the same static-buffer forward without
-        capture (the CPU tests of that path)."""
+        capture (the CPU tests of that path). ``overlap``: while a decode forward replays,
+        plan the next step and make its kvcm call (``Engine.step``); ``auto`` wherever the
+        decodes run on the graphs' buffers and the backend is ``ordered`` (or the device is
+        the CPU, where a forward is done when it returns)."""
         self.model = built.model
         self.backend = backend
         family = built.hf_config.get("model_type")
@@ -217,6 +244,7 @@ class Engine:
             align=backend.tokens_per_block if self._hybrid else 1,
             preempt=preempt,
             hand_off_s=hand_off_s,
+            stream_ordered=backend.step_order is not None,
         )
         self.stats = EngineStats()
         self._views: dict[tuple[int, str], torch.Tensor] = {}
@@ -248,6 +276,9 @@ class Engine:
             }.values()
         )
         self.graphs = self._decode_graphs(cuda_graphs, max_running)
+        self.overlap = self._overlap(overlap)
+        #: The next step's plan and kvcm time (all, exposed), made during this one (overlap).
+        self._ahead: tuple[list[Work], float, float] | None = None
 
     def _view(self, layer_id: int, role: str) -> torch.Tensor:
         """The backend's pool view, made once per layer and role (a view costs microseconds
@@ -309,6 +340,21 @@ class Engine:
             capture,
         )
 
+    def _overlap(self, overlap: bool | Literal["auto"]) -> bool:
+        """Whether steps are planned ahead (``overlap``, see ``__init__``)."""
+        if overlap not in (True, False, "auto"):
+            raise ValueError(f"overlap must be True, False or 'auto', not {overlap!r}")
+        ordered = self.backend.ordered or self._device.type != "cuda"
+        if overlap is True:
+            if self.graphs is None:
+                raise ValueError("overlap needs the decode graphs (cuda_graphs)")
+            if not ordered:
+                raise ValueError(
+                    "overlap needs a backend whose table edits wait for the queued forward: "
+                    "in process, or a sidecar with stream_order"
+                )
+        return overlap is not False and self.graphs is not None and ordered
+
     def _masks(self, types: Sequence[str] | None) -> dict[str, int | None] | None:
         """Which kvcm layer group's mask each layer type takes (a dict), or None where the
         model takes one mask. Models with several layer types take a mask per type; a
@@ -356,26 +402,79 @@ class Engine:
         return sorted(self.scheduler.finished, key=lambda r: r.request_id)
 
     def step(self) -> None:
+        """One step: its plan (made now, or during the step before: ``overlap``), its
+        forwards, their tokens. With ``overlap``, a step that is one decode forward on the
+        graphs' buffers launches it, then advances the scheduler with the tokens unknown
+        (``Scheduler.advance``) and plans the next step, kvcm call included, while the device
+        computes, and only then reads the tokens back (``Request.settle``). The order on the
+        device stays the step's: the next call's table edits are queued after this forward
+        (one stream in process; a stream-ordered sidecar waits for ``step_done``). A request
+        added meanwhile joins a step later."""
         begin = time.perf_counter()
-        plan = self.scheduler.schedule()
-        kvcm_s = time.perf_counter() - begin
+        if self._ahead is not None:
+            plan, kvcm_s, exposed_s = self._ahead
+            self._ahead = None
+        else:
+            plan = self.scheduler.schedule()
+            kvcm_s = exposed_s = time.perf_counter() - begin
         self.stats.steps += 1
+        order = self.backend.step_order
+        if order is not None:
+            order.wait_step()  # the forwards read the tables after this step's edits
         next_tokens: dict[str, int] = {}
         mappings: dict[int, torch.Tensor] = {}
-        for batch in self._batches(plan):
+        batches = self._batches(plan)
+        for batch in batches:
             t = time.perf_counter()
             slots = self._slots(batch, mappings)
             tables = self.backend.page_tables()
-            kvcm_s += time.perf_counter() - t
+            spent = time.perf_counter() - t
+            kvcm_s += spent
+            exposed_s += spent
             t = time.perf_counter()
             if self.graphs is not None and self.graphs.fits([w.count for w in batch]):
-                next_tokens.update(self._graph_step(batch, slots, tables))
+                launched = self._graph_launch(batch, slots, tables)
+                if self.overlap and len(batches) == 1:
+                    self.stats.model_s += time.perf_counter() - t
+                    emitted = self._plan_ahead(plan, launched)
+                    t = time.perf_counter()
+                    best = self._graph_collect(batch, launched)
+                    self.stats.model_s += time.perf_counter() - t
+                    column = {w.request.request_id: i for i, w in enumerate(plan)}
+                    for r in emitted:
+                        r.settle(best[column[r.request_id]])
+                    self._count(plan, len(emitted))
+                    self._account(begin, kvcm_s, exposed_s)
+                    return
+                next_tokens.update(self._emit(batch, self._graph_collect(batch, launched)))
             else:
                 for work, work_slots in self._forwards(batch, slots):
                     next_tokens.update(self._forward(work, work_slots, tables))
             self.stats.model_s += time.perf_counter() - t
+        if order is not None:
+            order.step_done()
         self.scheduler.finish_step(plan, next_tokens)
+        self._account(begin, kvcm_s, exposed_s)
+
+    def _plan_ahead(self, plan: list[Work], launched: Launched) -> list[Request]:
+        """While ``launched`` computes: advance the scheduler past ``plan`` and plan the next
+        step; returns the requests that emitted a token (``Scheduler.advance``)."""
+        order = self.backend.step_order
+        if order is not None:
+            order.step_done()  # the next step's edits wait for this forward on the device
+        emitted = self.scheduler.advance(plan)
+        t = time.perf_counter()
+        ahead = self.scheduler.schedule()
+        spent = time.perf_counter() - t
+        hidden = launched.busy()  # still computing: the forward hid the whole call
+        self._ahead = (ahead, spent, 0.0 if hidden else spent)
+        self.stats.planned_ahead += 1
+        self.stats.hidden += hidden
+        return emitted
+
+    def _account(self, begin: float, kvcm_s: float, exposed_s: float) -> None:
         self.stats.kvcm_s += kvcm_s
+        self.stats.kvcm_exposed_s += exposed_s
         self.stats.kvcm_step_s.append(kvcm_s)
         self.stats.step_s.append(time.perf_counter() - begin)
 
@@ -502,14 +601,18 @@ class Engine:
 
     def _emit(self, plan: list[Work], best: Sequence[int]) -> dict[str, int]:
         """A forward's next tokens, by request, for the requests it finished computing."""
+        done = {
+            w.request.request_id: token
+            for w, token in zip(plan, best, strict=True)
+            if w.start + w.count == len(w.request.seq)
+        }
+        self._count(plan, len(done))
+        return done
+
+    def _count(self, plan: list[Work], generated: int) -> None:
         self.stats.forwards += 1
         self.stats.tokens_computed += sum(w.count for w in plan)
-        done = {}
-        for w, token in zip(plan, best, strict=True):
-            if w.start + w.count == len(w.request.seq):
-                done[w.request.request_id] = token
-                self.stats.tokens_generated += 1
-        return done
+        self.stats.tokens_generated += generated
 
     def _mask_arg(self, masks: list[torch.Tensor]) -> Any:
         """The model's ``attention_mask``: the one group's mask, or one per layer type."""
@@ -542,25 +645,30 @@ class Engine:
         return out.logits[:, -1].float().argmax(dim=-1)
 
     @torch.no_grad()
-    def _graph_step(
+    def _graph_launch(
         self, plan: list[Work], slots: torch.Tensor, tables: torch.Tensor
-    ) -> dict[str, int]:
-        """A decode forward through ``self.graphs`` (a replay of its CUDA graph)."""
+    ) -> Launched:
+        """A decode forward through ``self.graphs`` (a replay of its CUDA graph), queued."""
         assert self.graphs is not None
-        best, miss = self.graphs.run(
+        return self.graphs.launch(
             [w.request.seq[w.start] for w in plan],
             [w.request.row for w in plan],
             [w.start for w in plan],
             slots,
             tables,
         )
+
+    def _graph_collect(self, plan: list[Work], launched: Launched) -> list[int]:
+        """The launched forward's next token per planned request (after its missing-page
+        check)."""
+        best, miss = launched.collect()
         g = next((g for g, m in enumerate(miss) if m), None)
         if g is not None:
             raise CacheMiss(
                 f"layer group {g}: a position the model needs has no page in kvcm's page "
                 f"table (rows {[w.request.row for w in plan]})"
             )
-        return self._emit(plan, best)
+        return best
 
 
 def _as_tensor(mapping: Any) -> torch.Tensor:

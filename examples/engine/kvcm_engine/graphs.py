@@ -75,6 +75,37 @@ class _Bucket:
         self.result: torch.Tensor | None = None
 
 
+class Launched:
+    """A decode forward queued by ``DecodeGraphs.launch``."""
+
+    __slots__ = ("_done", "_groups", "_requests", "_result", "_size")
+
+    def __init__(
+        self,
+        result: torch.Tensor,
+        requests: int,
+        size: int,
+        groups: int,
+        done: torch.cuda.Event | None,
+    ) -> None:
+        self._result = result
+        self._requests = requests
+        self._size = size
+        self._groups = groups
+        self._done = done
+
+    def busy(self) -> bool:
+        """Whether the device still computes the forward (never on the CPU, where it ran
+        when it was launched)."""
+        return self._done is not None and not self._done.query()
+
+    def collect(self) -> tuple[list[int], list[int]]:
+        """The next tokens and the groups' missing flags (waits for the forward)."""
+        out = self._result.tolist()
+        r, size = self._requests, self._size
+        return out[:r], out[size : size + self._groups]
+
+
 class DecodeGraphs:
     """The engine's decode forwards on static buffers, captured in CUDA graphs (see the module
     docstring). ``run(plan, slots, tables)`` returns the next token of each request and the
@@ -105,6 +136,7 @@ class DecodeGraphs:
         self.sizes = buckets(max_batch)
         self._buckets: dict[int, _Bucket] = {}
         self._pool: Any = None
+        self._done: torch.cuda.Event | None = None
         #: Forwards replayed (or, without capture, run on the static buffers), and captures.
         self.replays = 0
         self.captures = 0
@@ -135,6 +167,19 @@ class DecodeGraphs:
         """One decode forward of ``len(ids)`` requests: token ``ids[i]`` at position
         ``starts[i]`` of the request in page-table row ``rows[i]``, its slots ``slots[:, i]``
         (``[groups, R]``, kvcm's). Returns the next tokens and the groups' missing flags."""
+        return self.launch(ids, rows, starts, slots, tables).collect()
+
+    def launch(
+        self,
+        ids: Sequence[int],
+        rows: Sequence[int],
+        starts: Sequence[int],
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+    ) -> Launched:
+        """``run`` without the wait: the forward is queued (replayed) and its result is read
+        by ``Launched.collect``, so that the host can plan the next step meanwhile. The
+        bucket's buffers stay the forward's until then: collect it before the next launch."""
         r = len(ids)
         b = self._bucket(r)
         size, g = b.size, len(self._windows)
@@ -158,8 +203,13 @@ class DecodeGraphs:
         captured = self.capture and self.failed is None
         result = self._replay(b, tables) if captured else self._step(b, tables)
         self.replays += 1
-        out = result.tolist()
-        return out[:r], out[size : size + g]
+        done = None
+        if result.is_cuda:
+            if self._done is None:
+                self._done = torch.cuda.Event()
+            done = self._done  # one forward at a time: one event, recorded again each launch
+            done.record()
+        return Launched(result, r, size, g, done)
 
     def _step(self, b: _Bucket, tables: torch.Tensor) -> torch.Tensor:
         """The forward on ``b``'s buffers: what the graph holds."""

@@ -53,6 +53,9 @@ from kvcm_client.errors import KVCMError
 #: Statuses that mean "no room now": the scheduler preempts or waits instead of failing.
 _ROOM = frozenset({"out_of_blocks", "max_requests_reached"})
 ROW_MASK = 0xFFFFFFFF
+#: The token a request emits before the forward that picks it has been read back
+#: (``Scheduler.advance``): never sent to kvcm, replaced by ``Scheduler.settle``.
+UNKNOWN = -1
 
 
 class KVCM(Protocol):
@@ -93,9 +96,15 @@ class Request:
         self.seq = [*self.prompt, *self.output]
 
     def emit(self, token: int) -> None:
-        """The model's next token."""
+        """The model's next token (``UNKNOWN`` until it is read back: ``settle``)."""
         self.output.append(token)
         self.seq.append(token)
+
+    def settle(self, token: int) -> None:
+        """The value of the token emitted last as ``UNKNOWN``."""
+        if self.output[-1] != UNKNOWN:
+            raise RuntimeError(f"request {self.request_id}: its last token is already known")
+        self.output[-1] = self.seq[-1] = token
 
     @property
     def kv_id(self) -> str:
@@ -147,11 +156,15 @@ class Scheduler:
         align: int = 1,
         preempt: Literal["free", "suspend"] = "free",
         hand_off_s: float | None = None,
+        stream_ordered: bool = False,
     ) -> None:
         """``align``: a prefill chunk that stops short of the sequence's end ends on a
         multiple of this many tokens where it can (``_chunk``); ``preempt``: how a victim
         gives its blocks back (the module docstring); ``hand_off_s``: a prefill engine's, hand
-        finished requests off for this many seconds instead of freeing them."""
+        finished requests off for this many seconds instead of freeing them;
+        ``stream_ordered``: the step calls ask a CUDA sidecar for stream-ordered steps (its
+        edits wait for the engine's done event on the device, and its answer for nothing:
+        docs/shared-memory.md#stream-ordered-steps)."""
         if chunk < 1 or max_batch_tokens < 1 or max_running < 1 or align < 1:
             raise ValueError("chunk, max_batch_tokens, max_running and align must be positive")
         if preempt not in ("free", "suspend"):
@@ -168,6 +181,7 @@ class Scheduler:
         self._to_free: list[Request] = []
         self.suspended: deque[Request] = deque()  # the longest suspended first
         self.hand_off_s = hand_off_s
+        self._order = {"stream_ordered": True} if stream_ordered else {}
         #: Handed-off requests (``hand_off_s``), in order: what a decode engine pulls.
         self.handed_off: list[Request] = []
         #: Requests whose KV a pull or a fetch brings, waiting for ``ready``.
@@ -367,6 +381,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(out) >= self.max_running:
                 break
             seq = r.seq
+            if seq[-1] == UNKNOWN:  # a victim of a step planned ahead: settled before this
+                raise RuntimeError(f"request {r.request_id}: its last token is not known yet")
             if self.align == 1:
                 k = min(self.chunk, budget)
                 budget -= k
@@ -407,7 +423,7 @@ class Scheduler:
         allocate, a suspend or a resume is a bug here."""
         self.stats.kvcm_calls += 1
         begin = time.perf_counter()
-        out = self.kvcm.step_columns(**columns, map_slots=True)
+        out = self.kvcm.step_columns(**columns, **self._order, map_slots=True)
         self.stats.call_s += time.perf_counter() - begin
         if out.pulls:
             self._ended += out.pulls
@@ -472,12 +488,28 @@ class Scheduler:
         """Record a forward: the work is computed; requests whose sequence is now all computed
         take their next token (``next_tokens`` by request_id); finished ones are freed in the
         next step (after their last commit)."""
+        for r in self.advance(plan):
+            r.settle(next_tokens[r.request_id])
+
+    def advance(self, plan: list[Work]) -> list[Request]:
+        """Record a forward whose next tokens are not read back yet, so that the next step
+        can be planned (and its kvcm call made) while the device still computes this one:
+        the work is computed, requests whose sequence is now all computed emit ``UNKNOWN``
+        (returned, in plan order, for ``Request.settle``), finished ones are freed in the next
+        step. Nothing in that plan reads an unknown token: its commits end at ``computed``,
+        before it; a request it preempts is allocated again only in a later step; a decode's
+        input token is read when its forward is launched, after ``settle``. A request
+        finishes on ``max_new_tokens`` alone, so the plan does not depend on the token's
+        value."""
+        emitted = []
         for w in plan:
             r = w.request
             r.computed = w.start + w.count
             if r.computed == len(r.seq):
-                r.emit(next_tokens[r.request_id])
+                r.emit(UNKNOWN)
+                emitted.append(r)
                 if r.done:
                     self.running.remove(r)
                     self._to_free.append(r)
                     self.finished.append(r)
+        return emitted
