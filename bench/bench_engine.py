@@ -46,7 +46,9 @@ all but the calls planned ahead that the forward hid whole) and its share, and t
 made. Every kvcm
 run's tokens are checked against the baseline's (they must be equal; a mismatch is reported,
 not hidden). ``--gap-ms`` sleeps after each step (untimed in the step): an engine whose model
-pass is that much longer, so that the sidecar sleeps between steps as it does beside a GPU.
+pass is that much longer, so that the sidecar sleeps between steps as it does beside a GPU
+(the sleep comes after the tokens are read back, so a call planned ahead does not overlap
+it: the overlap rows' exposed time is then what a forward of the measured length hides).
 """
 
 from __future__ import annotations

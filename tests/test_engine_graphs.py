@@ -56,6 +56,11 @@ def test_decode_on_static_buffers_equals_generate(
             plan = schedule()
             if ahead:
                 preempted_ahead += engine.scheduler.stats.preemptions - before
+                # The forward in flight may not have written its KV: none of it committed.
+                assert any(r.in_flight for r in engine.scheduler.running)
+                assert all(
+                    r.committed <= r.computed - r.in_flight for r in engine.scheduler.running
+                )
             return plan
 
         engine.scheduler.schedule = counted  # type: ignore[method-assign]
@@ -121,3 +126,33 @@ def test_cuda_graphs_choice() -> None:
         Engine(llama, Backend.in_process(_manager(llama)), attention="gather", cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs must be"):
         Engine(llama, Backend.in_process(_manager(llama)), cuda_graphs="yes")  # type: ignore[arg-type]
+
+
+def test_a_failed_plan_ahead_leaves_no_unknown_token() -> None:
+    """kvcm refuses the call planned ahead: the forward's tokens are still read back and
+    settled (none stays ``UNKNOWN``, none in flight), and the error reaches the caller."""
+    llama = build_model("llama")
+    engine = Engine(
+        llama,
+        Backend.in_process(_manager(llama)),
+        chunk=16,
+        max_batch_tokens=48,
+        max_running=4,
+        attention="paged",
+        cuda_graphs=True,
+    )
+    schedule = engine.scheduler.schedule
+
+    def failing() -> list:
+        if any(r.output and r.output[-1] == UNKNOWN for r in engine.scheduler.running):
+            raise RuntimeError("kvcm refused part of a step")
+        return schedule()
+
+    engine.scheduler.schedule = failing  # type: ignore[method-assign]
+    requests = make_requests(4, arrival_every=0)
+    with pytest.raises(RuntimeError, match="refused"):
+        engine.run(requests)
+    assert engine.graphs is not None and engine.graphs.replays == 1
+    decoded = [r for r in requests if r.output]
+    assert decoded and all(UNKNOWN not in r.output for r in decoded)
+    assert all(r.in_flight == 0 for r in requests)

@@ -191,9 +191,10 @@ class EngineStats:
     that ended while the device still computed the forward before them (those the forward
     hid; one that ended after it counts whole, though the forward hid part of it)."""
     planned_ahead: int = 0
-    """Steps planned (their kvcm call made) while the step before was launched
-    (``overlap``), and of them those whose call the forward hid whole."""
+    """Steps planned (their kvcm call made) while the forward of the step before computed
+    (``overlap``)."""
     hidden: int = 0
+    """Of ``planned_ahead``, those whose call ended before that forward did."""
 
 
 class Engine:
@@ -398,6 +399,11 @@ class Engine:
             step += 1
             if step > max_steps:
                 raise RuntimeError(f"not finished after {max_steps} steps")
+        if self._ahead is not None:  # planned during the last step: nothing left but frees
+            _, kvcm_s, exposed_s = self._ahead
+            self._ahead = None
+            self.stats.kvcm_s += kvcm_s
+            self.stats.kvcm_exposed_s += exposed_s
         self.stats.wall_s += time.perf_counter() - begin
         return sorted(self.scheduler.finished, key=lambda r: r.request_id)
 
@@ -436,17 +442,12 @@ class Engine:
                 launched = self._graph_launch(batch, slots, tables)
                 if self.overlap and len(batches) == 1:
                     self.stats.model_s += time.perf_counter() - t
-                    emitted = self._plan_ahead(plan, launched)
-                    t = time.perf_counter()
-                    best = self._graph_collect(batch, launched)
-                    self.stats.model_s += time.perf_counter() - t
-                    column = {w.request.request_id: i for i, w in enumerate(plan)}
-                    for r in emitted:
-                        r.settle(best[column[r.request_id]])
-                    self._count(plan, len(emitted))
+                    self._overlapped(plan, launched)
                     self._account(begin, kvcm_s, exposed_s)
                     return
-                next_tokens.update(self._emit(batch, self._graph_collect(batch, launched)))
+                best, miss = launched.collect()
+                self._check_pages(batch, miss)
+                next_tokens.update(self._emit(batch, best))
             else:
                 for work, work_slots in self._forwards(batch, slots):
                     next_tokens.update(self._forward(work, work_slots, tables))
@@ -456,21 +457,33 @@ class Engine:
         self.scheduler.finish_step(plan, next_tokens)
         self._account(begin, kvcm_s, exposed_s)
 
-    def _plan_ahead(self, plan: list[Work], launched: Launched) -> list[Request]:
-        """While ``launched`` computes: advance the scheduler past ``plan`` and plan the next
-        step; returns the requests that emitted a token (``Scheduler.advance``)."""
+    def _overlapped(self, plan: list[Work], launched: Launched) -> None:
+        """While ``launched`` (the whole of ``plan``) computes: advance the scheduler past
+        ``plan`` and plan the next step; then read the tokens back and settle them. The
+        tokens are settled whatever fails meanwhile (the plan ahead, the missing-page
+        check), so that no unknown token stays."""
         order = self.backend.step_order
         if order is not None:
             order.step_done()  # the next step's edits wait for this forward on the device
         emitted = self.scheduler.advance(plan)
-        t = time.perf_counter()
-        ahead = self.scheduler.schedule()
-        spent = time.perf_counter() - t
-        hidden = launched.busy()  # still computing: the forward hid the whole call
+        try:
+            t = time.perf_counter()
+            ahead = self.scheduler.schedule()
+            spent = time.perf_counter() - t
+            hidden = launched.busy()  # still computing: the forward hid the whole call
+        finally:
+            t = time.perf_counter()
+            best, miss = launched.collect()
+            self.stats.model_s += time.perf_counter() - t
+            column = {w.request.request_id: i for i, w in enumerate(plan)}
+            for r in emitted:
+                r.settle(best[column[r.request_id]])
+            self.scheduler.landed(plan)
+            self._count(plan, len(emitted))
         self._ahead = (ahead, spent, 0.0 if hidden else spent)
         self.stats.planned_ahead += 1
         self.stats.hidden += hidden
-        return emitted
+        self._check_pages(plan, miss)
 
     def _account(self, begin: float, kvcm_s: float, exposed_s: float) -> None:
         self.stats.kvcm_s += kvcm_s
@@ -658,17 +671,14 @@ class Engine:
             tables,
         )
 
-    def _graph_collect(self, plan: list[Work], launched: Launched) -> list[int]:
-        """The launched forward's next token per planned request (after its missing-page
-        check)."""
-        best, miss = launched.collect()
+    def _check_pages(self, plan: list[Work], miss: Sequence[int]) -> None:
+        """``CacheMiss`` where a replayed forward's kernels flagged a missing page."""
         g = next((g for g, m in enumerate(miss) if m), None)
         if g is not None:
             raise CacheMiss(
                 f"layer group {g}: a position the model needs has no page in kvcm's page "
                 f"table (rows {[w.request.row for w in plan]})"
             )
-        return best
 
 
 def _as_tensor(mapping: Any) -> torch.Tensor:

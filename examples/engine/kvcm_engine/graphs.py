@@ -208,7 +208,7 @@ class DecodeGraphs:
             if self._done is None:
                 self._done = torch.cuda.Event()
             done = self._done  # one forward at a time: one event, recorded again each launch
-            done.record()
+            done.record(torch.cuda.current_stream(self._device))
         return Launched(result, r, size, g, done)
 
     def _step(self, b: _Bucket, tables: torch.Tensor) -> torch.Tensor:

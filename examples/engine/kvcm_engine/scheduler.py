@@ -87,6 +87,10 @@ class Request:
     """A peer to fetch the prompt's cached prefix from before prefilling the rest."""
     held: int = 0
     """Tokens kvcm holds for it: ``computed`` plus what this step's ops added."""
+    in_flight: int = 0
+    """Of ``computed``, the tokens of a forward not read back yet (``Scheduler.advance``):
+    their KV may not be written yet, so they are not committed (a peer could fetch the
+    block as a prefix meanwhile) until ``Scheduler.landed``."""
     seq: list[int] = field(init=False)
     """prompt + output, kept as tokens are emitted (``emit``; read, never changed, by
     others): the scheduler slices it every step, and building it anew each time was a
@@ -206,10 +210,11 @@ class Scheduler:
     def _commits(self) -> tuple[list[int], list[list[int]]]:
         handles, tokens = [], []
         for r in [*self.running, *self._to_free]:
-            if r.computed > r.committed:
+            end = r.computed - r.in_flight
+            if end > r.committed:
                 handles.append(r.handle)
-                tokens.append(r.seq[r.committed : r.computed])
-                r.committed = r.computed
+                tokens.append(r.seq[r.committed : end])
+                r.committed = end
         return handles, tokens
 
     def schedule(self) -> list[Work]:
@@ -490,21 +495,25 @@ class Scheduler:
         next step (after their last commit)."""
         for r in self.advance(plan):
             r.settle(next_tokens[r.request_id])
+        self.landed(plan)
 
     def advance(self, plan: list[Work]) -> list[Request]:
         """Record a forward whose next tokens are not read back yet, so that the next step
         can be planned (and its kvcm call made) while the device still computes this one:
-        the work is computed, requests whose sequence is now all computed emit ``UNKNOWN``
-        (returned, in plan order, for ``Request.settle``), finished ones are freed in the next
-        step. Nothing in that plan reads an unknown token: its commits end at ``computed``,
-        before it; a request it preempts is allocated again only in a later step; a decode's
-        input token is read when its forward is launched, after ``settle``. A request
-        finishes on ``max_new_tokens`` alone, so the plan does not depend on the token's
-        value."""
+        the work is computed but in flight (not committed before ``landed``), requests whose
+        sequence is now all computed emit ``UNKNOWN`` (returned, in plan order, for
+        ``Request.settle``), finished ones are freed in the next step. Nothing in that plan
+        reads an unknown token: its commits end before the work in flight; a request it
+        preempts is allocated again only in a later step; a decode's input token is read
+        when its forward is launched, after ``settle``. A request finishes on
+        ``max_new_tokens`` alone, so the plan does not depend on the token's value. (A
+        request that finishes in that forward is freed by the plan made meanwhile, so its
+        last token is never committed: the prefix cache misses at most that block.)"""
         emitted = []
         for w in plan:
             r = w.request
             r.computed = w.start + w.count
+            r.in_flight = w.count
             if r.computed == len(r.seq):
                 r.emit(UNKNOWN)
                 emitted.append(r)
@@ -513,3 +522,8 @@ class Scheduler:
                     self._to_free.append(r)
                     self.finished.append(r)
         return emitted
+
+    def landed(self, plan: list[Work]) -> None:
+        """The forward of ``plan`` is read back: its KV is written, and commits may take it."""
+        for w in plan:
+            w.request.in_flight = 0
