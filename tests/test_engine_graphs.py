@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 from test_paged_attention import _manager
 
-from kvcm_engine import Backend, Engine, build_model, make_requests, reference_outputs
+from kvcm import KVCacheManager
+from kvcm_engine import (
+    Backend,
+    Engine,
+    build_model,
+    kvcm_layers,
+    make_requests,
+    reference_outputs,
+)
 from kvcm_engine.graphs import buckets
 from kvcm_engine.scheduler import UNKNOWN, Request, Scheduler
 
@@ -156,3 +164,49 @@ def test_a_failed_plan_ahead_leaves_no_unknown_token() -> None:
     decoded = [r for r in requests if r.output]
     assert decoded and all(UNKNOWN not in r.output for r in decoded)
     assert all(r.in_flight == 0 for r in requests)
+
+
+@pytest.mark.slow
+def test_suspends_planned_ahead_equal_generate() -> None:
+    """Preemption by suspend (a host tier) with steps planned ahead: victims chosen while a
+    decode forward is in flight (their last tokens uncommitted) go to the host tier and come
+    back; every token equals transformers' generate and every block is back at the end."""
+    llama = build_model("llama")
+    m = KVCacheManager(
+        {
+            **kvcm_layers(llama.hf_config),
+            "tokens_per_block": 4,
+            "num_blocks": 48,
+            "max_requests": 16,
+            "max_seq_len": 256,
+            "max_prefill_chunk": 16,
+            "host_memory_bytes": 1 << 22,
+        }
+    )
+    engine = Engine(
+        llama,
+        Backend.in_process(m),
+        chunk=16,
+        max_batch_tokens=48,
+        max_running=12,
+        attention="paged",
+        cuda_graphs=True,
+        preempt="suspend",
+    )
+    schedule = engine.scheduler.schedule
+    suspended_ahead = 0
+
+    def counted() -> list:
+        nonlocal suspended_ahead
+        before = engine.scheduler.stats.suspends
+        ahead = any(r.output and r.output[-1] == UNKNOWN for r in engine.scheduler.running)
+        plan = schedule()
+        suspended_ahead += (engine.scheduler.stats.suspends - before) if ahead else 0
+        return plan
+
+    engine.scheduler.schedule = counted  # type: ignore[method-assign]
+    done = engine.run(make_requests(16, arrival_every=1))
+    assert {r.request_id: r.output for r in done} == reference_outputs(llama, make_requests(16))
+    stats = engine.scheduler.stats
+    assert suspended_ahead > 0 and stats.resumes == stats.suspends
+    assert m.request_ids() == [] and m.num_free_blocks() == m.num_total_blocks()

@@ -71,6 +71,30 @@ def test_graphs_in_process_equal_generate(family: str, null_page: bool, overlap:
     _check(engine, built, overlap)
 
 
+def test_suspends_planned_ahead_on_cuda_equal_generate() -> None:
+    """Victims suspended to the host tier by a step planned while a decode forward is in
+    flight: the copy to the host is queued after that forward on the same stream."""
+    built = build_model("llama", device=DEVICE)
+    m = KVCacheManager(
+        {**kvcm_layers(built.hf_config), "device": DEVICE, **SIZING, "host_memory_bytes": 1 << 22}
+    )
+    engine = Engine(
+        built,
+        Backend.in_process(m),
+        chunk=16,
+        max_batch_tokens=48,
+        max_running=12,
+        preempt="suspend",
+    )
+    assert engine.overlap
+    done = engine.run(make_requests(16, arrival_every=1))
+    assert {r.request_id: r.output for r in done} == reference_outputs(built, make_requests(16))
+    stats = engine.scheduler.stats
+    assert stats.suspends > 0 and stats.resumes == stats.suspends
+    assert engine.stats.planned_ahead == engine.graphs.replays > 0
+    assert m.num_free_blocks() == m.num_total_blocks()
+
+
 def test_graphs_through_a_cuda_sidecar_equal_generate() -> None:
     """Without stream-ordered steps the sidecar edits the tables on its own stream: the
     engine never plans ahead (auto), and refuses to when asked."""
