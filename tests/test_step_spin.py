@@ -144,18 +144,26 @@ def _cpu(pid: int, wall: float) -> float:
 def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``rehearse`` parses the last frame remembered again (``step_columns``' arrays too) and
-    packs its answer again: the manager, the metrics and the answer are as they were. Only a
-    frame answered without an error, small, in busy-poll mode is remembered."""
+    """``rehearse`` parses the last frame remembered again (``step_columns``' arrays and
+    their shape check too) and packs its answer again: the manager, the metrics and the
+    answer are as they were. Only a frame answered without an error, small, in busy-poll
+    mode is remembered."""
     channel, m = _channel(0.3)
     parsed: list[dict] = []
+    checked: list = []
     real = step_channel.columns_from_wire
+    real_check = step_channel.parse_keywords
 
     def counted(args: dict) -> dict:
         parsed.append(args)
         return real(args)
 
+    def counted_check(columns: dict) -> object:
+        checked.append(real_check(columns))
+        return checked[-1]
+
     monkeypatch.setattr(step_channel, "columns_from_wire", counted)
+    monkeypatch.setattr(step_channel, "parse_keywords", counted_check)
 
     def answer(message: dict) -> tuple[bytes, dict]:
         body = pack(message)[HEADER.size :]
@@ -175,6 +183,7 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     for _ in range(20):
         channel.rehearse()
     assert len(parsed) == 22 and parsed[-1] == parsed[1]
+    assert len(checked) == 20 and checked[-1].extend.tolist() == list(handle)
     assert (m.request("a").num_tokens, m.num_free_blocks()) == (4, before[1])
     assert channel.state.metrics.render() == before[2]
     assert step_channel._body(dict(second), False) == packed and "close" not in second

@@ -147,6 +147,26 @@ def parse_columns(
     )
 
 
+def parse_keywords(columns: Mapping[str, Any]) -> StepColumns:
+    """``parse_columns`` of ``step_columns``' keyword arguments (``columns_from_wire``'s), the
+    step's sections only: the shape check alone, without the manager (busy-poll mode's
+    rehearsal: ``StepChannel.rehearse``)."""
+    get = columns.get
+    return parse_columns(
+        get("free", ()),
+        get("rewind", ()),
+        get("rewind_tokens", 1),
+        get("commit", ()),
+        get("commit_tokens", ()),
+        get("extend", ()),
+        get("num_new_tokens", 1),
+        get("lookahead", 0),
+        get("allocate", ()),
+        get("suspend", ()),
+        get("resume", ()),
+    )
+
+
 def _counts_of(name: str, value: Any, n: int, minimum: int) -> np.ndarray | int:
     """Checked counts: one int stays an int (numpy broadcasts it), else an array of n."""
     if type(value) is int:

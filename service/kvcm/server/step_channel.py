@@ -57,7 +57,7 @@ from kvcm_client.models import (
 from kvcm_client.step_channel import HEADER, OPS, unpack
 from kvcm_client.step_ring import RING_OP, SLOT_BYTES, supported
 
-from ..columnar_parse import columns_from_wire
+from ..columnar_parse import columns_from_wire, parse_keywords
 from ..ops import plain_step
 from .state import ServiceState
 from .step_poll import DEFAULT_POLL_US, WAKE, FramePoll, GapPredictor
@@ -341,7 +341,8 @@ class StepChannel:
 
     def rehearse(self) -> None:
         """Busy-poll mode, while it waits: parse the last frame again (``step_columns``'
-        arrays too) and pack its answer again, changing nothing.
+        arrays too, and their shape check: ``parse_keywords``) and pack its answer again,
+        changing nothing.
 
         Why: the spin keeps the core, not what the step path left in its caches and branch
         predictors, which other work takes over milliseconds (measured on the development
@@ -355,7 +356,7 @@ class StepChannel:
         frame, answer = self._rehearsal
         message = unpack(frame)
         if message.get("op") == "step_columns":
-            columns_from_wire(message.get("args", {}))
+            parse_keywords(columns_from_wire(message.get("args", {})))
         _body(answer, False)
 
     def _ring_frame(self) -> bool:
