@@ -8,15 +8,7 @@ from __future__ import annotations
 import pytest
 from test_paged_attention import _manager
 
-from kvcm import KVCacheManager
-from kvcm_engine import (
-    Backend,
-    Engine,
-    build_model,
-    kvcm_layers,
-    make_requests,
-    reference_outputs,
-)
+from kvcm_engine import Backend, Engine, build_model, make_requests, reference_outputs
 from kvcm_engine.graphs import buckets
 from kvcm_engine.scheduler import UNKNOWN, Request, Scheduler
 
@@ -172,17 +164,7 @@ def test_suspends_planned_ahead_equal_generate() -> None:
     decode forward is in flight (their last tokens uncommitted) go to the host tier and come
     back; every token equals transformers' generate and every block is back at the end."""
     llama = build_model("llama")
-    m = KVCacheManager(
-        {
-            **kvcm_layers(llama.hf_config),
-            "tokens_per_block": 4,
-            "num_blocks": 48,
-            "max_requests": 16,
-            "max_seq_len": 256,
-            "max_prefill_chunk": 16,
-            "host_memory_bytes": 1 << 22,
-        }
-    )
+    m = _manager(llama, host_memory_bytes=1 << 22)
     engine = Engine(
         llama,
         Backend.in_process(m),

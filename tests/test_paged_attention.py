@@ -267,7 +267,9 @@ def test_a_missing_page_is_flagged() -> None:
 # -- the engine on the paged path (the kernels' references on the CPU) -------------------------
 
 
-def _manager(built, null_page: bool = True) -> KVCacheManager:
+def _manager(built, null_page: bool = True, **settings: object) -> KVCacheManager:
+    """The engine tests' manager (``settings`` added: a host tier, say), its unwritten
+    memory NaN."""
     m = KVCacheManager(
         {
             **kvcm_layers(built.hf_config),
@@ -277,6 +279,7 @@ def _manager(built, null_page: bool = True) -> KVCacheManager:
             "max_seq_len": 256,
             "max_prefill_chunk": 16,
             "null_page": null_page,
+            **settings,
         }
     )
     for spec in m.config.layers:  # unwritten memory must never enter attention

@@ -47,6 +47,31 @@ def _check(engine: Engine, built, overlap: bool) -> None:
     assert engine.stats.planned_ahead == (engine.graphs.replays if overlap else 0)
 
 
+def _manager(built, null_page: bool, **settings: object) -> KVCacheManager:
+    """A CUDA manager of ``SIZING`` (and ``settings``), its unwritten memory NaN (it must
+    never enter attention)."""
+    m = KVCacheManager(
+        {
+            **kvcm_layers(built.hf_config),
+            "device": DEVICE,
+            **SIZING,
+            "null_page": null_page,
+            **settings,
+        }
+    )
+    for spec in m.config.layers:
+        for role in ("key", "value"):
+            m.layer_view(spec.layer_id, role)[1 if null_page else 0 :] = float("nan")
+    return m
+
+
+def _engine(built, m: KVCacheManager, **options: object) -> Engine:
+    """The in-process engine of these tests: buckets of 1, 2, 4, 8 and 12 requests."""
+    return Engine(
+        built, Backend.in_process(m), chunk=16, max_batch_tokens=48, max_running=12, **options
+    )
+
+
 @pytest.mark.parametrize(
     ("family", "null_page", "overlap"),
     [("llama", True, True), ("mistral", False, True), ("llama", True, False)],
@@ -54,20 +79,7 @@ def _check(engine: Engine, built, overlap: bool) -> None:
 def test_graphs_in_process_equal_generate(family: str, null_page: bool, overlap: bool) -> None:
     """max_running 12: buckets of 1, 2, 4, 8 and 12 requests, most decodes padded."""
     built = build_model(family, device=DEVICE)
-    m = KVCacheManager(
-        {**kvcm_layers(built.hf_config), "device": DEVICE, **SIZING, "null_page": null_page}
-    )
-    for spec in m.config.layers:  # unwritten memory must never enter attention
-        for role in ("key", "value"):
-            m.layer_view(spec.layer_id, role)[1 if null_page else 0 :] = float("nan")
-    engine = Engine(
-        built,
-        Backend.in_process(m),
-        chunk=16,
-        max_batch_tokens=48,
-        max_running=12,
-        overlap="auto" if overlap else False,
-    )
+    engine = _engine(built, _manager(built, null_page), overlap="auto" if overlap else False)
     _check(engine, built, overlap)
 
 
@@ -75,17 +87,8 @@ def test_suspends_planned_ahead_on_cuda_equal_generate() -> None:
     """Victims suspended to the host tier by a step planned while a decode forward is in
     flight: the copy to the host is queued after that forward on the same stream."""
     built = build_model("llama", device=DEVICE)
-    m = KVCacheManager(
-        {**kvcm_layers(built.hf_config), "device": DEVICE, **SIZING, "host_memory_bytes": 1 << 22}
-    )
-    engine = Engine(
-        built,
-        Backend.in_process(m),
-        chunk=16,
-        max_batch_tokens=48,
-        max_running=12,
-        preempt="suspend",
-    )
+    m = _manager(built, True, host_memory_bytes=1 << 22)
+    engine = _engine(built, m, preempt="suspend")
     assert engine.overlap
     done = engine.run(make_requests(16, arrival_every=1))
     assert {r.request_id: r.output for r in done} == reference_outputs(built, make_requests(16))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,41 +76,35 @@ class _Bucket:
         self.result: torch.Tensor | None = None
 
 
+@dataclass(frozen=True, slots=True)
 class Launched:
-    """A decode forward queued by ``DecodeGraphs.launch``."""
+    """A decode forward queued by ``DecodeGraphs.launch``: its result buffer (the graph's),
+    its request count, bucket size and group count, and the event recorded after it (None
+    on the CPU)."""
 
-    __slots__ = ("_done", "_groups", "_requests", "_result", "_size")
-
-    def __init__(
-        self,
-        result: torch.Tensor,
-        requests: int,
-        size: int,
-        groups: int,
-        done: torch.cuda.Event | None,
-    ) -> None:
-        self._result = result
-        self._requests = requests
-        self._size = size
-        self._groups = groups
-        self._done = done
+    result: torch.Tensor
+    requests: int
+    size: int
+    groups: int
+    done: torch.cuda.Event | None
 
     def busy(self) -> bool:
         """Whether the device still computes the forward (never on the CPU, where it ran
         when it was launched)."""
-        return self._done is not None and not self._done.query()
+        return self.done is not None and not self.done.query()
 
     def collect(self) -> tuple[list[int], list[int]]:
         """The next tokens and the groups' missing flags (waits for the forward)."""
-        out = self._result.tolist()
-        r, size = self._requests, self._size
-        return out[:r], out[size : size + self._groups]
+        out = self.result.tolist()
+        r, size = self.requests, self.size
+        return out[:r], out[size : size + self.groups]
 
 
 class DecodeGraphs:
     """The engine's decode forwards on static buffers, captured in CUDA graphs (see the module
-    docstring). ``run(plan, slots, tables)`` returns the next token of each request and the
-    missing-page flags of each layer group."""
+    docstring). ``launch(ids, rows, starts, slots, tables)`` queues one; its ``collect``
+    returns the next token of each request and the missing-page flags of each layer
+    group."""
 
     def __init__(
         self,
@@ -156,19 +151,6 @@ class DecodeGraphs:
             )
         return b
 
-    def run(
-        self,
-        ids: Sequence[int],
-        rows: Sequence[int],
-        starts: Sequence[int],
-        slots: torch.Tensor,
-        tables: torch.Tensor,
-    ) -> tuple[list[int], list[int]]:
-        """One decode forward of ``len(ids)`` requests: token ``ids[i]`` at position
-        ``starts[i]`` of the request in page-table row ``rows[i]``, its slots ``slots[:, i]``
-        (``[groups, R]``, kvcm's). Returns the next tokens and the groups' missing flags."""
-        return self.launch(ids, rows, starts, slots, tables).collect()
-
     def launch(
         self,
         ids: Sequence[int],
@@ -177,9 +159,12 @@ class DecodeGraphs:
         slots: torch.Tensor,
         tables: torch.Tensor,
     ) -> Launched:
-        """``run`` without the wait: the forward is queued (replayed) and its result is read
-        by ``Launched.collect``, so that the host can plan the next step meanwhile. The
-        bucket's buffers stay the forward's until then: collect it before the next launch."""
+        """One decode forward of ``len(ids)`` requests, queued (replayed): token ``ids[i]`` at
+        position ``starts[i]`` of the request in page-table row ``rows[i]``, its slots
+        ``slots[:, i]`` (``[groups, R]``, kvcm's). ``Launched.collect`` reads its next tokens
+        and the groups' missing flags, so that the host can plan the next step meanwhile.
+        The bucket's buffers stay the forward's until then: collect it before the next
+        launch."""
         r = len(ids)
         b = self._bucket(r)
         size, g = b.size, len(self._windows)
