@@ -45,19 +45,19 @@ def test_decode_on_static_buffers_equals_generate(
     )
     assert engine.graphs is not None and not engine.graphs.capture  # the CPU: no capture
     assert engine.overlap is overlap
-    preempted_ahead = 0
+    preempted_ahead = ahead_of_prefill = 0
     if overlap:  # count the preemptions made by a step planned ahead
         schedule = engine.scheduler.schedule
 
         def counted() -> list:
-            nonlocal preempted_ahead
+            nonlocal preempted_ahead, ahead_of_prefill
             before = engine.scheduler.stats.preemptions
-            ahead = any(r.output and r.output[-1] == UNKNOWN for r in engine.scheduler.running)
+            in_flight = [r.in_flight for r in engine.scheduler.running]
             plan = schedule()
-            if ahead:
+            if any(in_flight):
                 preempted_ahead += engine.scheduler.stats.preemptions - before
+                ahead_of_prefill += max(in_flight) > 1  # a prefill chunk computes meanwhile
                 # The forward in flight may not have written its KV: none of it committed.
-                assert any(r.in_flight for r in engine.scheduler.running)
                 assert all(
                     r.committed <= r.computed - r.in_flight for r in engine.scheduler.running
                 )
@@ -73,8 +73,9 @@ def test_decode_on_static_buffers_equals_generate(
     assert engine.scheduler.stats.hit_tokens > 0
     stats = engine.stats
     if overlap:
-        # Every replayed decode step planned the next one; on the CPU none is hidden.
-        assert stats.planned_ahead == engine.graphs.replays
+        # Every step (one forward: replayed decodes, eager prefills) planned the next one,
+        # some of them while a prefill chunk computed; on the CPU none is hidden.
+        assert stats.planned_ahead == stats.forwards and ahead_of_prefill > 0
         assert stats.hidden == 0 and stats.kvcm_exposed_s == pytest.approx(stats.kvcm_s)
         # Llama's run (this workload and pool) preempts in two decode steps planned ahead.
         assert preempted_ahead > 0 or family != "llama"
@@ -128,8 +129,10 @@ def test_cuda_graphs_choice() -> None:
         Engine(llama, Backend.in_process(_manager(llama)), cuda_graphs="yes")  # type: ignore[arg-type]
 
 
-def test_a_failed_plan_ahead_leaves_no_unknown_token() -> None:
-    """kvcm refuses the call planned ahead: the forward's tokens are still read back and
+@pytest.mark.parametrize("replayed", [False, True])
+def test_a_failed_plan_ahead_leaves_no_unknown_token(replayed: bool) -> None:
+    """kvcm refuses the call planned ahead of the first forward that emits tokens (an eager
+    prefill) or of the first replayed decode: the forward's tokens are still read back and
     settled (none stays ``UNKNOWN``, none in flight), and the error reaches the caller."""
     llama = build_model("llama")
     engine = Engine(
@@ -141,10 +144,12 @@ def test_a_failed_plan_ahead_leaves_no_unknown_token() -> None:
         attention="paged",
         cuda_graphs=True,
     )
+    assert engine.graphs is not None
     schedule = engine.scheduler.schedule
 
     def failing() -> list:
-        if any(r.output and r.output[-1] == UNKNOWN for r in engine.scheduler.running):
+        unknown = any(r.output and r.output[-1] == UNKNOWN for r in engine.scheduler.running)
+        if unknown and (engine.graphs.replays > 0) == replayed:
             raise RuntimeError("kvcm refused part of a step")
         return schedule()
 
@@ -152,7 +157,9 @@ def test_a_failed_plan_ahead_leaves_no_unknown_token() -> None:
     requests = make_requests(4, arrival_every=0)
     with pytest.raises(RuntimeError, match="refused"):
         engine.run(requests)
-    assert engine.graphs is not None and engine.graphs.replays == 1
+    assert engine.graphs.replays == int(replayed)
+    # The failed plan was made during the last forward, whose tokens were still counted.
+    assert engine.stats.forwards == engine.stats.planned_ahead + 1
     decoded = [r for r in requests if r.output]
     assert decoded and all(UNKNOWN not in r.output for r in decoded)
     assert all(r.in_flight == 0 for r in requests)

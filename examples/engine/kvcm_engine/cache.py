@@ -213,9 +213,11 @@ class PagedTables:
             [miss[g : g + 1] for g in range(len(windows))],
         )
 
-    def missing_group(self, miss: Sequence[int]) -> int | None:
-        """The first layer group whose kernel flagged a missing page (``miss`` read back)."""
-        return next((g for g, m in enumerate(miss) if m), None)
+
+def missing_group(miss: Sequence[int]) -> int | None:
+    """The first layer group whose kernel flagged a missing page (``PagedTables.miss`` read
+    back): ``[0, 1, 1]`` gives 1."""
+    return next((g for g, m in enumerate(miss) if m), None)
 
 
 #: The paged forward in progress (``KVCMCache.paged_forward``), for the attention function.

@@ -38,7 +38,15 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .cache import CacheMiss, KVCMCache, LayerInfo, PagedTables, StepStates, StepTables
+from .cache import (
+    CacheMiss,
+    KVCMCache,
+    LayerInfo,
+    PagedTables,
+    StepStates,
+    StepTables,
+    missing_group,
+)
 from .graphs import DecodeGraphs, Launched
 from .models import BuiltModel, UnsupportedFamily, hybrid_unsupported, state_path
 from .scheduler import Request, Scheduler, Work
@@ -280,6 +288,8 @@ class Engine:
         self.overlap = self._overlap(overlap)
         #: The next step's plan and kvcm time (all, exposed), made during this one (overlap).
         self._ahead: tuple[list[Work], float, float] | None = None
+        #: Recorded after each eager forward on CUDA (``_launch``; one forward at a time).
+        self._done: torch.cuda.Event | None = None
 
     def _view(self, layer_id: int, role: str) -> torch.Tensor:
         """The backend's pool view, made once per layer and role (a view costs microseconds
@@ -438,19 +448,19 @@ class Engine:
             kvcm_s += spent
             exposed_s += spent
             t = time.perf_counter()
-            if self.graphs is not None and self.graphs.fits([w.count for w in batch]):
-                launched = self._graph_launch(batch, slots, tables)
-                if self.overlap and len(batches) == 1:
+            graph = self.graphs is not None and self.graphs.fits([w.count for w in batch])
+            forwards = [(batch, slots)] if graph else self._forwards(batch, slots)
+            for work, work_slots in forwards:
+                launch = self._graph_launch if graph else self._launch
+                launched = launch(work, work_slots, tables)
+                if self.overlap and len(batches) == 1 and len(forwards) == 1:
                     self.stats.model_s += time.perf_counter() - t
                     self._overlapped(plan, launched)
                     self._account(begin, kvcm_s, exposed_s)
                     return
                 best, miss = launched.collect()
-                self._check_pages(batch, miss)
-                next_tokens.update(self._emit(batch, best))
-            else:
-                for work, work_slots in self._forwards(batch, slots):
-                    next_tokens.update(self._forward(work, work_slots, tables))
+                self._check_pages(work, miss)
+                next_tokens.update(self._emit(work, best))
             self.stats.model_s += time.perf_counter() - t
         if order is not None:
             order.step_done()
@@ -548,9 +558,10 @@ class Engine:
         ]
 
     @torch.no_grad()
-    def _forward(
-        self, plan: list[Work], slots: torch.Tensor, tables: torch.Tensor
-    ) -> dict[str, int]:
+    def _launch(self, plan: list[Work], slots: torch.Tensor, tables: torch.Tensor) -> Launched:
+        """One eager forward of ``plan`` (left-padded to its longest work), queued: on CUDA
+        the host returns once its kernels are launched, and ``Launched.collect`` reads its
+        next tokens (and, on the paged path, the groups' missing-page flags) back."""
         b = self.backend
         q = max(w.count for w in plan)
         ids = torch.zeros(len(plan), q, dtype=torch.long)
@@ -597,20 +608,19 @@ class Engine:
         )
         if states is not None:
             states.write_back()
-        best_t = out.logits[:, -1].float().argmax(dim=-1)
+        result = out.logits[:, -1].float().argmax(dim=-1)
+        groups = 0
         if isinstance(step_tables, PagedTables):
-            # The kernels' missing-page flags come back with the tokens (one sync).
-            both = torch.cat([best_t, step_tables.miss.to(best_t.dtype)]).tolist()
-            best, miss = both[: len(plan)], both[len(plan) :]
-            g = step_tables.missing_group(miss)
-            if g is not None:
-                raise CacheMiss(
-                    f"layer group {g}: a position the model needs has no page in kvcm's page "
-                    f"table (rows {rows})"
-                )
-        else:
-            best = best_t.tolist()
-        return self._emit(plan, best)
+            # The kernels' missing-page flags come back with the tokens (one read).
+            groups = len(step_tables.miss)
+            result = torch.cat([result, step_tables.miss.to(result.dtype)])
+        done = None
+        if result.is_cuda:
+            if self._done is None:
+                self._done = torch.cuda.Event()
+            done = self._done  # one forward at a time: one event, recorded again each launch
+            done.record(torch.cuda.current_stream(self._device))
+        return Launched(result, len(plan), len(plan), groups, done)
 
     def _emit(self, plan: list[Work], best: Sequence[int]) -> dict[str, int]:
         """A forward's next tokens, by request, for the requests it finished computing."""
@@ -672,8 +682,8 @@ class Engine:
         )
 
     def _check_pages(self, plan: list[Work], miss: Sequence[int]) -> None:
-        """``CacheMiss`` where a replayed forward's kernels flagged a missing page."""
-        g = next((g for g, m in enumerate(miss) if m), None)
+        """``CacheMiss`` where a forward's kernels flagged a missing page (the paged path)."""
+        g = missing_group(miss)
         if g is not None:
             raise CacheMiss(
                 f"layer group {g}: a position the model needs has no page in kvcm's page "
