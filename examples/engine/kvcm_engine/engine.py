@@ -227,8 +227,9 @@ class Engine:
         ``cuda_graphs``: decode forwards replayed from CUDA graphs (``graphs.DecodeGraphs``);
         ``auto`` on the paged path on a CUDA device for a model without state layers;
         ``True`` elsewhere on the paged path runs the same static-buffer forward without
-        capture (the CPU tests of that path). ``overlap``: while a decode forward replays,
-        plan the next step and make its kvcm call (``Engine.step``); ``auto`` wherever the
+        capture (the CPU tests of that path). ``overlap``: while a step's forward computes
+        (a decode's replay, or a prefill's launches), plan the next step and make its kvcm
+        call (``Engine.step``); ``auto`` wherever the
         decodes run on the graphs' buffers and the backend is ``ordered`` (or the device is
         the CPU, where a forward is done when it returns)."""
         self.model = built.model
@@ -419,8 +420,9 @@ class Engine:
 
     def step(self) -> None:
         """One step: its plan (made now, or during the step before: ``overlap``), its
-        forwards, their tokens. With ``overlap``, a step that is one decode forward on the
-        graphs' buffers launches it, then advances the scheduler with the tokens unknown
+        forwards, their tokens. With ``overlap``, a step that is one forward (a decode on the
+        graphs' buffers, or a prefill or mixed step) launches it, then advances the scheduler
+        with the tokens unknown
         (``Scheduler.advance``) and plans the next step, kvcm call included, while the device
         computes, and only then reads the tokens back (``Request.settle``). The order on the
         device stays the step's: the next call's table edits are queued after this forward
