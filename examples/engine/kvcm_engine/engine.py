@@ -47,7 +47,7 @@ from .cache import (
     StepTables,
     missing_group,
 )
-from .graphs import DecodeGraphs, Launched
+from .graphs import DecodeGraphs, DoneEvent, Launched
 from .models import BuiltModel, UnsupportedFamily, hybrid_unsupported, state_path
 from .scheduler import Request, Scheduler, Work
 
@@ -289,8 +289,8 @@ class Engine:
         self.overlap = self._overlap(overlap)
         #: The next step's plan and kvcm time (all, exposed), made during this one (overlap).
         self._ahead: tuple[list[Work], float, float] | None = None
-        #: Recorded after each eager forward on CUDA (``_launch``; one forward at a time).
-        self._done: torch.cuda.Event | None = None
+        #: Recorded after each eager forward on CUDA (``_launch``).
+        self._done = DoneEvent()
 
     def _view(self, layer_id: int, role: str) -> torch.Tensor:
         """The backend's pool view, made once per layer and role (a view costs microseconds
@@ -452,8 +452,8 @@ class Engine:
             t = time.perf_counter()
             graph = self.graphs is not None and self.graphs.fits([w.count for w in batch])
             forwards = [(batch, slots)] if graph else self._forwards(batch, slots)
+            launch = self._graph_launch if graph else self._launch
             for work, work_slots in forwards:
-                launch = self._graph_launch if graph else self._launch
                 launched = launch(work, work_slots, tables)
                 if self.overlap and len(batches) == 1 and len(forwards) == 1:
                     self.stats.model_s += time.perf_counter() - t
@@ -616,13 +616,7 @@ class Engine:
             # The kernels' missing-page flags come back with the tokens (one read).
             groups = len(step_tables.miss)
             result = torch.cat([result, step_tables.miss.to(result.dtype)])
-        done = None
-        if result.is_cuda:
-            if self._done is None:
-                self._done = torch.cuda.Event()
-            done = self._done  # one forward at a time: one event, recorded again each launch
-            done.record(torch.cuda.current_stream(self._device))
-        return Launched(result, len(plan), len(plan), groups, done)
+        return Launched(result, len(plan), len(plan), groups, self._done.record(result))
 
     def _emit(self, plan: list[Work], best: Sequence[int]) -> dict[str, int]:
         """A forward's next tokens, by request, for the requests it finished computing."""

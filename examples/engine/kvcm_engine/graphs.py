@@ -100,6 +100,27 @@ class Launched:
         return out[:r], out[size : size + self.groups]
 
 
+class DoneEvent:
+    """The CUDA event recorded after each forward of one launcher (``DecodeGraphs.launch``,
+    the engine's eager ``_launch``): one forward of it is in flight at a time, so one event,
+    made on first use and recorded again each launch, serves them all."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None
+
+    def record(self, result: torch.Tensor) -> torch.cuda.Event | None:
+        """Record the event after the work queued so far on ``result``'s device (the
+        forward that writes ``result``); None on the CPU, where it is done already."""
+        if not result.is_cuda:
+            return None
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(result.device))
+        return self._event
+
+
 class DecodeGraphs:
     """The engine's decode forwards on static buffers, captured in CUDA graphs (see the module
     docstring). ``launch(ids, rows, starts, slots, tables)`` queues one; its ``collect``
@@ -131,7 +152,7 @@ class DecodeGraphs:
         self.sizes = buckets(max_batch)
         self._buckets: dict[int, _Bucket] = {}
         self._pool: Any = None
-        self._done: torch.cuda.Event | None = None
+        self._done = DoneEvent()
         #: Forwards replayed (or, without capture, run on the static buffers), and captures.
         self.replays = 0
         self.captures = 0
@@ -188,13 +209,7 @@ class DecodeGraphs:
         captured = self.capture and self.failed is None
         result = self._replay(b, tables) if captured else self._step(b, tables)
         self.replays += 1
-        done = None
-        if result.is_cuda:
-            if self._done is None:
-                self._done = torch.cuda.Event()
-            done = self._done  # one forward at a time: one event, recorded again each launch
-            done.record(torch.cuda.current_stream(self._device))
-        return Launched(result, r, size, g, done)
+        return Launched(result, r, size, g, self._done.record(result))
 
     def _step(self, b: _Bucket, tables: torch.Tensor) -> torch.Tensor:
         """The forward on ``b``'s buffers: what the graph holds."""
