@@ -555,8 +555,8 @@ def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None
     head = c.pools[0].free_order()[:3].tolist()
     before = manager_state(m)
 
-    def take(r: np.ndarray, i: np.ndarray, p: np.ndarray, added: int = 2) -> Any:
-        return core.decode_take(r, (added,), context, pools, nd.cached(m.parts), i, p)
+    def take(r: np.ndarray, i: np.ndarray, p: np.ndarray, added: int = 2, log: Any = None) -> Any:
+        return core.decode_take(r, (added,), context, pools, nd.cached(m.parts), i, p, log)
 
     # rows: 3 from the middle of a longer array of valid rows, so that a read before or
     # after them would find a valid row and only the bounds checks refuse it.
@@ -575,8 +575,13 @@ def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None
     corrupt = manager_state(m)
     assert take(rows, items, positions) is False and same(manager_state(m), corrupt)
     ring[at] = head[0]
-    assert take(rows, items, positions) == (False,)  # nothing cached
+    with pytest.raises(ValueError, match="edit log"):  # a log of the wrong size
+        take(rows, items, positions, log=np.zeros((3, 4), dtype=np.int64))
+    assert same(manager_state(m), before)
+    log = np.full((2, 4), -7, dtype=np.int64)
+    assert take(rows, items, positions, log=log) == (False,)  # nothing cached
     assert c.tables[0][5, 1] == head[0] and c.tables[0][6, 4] == head[1]
+    assert log.tolist() == [[0, 5, 1, head[0]], [0, 6, 4, head[1]]]  # the edits, in order
     assert c.refs[0][head[:2]].tolist() == [1, 1]
     assert c.pools[0].free_order()[0] == head[2]
 
@@ -600,8 +605,8 @@ def test_decode_release_frees_each_slot_once_and_leaves_odd_input_to_numpy() -> 
     items[0, :2] = [0, 1]
     before = manager_state(m)
 
-    def release(r: np.ndarray, i: np.ndarray, p: np.ndarray, k: int = 2) -> Any:
-        return core.decode_release(r, (k,), context, pools, i, p)
+    def release(r: np.ndarray, i: np.ndarray, p: np.ndarray, k: int = 2, log: Any = None) -> Any:
+        return core.decode_release(r, (k,), context, pools, i, p, log)
 
     assert release(rows, np.array([[0, 2, 0, 0]]), positions) is False  # an item past rows
     assert release(np.array([5, 12]), items, positions) is False  # a row past the table
@@ -609,8 +614,13 @@ def test_decode_release_frees_each_slot_once_and_leaves_odd_input_to_numpy() -> 
     assert release(rows, items, positions, k=5) is False  # more than the arrays hold
     assert release(rows, np.array([[0, 0, 0, 0]]), positions) is False  # a held-once slot twice
     assert same(manager_state(m), before)
+    with pytest.raises(ValueError, match="edit log"):  # a log of the wrong size
+        release(rows, items, positions, log=np.zeros((1, 4), dtype=np.int64))
+    assert same(manager_state(m), before)
     tail = c.pools[0].free_order().tolist()
-    assert release(rows, items, positions) is True
+    log = np.full((2, 4), -7, dtype=np.int64)
+    assert release(rows, items, positions, log=log) is True
+    assert log.tolist() == [[0, 5, 0, c.empty], [0, 8, 0, c.empty]]
     assert c.pools[0].free_order().tolist() == [*tail, a]
     assert c.refs[0][a] == 0 and c.refs[0][b] == 1
     assert c.tables[0][5, 0] == c.tables[0][8, 0] == c.empty
@@ -638,14 +648,14 @@ def test_decode_release_counts_drops_across_groups_and_cells_named_twice() -> No
     c.tables[1][8, 0] = a  # (its own slot is left aside: this state is made up)
     c.refs[0][a] = 2
     tail = c.pools[0].free_order().tolist()
-    assert core.decode_release(rows, (1, 1), context, pools, items, positions) is True
+    assert core.decode_release(rows, (1, 1), context, pools, items, positions, None) is True
     assert c.pools[0].free_order().tolist() == [*tail, a]
     assert c.pools[0].num_free == len(tail) + 1 and c.refs[0][a] == 0
     b = int(c.tables[0][6, 0])
     c.refs[0][b] = 2
     twice = np.zeros((2, 4), dtype=np.int64)  # row 6's cell, twice
     rows = np.array([6], dtype=np.int64)
-    assert core.decode_release(rows, (2, 0), context, pools, twice, positions) is True
+    assert core.decode_release(rows, (2, 0), context, pools, twice, positions, None) is True
     assert c.pools[0].free_order().tolist() == [*tail, a, b]
     assert c.refs[0][b] == 0 and c.tables[0][6, 0] == c.empty
 
@@ -672,7 +682,7 @@ def test_map_slots_equals_the_numpy_mapping(seed: int) -> None:
     total = int(counts.sum())
     for min_live in (0, 1):
         out = np.full((groups, total), 7, dtype=np.int64)
-        core.map_slots(tables, table_rows, cols, rows, starts, counts, tpb, min_live, out)
+        core.map_slots(tables, table_rows, cols, (rows, starts, counts), tpb, min_live, out)
         items = np.repeat(np.arange(n), counts)
         offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
         want = kvcm_kernels.slot_mapping_host(
@@ -684,8 +694,181 @@ def test_map_slots_equals_the_numpy_mapping(seed: int) -> None:
     out = np.full((groups, 2), 7, dtype=np.int64)
     for r, s in ((bad_row, np.zeros(1, np.int64)), (np.zeros(1, np.int64), past)):
         with pytest.raises(ValueError, match="outside"):
-            core.map_slots(tables, table_rows, cols, r, s, np.array([2]), tpb, 0, out)
+            core.map_slots(tables, table_rows, cols, (r, s, np.array([2])), tpb, 0, out)
         assert (out == 7).all()
     with pytest.raises(ValueError, match="groups, tokens"):
         wrong = np.empty((groups, total + 1), dtype=np.int64)
-        core.map_slots(tables, table_rows, cols, rows, starts, counts, tpb, 0, wrong)
+        core.map_slots(tables, table_rows, cols, (rows, starts, counts), tpb, 0, wrong)
+
+
+@built
+@pytest.mark.parametrize("seed", range(3))
+def test_map_slots_of_a_decode_batch_equals_its_explicit_items(seed: int) -> None:
+    """A decode batch's items ``(handles, lengths, n)``: each handle's row (its low 32 bits;
+    the serial above them ignored) maps its last ``n`` positions, as the explicit items;
+    a handle whose row is past the tables or the lengths, or a row shorter than ``n``, is
+    refused with nothing written."""
+    from kvcm.mapped_items import expand_items
+
+    core = native._built
+    assert core is not None
+    rng = np.random.default_rng(seed)
+    groups, table_rows, cols, tpb = int(rng.integers(1, 4)), 10, 6, int(rng.choice([1, 4, 16]))
+    tables = rng.integers(-1, 90, size=(groups, table_rows, cols)).astype(np.int32)
+    lengths = rng.integers(3, cols * tpb + 1, table_rows).astype(np.int64)
+    rows = rng.permutation(table_rows)[: int(rng.integers(1, table_rows))]
+    handles = (rng.integers(1, 2**31 - 1, rows.size) << 32) | rows
+    for each in (1, 3):
+        decode = (handles, lengths, each)
+        out = np.full((groups, rows.size * each), -7, dtype=np.int64)
+        core.map_slots(tables, table_rows, cols, decode, tpb, 1, out)
+        explicit = expand_items(decode)
+        assert explicit[0].tolist() == rows.tolist()
+        want = np.full_like(out, -7)
+        core.map_slots(tables, table_rows, cols, explicit, tpb, 1, want)
+        assert out.tolist() == want.tolist()
+        assert (out != -7).all()  # every entry written
+    short = lengths.copy()
+    short[rows[0]] = 1
+    bad = [
+        (np.array([table_rows], np.int64), lengths, 1),  # a row past the tables
+        (handles[:1], lengths[: rows[0]], 1),  # a row past the lengths
+        (handles[:1], short, 2),  # two positions of a 1-token row
+    ]
+    for items in bad:
+        out = np.full((groups, items[0].size * items[2]), -7, dtype=np.int64)
+        with pytest.raises(ValueError, match="outside"):
+            core.map_slots(tables, table_rows, cols, items, tpb, 0, out)
+        assert (out == -7).all()
+
+
+class _FakeDriver:
+    """cuLaunchKernel and cuEventRecord as ctypes callbacks: what ``step_launch`` passes the
+    driver, recorded (each kernel argument read from its slot as the driver would: a
+    pointer's 8 bytes, an int's low 4), with the result codes a test sets."""
+
+    INTS = (2, 7, 8, 9, 10, 11, 12, 13, 14, 15)  # the kernel's int parameters
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.launches: list[dict[str, Any]] = []
+        self.records: list[tuple[int, int]] = []
+        self.launch_code = 0
+        self.record_code = 0
+        u, vp = ctypes.c_uint, ctypes.c_void_p
+        launch_t = ctypes.CFUNCTYPE(
+            ctypes.c_int, vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), vp
+        )
+        record_t = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)
+
+        def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            values = []
+            for i in range(16):
+                kind = ctypes.c_int32 if i in self.INTS else ctypes.c_uint64
+                values.append(ctypes.cast(params[i], ctypes.POINTER(kind))[0])
+            self.launches.append(
+                {
+                    "kernel": f,
+                    "grid": (gx, gy, gz),
+                    "block": (bx, by, bz),
+                    "shared": shared,
+                    "stream": stream,
+                    "args": values,
+                    "extra": extra,
+                }
+            )
+            return self.launch_code
+
+        def record(event, stream):
+            self.records.append((event, stream))
+            return self.record_code
+
+        self._callbacks = (launch_t(launch), record_t(record))  # kept alive
+        self.addresses = [ctypes.cast(cb, ctypes.c_void_p).value for cb in self._callbacks]
+
+
+@built
+def test_step_launch_packs_the_inputs_and_launches_once() -> None:
+    """``step_launch`` (the CUDA step's launch in C) against a fake driver: the packed
+    buffer holds rows | query_start_loc | positions | edits, the kernel's sixteen arguments
+    point into it, the launch is one 1024-thread block on the given stream with the
+    query_start_loc staged in shared memory, and the buffer's event is recorded after it;
+    the decode form packs what its explicit items pack. Bad sizes launch nothing and write
+    nothing; a driver error is a RuntimeError with its code."""
+    from kvcm.mapped_items import expand_items
+
+    core = native._built
+    assert core is not None
+    fake = _FakeDriver()
+    kernel, tables_ptr, table_rows, cols, tpb, min_live = 0xABC, 0x7000, 8, 5, 4, 1
+    consts = np.array(
+        [*fake.addresses, kernel, tables_ptr, table_rows, cols, tpb, min_live, 1024, 4096],
+        dtype=np.int64,
+    )
+    buf = np.full(64, -9, dtype=np.int64)
+    address = buf.ctypes.data
+    edits = np.array([[0, 3, 1, 9], [1, 0, 0, 4]], dtype=np.int64)
+    rows, starts, counts = (np.array(v, np.int64) for v in ([3, 0], [6, 0], [1, 2]))
+    core.step_launch(consts, address, 64, (rows, starts, counts), edits, 0xD00, 8, 0, 2, 0x55, 0x66)
+    size = 2 + 3 + 3 + 8
+    assert buf[:size].tolist() == [3, 0, 0, 1, 3, 6, 0, 1, *edits.reshape(-1).tolist()]
+    assert (buf[size:] == -9).all()
+    (call,) = fake.launches
+    assert call["kernel"] == kernel and call["stream"] == 0x55 and call["extra"] is None
+    assert call["grid"] == (1, 1, 1) and call["block"] == (1024, 1, 1)
+    assert call["shared"] == 8 * 3  # query_start_loc staged: n + 1 entries
+    a = call["args"]
+    assert a == [
+        tables_ptr,
+        address + 8 * 8,  # the edits, after rows (2), query_start_loc (3), positions (3)
+        2,
+        address,
+        address + 16,
+        address + 40,
+        0xD00,
+        2,  # n
+        8,  # pad_to
+        0,  # first group
+        2,  # groups
+        table_rows,
+        cols,
+        tpb,
+        min_live,
+        1,  # staged
+    ]
+    assert fake.records == [(0x66, 0x55)]
+
+    # A decode batch (handles with serials, 1 token each) packs as its explicit items.
+    lengths = np.arange(10, 10 + table_rows, dtype=np.int64)
+    handles = np.array([(5 << 32) | 3, (9 << 32) | 0], dtype=np.int64)
+    decode = (handles, lengths, 1)
+    want = np.full(64, -9, dtype=np.int64)
+    core.step_launch(consts, want.ctypes.data, 64, expand_items(decode), edits, 1, 2, 0, 1, 1, 0)
+    buf[:] = -9
+    core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 0)
+    assert buf.tolist() == want.tolist() and buf[:2].tolist() == [3, 0]
+    assert len(fake.records) == 1  # event 0: nothing recorded
+
+    # Refused with nothing written or launched: too little room, pad_to below the tokens,
+    # an item outside the tables, edits not [E, 4].
+    buf[:] = -9
+    launches = len(fake.launches)
+    bad = [
+        (15, (rows, starts, counts), edits, 8),
+        (64, (rows, starts, counts), edits, 2),
+        (64, (np.array([table_rows, 0]), starts, counts), edits, 8),
+        (64, (rows, starts, counts), edits.reshape(-1)[:7].copy(), 8),
+    ]
+    for capacity, items, e, pad_to in bad:
+        with pytest.raises(ValueError):
+            core.step_launch(consts, address, capacity, items, e, 1, pad_to, 0, 1, 1, 0)
+    assert (buf == -9).all() and len(fake.launches) == launches
+
+    fake.launch_code = 719
+    with pytest.raises(RuntimeError, match="cuLaunchKernel failed \\(CUresult 719\\)"):
+        core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 7)
+    assert len(fake.records) == 1  # no record after a failed launch
+    fake.launch_code, fake.record_code = 0, 400
+    with pytest.raises(RuntimeError, match="cuEventRecord failed \\(CUresult 400\\)"):
+        core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 7)

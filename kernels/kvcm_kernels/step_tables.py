@@ -14,6 +14,7 @@ mapping reads the edited entry, 9 * 16 + 1 = 145. Entries below ``min_live`` are
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
@@ -184,6 +185,22 @@ class StepLaunch:
             return None
         return cls(tables, tables.device.index)
 
+    @property
+    def kernel(self) -> int:
+        """The kernel's ``CUfunction`` handle on this device (for a launch made elsewhere:
+        ``kvcm._native.step_launch``)."""
+        return self._fn
+
+    def fits(self, num_edits: int, outputs: int) -> bool:
+        """Whether one launch takes this step (``num_edits`` edits, ``outputs`` slot-mapping
+        entries): not with ``KVCM_KERNELS=reference``, on another current device, or for
+        more work than one block takes (then the usual dispatch runs it as two kernels)."""
+        return (
+            num_edits + outputs <= SINGLE_BLOCK_LIMIT
+            and self._current() == self.index
+            and os.environ.get("KVCM_KERNELS") != "reference"
+        )
+
     def __call__(
         self,
         address: int,
@@ -201,11 +218,7 @@ class StepLaunch:
         where the usual dispatch must run it: ``KVCM_KERNELS=reference``, another current
         device, or more work than one block takes."""
         num_groups, pad_to = out.shape
-        if (
-            num_edits + num_groups * pad_to > SINGLE_BLOCK_LIMIT
-            or self._current() != self.index
-            or os.environ.get("KVCM_KERNELS") == "reference"
-        ):
+        if not self.fits(num_edits, num_groups * pad_to):
             return False
         staged = n + 1 <= STAGED_QSL_LIMIT
         qsl = address + 8 * n
@@ -227,3 +240,18 @@ class StepLaunch:
         shared = 8 * (n + 1) if staged else 0
         self._launch(self._fn, 1, 1, 1, THREADS, 1, 1, shared, stream, self._params_ptr, 0)
         return True
+
+
+def driver_entry_points() -> tuple[int, int] | None:
+    """The addresses of ``cuLaunchKernel`` and ``cuEventRecord`` in the CUDA driver this
+    process loaded (CuPy and torch load ``libcuda.so.1``), for C code that launches a step
+    without a Python call per driver call (``kvcm._native.step_launch``); None without a
+    driver. Both are the driver API's stable symbols (a launch names its stream: no
+    per-thread default stream variant is needed)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    launch = ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value
+    record = ctypes.cast(lib.cuEventRecord, ctypes.c_void_p).value
+    return (launch, record) if launch and record else None

@@ -51,6 +51,7 @@ from kvcm_client.errors import (
 from . import allocation, native, request_rows
 from .columnar_types import SECTIONS, ItemError, StepColumns, StepOutcome
 from .commits import commit_batch, commit_row
+from .mapped_items import MappedItems
 from .suspension import free_suspended, resume, suspend_row
 from .transactions import transaction
 
@@ -446,14 +447,13 @@ def execute(
     return _Run(m, cols, stop_on_error, sizes).run()
 
 
-def mapped_tokens(
-    lengths: np.ndarray, cols: StepColumns, out: StepOutcome
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The tokens of a step's items that the engine computes now, as page-table rows, first
-    positions and counts: each successful extend's ``num_new_tokens`` (the last ones of its
-    request; ``lengths``: every row's length after the step), then each successful
-    allocate's tokens past its hit (the first allocation's, for a retry); failed items add
-    none. What ``map_slots`` maps, in that order.
+def mapped_tokens(lengths: np.ndarray, cols: StepColumns, out: StepOutcome) -> MappedItems:
+    """The tokens of a step's items that the engine computes now (``kvcm.mapped_items``):
+    each successful extend's ``num_new_tokens`` (the last ones of its request; ``lengths``:
+    every row's length after the step), then each successful allocate's tokens past its hit
+    (the first allocation's, for a retry); failed items add none. What ``map_slots`` maps,
+    in that order. A step of extends alone that all ran, with one count for all (a decode
+    step), is its handles as they came: ``(handles, lengths, count)``.
 
     Example: extends of rows 3 and 5 by one token each (row 5's failed), row 3 at 9 tokens
     after the step, and an allocate of 20 tokens with a 16-token hit in row 0: rows [3, 0],
@@ -461,6 +461,8 @@ def mapped_tokens(
     """
     new = cols.num_new_tokens
     if not out.errors:  # every item ran (a decode step): no masks
+        if type(new) is int and not len(cols.allocate):
+            return cols.extend, lengths, new
         rows = cols.extend & request_rows.ROW_MASK
         if type(new) is int:
             counts = np.full(rows.size, new, dtype=np.int64)

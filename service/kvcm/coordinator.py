@@ -33,7 +33,7 @@ from .attention import AttentionPolicy, policy_for
 from .block_pool import BlockPool
 from .context_parallel import ClassPools, class_counts, slot_classes
 from .coordinator_hits import PrefixHits
-from .coordinator_log import EditLog
+from .coordinator_log import EditLog, EditRecord
 from .ids import LayerGroupId, PoolGroupId
 from .layout import Layout
 from .prefix_cache import PrefixCache
@@ -128,9 +128,9 @@ class Coordinator(PrefixHits, EditLog):
         else:  # in shared memory, so another process sees every edit at once
             self.tables = np.ndarray(shape, dtype=np.int32, buffer=tables_buffer)
             self.tables.fill(self.empty)
-        #: Table edits since the last ``take_edits`` (only kept for device tables):
-        #: (layer group, rows, positions, slots or None for ``empty``).
-        self.edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None = None
+        #: Table edits since the last ``take_edits`` (only kept for device tables), as
+        #: ``kvcm.coordinator_log.EditRecord``s.
+        self.edits: list[EditRecord] | None = None
         #: Edit batches taken so far (``take_edits``): an undo after a take must edit back.
         self.takes = 0
         self.ops_since_take = 0
@@ -433,8 +433,8 @@ class Coordinator(PrefixHits, EditLog):
 
     def taken_in_c(self, g: int, rows: np.ndarray, positions: np.ndarray, evict: bool) -> None:
         """Slots the C core took and wrote into layer group g's cells (``rows``,
-        ``positions``): what they cached evicted when ``evict`` (one of them caches a block)
-        and the cells logged, as ``take`` and ``set_cells`` do."""
+        ``positions``) without logging them: what they cached evicted when ``evict`` (one of
+        them caches a block) and the cells logged, as ``take`` and ``set_cells`` do."""
         if not evict and self.edits is None:
             return
         slots = self.tables[g][rows, positions]
@@ -443,11 +443,12 @@ class Coordinator(PrefixHits, EditLog):
         if self.edits is not None:
             self.edits.append((g, rows, positions, slots))
 
-    def released_in_c(self, g: int, rows: np.ndarray, positions: np.ndarray) -> None:
-        """Cells of layer group g the C core emptied (a window's released blocks, their
-        slots back in the free queue): logged, as ``set_cells`` logs them."""
+    def logged(self, edits: np.ndarray) -> None:
+        """Table edits the C core made and logged itself, int64 ``[E, 4]`` (group, row,
+        position, slot), in the order it made them (``kvcm.native_step``): one record,
+        which ``take_edits`` passes on as it is."""
         if self.edits is not None:
-            self.edits.append((g, rows, positions, None))
+            self.edits.append(edits)
 
     def set_cells(
         self,

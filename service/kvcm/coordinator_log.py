@@ -8,6 +8,11 @@ from typing import Any
 
 import numpy as np
 
+#: One record of the edit log: (layer group, rows, positions, slots or None for ``empty``)
+#: as the coordinator's writes log them, or the int64 ``[E, 4]`` edits (group, row,
+#: position, slot) the C core logged itself (``Coordinator.logged``).
+EditRecord = tuple[int, np.ndarray, np.ndarray, np.ndarray | None] | np.ndarray
+
 
 @dataclass(slots=True)
 class _Checkpoint:
@@ -15,7 +20,7 @@ class _Checkpoint:
     pools: list[Any]
     refs: list[np.ndarray]
     cache: Any
-    edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None
+    edits: list[EditRecord] | None
     ops_since_take: int
     takes: int
 
@@ -24,7 +29,7 @@ class EditLog:
     """Mixin of ``Coordinator`` (its tables, per-row arrays, pools, references and cache)."""
 
     tables: np.ndarray
-    edits: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]] | None
+    edits: list[EditRecord] | None
     takes: int
     ops_since_take: int
     num_tokens: np.ndarray
@@ -49,26 +54,31 @@ class EditLog:
         """The table edits since the last call as int64 ``[E, 4]``, one per cell (the last).
 
         A single op never edits a cell twice, so only several ops need the de-duplication.
+        A decode step's edits are the C core's records as they are (one, or one per kind:
+        releases, then new blocks), so taking them costs a concatenation at most.
         """
         records = self.edits or []
-        n = 0
-        for record in records:
-            n += len(record[1])
-        out = np.empty((n, 4), dtype=np.int64)
-        at = 0
-        for g, rows, positions, slots in records:  # a step logs a few records: slices
-            end = at + len(rows)
-            out[at:end, 0] = g
-            out[at:end, 1] = rows
-            out[at:end, 2] = positions
-            out[at:end, 3] = self.empty if slots is None else slots
-            at = end
-        if self.ops_since_take > 1 and n > 1:
+        parts = [r if type(r) is np.ndarray else self._packed(r) for r in records]
+        if len(parts) == 1:
+            out = parts[0]
+        else:
+            out = np.concatenate(parts) if parts else np.empty((0, 4), dtype=np.int64)
+        if self.ops_since_take > 1 and len(out) > 1:
             out = self.last_edits(out)
         if self.edits is not None:
             self.edits.clear()
         self.ops_since_take = 0
         self.takes += 1
+        return out
+
+    def _packed(self, record: tuple[int, np.ndarray, np.ndarray, np.ndarray | None]) -> np.ndarray:
+        """A record of the coordinator's writes as int64 ``[E, 4]`` edits."""
+        g, rows, positions, slots = record
+        out = np.empty((len(rows), 4), dtype=np.int64)
+        out[:, 0] = g
+        out[:, 1] = rows
+        out[:, 2] = positions
+        out[:, 3] = self.empty if slots is None else slots
         return out
 
     def last_edits(self, edits: np.ndarray) -> np.ndarray:

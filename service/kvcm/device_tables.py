@@ -14,16 +14,23 @@ queued, so the event's last record always follows every edit.
 from __future__ import annotations
 
 import weakref
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
 import kvcm_kernels
-from kvcm_kernels.step_tables import StepLaunch
+from kvcm_kernels.step_tables import (
+    STAGED_QSL_LIMIT,
+    THREADS,
+    StepLaunch,
+    driver_entry_points,
+)
 
 from .context_parallel import local_edits, table_width
 from .coordinator import Coordinator
+from .mapped_items import MappedItems, mapped_total
 from .step_order import StepOrder
 
 _NO_EDITS = np.empty((0, 4), dtype=np.int64)
@@ -77,6 +84,7 @@ class Uploader:
         self.dtype = dtype
         self._host = [torch.empty(0, dtype=dtype, pin_memory=True) for _ in range(self.DEPTH)]
         self._numpy = [host.numpy() for host in self._host]
+        self._addresses = [host.data_ptr() for host in self._host]
         # Raw CUDA events (CuPy's runtime): a record and a wait cost well under a microsecond
         # each, a torch event's record with its stream lookup several; a step records one
         # per rank. torch's events without CuPy.
@@ -101,6 +109,27 @@ class Uploader:
         array to fill in place: no copy of its own. Kernels may read it at ``address``
         (unified addressing); call ``commit`` once the work that reads it is queued, so the
         buffer is not rewritten before that work is done."""
+        return self._numpy[self._next(n)][:n]
+
+    def reserve_address(self, n: int) -> int:
+        """``reserve`` for C code that writes the buffer itself: the host address of the
+        next buffer, which holds at least ``n`` entries. Fence it with ``commit``, or with
+        ``raw_event`` recorded by the caller and then ``fenced``."""
+        return self._addresses[self._next(n)]
+
+    @property
+    def raw_event(self) -> int:
+        """The raw CUDA event that fences the buffer given last (for a caller that records
+        it itself, e.g. in C right after its launch), or 0 where the events are torch's."""
+        return 0 if self._rt is None else int(self._events[self._staged])
+
+    def fenced(self) -> None:
+        """The caller recorded ``raw_event`` after the work that reads the buffer given
+        last: it is rewritten only after that work (as ``commit`` does it)."""
+        self._used[self._staged] = True
+
+    def _next(self, n: int) -> int:
+        """The next buffer of the ring, once its last reader is done, grown to ``n``."""
         k = self._turn
         self._turn = (k + 1) % self.DEPTH
         if self._used[k]:
@@ -111,8 +140,9 @@ class Uploader:
         if n > self._host[k].numel():
             self._host[k] = torch.empty(max(n, 4096), dtype=self.dtype, pin_memory=True)
             self._numpy[k] = self._host[k].numpy()
+            self._addresses[k] = self._host[k].data_ptr()
         self._staged = k
-        return self._numpy[k][:n]
+        return k
 
     @property
     def address(self) -> int:
@@ -183,6 +213,8 @@ class DeviceTables:
         host = coordinator.tables
         self._upload: Uploader | None = None
         self._launch: StepLaunch | None = None
+        #: ``map_launch``'s consts (None: not made yet; False: no driver to launch with).
+        self._consts: np.ndarray | bool | None = None
         if cp[0] > 1:
             groups, rows, cols = host.shape
             shape = (groups, rows, table_width(cols, cp[0]))
@@ -211,6 +243,86 @@ class DeviceTables:
     @property
     def uploader(self) -> Uploader | None:
         return self._upload
+
+    @property
+    def on_host(self) -> bool:
+        """Whether these tables are the coordinator's own arrays (the CPU: nothing to
+        apply)."""
+        return self._upload is None and self._cp[0] == 1
+
+    def map_launch(
+        self,
+        core: ModuleType,
+        items: MappedItems,
+        edits: np.ndarray,
+        pad_to: int,
+        first_group: int,
+        num_groups: int,
+    ) -> torch.Tensor | None:
+        """The step's fused launch packed and made by the C core (``core.step_launch``): the
+        pending ``edits`` (``take_pending``'s) applied and the slot mapping of ``items`` on
+        layer groups ``[first_group, first_group + num_groups)``, int64 ``[num_groups,
+        pad_to]`` on the device, in one C call on the current stream (its staging buffer's
+        event recorded there too). None, with nothing launched, where ``StepLaunch`` (or the
+        usual dispatch) must run it: no fused launch here, one launch would not take it, or
+        the driver's entry points or raw events are missing."""
+        launch, upload = self._launch, self._upload
+        if launch is None or upload is None or not upload.raw_event:
+            return None
+        if not launch.fits(len(edits), num_groups * pad_to):
+            return None
+        consts = self._launch_consts(launch)
+        if consts is None:
+            return None
+        n = items[0].size
+        size = 2 * n + 1 + mapped_total(items) + edits.size
+        address = upload.reserve_address(size)
+        out = torch.empty((num_groups, pad_to), dtype=torch.int64, device=self.device)
+        stream = kvcm_kernels.current_stream_handle(launch.index)
+        core.step_launch(
+            consts,
+            address,
+            size,
+            items,
+            edits,
+            out.data_ptr(),
+            pad_to,
+            first_group,
+            num_groups,
+            stream,
+            upload.raw_event,
+        )
+        upload.fenced()
+        if edits.shape[0]:
+            self.edits_queued()
+        return out
+
+    def _launch_consts(self, launch: StepLaunch) -> np.ndarray | None:
+        """``core.step_launch``'s consts for these tables (made once): the driver's entry
+        points, the kernel, the tables' address and shape, tokens_per_block, min_live, the
+        block's threads and the staged query_start_loc limit; None without a driver."""
+        if self._consts is None:
+            entries = driver_entry_points()
+            if entries is None:
+                self._consts = False
+                return None
+            _, rows, cols = self.tensor.shape
+            c = self._coord
+            self._consts = np.array(
+                [
+                    *entries,
+                    launch.kernel,
+                    self.tensor.data_ptr(),
+                    rows,
+                    cols,
+                    c.tokens_per_block,
+                    c.empty + 1,
+                    THREADS,
+                    STAGED_QSL_LIMIT,
+                ],
+                dtype=np.int64,
+            )
+        return self._consts if self._consts is not False else None
 
     @property
     def launch(self) -> StepLaunch | None:

@@ -2,6 +2,10 @@
 
 from typing import NewType
 
+#: Low 32 bits of a request handle (``RequestInfo.handle``): its page-table row; the high bits
+#: are the row's serial, so a stale handle never names the row's next request.
+ROW_MASK = 0xFFFFFFFF
+
 LayerId = NewType("LayerId", int)
 LayerGroupId = NewType("LayerGroupId", int)
 PoolGroupId = NewType("PoolGroupId", int)

@@ -77,6 +77,7 @@ from .counts import _count
 from .hashing import MultimodalItem
 from .ids import LayerGroupId
 from .layout import BufferPlacement
+from .mapped_items import expand_items
 from .op_steps import OpResults, execute_ops
 from .ops import op_dicts
 from .planning import check_config
@@ -451,14 +452,14 @@ class KVCacheManager:
             self.parts.tables.before_writes()
             out = run_columns(self.parts, cols, atomic, sizes)
             if map_slots or layers:
-                rows, starts, counts = mapped_tokens(self.parts.coord.num_tokens, cols, out)
+                items = mapped_tokens(self.parts.coord.num_tokens, cols, out)
                 if stream_ordered:
-                    out.slot_mapping = self.parts.views.map_tokens_host(rows, starts, counts)
+                    out.slot_mapping = self.parts.views.map_tokens_host(items)
                 elif map_slots:
-                    out.slot_mapping = self.parts.views.map_tokens(rows, starts, counts)
+                    out.slot_mapping = self.parts.views.map_tokens(items)
                     self._sync_other_ranks()
                 if layers:
-                    views = self.parts.views
+                    views, rows = self.parts.views, expand_items(items)[0]
                     out.ragged = {k: views.ragged_rows(rows, k, "key", True) for k in layers}
             if stream_ordered:
                 # The step's state and host-tier copies first, then the edits and the event

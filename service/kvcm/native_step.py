@@ -166,45 +166,49 @@ class NativeDecode:
     def _take(
         self, core: ModuleType, m: Components, rows: np.ndarray, added: tuple[int, ...]
     ) -> None:
-        """The planned new blocks, ``added`` per layer group: taken and written in C
-        (``decode_take``), then what the taken slots cached evicted and the table edits
-        logged, as ``Coordinator.take`` and ``set_cells`` do; by those where C leaves them."""
+        """The planned new blocks, ``added`` per layer group: taken, written and their table
+        edits logged in C (``decode_take``), then what the taken slots cached evicted, as
+        ``Coordinator.take`` and ``set_cells`` do; by those where C leaves them."""
         c = m.coord
         _, add_items, add_positions, _, _ = self.out
         context, pools, _ = self.row_args(core, m)
+        log = None if c.edits is None else np.empty((sum(added), 4), dtype=np.int64)
         evicts = core.decode_take(
-            rows, added, context, pools, self.cached(m), add_items, add_positions
+            rows, added, context, pools, self.cached(m), add_items, add_positions, log
         )
+        if evicts is not False and log is not None:
+            c.logged(log)
         for g, k in enumerate(added):
-            if not k:
+            if not k or (evicts is not False and not evicts[g]):
                 continue
             r = rows[add_items[g, :k]]
             positions = add_positions[g, :k].copy()  # kept by the edit log
             if evicts is False:  # the coordinator's own take
                 c.set_cells(g, r, positions, c.take(c.group_pool[g], k, positions))
             else:
-                c.taken_in_c(g, r, positions, evicts[g])
+                c.evict_taken(c.group_pool[g], c.tables[g][r, positions])
 
     def _release(
         self, core: ModuleType, m: Components, rows: np.ndarray, released: tuple[int, ...]
     ) -> None:
         """The planned window releases, ``released`` per layer group: the slots dropped, put
-        back and the cells emptied in C (``decode_release``), then the table edits logged;
-        by the coordinator where C leaves them (``unref`` and ``set_cells``)."""
+        back, the cells emptied and the table edits logged in C (``decode_release``); by the
+        coordinator where C leaves them (``unref`` and ``set_cells``)."""
         c = m.coord
         _, _, _, items, where = self.out
         context, pools, _ = self.row_args(core, m)
-        in_c = core.decode_release(rows, released, context, pools, items, where)
+        log = None if c.edits is None else np.empty((sum(released), 4), dtype=np.int64)
+        if core.decode_release(rows, released, context, pools, items, where, log):
+            if log is not None:
+                c.logged(log)
+            return
         for g, k in enumerate(released):
-            if not k or (in_c and c.edits is None):
+            if not k:
                 continue
             r = rows[items[g, :k]]
             positions = where[g, :k].copy()  # kept by the edit log
-            if in_c:
-                c.released_in_c(g, r, positions)
-            else:
-                c.unref(c.group_pool[g], c.tables[g][r, positions])
-                c.set_cells(g, r, positions, None)
+            c.unref(c.group_pool[g], c.tables[g][r, positions])
+            c.set_cells(g, r, positions, None)
 
     def extend(
         self, core: ModuleType, m: Components, handles: np.ndarray, new: Any, ahead: Any

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .ids import ROW_MASK as ROW_MASK  # re-exported: handles are made here
+
 if TYPE_CHECKING:
     from .publish import PrefixState
 
-#: Low 32 bits of a handle: the row.
-ROW_MASK = 0xFFFFFFFF
 #: Largest serial: a handle stays below 2**63 (int64). A row's serial wraps from it to 1
 #: (after 2**31 - 1 allocations of that row, some days of a busy server's row 0).
 MAX_SERIAL = 2**31 - 1

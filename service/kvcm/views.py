@@ -31,6 +31,7 @@ from .counts import _count, _counts
 from .device_tables import DeviceTables, Uploader
 from .ids import LayerId, PoolGroupId
 from .layout import BufferPlacement, Layout
+from .mapped_items import MappedItems, expand_items, mapped_total
 from .pools import PoolMemory
 from .views_layout import LayoutDescriptors
 
@@ -325,52 +326,53 @@ class TablesAndViews(LayoutDescriptors):
         total = int(counts.sum())
         if pad_to is not None and _count("pad_to", pad_to, 0, self.max_step_tokens) < total:
             raise InvalidArgument(f"pad_to={pad_to} is below the {total} tokens", pad_to=pad_to)
-        return self.map_tokens(rows, length - counts, counts, pad_to, group)
+        return self.map_tokens((rows, length - counts, counts), pad_to, group)
 
     def map_tokens(
-        self,
-        rows: np.ndarray,
-        starts: np.ndarray,
-        counts: np.ndarray,
-        pad_to: int | None = None,
-        group: int | None = None,
+        self, items: MappedItems, pad_to: int | None = None, group: int | None = None
     ) -> torch.Tensor:
-        """The slot mapping of positions ``[starts[i], starts[i] + counts[i])`` of the
-        request in page-table row ``rows[i]``, request after request: int64 ``[groups,
+        """The slot mapping of a step's mapped ``items`` (``MappedItems``: explicit
+        positions, or a decode batch's handles), item after item: int64 ``[groups,
         pad_to]`` (``[pad_to]`` for one ``group``), ``pad_to`` at least the tokens (default:
         exactly them). The caller checked the rows and ranges. On CUDA one launch also
-        applies the table edits pending since the last one; on the CPU, whose tables are the
-        manager's arrays, numpy maps them.
+        applies the table edits pending since the last one (packed and launched by the C
+        core where it is built); on the CPU, whose tables are the manager's arrays, one C
+        call maps them (numpy without the C core).
 
         Example (tokens_per_block 4, one group): rows [3, 0], starts [6, 0], counts [1, 2],
         row 3's table [5, 9, ...], row 0's [2, ...]: position 6 of row 3 is slot 9 offset 2
         (38), positions 0 and 1 of row 0 are 8 and 9: [[38, 8, 9]].
         """
-        total = int(counts.sum())
+        total = mapped_total(items)
         if pad_to is None:
             pad_to = total
-        n = rows.size
         edits = self._tables.take_pending()
         tables = self._tables.tensor
-        host = not edits.size and tables.device.type == "cpu"  # the manager's own arrays
+        host = not edits.size and self._tables.on_host  # the manager's own arrays
         if host and self.cp == 1 and native.core is not None:  # one C call
-            return self._map_host(tables.numpy(), rows, starts, counts, pad_to, group)
-        items: np.ndarray | slice = slice(None)
+            return self._map_host(tables.numpy(), items, total, pad_to, group)
+        first, groups = group or 0, (len(tables) if group is None else 1)
+        if self.cp == 1 and not host and native.core is not None:
+            out = self._tables.map_launch(native.core, items, edits, pad_to, first, groups)
+            if out is not None:
+                return out if group is None else out[0]
+        rows, starts, counts = expand_items(items)
+        n = rows.size
+        items_of: np.ndarray | slice = slice(None)
         if total == n and (not n or counts.min() == 1):  # a token each (decode): no segments
             positions = starts
         else:
-            items, offsets = segments(counts)
-            positions = starts[items] + offsets
+            items_of, offsets = segments(counts)
+            positions = starts[items_of] + offsets
         if self.cp > 1:  # this rank's pages only: other ranks' tokens map to -1
             width = self._tables.tensor.shape[2]
             positions = local_positions(
                 positions, self.tokens_per_block, self.cp, self.cp_rank, width
             )
         if host:
-            first = group or 0
-            window = tables.numpy()[first : first + (1 if group is not None else len(tables))]
+            window = tables.numpy()[first : first + groups]
             mapped = kvcm_kernels.slot_mapping_host(
-                window, rows[items], positions, self.tokens_per_block, pad_to, self._min_live
+                window, rows[items_of], positions, self.tokens_per_block, pad_to, self._min_live
             )
             return torch.from_numpy(mapped if group is None else mapped[0])
         # rows | query_start_loc | positions | pending table edits in one pinned buffer, read
@@ -387,10 +389,8 @@ class TablesAndViews(LayoutDescriptors):
         packed[ends[2] :] = edits.reshape(-1)
         launch = self._tables.launch
         if launch is not None and uploader is not None:
-            groups = len(tables) if group is None else 1
             out = torch.empty((groups, pad_to), dtype=torch.int64, device=tables.device)
             stream = kvcm_kernels.current_stream_handle(launch.index)
-            first = group or 0
             if launch(
                 uploader.address,
                 n,
@@ -415,8 +415,8 @@ class TablesAndViews(LayoutDescriptors):
             staged[ends[1] : ends[2]],
             self.tokens_per_block,
             pad_to,
-            first_group=group or 0,
-            num_groups=None if group is None else 1,
+            first_group=first,
+            num_groups=groups,
             min_live=self._min_live,
         )
         if uploader is not None:
@@ -425,48 +425,45 @@ class TablesAndViews(LayoutDescriptors):
             self._tables.edits_queued()
         return out if group is None else out[0]
 
-    def map_tokens_host(
-        self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray
-    ) -> torch.Tensor:
+    def map_tokens_host(self, items: MappedItems) -> torch.Tensor:
         """``map_tokens`` (every group, no padding) from the host's tables, the coordinator's
         bookkeeping that the device tables follow edit for edit: the same values as a host
         tensor, with no device work and no wait (``step_columns(stream_ordered=True)``, on
         one rank without context parallelism)."""
-        return self._map_host(self._coord.tables, rows, starts, counts, int(counts.sum()), None)
+        total = mapped_total(items)
+        return self._map_host(self._coord.tables, items, total, total, None)
 
     def _map_host(
         self,
         tables: np.ndarray,
-        rows: np.ndarray,
-        starts: np.ndarray,
-        counts: np.ndarray,
+        items: MappedItems,
+        total: int,
         pad_to: int,
         group: int | None,
     ) -> torch.Tensor:
         """The slot mapping of ``map_tokens`` from host ``tables`` (one rank's, not context
         parallel): one C call, or numpy without the C core."""
-        total = int(counts.sum())
         first = group or 0
         window = tables[first : first + (1 if group is not None else len(tables))]
         if native.core is None:
-            items, offsets = segments(counts)
+            rows, starts, counts = expand_items(items)
+            items_of, offsets = segments(counts)
             mapped = kvcm_kernels.slot_mapping_host(
                 window,
-                rows[items],
-                starts[items] + offsets,
+                rows[items_of],
+                starts[items_of] + offsets,
                 self.tokens_per_block,
                 pad_to,
                 self._min_live,
             )
             return torch.from_numpy(mapped if group is None else mapped[0])
         mapped = np.empty((len(window), total), dtype=np.int64)
-        native.core.map_slots(
+        core = native.core
+        core.map_slots(
             window,
             window.shape[1],
             window.shape[2],
-            np.ascontiguousarray(rows, dtype=np.int64),
-            np.ascontiguousarray(starts, dtype=np.int64),
-            np.ascontiguousarray(counts, dtype=np.int64),
+            items,
             self.tokens_per_block,
             self._min_live,
             mapped,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import random_copy_ops
 
-from kvcm import KVCacheManager, OutOfBlocks, RequestLimitReached
+from kvcm import KVCacheManager, OutOfBlocks, RequestLimitReached, native
 from kvcm_client.errors import CopyIntoSharedBlock
 
 LAYERS = [
@@ -150,51 +150,82 @@ def test_cuda_views_alias_device_pools() -> None:
     assert int(gpu.layer_pointer_table()[1, 1]) == view.data_ptr()
 
 
-@pytest.mark.parametrize("reference", [False, True])
+@pytest.mark.parametrize("path", ["c", "python", "reference"])
 def test_columnar_steps_map_slots_with_one_launch_as_on_the_cpu(
-    reference: bool, monkeypatch: pytest.MonkeyPatch
+    path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random columnar steps with ``map_slots`` (chunks, lookahead, rejected drafts, frees,
-    new requests): the CUDA manager's mapping and tables equal the CPU manager's after every
-    step, each step's edits and mapping in one driver launch (``StepLaunch``), or, with
-    ``KVCM_KERNELS=reference``, in none of it (the torch reference)."""
+    new requests, and decode steps of one count for all, whose items are their handles):
+    the CUDA manager's mapping and tables equal the CPU manager's after every step, each
+    step's edits and mapping in one driver launch, packed and made by the C core
+    (``DeviceTables.map_launch``: ``c``) or by ``StepLaunch`` without it (``python``), or,
+    with ``KVCM_KERNELS=reference``, in none of it (the torch reference)."""
+    from kvcm.device_tables import DeviceTables
     from kvcm_kernels.step_tables import StepLaunch
 
-    launches = []
-    real = StepLaunch.__call__
+    if path == "c" and not native.available():
+        pytest.skip("kvcm._native is not built")
+    by_c: list[bool] = []
+    by_python: list[bool] = []
+    real_c, real_python = DeviceTables.map_launch, StepLaunch.__call__
 
-    def counted(self: StepLaunch, *args: object) -> bool:
-        launched = real(self, *args)
-        launches.append(launched)
+    def counted_c(self: DeviceTables, *args: object) -> torch.Tensor | None:
+        out = real_c(self, *args)
+        by_c.append(out is not None)
+        return out
+
+    def counted_python(self: StepLaunch, *args: object) -> bool:
+        launched = real_python(self, *args)
+        by_python.append(launched)
         return launched
 
-    monkeypatch.setattr(StepLaunch, "__call__", counted)
-    if reference:
+    monkeypatch.setattr(DeviceTables, "map_launch", counted_c)
+    monkeypatch.setattr(StepLaunch, "__call__", counted_python)
+    if path == "reference":
         monkeypatch.setenv("KVCM_KERNELS", "reference")
     rng = np.random.default_rng(11)
-    cpu, gpu = _pair()
-    live: list[int] = []
-    for step in range(200):
-        cols: dict[str, object] = {}
-        if live and rng.random() < 0.15:
-            cols["free"] = [live.pop(int(rng.integers(len(live))))]
-        if live and rng.random() < 0.2:
-            cols["rewind"] = [live[int(rng.integers(len(live)))]]
-            cols["rewind_tokens"] = int(rng.integers(1, 3))
-        if live:
-            cols["extend"] = live
-            cols["num_new_tokens"] = rng.integers(1, 6, len(live)).tolist()
-            cols["lookahead"] = int(rng.integers(0, 3))
-        if len(live) < 12 and rng.random() < 0.4:
-            cols["allocate"] = [{"request_id": f"q{step}", "num_tokens": int(rng.integers(1, 20))}]
-        a = cpu.step_columns(**cols, map_slots=True)
-        b = gpu.step_columns(**cols, map_slots=True)
-        assert all((a.status[s] == b.status[s]).all() for s in a.status), step
-        assert torch.equal(b.slot_mapping.cpu(), a.slot_mapping), step
-        assert torch.equal(gpu.page_tables().cpu(), cpu.page_tables()), step
-        gone = {
-            h for h, s in zip(cols.get("extend", []), a.status.get("extend", []), strict=False) if s
-        }
-        live = [h for h in live if h not in gone] + [int(h) for h in a.handles if h]
-    assert launches
-    assert not any(launches) if reference else all(launches)
+    was = native.core is not None
+    native.use(path != "python")
+    try:
+        cpu, gpu = _pair()
+        live: list[int] = []
+        decodes = 0
+        for step in range(200):
+            cols: dict[str, object] = {}
+            decode = bool(live) and rng.random() < 0.3  # extends alone, one count for all
+            if not decode and live and rng.random() < 0.15:
+                cols["free"] = [live.pop(int(rng.integers(len(live))))]
+            if not decode and live and rng.random() < 0.2:
+                cols["rewind"] = [live[int(rng.integers(len(live)))]]
+                cols["rewind_tokens"] = int(rng.integers(1, 3))
+            if live:
+                cols["extend"] = live
+                cols["num_new_tokens"] = (
+                    int(rng.integers(1, 3)) if decode else rng.integers(1, 6, len(live)).tolist()
+                )
+                cols["lookahead"] = int(rng.integers(0, 3))
+            if not decode and len(live) < 12 and rng.random() < 0.4:
+                cols["allocate"] = [
+                    {"request_id": f"q{step}", "num_tokens": int(rng.integers(1, 20))}
+                ]
+            a = cpu.step_columns(**cols, map_slots=True)
+            b = gpu.step_columns(**cols, map_slots=True)
+            assert all((a.status[s] == b.status[s]).all() for s in a.status), step
+            decodes += decode and not a.errors
+            assert torch.equal(b.slot_mapping.cpu(), a.slot_mapping), step
+            assert torch.equal(gpu.page_tables().cpu(), cpu.page_tables()), step
+            gone = {
+                h
+                for h, s in zip(cols.get("extend", []), a.status.get("extend", []), strict=False)
+                if s
+            }
+            live = [h for h in live if h not in gone] + [int(h) for h in a.handles if h]
+    finally:
+        native.use(was)
+    assert decodes > 10
+    if path == "c":
+        assert by_c and all(by_c) and not by_python
+    elif path == "python":
+        assert not by_c and by_python and all(by_python)
+    else:  # refused by both: the torch reference ran
+        assert by_c and not any(by_c) and by_python and not any(by_python)

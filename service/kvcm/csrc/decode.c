@@ -313,30 +313,47 @@ done:
     return result;
 }
 
-/* decode_take(rows, added, context, pools, cached, items, positions) -> tuple | False
+/* decode_take(rows, added, context, pools, cached, items, positions, log) -> tuple | False
  *
  * The new blocks of a planned batch (decode_plan's `added`, and its (item, position) pairs
  * in `items` and `positions`, int64 [groups, cap]), once a window's released cells are
  * back: each layer group in turn takes its slots off the head of its pool group's free
  * queue (tombstones skipped), held once, written at tables[g][rows[item], position], as the
  * coordinator's _take and _set do. Returns, per layer group, whether a slot it took caches
- * a block (`cached`: each pool group's flags), which the caller then evicts; the caller also
- * logs the table edits.
+ * a block (`cached`: each pool group's flags), which the caller then evicts. `log`: None,
+ * or a writable int64 [sum(added), 4] that receives the table edits, (group, row, position,
+ * slot) in the order of the writes, for the device tables (the coordinator's edit log).
  *
  * False, with nothing changed, when the numpy path must take them: an item, row or position
  * out of range, a queue too short or out of shape (never after decode_plan).
  *
  * Example (one layer group, free queue [7 3 9]): added (2,), items [0 2], positions [1 4],
  * rows [5 8 6]: table[0][5, 1] = 7, table[0][6, 4] = 3; the queue is [9]; returns
- * (False,) when neither 7 nor 3 caches a block. */
+ * (False,) when neither 7 nor 3 caches a block; log [[0 5 1 7] [0 6 4 3]]. */
+
+/* The edit log a decode call writes, or NULL for None: a writable int64 buffer of `n` edits
+ * [n, 4] (checked before any write); -1 with an error. */
+static int log_get(PyObject *o, Buf *log, Py_ssize_t n, int64_t **out) {
+    *out = NULL;
+    if (o == Py_None) return 0;
+    if (buf_get(o, log, 8, 1) < 0) return -1;
+    if (log->n != 4 * n) {
+        PyErr_SetString(PyExc_ValueError, "decode: the edit log is not [edits, 4]");
+        return -1;
+    }
+    *out = I64P(*log);
+    return 0;
+}
+
 PyObject *kvcm_decode_take(PyObject *self, PyObject *args) {
-    PyObject *rows_o, *added_o, *ctx_o, *pools_o, *cached_o, *items_o, *pos_o;
-    if (!PyArg_ParseTuple(args, "OO!OOOOO", &rows_o, &PyTuple_Type, &added_o, &ctx_o, &pools_o,
-                          &cached_o, &items_o, &pos_o))
+    PyObject *rows_o, *added_o, *ctx_o, *pools_o, *cached_o, *items_o, *pos_o, *log_o;
+    if (!PyArg_ParseTuple(args, "OO!OOOOOO", &rows_o, &PyTuple_Type, &added_o, &ctx_o, &pools_o,
+                          &cached_o, &items_o, &pos_o, &log_o))
         return NULL;
     Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
-    Buf cached[MAX_GROUPS], rows = {0}, items = {0}, positions = {0};
+    Buf cached[MAX_GROUPS], rows = {0}, items = {0}, positions = {0}, log = {0};
+    int64_t *edit = NULL;
     int got = 0, got_cached = 0;
     int64_t k[MAX_GROUPS] = {0}, need[MAX_GROUPS] = {0};
     int evict[MAX_GROUPS] = {0};
@@ -365,6 +382,7 @@ PyObject *kvcm_decode_take(PyObject *self, PyObject *args) {
         need[c->group_pool[g]] += k[g];
         total += (Py_ssize_t)k[g];
     }
+    if (log_get(log_o, &log, total, &edit) < 0) goto done;
     /* Everything that can fail comes before the first write: the spans, the queues' new
      * counters, the slots popped into a buffer (pool_pop reads the ring only), the result. */
     for (int q = 0; q < c->pools; q++) {
@@ -395,6 +413,10 @@ PyObject *kvcm_decode_take(PyObject *self, PyObject *args) {
             int64_t row = I64P(rows)[I64P(items)[g * cap + j]], pos = I64P(positions)[g * cap + j];
             I32P(c->tables)[(g * c->nrows + row) * c->width + pos] = taken[off + j];
             refs[taken[off + j]] = 1;
+            if (edit) {
+                int64_t *e = edit + 4 * (off + j);
+                e[0] = g, e[1] = row, e[2] = pos, e[3] = taken[off + j];
+            }
         }
         off += (Py_ssize_t)k[g];
     }
@@ -403,6 +425,7 @@ PyObject *kvcm_decode_take(PyObject *self, PyObject *args) {
 numpy:
     result = Py_NewRef(Py_False);
 done:
+    buf_release(&log);
     PyMem_Free(taken);
     for (int q = 0; q < got_cached; q++) buf_release(&cached[q]);
     buf_release(&rows);
@@ -413,7 +436,7 @@ done:
     return result;
 }
 
-/* decode_release(rows, released, context, pools, items, positions) -> True | False
+/* decode_release(rows, released, context, pools, items, positions, log) -> True | False
  *
  * A planned batch's window releases (decode_plan's `released`, and its (item, position)
  * pairs in `items` and `positions`, int64 [groups, cap]), before its new blocks are taken:
@@ -430,13 +453,14 @@ done:
  * positions [0 0], rows [5 8]; tables[0][5, 0] = 7 (held once), tables[0][8, 0] = 3 (held
  * twice): the queue becomes [4 7], 3 is held once, both cells are -1. */
 PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
-    PyObject *rows_o, *released_o, *ctx_o, *pools_o, *items_o, *pos_o;
-    if (!PyArg_ParseTuple(args, "OO!OOOO", &rows_o, &PyTuple_Type, &released_o, &ctx_o,
-                          &pools_o, &items_o, &pos_o))
+    PyObject *rows_o, *released_o, *ctx_o, *pools_o, *items_o, *pos_o, *log_o;
+    if (!PyArg_ParseTuple(args, "OO!OOOOO", &rows_o, &PyTuple_Type, &released_o, &ctx_o,
+                          &pools_o, &items_o, &pos_o, &log_o))
         return NULL;
     Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
-    Buf rows = {0}, items = {0}, positions = {0};
+    Buf rows = {0}, items = {0}, positions = {0}, log = {0};
+    int64_t *edit = NULL;
     int got = 0;
     int64_t k[MAX_GROUPS] = {0}, cells_of[MAX_GROUPS] = {0};
     PyObject *result = NULL;
@@ -469,6 +493,9 @@ PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
     }
     for (int q = 0; q < c->pools; q++) /* BlockPool.push might compact first */
         if (cells_of[q] && p[q].len + cells_of[q] > p[q].ring.n) goto numpy;
+    Py_ssize_t logged = 0;
+    for (int g = 0; g < c->groups; g++) logged += (Py_ssize_t)k[g];
+    if (log_get(log_o, &log, logged, &edit) < 0) goto done;
     /* Everything that can fail comes before the first write: the count of the slots that
      * come back (each pushed once), the queues' new counters, then the result. The count
      * drops as the writes will, group after group, keeping the drops from one group to the
@@ -524,6 +551,11 @@ PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
             int32_t *cell = CELL(g, j);
             if (*cell > c->empty && refs[*cell] == -1) refs[*cell] = 0; /* a cell named twice */
             *cell = (int32_t)c->empty;
+            if (edit) {
+                edit[0] = g, edit[1] = rw[it[g * cap + j]], edit[2] = at[g * cap + j];
+                edit[3] = c->empty;
+                edit += 4;
+            }
         }
     }
 #undef CELL
@@ -532,6 +564,7 @@ PyObject *kvcm_decode_release(PyObject *self, PyObject *args) {
 numpy:
     result = Py_NewRef(Py_False);
 done:
+    buf_release(&log);
     buf_release(&rows);
     buf_release(&items);
     buf_release(&positions);

@@ -18,7 +18,10 @@
  * - allocate_one: a step's allocate of the usual kind, its records included; prompt_keys:
  *   a step's prompts keyed two at a time for it (allocate.c).
  * - commit_run: a step's commits and the blocks they fill (commits.c).
- * - map_slots: the slot mapping of a step's tokens on the CPU's page tables (slots.c).
+ * - map_slots: the slot mapping of a step's tokens on the CPU's page tables, from explicit
+ *   items or a decode batch's handles; step_launch: those items packed into pinned memory
+ *   and the fused CUDA step kernel launched on them, through driver entry points the caller
+ *   resolved (slots.c).
  *
  * This file holds the module's method table; native.h the declarations the files share,
  * context.h (context.c) the coordinator's arrays and free queues as they read them.
@@ -49,6 +52,7 @@ static PyMethodDef methods[] = {
     {"allocate_one", kvcm_allocate_one, METH_VARARGS, "A step's allocate of the usual kind."},
     {"prompt_keys", kvcm_prompt_keys, METH_VARARGS, "A step's prompts keyed two at a time."},
     {"map_slots", kvcm_map_slots, METH_VARARGS, "Slot mappings of host page tables."},
+    {"step_launch", kvcm_step_launch, METH_VARARGS, "The fused CUDA step, packed and launched."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -65,7 +69,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* API: the interface version kvcm.native expects (bumped when a function's arguments or
      * results change; a stale build is then left unused, not called wrongly). */
     if (m && (PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0 ||
-              PyModule_AddIntConstant(m, "API", 7) < 0))
+              PyModule_AddIntConstant(m, "API", 8) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -56,7 +56,8 @@ PyObject *kvcm_prompt_keys(PyObject *self, PyObject *args);
 /* commits.c: a step's commits and the blocks they fill */
 PyObject *kvcm_commit_run(PyObject *self, PyObject *args);
 
-/* slots.c: slot mappings of host page tables */
+/* slots.c: slot mappings of host page tables; the fused CUDA step launched */
 PyObject *kvcm_map_slots(PyObject *self, PyObject *args);
+PyObject *kvcm_step_launch(PyObject *self, PyObject *args);
 
 #endif
