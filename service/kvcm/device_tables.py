@@ -246,9 +246,10 @@ class DeviceTables:
 
     @property
     def on_host(self) -> bool:
-        """Whether these tables are the coordinator's own arrays (the CPU: nothing to
-        apply)."""
-        return self._upload is None and self._cp[0] == 1
+        """Whether these tables live in host memory (the CPU): read by the host, not by a
+        kernel (the coordinator's own arrays, or a context-parallel rank's, which take
+        edits)."""
+        return self.device.type == "cpu"
 
     def map_launch(
         self,
