@@ -801,9 +801,10 @@ def test_step_launch_packs_the_inputs_and_launches_once() -> None:
     core = native._built
     assert core is not None
     fake = _FakeDriver()
-    kernel, tables_ptr, table_rows, cols, tpb, min_live = 0xABC, 0x7000, 8, 5, 4, 1
+    kernel, tables_ptr, groups, table_rows, cols, tpb = 0xABC, 0x7000, 3, 8, 5, 4
+    min_live = 1
     consts = np.array(
-        [*fake.addresses, kernel, tables_ptr, table_rows, cols, tpb, min_live, 1024, 4096],
+        [*fake.addresses, kernel, tables_ptr, groups, table_rows, cols, tpb, min_live, 1024, 4096],
         dtype=np.int64,
     )
     buf = np.full(64, -9, dtype=np.int64)
@@ -851,19 +852,42 @@ def test_step_launch_packs_the_inputs_and_launches_once() -> None:
     assert len(fake.records) == 1  # event 0: nothing recorded
 
     # Refused with nothing written or launched: too little room, pad_to below the tokens,
-    # an item outside the tables, edits not [E, 4].
+    # an item outside the tables, edits not [E, 4], groups outside the tables, counts whose
+    # sums would overflow (a start past int64 by its count; a row's length below zero with
+    # a huge count: start = length - n wraps around).
     buf[:] = -9
     launches = len(fake.launches)
+    huge = np.iinfo(np.int64).max
+    negative = lengths.copy()
+    negative[3] = -2
+    fine = (rows, starts, counts)
     bad = [
-        (15, (rows, starts, counts), edits, 8),
-        (64, (rows, starts, counts), edits, 2),
-        (64, (np.array([table_rows, 0]), starts, counts), edits, 8),
-        (64, (rows, starts, counts), edits.reshape(-1)[:7].copy(), 8),
+        (15, fine, edits, 8, 0, 1),
+        (64, fine, edits, 2, 0, 1),
+        (64, (np.array([table_rows, 0]), starts, counts), edits, 8, 0, 1),
+        (64, fine, edits.reshape(-1)[:7].copy(), 8, 0, 1),
+        (64, fine, edits, 8, 2, 2),  # groups 2 and 3 of 3
+        (64, fine, edits, 8, 0, 0),  # no group
+        (
+            64,
+            (np.zeros(3, np.int64), np.array([2, 2, 0]), np.array([huge, huge, 6])),
+            edits,
+            8,
+            0,
+            1,
+        ),
+        (64, (np.array([3, 3], np.int64), negative, huge), edits, 8, 0, 1),
     ]
-    for capacity, items, e, pad_to in bad:
+    for capacity, items, e, pad_to, first, num in bad:
         with pytest.raises(ValueError):
-            core.step_launch(consts, address, capacity, items, e, 1, pad_to, 0, 1, 1, 0)
+            core.step_launch(consts, address, capacity, items, e, 1, pad_to, first, num, 1, 0)
     assert (buf == -9).all() and len(fake.launches) == launches
+    out = np.full((1, 6), -7, dtype=np.int64)  # map_slots reads items the same way
+    tables = np.zeros((1, table_rows, cols), dtype=np.int32)
+    for items in (bad[-2][1], bad[-1][1]):
+        with pytest.raises(ValueError, match="outside"):
+            core.map_slots(tables, table_rows, cols, items, tpb, 0, out)
+    assert (out == -7).all()
 
     fake.launch_code = 719
     with pytest.raises(RuntimeError, match="cuLaunchKernel failed \\(CUresult 719\\)"):

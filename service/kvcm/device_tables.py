@@ -265,8 +265,10 @@ class DeviceTables:
         layer groups ``[first_group, first_group + num_groups)``, int64 ``[num_groups,
         pad_to]`` on the device, in one C call on the current stream (its staging buffer's
         event recorded there too). None, with nothing launched, where ``StepLaunch`` (or the
-        usual dispatch) must run it: no fused launch here, one launch would not take it, or
-        the driver's entry points or raw events are missing."""
+        usual dispatch) must run it: no fused launch here, one launch would not take it, the
+        driver's entry points or raw events are missing, or the C core refuses the inputs
+        (which the caller's checks make unreachable); the caller then applies ``edits``
+        itself. A driver error is a RuntimeError, as from ``StepLaunch``."""
         launch, upload = self._launch, self._upload
         if launch is None or upload is None or not upload.raw_event:
             return None
@@ -280,19 +282,22 @@ class DeviceTables:
         address = upload.reserve_address(size)
         out = torch.empty((num_groups, pad_to), dtype=torch.int64, device=self.device)
         stream = kvcm_kernels.current_stream_handle(launch.index)
-        core.step_launch(
-            consts,
-            address,
-            size,
-            items,
-            edits,
-            out.data_ptr(),
-            pad_to,
-            first_group,
-            num_groups,
-            stream,
-            upload.raw_event,
-        )
+        try:
+            core.step_launch(
+                consts,
+                address,
+                size,
+                items,
+                edits,
+                out.data_ptr(),
+                pad_to,
+                first_group,
+                num_groups,
+                stream,
+                upload.raw_event,
+            )
+        except (ValueError, TypeError):  # refused, nothing launched: the caller's path runs
+            return None  # (with the same edits, which are still the caller's to apply)
         upload.fenced()
         if edits.shape[0]:
             self.edits_queued()
@@ -300,20 +305,22 @@ class DeviceTables:
 
     def _launch_consts(self, launch: StepLaunch) -> np.ndarray | None:
         """``core.step_launch``'s consts for these tables (made once): the driver's entry
-        points, the kernel, the tables' address and shape, tokens_per_block, min_live, the
-        block's threads and the staged query_start_loc limit; None without a driver."""
+        points, the kernel, the tables' address and shape (groups, rows, blocks),
+        tokens_per_block, min_live, the block's threads and the staged query_start_loc
+        limit; None without a driver."""
         if self._consts is None:
             entries = driver_entry_points()
             if entries is None:
                 self._consts = False
                 return None
-            _, rows, cols = self.tensor.shape
+            groups, rows, cols = self.tensor.shape
             c = self._coord
             self._consts = np.array(
                 [
                     *entries,
                     launch.kernel,
                     self.tensor.data_ptr(),
+                    groups,
                     rows,
                     cols,
                     c.tokens_per_block,

@@ -34,13 +34,16 @@ static inline void item_at(const Items *it, Py_ssize_t i, int64_t *row, int64_t 
 }
 
 /* Reads `spec`: a tuple (rows, starts, counts) or (handles, lengths, each), and checks every
- * item against tables of `table_rows` rows and `cols` blocks of `tpb` tokens; 0, or -1
- * with ValueError (a row or a block outside the tables) or TypeError, nothing kept. */
+ * item against tables of `table_rows` rows and `cols` blocks of `tpb` tokens, each range
+ * checked without overflow (0 <= start, 0 <= count <= cols * tpb - start) and the total
+ * bounded; 0, or -1 with ValueError (a row or a block outside the tables, named after
+ * `what`) or TypeError, nothing kept. */
 static int items_get(PyObject *spec, Items *it, Py_ssize_t table_rows, Py_ssize_t cols,
-                     int64_t tpb) {
+                     int64_t tpb, const char *what) {
     memset(it, 0, sizeof(*it));
     if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 3) {
-        PyErr_SetString(PyExc_TypeError, "items: (rows, starts, counts) or (handles, lengths, n)");
+        PyErr_Format(PyExc_TypeError, "%s: items are (rows, starts, counts) or (handles, "
+                     "lengths, n)", what);
         return -1;
     }
     PyObject *third = PyTuple_GET_ITEM(spec, 2);
@@ -55,30 +58,33 @@ static int items_get(PyObject *spec, Items *it, Py_ssize_t table_rows, Py_ssize_
     } else if (buf_get(third, &it->c, 8, 0) < 0) {
         goto fail;
     } else if (it->b.n != it->n || it->c.n != it->n) {
-        PyErr_SetString(PyExc_ValueError, "items: inconsistent shapes");
+        PyErr_Format(PyExc_ValueError, "%s: inconsistent shapes", what);
         goto fail;
     }
-    if (tpb < 1 || cols < 1 || it->each < 0) {
-        PyErr_SetString(PyExc_ValueError, "items: inconsistent shapes");
+    if (tpb < 1 || cols < 1 || table_rows < 1 || tpb > INT64_MAX / cols || it->each < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: inconsistent shapes", what);
         goto fail;
     }
+    const int64_t limit = (int64_t)cols * tpb; /* a row's positions: [0, limit) */
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < it->n; i++) {
         int64_t row, start, count;
-        if (it->decode) { /* the row first: it indexes lengths */
+        if (it->decode) { /* the row and its length first: the start is length - each */
             row = I64P(it->a)[i] & ROW_MASK;
             if (row >= table_rows || row >= it->b.n) goto outside;
+            int64_t length = I64P(it->b)[row];
+            if (length < it->each || length > limit) goto outside;
         }
         item_at(it, i, &row, &start, &count);
-        if (row < 0 || row >= table_rows || start < 0 || count < 0 ||
-            (count && (start + count - 1) / tpb >= cols))
+        if (row < 0 || row >= table_rows || start < 0 || start > limit || count < 0 ||
+            count > limit - start || count > PY_SSIZE_T_MAX - total)
             goto outside;
-        total += count;
+        total += (Py_ssize_t)count;
     }
     it->total = total;
     return 0;
 outside:
-    PyErr_SetString(PyExc_ValueError, "map_slots: a row or block outside the tables");
+    PyErr_Format(PyExc_ValueError, "%s: a row or block outside the tables", what);
 fail:
     items_release(it);
     return -1;
@@ -104,10 +110,7 @@ PyObject *kvcm_map_slots(PyObject *self, PyObject *args) {
         return NULL;
     Buf tables = {0}, out = {0};
     Items it;
-    if (table_rows < 1 || items_get(spec, &it, table_rows, cols, tpb) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "map_slots: no rows");
-        return NULL;
-    }
+    if (items_get(spec, &it, table_rows, cols, tpb, "map_slots") < 0) return NULL;
     PyObject *result = NULL;
     if (buf_get(tables_obj, &tables, 4, 0) < 0 || buf_get(out_obj, &out, 8, 1) < 0) goto done;
     if (tables.n % (table_rows * cols)) {
@@ -150,8 +153,8 @@ typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigne
                          void **params, void **extra);
 typedef int (*record_fn)(void *event, void *stream);
 
-enum { C_LAUNCH, C_RECORD, C_KERNEL, C_TABLES, C_ROWS, C_COLS, C_TPB, C_MIN_LIVE, C_THREADS,
-       C_STAGED, C_SIZE };
+enum { C_LAUNCH, C_RECORD, C_KERNEL, C_TABLES, C_GROUPS, C_ROWS, C_COLS, C_TPB, C_MIN_LIVE,
+       C_THREADS, C_STAGED, C_SIZE };
 #define KERNEL_ARGS 16
 
 /* step_launch(consts, address, capacity, items, edits, out, pad_to, first_group,
@@ -162,15 +165,17 @@ enum { C_LAUNCH, C_RECORD, C_KERNEL, C_TABLES, C_ROWS, C_COLS, C_TPB, C_MIN_LIVE
  * edits [E, 4], int64 back to back at host `address` (pinned, `capacity` int64), then one
  * cuLaunchKernel on `stream` and, where `event` is not 0, one cuEventRecord of it after the
  * launch (the staging buffer's fence). consts: int64 [C_SIZE], fixed for a manager's
- * tables: the two driver entry points, the kernel, the tables' device address and shape,
- * tokens_per_block, min_live, the block's threads and the staged query_start_loc limit.
+ * tables: the two driver entry points, the kernel, the tables' device address and shape
+ * (groups, rows, blocks), tokens_per_block, min_live, the block's threads and the staged
+ * query_start_loc limit.
  * out: the device address of int64 [num_groups, pad_to]. What kvcm_kernels' StepLaunch
  * does in about a dozen Python calls, in one (docs/native.md).
  *
  * Example: items ([3, 0], [6, 0], [1, 2]) and one edit at A: rows at A, query_start_loc
  * [0, 1, 3] at A + 16, positions [6, 0, 1] at A + 40, the edit at A + 64. Returns None;
  * ValueError (bad items, too little room, pad_to below the tokens) with nothing written or
- * launched; RuntimeError with the driver's code if the launch or the record fails. */
+ * launched (also groups outside the tables, a count past the kernel's int arguments);
+ * RuntimeError with the driver's code if the launch or the record fails. */
 PyObject *kvcm_step_launch(PyObject *self, PyObject *args) {
     PyObject *consts_obj, *spec, *edits_obj;
     unsigned long long address, out_ptr, stream, event;
@@ -189,15 +194,18 @@ PyObject *kvcm_step_launch(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int64_t *k = consts.p;
-    if (items_get(spec, &it, k[C_ROWS], k[C_COLS], k[C_TPB]) < 0) {
+    if (items_get(spec, &it, k[C_ROWS], k[C_COLS], k[C_TPB], "step_launch") < 0) {
         buf_release(&consts);
         return NULL;
     }
     if (buf_get(edits_obj, &edits, 8, 0) < 0) goto done;
     Py_ssize_t n = it.n, total = it.total, e = edits.n / 4;
-    Py_ssize_t size = n + (n + 1) + total + edits.n;
-    if (edits.n % 4 || size > capacity || total > pad_to || !address || num_groups < 0 ||
-        first_group < 0) {
+    /* every count fits the kernel's int arguments, so the packed size cannot overflow */
+    int fits = !(edits.n % 4) && n < INT32_MAX && total <= INT32_MAX && e <= INT32_MAX &&
+               pad_to <= INT32_MAX && total <= pad_to && num_groups >= 1 && first_group >= 0 &&
+               first_group <= k[C_GROUPS] - num_groups && address;
+    Py_ssize_t size = fits ? n + (n + 1) + total + edits.n : 0;
+    if (!fits || size > capacity) {
         PyErr_SetString(PyExc_ValueError, "step_launch: inconsistent sizes");
         goto done;
     }
