@@ -15,7 +15,8 @@ from .ids import ROW_MASK
 #: explicit ``(rows, starts, counts)``, int64 arrays (item i: positions ``[starts[i],
 #: starts[i] + counts[i])`` of page-table row ``rows[i]``), or a decode batch ``(handles,
 #: lengths, n)``: the last ``n`` positions of each handle's row, ``lengths`` every row's
-#: length (the coordinator's ``num_tokens``), with no array made per step.
+#: length (the coordinator's ``num_tokens``), with no array made per step. Both forms hold
+#: live arrays (the step's handles, the coordinator's lengths): map them at once.
 MappedItems = tuple[np.ndarray, np.ndarray, "np.ndarray | int"]
 
 
