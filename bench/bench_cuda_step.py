@@ -3,6 +3,7 @@
   python bench/bench_cuda_step.py   # cuda:0 (kernels and torch reference) and cpu
   python bench/bench_cuda_step.py --devices cpu   # the CPU path alone (no GPU needed)
   python bench/bench_cuda_step.py --profile   # also where the host time goes (cProfile)
+  python bench/bench_cuda_step.py --phases    # ... in real time: each phase wrapped, us/step
 
 One step is what an engine does once per forward pass: ``step_columns(extend=handles,
 map_slots=True)`` (+1 token for each of 256 running requests, the slot mappings of every layer
@@ -151,6 +152,85 @@ def profile_host(groups: int, device: str, steps: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(28)
 
 
+#: The phases ``--phases`` times: (module, owner's name or "", attribute, label). Nested
+#: phases count in their callers too (``map_tokens`` holds ``map_launch``, which holds
+#: ``torch.empty``); the wrappers add ~0.2 us each.
+PHASES = (
+    ("kvcm.manager", "", "parse_columns", "parse_columns"),
+    ("kvcm.manager", "", "run_columns", "run_columns (the bookkeeping)"),
+    ("kvcm.manager", "", "mapped_tokens", "mapped_tokens"),
+    ("kvcm.views", "TablesAndViews", "map_tokens", "map_tokens (the mapping, all of it)"),
+    ("kvcm.device_tables", "DeviceTables", "take_pending", "take_pending (the edits)"),
+    ("kvcm.device_tables", "DeviceTables", "map_launch", "map_launch (CUDA: the C launch)"),
+    ("kvcm.views", "TablesAndViews", "_map_host", "_map_host (CPU: the C mapping)"),
+    ("kvcm.device_tables", "torch", "empty", "torch.empty (the output)"),
+    ("kvcm_kernels", "", "current_stream_handle", "current_stream_handle"),
+    ("kvcm.views", "TablesAndViews", "page_tables", "page_tables"),
+)
+
+
+def phases(groups: int, device: str, steps: int) -> None:
+    """Where a step's host time goes in real time (cProfile's own cost distorts calls this
+    short): each phase of ``PHASES`` wrapped with ``perf_counter_ns`` for the run, then
+    put back; us per step, beside the plain step's wall time of the same manager."""
+    import importlib
+
+    spent: dict[str, int] = {}
+
+    def timed(fn: Any, label: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0) + time.perf_counter_ns() - t
+
+        return wrapper
+
+    m, handles = manager(groups, device)
+
+    def step() -> None:
+        m.step_columns(extend=handles, map_slots=True)
+        m.page_tables()
+
+    def timed_run() -> float:
+        for _ in range(50):
+            step()
+        _sync(device)
+        t = time.perf_counter_ns()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        return (time.perf_counter_ns() - t) / steps / 1e3
+
+    plain = timed_run()
+    saved = []
+    for module, owner, name, label in PHASES:
+        target: Any = importlib.import_module(module)
+        if owner == "torch":  # the module's own torch: a copy whose empty is timed
+            proxy = type(target)("torch_timed")
+            proxy.__dict__.update(torch.__dict__)
+            proxy.empty = timed(torch.empty, label)
+            saved.append((target, "torch", target.torch))
+            target.torch = proxy
+            continue
+        if owner:
+            target = getattr(target, owner)
+        saved.append((target, name, target.__dict__[name]))
+        setattr(target, name, timed(getattr(target, name), label))
+    try:
+        wrapped = timed_run()
+    finally:
+        for target, name, value in reversed(saved):
+            setattr(target, name, value)
+    runs = 50 + steps  # the warm-up's calls count too: per measured step below
+    print(f"\n## host time by phase: {groups} group(s), {device}, {steps} steps")
+    print(f"plain step {plain:.1f} us, wrapped {wrapped:.1f} us")
+    print("| phase | us/step |\n|---|---|")
+    for label, ns in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"| {label} | {ns / runs / 1e3:.2f} |")
+
+
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.1f}"
 
@@ -160,6 +240,7 @@ def main() -> None:
     parser.add_argument("--devices", nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--phases", action="store_true", help="host time by phase, real time")
     parser.add_argument("--json")
     args = parser.parse_args()
     devices = args.devices or (["cuda:0", "cpu"] if torch.cuda.is_available() else ["cpu"])
@@ -185,6 +266,9 @@ def main() -> None:
     if args.profile:
         for groups in (1, 4):
             profile_host(groups, devices[0], 300)
+    if args.phases:
+        for groups in (1, 4):
+            phases(groups, devices[0], args.steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -350,7 +350,8 @@ class TablesAndViews(LayoutDescriptors):
         tables = self._tables.tensor
         host = not edits.size and self._tables.on_host  # the manager's own arrays
         if host and self.cp == 1 and native.core is not None:  # one C call
-            return self._map_host(tables.numpy(), items, total, pad_to, group)
+            # (one rank's CPU tables are the coordinator's own arrays)
+            return self._map_host(self._coord.tables, items, total, pad_to, group)
         first, groups = group or 0, (len(tables) if group is None else 1)
         if self.cp == 1 and not host and native.core is not None:
             out = self._tables.map_launch(native.core, items, edits, pad_to, first, groups)
@@ -443,8 +444,7 @@ class TablesAndViews(LayoutDescriptors):
     ) -> torch.Tensor:
         """The slot mapping of ``map_tokens`` from host ``tables`` (one rank's, not context
         parallel): one C call, or numpy without the C core."""
-        first = group or 0
-        window = tables[first : first + (1 if group is not None else len(tables))]
+        window = tables if group is None else tables[group : group + 1]
         if native.core is None:
             rows, starts, counts = expand_items(items)
             items_of, offsets = segments(counts)
