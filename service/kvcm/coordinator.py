@@ -433,8 +433,9 @@ class Coordinator(PrefixHits, EditLog):
 
     def taken_in_c(self, g: int, rows: np.ndarray, positions: np.ndarray, evict: bool) -> None:
         """Slots the C core took and wrote into layer group g's cells (``rows``,
-        ``positions``) without logging them: what they cached evicted when ``evict`` (one of
-        them caches a block) and the cells logged, as ``take`` and ``set_cells`` do."""
+        ``positions``) without logging them (a new row's blocks, ``kvcm.native_rows``): what
+        they cached evicted when ``evict`` (one of them caches a block) and the cells
+        logged, as ``take`` and ``set_cells`` do."""
         if not evict and self.edits is None:
             return
         slots = self.tables[g][rows, positions]

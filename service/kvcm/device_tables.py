@@ -30,7 +30,7 @@ from kvcm_kernels.step_tables import (
 
 from .context_parallel import local_edits, table_width
 from .coordinator import Coordinator
-from .mapped_items import MappedItems, mapped_total
+from .mapped_items import MappedItems
 from .step_order import StepOrder
 
 _NO_EDITS = np.empty((0, 4), dtype=np.int64)
@@ -255,20 +255,21 @@ class DeviceTables:
         self,
         core: ModuleType,
         items: MappedItems,
+        total: int,
         edits: np.ndarray,
         pad_to: int,
         first_group: int,
         num_groups: int,
     ) -> torch.Tensor | None:
         """The step's fused launch packed and made by the C core (``core.step_launch``): the
-        pending ``edits`` (``take_pending``'s) applied and the slot mapping of ``items`` on
-        layer groups ``[first_group, first_group + num_groups)``, int64 ``[num_groups,
-        pad_to]`` on the device, in one C call on the current stream (its staging buffer's
-        event recorded there too). None, with nothing launched, where ``StepLaunch`` (or the
-        usual dispatch) must run it: no fused launch here, one launch would not take it, the
-        driver's entry points or raw events are missing, or the C core refuses the inputs
-        (which the caller's checks make unreachable); the caller then applies ``edits``
-        itself. A driver error is a RuntimeError, as from ``StepLaunch``."""
+        pending ``edits`` (``take_pending``'s) applied and the slot mapping of ``items``
+        (``total`` tokens) on layer groups ``[first_group, first_group + num_groups)``,
+        int64 ``[num_groups, pad_to]`` on the device, in one C call on the current stream
+        (its staging buffer's event recorded there too). None, with nothing launched, where
+        ``StepLaunch`` (or the usual dispatch) must run it: no fused launch here, one launch
+        would not take it, the driver's entry points or raw events are missing, or the C
+        core refuses the inputs (which the caller's checks make unreachable); the caller
+        then applies ``edits`` itself. A driver error is a RuntimeError, as from ``StepLaunch``."""
         launch, upload = self._launch, self._upload
         if launch is None or upload is None or not upload.raw_event:
             return None
@@ -277,8 +278,7 @@ class DeviceTables:
         consts = self._launch_consts(launch)
         if consts is None:
             return None
-        n = items[0].size
-        size = 2 * n + 1 + mapped_total(items) + edits.size
+        size = 2 * items[0].size + 1 + total + edits.size
         address = upload.reserve_address(size)
         out = torch.empty((num_groups, pad_to), dtype=torch.int64, device=self.device)
         stream = kvcm_kernels.current_stream_handle(launch.index)

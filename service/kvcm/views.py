@@ -354,7 +354,7 @@ class TablesAndViews(LayoutDescriptors):
             return self._map_host(self._coord.tables, items, total, pad_to, group)
         first, groups = group or 0, (len(tables) if group is None else 1)
         if self.cp == 1 and not host and native.core is not None:
-            out = self._tables.map_launch(native.core, items, edits, pad_to, first, groups)
+            out = self._tables.map_launch(native.core, items, total, edits, pad_to, first, groups)
             if out is not None:
                 return out if group is None else out[0]
         rows, starts, counts = expand_items(items)
@@ -458,8 +458,7 @@ class TablesAndViews(LayoutDescriptors):
             )
             return torch.from_numpy(mapped if group is None else mapped[0])
         mapped = np.empty((len(window), total), dtype=np.int64)
-        core = native.core
-        core.map_slots(
+        native.core.map_slots(
             window,
             window.shape[1],
             window.shape[2],
