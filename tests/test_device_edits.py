@@ -42,3 +42,41 @@ def test_replaying_edits_reproduces_the_host_tables(rng: np.random.Generator) ->
         kvcm_kernels.apply_page_table_edits(mirror, torch.from_numpy(edits))
         assert np.array_equal(mirror.numpy(), coord.tables)
         assert coord.ops_since_take == 0 and not coord.edits
+
+
+def test_a_mapping_output_is_reused_only_once_nothing_holds_it() -> None:
+    """``Outputs`` (the CUDA step's slot-mapping tensors; its logic is the device's on the
+    CPU too): a slot's tensor comes back only when the caller dropped it and every view of
+    it, for the same shape and stream; a held tensor, a held view or another shape or
+    stream gets a fresh one, and what the caller holds keeps its values."""
+    from kvcm.device_tables import Outputs
+
+    outs = Outputs(torch.device("cpu"))
+    depth = Outputs.DEPTH
+    first = outs.take((1, 8), 5)
+    first.fill_(11)
+    ptr = first.data_ptr()
+    kept = [first]
+    kept += [outs.take((1, 8), 5) for _ in range(depth - 1)]
+    assert len({t.data_ptr() for t in kept}) == depth
+    again = outs.take((1, 8), 5)  # slot 0, its tensor still held
+    assert again.data_ptr() != ptr and kept[0].data_ptr() == ptr
+    assert (kept[0] == 11).all()
+
+    del first, kept, again  # slot 0 now holds the second tensor it made; drop it too
+    ptrs = [outs.take((1, 8), 5).data_ptr() for _ in range(depth)]  # each dropped at once
+    assert [outs.take((1, 8), 5).data_ptr() for _ in range(depth)] == ptrs
+
+    view = outs.take((1, 8), 5)[0]  # only a view kept: its storage is held
+    for _ in range(depth - 1):
+        outs.take((1, 8), 5)
+    assert outs.take((1, 8), 5).data_ptr() != view.data_ptr()
+    for _ in range(depth - 1):
+        outs.take((1, 8), 5)
+    other = outs.take((2, 8), 5)  # another shape: a fresh tensor of that shape
+    assert other.shape == (2, 8)
+    for _ in range(depth - 1):
+        outs.take((1, 8), 5)
+    other_ptr = other.data_ptr()
+    del other
+    assert outs.take((2, 8), 7).data_ptr() != other_ptr  # another stream: fresh too

@@ -743,9 +743,10 @@ def test_map_slots_of_a_decode_batch_equals_its_explicit_items(seed: int) -> Non
 
 
 class _FakeDriver:
-    """cuLaunchKernel and cuEventRecord as ctypes callbacks: what ``step_launch`` passes the
-    driver, recorded (each kernel argument read from its slot as the driver would: a
-    pointer's 8 bytes, an int's low 4), with the result codes a test sets."""
+    """cuLaunchKernel, cuEventRecord and cuEventSynchronize as ctypes callbacks: what
+    ``step_launch`` passes the driver, recorded (each kernel argument read from its slot as
+    the driver would: a pointer's 8 bytes, an int's low 4; a wait with the staging buffer's
+    first entry as it finds it), with the result codes a test sets."""
 
     INTS = (2, 7, 8, 9, 10, 11, 12, 13, 14, 15)  # the kernel's int parameters
 
@@ -754,13 +755,17 @@ class _FakeDriver:
 
         self.launches: list[dict[str, Any]] = []
         self.records: list[tuple[int, int]] = []
+        self.waits: list[tuple[int, int | None]] = []
+        self.watch: np.ndarray | None = None  # the staging buffer a wait looks at
         self.launch_code = 0
         self.record_code = 0
+        self.sync_code = 0
         u, vp = ctypes.c_uint, ctypes.c_void_p
         launch_t = ctypes.CFUNCTYPE(
             ctypes.c_int, vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), vp
         )
         record_t = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)
+        sync_t = ctypes.CFUNCTYPE(ctypes.c_int, vp)
 
         def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
             values = []
@@ -784,7 +789,11 @@ class _FakeDriver:
             self.records.append((event, stream))
             return self.record_code
 
-        self._callbacks = (launch_t(launch), record_t(record))  # kept alive
+        def sync(event):
+            self.waits.append((event, None if self.watch is None else int(self.watch[0])))
+            return self.sync_code
+
+        self._callbacks = (launch_t(launch), record_t(record), sync_t(sync))  # kept alive
         self.addresses = [ctypes.cast(cb, ctypes.c_void_p).value for cb in self._callbacks]
 
 
@@ -811,7 +820,9 @@ def test_step_launch_packs_the_inputs_and_launches_once() -> None:
     address = buf.ctypes.data
     edits = np.array([[0, 3, 1, 9], [1, 0, 0, 4]], dtype=np.int64)
     rows, starts, counts = (np.array(v, np.int64) for v in ([3, 0], [6, 0], [1, 2]))
-    core.step_launch(consts, address, 64, (rows, starts, counts), edits, 0xD00, 8, 0, 2, 0x55, 0x66)
+    core.step_launch(
+        consts, address, 64, (rows, starts, counts), edits, 0xD00, 8, 0, 2, 0x55, 0x66, 0
+    )
     size = 2 + 3 + 3 + 8
     assert buf[:size].tolist() == [3, 0, 0, 1, 3, 6, 0, 1, *edits.reshape(-1).tolist()]
     assert (buf[size:] == -9).all()
@@ -845,9 +856,9 @@ def test_step_launch_packs_the_inputs_and_launches_once() -> None:
     handles = np.array([(5 << 32) | 3, (9 << 32) | 0], dtype=np.int64)
     decode = (handles, lengths, 1)
     want = np.full(64, -9, dtype=np.int64)
-    core.step_launch(consts, want.ctypes.data, 64, expand_items(decode), edits, 1, 2, 0, 1, 1, 0)
+    core.step_launch(consts, want.ctypes.data, 64, expand_items(decode), edits, 1, 2, 0, 1, 1, 0, 0)
     buf[:] = -9
-    core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 0)
+    core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 0, 0)
     assert buf.tolist() == want.tolist() and buf[:2].tolist() == [3, 0]
     assert len(fake.records) == 1  # event 0: nothing recorded
 
@@ -880,8 +891,8 @@ def test_step_launch_packs_the_inputs_and_launches_once() -> None:
     ]
     for capacity, items, e, pad_to, first, num in bad:
         with pytest.raises(ValueError):
-            core.step_launch(consts, address, capacity, items, e, 1, pad_to, first, num, 1, 0)
-    assert (buf == -9).all() and len(fake.launches) == launches
+            core.step_launch(consts, address, capacity, items, e, 1, pad_to, first, num, 1, 0, 5)
+    assert (buf == -9).all() and len(fake.launches) == launches and not fake.waits
     out = np.full((1, 6), -7, dtype=np.int64)  # map_slots reads items the same way
     tables = np.zeros((1, table_rows, cols), dtype=np.int32)
     for items in (bad[-2][1], bad[-1][1]):
@@ -889,10 +900,23 @@ def test_step_launch_packs_the_inputs_and_launches_once() -> None:
             core.map_slots(tables, table_rows, cols, items, tpb, 0, out)
     assert (out == -7).all()
 
+    # A wait for the buffer's last reader comes before the buffer is written; a failed
+    # wait writes and launches nothing.
+    buf[:] = -9
+    fake.watch = buf
+    core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 0, 0x77)
+    assert fake.waits == [(0x77, -9)] and buf.tolist() == want.tolist()
+    fake.sync_code = 700
+    buf[:] = -9
+    with pytest.raises(RuntimeError, match="cuEventSynchronize failed \\(CUresult 700\\)"):
+        core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 0, 0x77)
+    assert (buf == -9).all() and len(fake.launches) == launches + 1
+    fake.sync_code = 0
+
     fake.launch_code = 719
     with pytest.raises(RuntimeError, match="cuLaunchKernel failed \\(CUresult 719\\)"):
-        core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 7)
+        core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 7, 0)
     assert len(fake.records) == 1  # no record after a failed launch
     fake.launch_code, fake.record_code = 0, 400
     with pytest.raises(RuntimeError, match="cuEventRecord failed \\(CUresult 400\\)"):
-        core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 7)
+        core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 7, 0)

@@ -242,16 +242,19 @@ class StepLaunch:
         return True
 
 
-def driver_entry_points() -> tuple[int, int] | None:
-    """The addresses of ``cuLaunchKernel`` and ``cuEventRecord`` in the CUDA driver this
-    process loaded (CuPy and torch load ``libcuda.so.1``), for C code that launches a step
-    without a Python call per driver call (``kvcm._native.step_launch``); None without a
-    driver. Both are the driver API's stable symbols (a launch names its stream: no
-    per-thread default stream variant is needed)."""
+def driver_entry_points() -> tuple[int, int, int] | None:
+    """The addresses of ``cuLaunchKernel``, ``cuEventRecord`` and ``cuEventSynchronize`` in
+    the CUDA driver this process loaded (CuPy and torch load ``libcuda.so.1``), for C code
+    that launches a step without a Python call per driver call (``kvcm._native
+    .step_launch``); None without a driver. All are the driver API's stable symbols (a
+    launch names its stream: no per-thread default stream variant is needed)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    launch = ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value
-    record = ctypes.cast(lib.cuEventRecord, ctypes.c_void_p).value
-    return (launch, record) if launch and record else None
+    names = ("cuLaunchKernel", "cuEventRecord", "cuEventSynchronize")
+    addresses = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names)
+    if not all(addresses):
+        return None
+    launch, record, sync = addresses
+    return launch, record, sync

@@ -13,6 +13,7 @@ queued, so the event's last record always follows every edit.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from types import ModuleType
 from typing import Any
@@ -85,6 +86,7 @@ class Uploader:
         self._host = [torch.empty(0, dtype=dtype, pin_memory=True) for _ in range(self.DEPTH)]
         self._numpy = [host.numpy() for host in self._host]
         self._addresses = [host.data_ptr() for host in self._host]
+        self._capacity = [0] * self.DEPTH
         # Raw CUDA events (CuPy's runtime): a record and a wait cost well under a microsecond
         # each, a torch event's record with its stream lookup several; a step records one
         # per rank. torch's events without CuPy.
@@ -117,6 +119,14 @@ class Uploader:
         ``raw_event`` recorded by the caller and then ``fenced``."""
         return self._addresses[self._next(n)]
 
+    def reserve_unwaited(self, n: int) -> tuple[int, int]:
+        """``reserve_address`` for C code that also waits for the buffer's last reader
+        itself (``kvcm._native.step_launch``: a driver call of well under a microsecond
+        against the 1-2 us of a Python runtime call): the address, and the raw event to
+        synchronize before writing it (0: nothing to wait for). Needs ``raw_event``."""
+        k = self._next(n, wait=False)
+        return self._addresses[k], (int(self._events[k]) if self._used[k] else 0)
+
     @property
     def raw_event(self) -> int:
         """The raw CUDA event that fences the buffer given last (for a caller that records
@@ -128,19 +138,24 @@ class Uploader:
         last: it is rewritten only after that work (as ``commit`` does it)."""
         self._used[self._staged] = True
 
-    def _next(self, n: int) -> int:
-        """The next buffer of the ring, once its last reader is done, grown to ``n``."""
+    def _next(self, n: int, wait: bool = True) -> int:
+        """The next buffer of the ring, once its last reader is done (``wait=False``: the
+        caller waits for it), grown to ``n`` (a buffer is replaced only after its reader:
+        torch may hand freed pinned memory out again at once)."""
         k = self._turn
         self._turn = (k + 1) % self.DEPTH
-        if self._used[k]:
+        grow = n > self._capacity[k]
+        if self._used[k] and (wait or grow):
             if self._rt is None:
                 self._events[k].synchronize()
             else:
                 self._rt.eventSynchronize(self._events[k])
-        if n > self._host[k].numel():
+            self._used[k] = False
+        if grow:
             self._host[k] = torch.empty(max(n, 4096), dtype=self.dtype, pin_memory=True)
             self._numpy[k] = self._host[k].numpy()
             self._addresses[k] = self._host[k].data_ptr()
+            self._capacity[k] = self._host[k].numel()
         self._staged = k
         return k
 
@@ -186,6 +201,67 @@ class Uploader:
         dev.copy_(host.view(-1), non_blocking=True)
         self.commit()
         return dev.view(array.shape)
+
+
+#: torch's count of the tensors that share a storage (private, as torch's own callers use
+#: it); without it ``Outputs`` never reuses a buffer.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # noqa: SLF001
+
+
+class Outputs:
+    """The device tensors the step's slot mappings are written into, reused once nothing
+    else refers to them.
+
+    Allocating a small CUDA tensor costs 3-6 us of host time (torch's allocator and the
+    tensor's making), a tenth of a decode step that is otherwise one C call. A ring of
+    ``DEPTH`` slots hands a slot's tensor out again when (a) no Python reference but the
+    ring's and no other tensor (a view such as ``out[0]``, a DLPack export) refers to it or
+    its storage, (b) the shape is the same and (c) the current stream is the one it was made
+    on: then every reader the engine queued on that stream runs before the next step's
+    kernel writes it, the guarantee torch's caching allocator gives memory freed on a
+    stream. Else the slot gets a fresh tensor and the old one is left to its holders. As
+    with freed memory, a reader on another stream holds the tensor until that stream is done
+    (``record_stream`` is not seen here).
+
+    Example: steps 1-4 allocate slots 0-3; the engine drops each step's outcome after its
+    forward, so step 5 gets slot 0's tensor again; an engine that kept step 1's mapping gets
+    a fresh tensor for step 5 instead, and step 1's stays as it was.
+    """
+
+    DEPTH = 4
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._held: list[torch.Tensor | None] = [None] * self.DEPTH
+        self._streams = [0] * self.DEPTH
+        #: ``_refs`` of each slot's tensor when nothing else referred to it (its making).
+        self._alone: list[tuple[int, int]] = [(0, 0)] * self.DEPTH
+        self._turn = 0
+
+    def take(self, shape: tuple[int, int], stream: int) -> torch.Tensor:
+        """An int64 tensor of ``shape`` on the device, to be written on ``stream`` (a raw
+        handle): a slot's again where nothing else holds it, else a fresh one."""
+        k = self._turn
+        self._turn = (k + 1) % self.DEPTH
+        held = self._held[k]
+        if (
+            held is not None
+            and self._streams[k] == stream
+            and held.shape == shape
+            and self._refs(k) == self._alone[k]
+        ):
+            return held
+        held = self._held[k] = torch.empty(shape, dtype=torch.int64, device=self.device)
+        self._streams[k] = stream
+        # Counted as the check counts (the same call, ``held`` bound here too), so the
+        # interpreter's own references are the same in both.
+        self._alone[k] = self._refs(k) if _storage_use_count is not None else (-1, -1)
+        return held
+
+    def _refs(self, k: int) -> tuple[int, int]:
+        """Python references to slot ``k``'s tensor, and tensors on its storage."""
+        held = self._held[k]
+        return sys.getrefcount(held), _storage_use_count(held.untyped_storage()._cdata)  # noqa: SLF001
 
 
 class DeviceTables:
@@ -237,6 +313,7 @@ class DeviceTables:
             coordinator.edits = []
             self._upload = Uploader(device, torch.int64)
             self._launch = StepLaunch.create(self.tensor)
+            self._outputs = Outputs(device)
             #: The empty ``[0, 0]`` mapping of ``publish``'s launch, which maps no token.
             self._no_tokens = torch.empty((0, 0), dtype=torch.int64, device=device)
 
@@ -264,8 +341,9 @@ class DeviceTables:
         """The step's fused launch packed and made by the C core (``core.step_launch``): the
         pending ``edits`` (``take_pending``'s) applied and the slot mapping of ``items``
         (``total`` tokens) on layer groups ``[first_group, first_group + num_groups)``,
-        int64 ``[num_groups, pad_to]`` on the device, in one C call on the current stream
-        (its staging buffer's event recorded there too). None, with nothing launched, where
+        int64 ``[num_groups, pad_to]`` on the device (``Outputs``': reused once nothing
+        holds it), in one C call on the current stream (which also waits for the staging
+        buffer's last reader and records its event). None, with nothing launched, where
         ``StepLaunch`` (or the usual dispatch) must run it: no fused launch here, one launch
         would not take it, the driver's entry points or raw events are missing, or the C
         core refuses the inputs (which the caller's checks make unreachable); the caller
@@ -279,9 +357,9 @@ class DeviceTables:
         if consts is None:
             return None
         size = 2 * items[0].size + 1 + total + edits.size
-        address = upload.reserve_address(size)
-        out = torch.empty((num_groups, pad_to), dtype=torch.int64, device=self.device)
+        address, wait = upload.reserve_unwaited(size)
         stream = kvcm_kernels.current_stream_handle(launch.index)
+        out = self._outputs.take((num_groups, pad_to), stream)
         try:
             core.step_launch(
                 consts,
@@ -295,6 +373,7 @@ class DeviceTables:
                 num_groups,
                 stream,
                 upload.raw_event,
+                wait,
             )
         except (ValueError, TypeError):  # refused, nothing launched: the caller's path runs
             return None  # (with the same edits, which are still the caller's to apply)

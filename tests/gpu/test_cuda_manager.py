@@ -229,3 +229,39 @@ def test_columnar_steps_map_slots_with_one_launch_as_on_the_cpu(
         assert not by_c and by_python and all(by_python)
     else:  # refused by both: the torch reference ran
         assert by_c and not any(by_c) and by_python and not any(by_python)
+
+
+def test_decode_steps_behind_a_busy_stream_keep_their_staging_and_outputs() -> None:
+    """The C launch's two reuses, with the device kept behind the host (a spin kernel
+    before each block of 8 steps, whose mappings are all held until the block ends): a
+    staging buffer (a ring of 4) is rewritten only after its last kernel read it (the wait
+    in ``step_launch``), and a mapping the caller holds is never written again while one
+    it dropped may be (``Outputs``). Every mapping equals the CPU manager's of its step,
+    the ones held over the whole run included."""
+    if not native.available():
+        pytest.skip("kvcm._native is not built")
+    cpu, gpu = _pair()
+    handles = []
+    for i in range(12):
+        a = cpu.step_columns(allocate=[{"request_id": f"r{i}", "num_tokens": 5 + i}])
+        b = gpu.step_columns(allocate=[{"request_id": f"r{i}", "num_tokens": 5 + i}])
+        assert a.handles.tolist() == b.handles.tolist()
+        handles.append(int(a.handles[0]))
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for block in range(8):
+        torch.cuda._sleep(2_000_000)  # ~1 ms of device time: the host runs ahead
+        maps = []
+        for _ in range(8):
+            a = cpu.step_columns(extend=handles, map_slots=True)
+            b = gpu.step_columns(extend=handles, map_slots=True)
+            assert not a.errors and not b.errors
+            maps.append((b.slot_mapping, a.slot_mapping))
+            del b
+        held.append(maps[block % 8])
+        for k, (device_mapping, want) in enumerate(maps):
+            assert torch.equal(device_mapping.cpu(), want), (block, k)
+        del maps  # the rest dropped: their outputs may be reused
+    torch.cuda.synchronize()
+    for device_mapping, want in held:
+        assert torch.equal(device_mapping.cpu(), want)
+    assert torch.equal(gpu.page_tables().cpu(), cpu.page_tables())

@@ -146,26 +146,31 @@ done:
     return result;
 }
 
-/* The driver entry points step_launch calls (cuLaunchKernel, cuEventRecord), by address:
- * the caller resolves them where a CUDA driver is loaded; a test passes its own. */
+/* The driver entry points step_launch calls (cuLaunchKernel, cuEventRecord,
+ * cuEventSynchronize), by address: the caller resolves them where a CUDA driver is loaded; a
+ * test passes its own. */
 typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                          unsigned by, unsigned bz, unsigned shared, void *stream,
                          void **params, void **extra);
 typedef int (*record_fn)(void *event, void *stream);
+typedef int (*sync_fn)(void *event);
 
-enum { C_LAUNCH, C_RECORD, C_KERNEL, C_TABLES, C_GROUPS, C_ROWS, C_COLS, C_TPB, C_MIN_LIVE,
-       C_THREADS, C_STAGED, C_SIZE };
+enum { C_LAUNCH, C_RECORD, C_SYNC, C_KERNEL, C_TABLES, C_GROUPS, C_ROWS, C_COLS, C_TPB,
+       C_MIN_LIVE, C_THREADS, C_STAGED, C_SIZE };
 #define KERNEL_ARGS 16
 
 /* step_launch(consts, address, capacity, items, edits, out, pad_to, first_group,
- *             num_groups, stream, event)
+ *             num_groups, stream, event, wait)
  *
  * The fused step kernel (kvcm_kernels.step_tables, apply_edits_and_map_slots) launched
  * with its inputs packed in one pass: rows [n], query_start_loc [n + 1], positions [total],
  * edits [E, 4], int64 back to back at host `address` (pinned, `capacity` int64), then one
  * cuLaunchKernel on `stream` and, where `event` is not 0, one cuEventRecord of it after the
- * launch (the staging buffer's fence). consts: int64 [C_SIZE], fixed for a manager's
- * tables: the two driver entry points, the kernel, the tables' device address and shape
+ * launch (the staging buffer's fence). Where `wait` is not 0 the buffer is written only
+ * after cuEventSynchronize of it (the fence of the buffer's last launch, four steps back in
+ * the staging ring, so almost always already done: the driver's check costs a fraction of
+ * the Python runtime call it replaces). consts: int64 [C_SIZE], fixed for a manager's
+ * tables: the three driver entry points, the kernel, the tables' device address and shape
  * (groups, rows, blocks), tokens_per_block, min_live, the block's threads and the staged
  * query_start_loc limit.
  * out: the device address of int64 [num_groups, pad_to]. What kvcm_kernels' StepLaunch
@@ -175,14 +180,14 @@ enum { C_LAUNCH, C_RECORD, C_KERNEL, C_TABLES, C_GROUPS, C_ROWS, C_COLS, C_TPB, 
  * [0, 1, 3] at A + 16, positions [6, 0, 1] at A + 40, the edit at A + 64. Returns None;
  * ValueError (bad items, too little room, pad_to below the tokens) with nothing written or
  * launched (also groups outside the tables, a count past the kernel's int arguments);
- * RuntimeError with the driver's code if the launch or the record fails. */
+ * RuntimeError with the driver's code if the wait, the launch or the record fails. */
 PyObject *kvcm_step_launch(PyObject *self, PyObject *args) {
     PyObject *consts_obj, *spec, *edits_obj;
-    unsigned long long address, out_ptr, stream, event;
+    unsigned long long address, out_ptr, stream, event, wait;
     Py_ssize_t capacity, pad_to, first_group, num_groups;
-    if (!PyArg_ParseTuple(args, "OKnOOKnnnKK", &consts_obj, &address, &capacity, &spec,
+    if (!PyArg_ParseTuple(args, "OKnOOKnnnKKK", &consts_obj, &address, &capacity, &spec,
                           &edits_obj, &out_ptr, &pad_to, &first_group, &num_groups, &stream,
-                          &event))
+                          &event, &wait))
         return NULL;
     Buf consts = {0}, edits = {0};
     Items it = {0};
@@ -209,6 +214,18 @@ PyObject *kvcm_step_launch(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "step_launch: inconsistent sizes");
         goto done;
     }
+    int code = 0;
+    if (wait) { /* the buffer's last reader first; the GIL released in case it is not done */
+        sync_fn sync = (sync_fn)(uintptr_t)k[C_SYNC];
+        Py_BEGIN_ALLOW_THREADS
+        code = sync((void *)(uintptr_t)wait);
+        Py_END_ALLOW_THREADS
+        if (code) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "step_launch: cuEventSynchronize failed (CUresult %d)", code);
+            goto done;
+        }
+    }
     int64_t *rows = (int64_t *)(uintptr_t)address, *qsl = rows + n, *pos = qsl + n + 1;
     qsl[0] = 0;
     Py_ssize_t at = 0;
@@ -229,8 +246,8 @@ PyObject *kvcm_step_launch(PyObject *self, PyObject *args) {
     for (int i = 0; i < KERNEL_ARGS; i++) params[i] = &a[i];
     unsigned shared = staged ? (unsigned)(8 * (n + 1)) : 0;
     launch_fn launch = (launch_fn)(uintptr_t)k[C_LAUNCH];
-    int code = launch((void *)(uintptr_t)k[C_KERNEL], 1, 1, 1, (unsigned)k[C_THREADS], 1, 1,
-                      shared, (void *)(uintptr_t)stream, params, NULL);
+    code = launch((void *)(uintptr_t)k[C_KERNEL], 1, 1, 1, (unsigned)k[C_THREADS], 1, 1, shared,
+                  (void *)(uintptr_t)stream, params, NULL);
     if (code) {
         PyErr_Format(PyExc_RuntimeError, "step_launch: cuLaunchKernel failed (CUresult %d)",
                      code);
