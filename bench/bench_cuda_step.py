@@ -163,7 +163,9 @@ PHASES = (
     ("kvcm.device_tables", "DeviceTables", "take_pending", "take_pending (the edits)"),
     ("kvcm.device_tables", "DeviceTables", "map_launch", "map_launch (CUDA: the C launch)"),
     ("kvcm.views", "TablesAndViews", "_map_host", "_map_host (CPU: the C mapping)"),
-    ("kvcm.device_tables", "torch", "empty", "torch.empty (the output)"),
+    ("kvcm.device_tables", "Uploader", "reserve_unwaited", "reserve_unwaited (staging)"),
+    ("kvcm.device_tables", "Outputs", "take", "Outputs.take (the output)"),
+    ("kvcm.device_tables", "torch", "empty", "torch.empty (a fresh output)"),
     ("kvcm_kernels", "", "current_stream_handle", "current_stream_handle"),
     ("kvcm.views", "TablesAndViews", "page_tables", "page_tables"),
 )

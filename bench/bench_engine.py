@@ -193,6 +193,8 @@ def engine_run(
         "kvcm_ms_per_step": s.kvcm_s * 1e3 / s.steps,
         "kvcm_call_ms_per_step": engine.scheduler.stats.call_s * 1e3 / s.steps,
         "graph_forwards": 0 if engine.graphs is None else engine.graphs.replays,
+        # Why a capture failed (the decodes then ran eagerly on the static buffers), or None.
+        "graph_failed": None if engine.graphs is None else engine.graphs.failed,
         "kvcm_share": s.kvcm_s / float(steps.sum() / 1e3),
         "exposed_ms_per_step": s.kvcm_exposed_s * 1e3 / s.steps,
         "exposed_share": s.kvcm_exposed_s / float(steps.sum() / 1e3),
@@ -234,6 +236,8 @@ def _path(row: dict[str, Any]) -> str:
     """The engine's attention path in a row's name, whether decodes replayed graphs and
     whether steps were planned ahead."""
     graphs = ", graphs" if row["graph_forwards"] else ""
+    if row["graph_failed"]:
+        graphs = ", graphs failed (eager)"
     return row["attention"] + graphs + (", overlap" if row["planned_ahead"] else "")
 
 
