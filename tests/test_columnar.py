@@ -659,3 +659,38 @@ def test_map_slots_on_random_steps_equals_slot_mappings(seed: int) -> None:
                 m.commit(op["request_id"], op["token_ids"][hit:])
         want = m.slot_mappings(ids, counts)
         assert out.slot_mapping.tolist() == want.tolist()
+
+
+def test_the_client_sends_numpy_columns_as_their_int64_values() -> None:
+    """The step channel's client packs numpy columns as little-endian int64 (handles) or
+    int32 (commit tokens) bytes of the same values, whatever the array's own type: native
+    int64 as is, big-endian or narrower ints cast, unsigned ints range-checked, and refuses
+    values a cast would wrap and non-integer arrays."""
+    from array import array
+
+    from kvcm_client.columns import wire_columns
+    from kvcm_client.errors import InvalidArgument
+
+    values = [0, 7, 2**40 + 3, 2**63 - 1, -(2**63)]
+    want = array("q", values).tobytes()
+    for dtype in ("<i8", ">i8", "=i8"):
+        got = wire_columns(extend=np.array(values, dtype=dtype))["extend"]
+        assert got == want, dtype
+    sliced = np.repeat(np.array(values, dtype=np.int64), 2)[::2]  # not contiguous
+    assert wire_columns(extend=sliced)["extend"] == want
+    small = [0, 5, 2**15 - 1]
+    for dtype in ("<i4", ">i4", "<i2", "<u4", "<u8"):
+        got = wire_columns(extend=np.array(small, dtype=dtype))["extend"]
+        assert got == array("q", small).tobytes(), dtype
+    tokens = wire_columns(commit=[3], commit_tokens=[np.array([1, -2, 2**31 - 1])])
+    assert tokens["commit_tokens"] == array("i", [1, -2, 2**31 - 1]).tobytes()
+    bad = [
+        np.array([2**63], dtype=np.uint64),
+        np.array([1.0, 2.0]),
+        np.array([True, False]),
+    ]
+    for column in bad:
+        with pytest.raises(InvalidArgument):
+            wire_columns(extend=column)
+    with pytest.raises(InvalidArgument):  # an int64 token id past int32
+        wire_columns(commit=[3], commit_tokens=[np.array([2**31], dtype=np.int64)])
