@@ -64,6 +64,26 @@ def test_decode_on_static_buffers_equals_generate(
             return plan
 
         engine.scheduler.schedule = counted  # type: ignore[method-assign]
+    prepared = prepared_ahead = 0
+    computing = False  # inside ``_overlapped``: a forward launched and not read back
+    prepare, overlapped = engine._prepare, engine._overlapped
+
+    def counted_prepare(plan: list) -> object:
+        nonlocal prepared, prepared_ahead
+        prepared += 1
+        prepared_ahead += computing
+        return prepare(plan)
+
+    def flagged(*args: object) -> None:
+        nonlocal computing
+        computing = True
+        try:
+            overlapped(*args)
+        finally:
+            computing = False
+
+    engine._prepare = counted_prepare  # type: ignore[method-assign]
+    engine._overlapped = flagged  # type: ignore[method-assign]
     # Arrivals every step: preemptions fall in decode steps too, planned ahead with overlap.
     done = engine.run(make_requests(16, arrival_every=1))
     assert {r.request_id: r.output for r in done} == reference_outputs(built, make_requests(16))
@@ -76,11 +96,14 @@ def test_decode_on_static_buffers_equals_generate(
         # Every step (one forward: replayed decodes, eager prefills) planned the next one,
         # some of them while a prefill chunk computed; on the CPU none is hidden.
         assert stats.planned_ahead == stats.forwards and ahead_of_prefill > 0
+        # Each plan made ahead had its slot mappings cut and its tables taken then too (the
+        # last one, made during the last forward with nothing left, is no step).
+        assert prepared_ahead == stats.planned_ahead and prepared == stats.steps + 1
         assert stats.hidden == 0 and stats.kvcm_exposed_s == pytest.approx(stats.kvcm_s)
         # Llama's run (this workload and pool) preempts in two decode steps planned ahead.
         assert preempted_ahead > 0 or family != "llama"
     else:
-        assert stats.planned_ahead == 0
+        assert stats.planned_ahead == 0 and prepared_ahead == 0 and prepared == stats.steps
     assert all(UNKNOWN not in r.output for r in done)
 
 

@@ -51,6 +51,10 @@ from .graphs import DecodeGraphs, DoneEvent, Launched
 from .models import BuiltModel, UnsupportedFamily, hybrid_unsupported, state_path
 from .scheduler import Request, Scheduler, Work
 
+#: A plan's forwards, each with its slot mapping, and the page tables they read (None: no
+#: forward).
+Prepared = tuple[list[tuple[list[Work], torch.Tensor]], torch.Tensor | None]
+
 
 @dataclass(frozen=True, slots=True)
 class Backend:
@@ -288,7 +292,7 @@ class Engine:
         self.graphs = self._decode_graphs(cuda_graphs, max_running)
         self.overlap = self._overlap(overlap)
         #: The next step's plan and kvcm time (all, exposed), made during this one (overlap).
-        self._ahead: tuple[list[Work], float, float] | None = None
+        self._ahead: tuple[list[Work], float, float, Prepared] | None = None
         #: Recorded after each eager forward on CUDA (``_launch``).
         self._done = DoneEvent()
 
@@ -411,7 +415,7 @@ class Engine:
             if step > max_steps:
                 raise RuntimeError(f"not finished after {max_steps} steps")
         if self._ahead is not None:  # planned during the last step: nothing left but frees
-            _, kvcm_s, exposed_s = self._ahead
+            _, kvcm_s, exposed_s, _ = self._ahead
             self._ahead = None
             self.stats.kvcm_s += kvcm_s
             self.stats.kvcm_exposed_s += exposed_s
@@ -427,28 +431,23 @@ class Engine:
         computes, and only then reads the tokens back (``Request.settle``). The order on the
         device stays the step's: the next call's table edits are queued after this forward
         (one stream in process; a stream-ordered sidecar waits for ``step_done``). A request
-        added meanwhile joins a step later."""
+        added meanwhile joins a step later. A plan made ahead comes with its forwards'
+        slot mappings cut and the tables in hand (``_prepare``), so the step launches at
+        once."""
         begin = time.perf_counter()
         if self._ahead is not None:
-            plan, kvcm_s, exposed_s = self._ahead
+            plan, kvcm_s, exposed_s, (batches, tables) = self._ahead
             self._ahead = None
         else:
             plan = self.scheduler.schedule()
+            batches, tables = self._prepare(plan)
             kvcm_s = exposed_s = time.perf_counter() - begin
         self.stats.steps += 1
         order = self.backend.step_order
         if order is not None:
             order.wait_step()  # the forwards read the tables after this step's edits
         next_tokens: dict[str, int] = {}
-        mappings: dict[int, torch.Tensor] = {}
-        batches = self._batches(plan)
-        for batch in batches:
-            t = time.perf_counter()
-            slots = self._slots(batch, mappings)
-            tables = self.backend.page_tables()
-            spent = time.perf_counter() - t
-            kvcm_s += spent
-            exposed_s += spent
+        for batch, slots in batches:
             t = time.perf_counter()
             graph = self.graphs is not None and self.graphs.fits([w.count for w in batch])
             forwards = [(batch, slots)] if graph else self._forwards(batch, slots)
@@ -481,6 +480,7 @@ class Engine:
         try:
             t = time.perf_counter()
             ahead = self.scheduler.schedule()
+            prepared = self._prepare(ahead)
             spent = time.perf_counter() - t
             hidden = launched.busy()  # still computing: the forward hid the whole call
         finally:
@@ -492,7 +492,7 @@ class Engine:
                 r.settle(best[column[r.request_id]])
             self.scheduler.landed(plan)
             self._count(plan, len(emitted))
-        self._ahead = (ahead, spent, 0.0 if hidden else spent)
+        self._ahead = (ahead, spent, 0.0 if hidden else spent, prepared)
         self.stats.planned_ahead += 1
         self.stats.hidden += hidden
         self._check_pages(plan, miss)
@@ -502,6 +502,15 @@ class Engine:
         self.stats.kvcm_exposed_s += exposed_s
         self.stats.kvcm_step_s.append(kvcm_s)
         self.stats.step_s.append(time.perf_counter() - begin)
+
+    def _prepare(self, plan: list[Work]) -> Prepared:
+        """``plan``'s forwards, each with its slot mapping (``_slots``), and the page tables
+        they read: the host work between a plan and its launch, done while the step before
+        computes when the plan is made ahead. The tables of a step are one tensor for all of
+        its forwards (no kvcm call runs between them)."""
+        mappings: dict[int, torch.Tensor] = {}
+        batches = [(batch, self._slots(batch, mappings)) for batch in self._batches(plan)]
+        return batches, self.backend.page_tables() if batches else None
 
     def _slots(self, batch: list[Work], mappings: dict[int, torch.Tensor]) -> torch.Tensor:
         """The batch's slot mapping ``[groups, sum(counts)]``, request after request, cut from
