@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import layer, manager
+import torch
+from helpers import layer, manager, manager_state, same
 from test_step_atomic import snapshot
 
 from kvcm_client.errors import (
@@ -694,3 +695,75 @@ def test_the_client_sends_numpy_columns_as_their_int64_values() -> None:
             wire_columns(extend=column)
     with pytest.raises(InvalidArgument):  # an int64 token id past int32
         wire_columns(commit=[3], commit_tokens=[np.array([2**31], dtype=np.int64)])
+
+
+@pytest.mark.parametrize("null_page", [False, True])
+def test_a_rehearsed_step_changes_nothing_and_the_step_runs_as_without_it(
+    rng: np.random.Generator, null_page: bool
+) -> None:
+    """``rehearse_columns`` (busy-poll mode's rehearsal): over random decode steps (windows
+    with sinks, a key-only layer, block crossings, lookahead, a stale or repeated handle,
+    requests past max_seq_len, full pools) it changes nothing a manager holds, and the step
+    run after it equals the same step on a twin never rehearsed, mapping included. Decode
+    steps run the C plan (when built); other steps are parsed only; a malformed one raises
+    as the step would."""
+    from kvcm.native_step import NativeDecode
+
+    layers = [layer(0, sliding_window=8, sink_tokens=2), layer(1), layer(2, kv_factor=1)]
+    cfg = {"num_blocks": 40, "max_requests": 8, "max_seq_len": 48, "null_page": null_page}
+    a, b = manager(layers, **cfg), manager(layers, **cfg)
+    planned: list[int] = []
+    real = NativeDecode.rehearse
+
+    def counted(self: NativeDecode, core: object, m: object, handles: np.ndarray, *rest: object):
+        planned.append(handles.size)
+        return real(self, core, m, handles, *rest)
+
+    NativeDecode.rehearse = counted  # type: ignore[method-assign]
+    try:
+        live: list[int] = []
+        for step in range(120):
+            if len(live) < 6 and rng.random() < 0.3:
+                n = int(rng.integers(1, 20))
+                op = {"request_id": f"r{step}", "num_tokens": n}
+                ha, hb = a.step_columns(allocate=[op]), b.step_columns(allocate=[op])
+                assert ha.status["allocate"].tolist() == hb.status["allocate"].tolist()
+                if ha.ok:
+                    live.append(int(ha.handles[0]))
+            if len(live) < 2:
+                continue
+            handles = list(live)
+            if rng.random() < 0.15:
+                handles.append(handles[0] ^ (1 << 40))  # a stale handle: its row, not its id
+            if rng.random() < 0.1:
+                handles.append(handles[-1])  # a row twice: the plan refuses the batch
+            cols = {
+                "extend": np.array(handles, dtype=np.int64),
+                "num_new_tokens": int(rng.integers(1, 4)),
+                "lookahead": int(rng.integers(0, 3)),
+            }
+            before = manager_state(a)
+            for _ in range(2):
+                a.rehearse_columns(cols)
+            assert same(manager_state(a), before), step
+            oa = a.step_columns(**cols, map_slots=True)
+            ob = b.step_columns(**cols, map_slots=True)
+            assert oa.status["extend"].tolist() == ob.status["extend"].tolist(), step
+            assert torch.equal(oa.slot_mapping, ob.slot_mapping), step
+            assert same(manager_state(a), manager_state(b)), step
+            gone = [h for h, s in zip(handles, oa.status["extend"].tolist(), strict=True) if s]
+            if gone or rng.random() < 0.1:  # too long or out of blocks: freed, as an engine
+                drop = [h for h in live if h in gone] or [live[0]]
+                a.step_columns(free=drop)
+                b.step_columns(free=drop)
+                live = [h for h in live if h not in drop]
+        before = manager_state(a)
+        a.rehearse_columns({"free": live[:1], "extend": live[1:]})  # not a decode: parsed
+        with pytest.raises(InvalidArgument):
+            a.rehearse_columns({"extend": [live[0]], "num_new_tokens": 0})
+        assert same(manager_state(a), before)
+    finally:
+        NativeDecode.rehearse = real  # type: ignore[method-assign]
+    from kvcm import native
+
+    assert (len(planned) > 50) == native.available()

@@ -12,9 +12,10 @@ from array import array
 from pathlib import Path
 
 import pytest
-from helpers import layer
+from helpers import layer, manager_state, same
 
 from kvcm import KVCacheManager
+from kvcm.columnar_parse import parse_keywords
 from kvcm.server import step_channel
 from kvcm.server.state import ServiceState
 from kvcm.server.step_channel import REHEARSAL_BYTES, StepChannel
@@ -145,25 +146,25 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``rehearse`` parses the last frame remembered again (``step_columns``' arrays and
-    their shape check too) and packs its answer again: the manager, the metrics and the
-    answer are as they were. Only a frame answered without an error, small, in busy-poll
-    mode is remembered."""
+    their shape check too, and a decode step's plan: ``KVCacheManager.rehearse_columns``)
+    and packs its answer again: the manager, the metrics and the answer are as they were.
+    Only a frame answered without an error, small, in busy-poll mode is remembered."""
     channel, m = _channel(0.3)
     parsed: list[dict] = []
     checked: list = []
     real = step_channel.columns_from_wire
-    real_check = step_channel.parse_keywords
+    real_rehearse = m.rehearse_columns
 
     def counted(args: dict) -> dict:
         parsed.append(args)
         return real(args)
 
-    def counted_check(columns: dict) -> object:
-        checked.append(real_check(columns))
-        return checked[-1]
+    def counted_rehearse(columns: dict) -> None:
+        checked.append(parse_keywords(columns))
+        real_rehearse(columns)
 
     monkeypatch.setattr(step_channel, "columns_from_wire", counted)
-    monkeypatch.setattr(step_channel, "parse_keywords", counted_check)
+    monkeypatch.setattr(m, "rehearse_columns", counted_rehearse)
 
     def answer(message: dict) -> tuple[bytes, dict]:
         body = pack(message)[HEADER.size :]
@@ -172,20 +173,19 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
         channel.remember(body, out, 200)
         return body, out
 
-    _, first = answer(
-        {"op": "step_columns", "args": {"allocate": [{"request_id": "a", "num_tokens": 3}]}}
-    )
-    handle = array("q", memoryview(first["result"]["handles"]).cast("q"))
-    _, second = answer({"op": "step_columns", "args": wire_columns(extend=handle)})
+    ops = [{"request_id": k, "num_tokens": 3} for k in "ab"]
+    _, first = answer({"op": "step_columns", "args": {"allocate": ops}})
+    handles = array("q", memoryview(first["result"]["handles"]).cast("q"))
+    _, second = answer({"op": "step_columns", "args": wire_columns(extend=handles)})
     assert len(parsed) == 2
-    before = (m.request("a").num_tokens, m.num_free_blocks(), channel.state.metrics.render())
+    before = (manager_state(m), channel.state.metrics.render())
     packed = step_channel._body(dict(second), False)
     for _ in range(20):
         channel.rehearse()
     assert len(parsed) == 22 and parsed[-1] == parsed[1]
-    assert len(checked) == 20 and checked[-1].extend.tolist() == list(handle)
-    assert (m.request("a").num_tokens, m.num_free_blocks()) == (4, before[1])
-    assert channel.state.metrics.render() == before[2]
+    assert len(checked) == 20 and checked[-1].extend.tolist() == list(handles)
+    assert m.request("a").num_tokens == 4 and same(manager_state(m), before[0])
+    assert channel.state.metrics.render() == before[1]
     assert step_channel._body(dict(second), False) == packed and "close" not in second
 
     answer({"op": "no_such_op"})  # an error: nothing to rehearse

@@ -503,6 +503,25 @@ def _resume(m: Components, request_id: str) -> object:
         m.settle()
 
 
+def rehearse(m: Components, cols: StepColumns) -> None:
+    """A decode step's rehearsal (``KVCacheManager.rehearse_columns``): where ``cols`` are
+    extends alone of two requests or more with one count each for all, their batch plan
+    and last tokens' mapping in C (``NativeDecode.rehearse``), changing no state; nothing
+    for any other step or without the C core."""
+    core = native.core
+    sizes = cols.sizes()
+    if (
+        core is None
+        or not m.coord.plain
+        or sizes["extend"] < 2
+        or sum(sizes.values()) != sizes["extend"]
+    ):
+        return
+    new, ahead = cols.num_new_tokens, cols.lookahead
+    if type(new) is int and type(ahead) is int:
+        m.native_decode.rehearse(core, m, cols.extend, new, ahead)
+
+
 def run_columns(
     m: Components, cols: StepColumns, atomic: bool, sizes: dict[str, int] | None = None
 ) -> StepOutcome:

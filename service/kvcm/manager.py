@@ -16,7 +16,7 @@ changes, or it completes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, TypeVar
 
@@ -68,8 +68,8 @@ from . import (
     transfers,
 )
 from .allocation import MAX_REQUEST_ID as MAX_REQUEST_ID  # re-exported: tests read it
-from .columnar import mapped_tokens, run_columns
-from .columnar_parse import parse_columns
+from .columnar import mapped_tokens, rehearse, run_columns
+from .columnar_parse import parse_columns, parse_keywords
 from .columnar_types import StepOutcome
 from .components import Components
 from .counts import MAX_COUNT as MAX_COUNT  # re-exported: the bound tests and tools read
@@ -355,6 +355,21 @@ class KVCacheManager:
             return
         suspension.discard(self.parts, request_id)
         request_rows.free_row(self.parts, row)
+
+    def rehearse_columns(self, columns: Mapping[str, Any]) -> None:
+        """Rehearse a step without running it: ``columns`` (``step_columns``' sections as
+        keywords) are parsed as the step would parse them and, for a decode step (extends
+        alone, one count for all), the batch is planned and its slots mapped in C into
+        scratch, changing nothing here: no state, no event, no count. For a sidecar's
+        busy-poll mode, which rehearses the last step while it waits for the next
+        (``kvcm.server.step_channel``): after milliseconds of other work a step's rows,
+        tables and code have left the caches, and the next step pays for it. A malformed
+        ``columns`` raises ``InvalidArgument`` as the step would.
+
+        Example: ``m.rehearse_columns({"extend": handles})`` before
+        ``m.step_columns(extend=handles)`` changes nothing that the step reads or answers.
+        """
+        rehearse(self.parts, parse_keywords(columns))
 
     def step_columns(
         self,

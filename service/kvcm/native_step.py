@@ -19,6 +19,7 @@ become 17 and 21 tokens, with 2 blocks each; the items' new blocks are [1, 0].
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -240,6 +241,25 @@ class NativeDecode:
         if not failing:
             return np.arange(handles.size), added, failing
         return np.flatnonzero(rows >= 0), added, failing
+
+    def rehearse(
+        self, core: ModuleType, m: Components, handles: np.ndarray, new: Any, ahead: Any
+    ) -> None:
+        """A decode batch's plan (``decode_plan``, into this object's work arrays) and the
+        slot mapping of each item's last token (``map_slots``, into a scratch array), both
+        changing no state: what busy-poll mode's rehearsal runs between steps, so that the
+        step after it finds its rows, tables and C code in the caches
+        (``KVCacheManager.rehearse_columns``). A batch they refuse rehearses less; nothing
+        is reported."""
+        c = m.coord
+        free = tuple([p.num_free for p in c.pools])
+        core.decode_plan(handles, new, ahead, self.arrays(core, m), free, self.out, True)
+        tables = c.tables
+        scratch = np.empty((tables.shape[0], handles.size), dtype=np.int64)
+        with contextlib.suppress(ValueError):  # a stale handle's row may hold no token
+            items = (handles, c.num_tokens, 1)
+            tpb = c.tokens_per_block
+            core.map_slots(tables, tables.shape[1], tables.shape[2], items, tpb, 0, scratch)
 
     def _run(
         self,
