@@ -265,3 +265,27 @@ def test_decode_steps_behind_a_busy_stream_keep_their_staging_and_outputs() -> N
     for device_mapping, want in held:
         assert torch.equal(device_mapping.cpu(), want)
     assert torch.equal(gpu.page_tables().cpu(), cpu.page_tables())
+
+
+def test_a_rehearsed_decode_step_changes_nothing_on_cuda() -> None:
+    """``rehearse_columns`` on a CUDA manager (busy-poll mode's rehearsal in a CUDA
+    sidecar): it queues no table edit, and the steps after it map and edit as the CPU
+    manager's, which was never rehearsed."""
+    cpu, gpu = _pair()
+    handles = []
+    for i in range(6):
+        a = cpu.step_columns(allocate=[{"request_id": f"r{i}", "num_tokens": 3 + 2 * i}])
+        b = gpu.step_columns(allocate=[{"request_id": f"r{i}", "num_tokens": 3 + 2 * i}])
+        handles.append(int(a.handles[0]))
+        assert a.handles.tolist() == b.handles.tolist()
+    for step in range(30):
+        gpu.page_tables()  # the edits so far applied: a rehearsal must add none
+        assert gpu.parts.coord.ops_since_take == 0
+        for _ in range(3):
+            gpu.rehearse_columns({"extend": handles, "lookahead": step % 2})
+        assert gpu.parts.coord.ops_since_take == 0
+        a = cpu.step_columns(extend=handles, lookahead=step % 2, map_slots=True)
+        b = gpu.step_columns(extend=handles, lookahead=step % 2, map_slots=True)
+        assert a.status["extend"].tolist() == b.status["extend"].tolist(), step
+        assert torch.equal(b.slot_mapping.cpu(), a.slot_mapping), step
+        assert torch.equal(gpu.page_tables().cpu(), cpu.page_tables()), step
