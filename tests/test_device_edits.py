@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from helpers import layer, manager
 
@@ -80,3 +81,16 @@ def test_a_mapping_output_is_reused_only_once_nothing_holds_it() -> None:
     other_ptr = other.data_ptr()
     del other
     assert outs.take((2, 8), 7).data_ptr() != other_ptr  # another stream: fresh too
+
+
+def test_without_torchs_use_counts_no_mapping_output_is_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch without the private use counts ``Outputs`` reads: every take is a fresh
+    tensor, and the ring keeps none."""
+    from kvcm import device_tables
+
+    monkeypatch.setattr(device_tables, "_REUSE", False)
+    outs = device_tables.Outputs(torch.device("cpu"))
+    kept = [outs.take((1, 8), 5) for _ in range(2 * outs.DEPTH)]
+    assert len({id(t) for t in kept}) == len(kept) and outs._held == [None] * outs.DEPTH

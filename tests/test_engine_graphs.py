@@ -222,3 +222,38 @@ def test_suspends_planned_ahead_equal_generate() -> None:
     stats = engine.scheduler.stats
     assert suspended_ahead > 0 and stats.resumes == stats.suspends
     assert m.request_ids() == [] and m.num_free_blocks() == m.num_total_blocks()
+
+
+def test_a_plan_ahead_whose_preparing_fails_is_kept_and_runs_later() -> None:
+    """Preparing a plan made ahead fails (its slot mappings cut while a forward computes):
+    the error reaches the caller, the plan, whose kvcm call already ran, is kept, and the
+    engine run again prepares it at its step and finishes with transformers' tokens."""
+    llama = build_model("llama")
+    engine = Engine(
+        llama,
+        Backend.in_process(_manager(llama)),
+        chunk=16,
+        max_batch_tokens=48,
+        max_running=4,
+        attention="paged",
+        cuda_graphs=True,
+    )
+    prepare = engine._prepare
+    calls = 0
+
+    def failing_once(plan: list) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 6:
+            raise RuntimeError("out of memory while cutting the mappings")
+        return prepare(plan)
+
+    engine._prepare = failing_once  # type: ignore[method-assign]
+    requests = make_requests(4, arrival_every=0)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.run(requests)
+    assert engine._ahead is not None and engine._ahead[3] is None  # kept, not prepared
+    assert all(UNKNOWN not in r.output for r in requests)
+    done = engine.run([])
+    assert calls > 7
+    assert {r.request_id: r.output for r in done} == reference_outputs(llama, make_requests(4))

@@ -188,13 +188,22 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     assert channel.state.metrics.render() == before[1]
     assert step_channel._body(dict(second), False) == packed and "close" not in second
 
+    def broken(columns: dict) -> None:
+        raise RuntimeError("the frame no longer fits the service")
+
+    monkeypatch.setattr(m, "rehearse_columns", broken)
+    channel.rehearse()  # dropped, not raised into the spin
+    channel.rehearse()  # nothing left to rehearse
+    assert len(parsed) == 23
+    monkeypatch.setattr(m, "rehearse_columns", counted_rehearse)
+
     answer({"op": "no_such_op"})  # an error: nothing to rehearse
     channel.rehearse()
     channel.remember(b"x" * REHEARSAL_BYTES, second, 1)  # too large together
     channel.rehearse()
-    assert len(parsed) == 22 and m.request("a").num_tokens == 4
+    assert len(parsed) == 23 and m.request("a").num_tokens == 4
 
     idle, _ = _channel(0.0)  # not in busy-poll mode: nothing is remembered
     idle.remember(pack({"op": "step_columns", "args": {}})[HEADER.size :], second, 10)
     idle.rehearse()
-    assert len(parsed) == 22
+    assert len(parsed) == 23

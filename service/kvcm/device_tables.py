@@ -13,6 +13,7 @@ queued, so the event's last record always follows every edit.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from types import ModuleType
@@ -204,8 +205,9 @@ class Uploader:
 
 
 #: torch's count of the tensors that share a storage (private, as torch's own callers use
-#: it); without it ``Outputs`` never reuses a buffer.
+#: it); without it, or without a tensor's own use count, ``Outputs`` never reuses a buffer.
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # noqa: SLF001
+_REUSE = _storage_use_count is not None and hasattr(torch.Tensor, "_use_count")
 
 
 class Outputs:
@@ -214,14 +216,16 @@ class Outputs:
 
     Allocating a small CUDA tensor costs 3-6 us of host time (torch's allocator and the
     tensor's making), a tenth of a decode step that is otherwise one C call. A ring of
-    ``DEPTH`` slots hands a slot's tensor out again when (a) no Python reference but the
-    ring's and no other tensor (a view such as ``out[0]``, a DLPack export) refers to it or
-    its storage, (b) the shape is the same and (c) the current stream is the one it was made
-    on: then every reader the engine queued on that stream runs before the next step's
-    kernel writes it, the guarantee torch's caching allocator gives memory freed on a
-    stream. Else the slot gets a fresh tensor and the old one is left to its holders. As
-    with freed memory, a reader on another stream holds the tensor until that stream is done
-    (``record_stream`` is not seen here).
+    ``DEPTH`` slots hands a slot's tensor out again when (a) nothing but the ring refers to
+    it: no Python reference, no holder of the tensor itself in C++ (autograd, DLPack) and no
+    other tensor on its storage (a view such as ``out[0]``, a DLPack import); (b) the shape
+    is the same and (c) the current stream is the one it was made on: then every reader the
+    engine queued on that stream runs before the next step's kernel writes it, the
+    guarantee torch's caching allocator gives memory freed on a stream. Else the slot gets
+    a fresh tensor and the old one is left to its holders. As with freed memory, a reader
+    that keeps only the address (``data_ptr()`` given to other code, a CUDA graph that read
+    it), or reads on another stream (``record_stream`` is not seen here), holds the tensor
+    until it is done.
 
     Example: steps 1-4 allocate slots 0-3; the engine drops each step's outcome after its
     forward, so step 5 gets slot 0's tensor again; an engine that kept step 1's mapping gets
@@ -235,12 +239,14 @@ class Outputs:
         self._held: list[torch.Tensor | None] = [None] * self.DEPTH
         self._streams = [0] * self.DEPTH
         #: ``_refs`` of each slot's tensor when nothing else referred to it (its making).
-        self._alone: list[tuple[int, int]] = [(0, 0)] * self.DEPTH
+        self._alone: list[tuple[int, int, int]] = [(0, 0, 0)] * self.DEPTH
         self._turn = 0
 
     def take(self, shape: tuple[int, int], stream: int) -> torch.Tensor:
         """An int64 tensor of ``shape`` on the device, to be written on ``stream`` (a raw
         handle): a slot's again where nothing else holds it, else a fresh one."""
+        if not _REUSE:
+            return torch.empty(shape, dtype=torch.int64, device=self.device)
         k = self._turn
         self._turn = (k + 1) % self.DEPTH
         held = self._held[k]
@@ -255,13 +261,15 @@ class Outputs:
         self._streams[k] = stream
         # Counted as the check counts (the same call, ``held`` bound here too), so the
         # interpreter's own references are the same in both.
-        self._alone[k] = self._refs(k) if _storage_use_count is not None else (-1, -1)
+        self._alone[k] = self._refs(k)
         return held
 
-    def _refs(self, k: int) -> tuple[int, int]:
-        """Python references to slot ``k``'s tensor, and tensors on its storage."""
+    def _refs(self, k: int) -> tuple[int, int, int]:
+        """Python references to slot ``k``'s tensor, holders of the tensor itself, and
+        tensors on its storage."""
         held = self._held[k]
-        return sys.getrefcount(held), _storage_use_count(held.untyped_storage()._cdata)  # noqa: SLF001
+        storage = held.untyped_storage()._cdata  # noqa: SLF001
+        return sys.getrefcount(held), held._use_count(), _storage_use_count(storage)  # noqa: SLF001
 
 
 class DeviceTables:
@@ -378,6 +386,10 @@ class DeviceTables:
             )
         except (ValueError, TypeError):  # refused, nothing launched: the caller's path runs
             return None  # (with the same edits, which are still the caller's to apply)
+        except RuntimeError:  # the driver failed: a launch may read the buffer unfenced
+            with contextlib.suppress(RuntimeError):  # (a broken context fails this too)
+                torch.cuda.synchronize(self.device)
+            raise
         upload.fenced()
         if edits.shape[0]:
             self.edits_queued()

@@ -292,7 +292,7 @@ class Engine:
         self.graphs = self._decode_graphs(cuda_graphs, max_running)
         self.overlap = self._overlap(overlap)
         #: The next step's plan and kvcm time (all, exposed), made during this one (overlap).
-        self._ahead: tuple[list[Work], float, float, Prepared] | None = None
+        self._ahead: tuple[list[Work], float, float, Prepared | None] | None = None
         #: Recorded after each eager forward on CUDA (``_launch``).
         self._done = DoneEvent()
 
@@ -435,13 +435,20 @@ class Engine:
         slot mappings cut and the tables in hand (``_prepare``), so the step launches at
         once."""
         begin = time.perf_counter()
+        prepared: Prepared | None = None
         if self._ahead is not None:
-            plan, kvcm_s, exposed_s, (batches, tables) = self._ahead
+            plan, kvcm_s, exposed_s, prepared = self._ahead
             self._ahead = None
         else:
             plan = self.scheduler.schedule()
-            batches, tables = self._prepare(plan)
             kvcm_s = exposed_s = time.perf_counter() - begin
+        if prepared is None:  # (a plan made ahead whose preparing failed: again, now)
+            t = time.perf_counter()
+            prepared = self._prepare(plan)
+            spent = time.perf_counter() - t
+            kvcm_s += spent
+            exposed_s += spent
+        batches, tables = prepared
         self.stats.steps += 1
         order = self.backend.step_order
         if order is not None:
@@ -480,6 +487,9 @@ class Engine:
         try:
             t = time.perf_counter()
             ahead = self.scheduler.schedule()
+            # Kept before it is prepared: its kvcm call ran, so the plan must not be lost if
+            # preparing it fails (the step prepares it again).
+            self._ahead = (ahead, time.perf_counter() - t, time.perf_counter() - t, None)
             prepared = self._prepare(ahead)
             spent = time.perf_counter() - t
             hidden = launched.busy()  # still computing: the forward hid the whole call
