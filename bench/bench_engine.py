@@ -397,9 +397,9 @@ def main() -> None:
     print(
         "| way | tok/s | vs transformers | steps | step ms mean / p50 | kvcm ms/step "
         "| of it in the call | kvcm ms p50 / p99 | kvcm share | exposed ms/step | exposed share "
-        "| calls | hits | preempt | match |"
+        "| hidden / planned | calls | hits | preempt | match |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = row["tok_s"] / rows[0]["tok_s"]
         if "step_ms_mean" in row:
@@ -409,10 +409,11 @@ def main() -> None:
                 f"{row['kvcm_ms_p50']:.3f} / "
                 f"{row['kvcm_ms_p99']:.3f} | {row['kvcm_share']:.1%} | "
                 f"{row['exposed_ms_per_step']:.3f} | {row['exposed_share']:.1%} | "
+                f"{row['hidden']} / {row['planned_ahead']} | "
                 f"{row['kvcm_calls']} | {row['hit_tokens']} | {row['preemptions']}"
             )
         else:
-            step, kv = "-", "- | - | - | - | - | - | - | - | -"
+            step, kv = "-", "- | - | - | - | - | - | - | - | - | -"
         print(
             f"| {row['way']} | {row['tok_s']:.0f} | {ratio:.2f}x | {row['steps']} | {step} "
             f"| {kv} | {row['match']} |"
