@@ -411,6 +411,9 @@ class KVCacheManager:
         (``out.slot_mapping``: every layer group's slots of each successful extend's new
         tokens, then each successful allocate's past its hit; ``kvcm.columnar.mapped_tokens``),
         as ``slot_mappings`` would, in the same call: one round trip per step for a sidecar.
+        On CUDA its memory is handed out again once nothing refers to it, in the current
+        stream's order, as torch's allocator reuses freed memory (docs/kernels.md): keep the
+        tensor while another stream, or code given only its address, still reads it.
         ``table_edits=True`` also answers the page-table cells changed since the last such
         answer (``out.table_edits``, int64 ``[E, 4]``: group, row, position, value), for an
         engine that keeps its own copy of the tables (``kvcm.table_mirror``). Where pulls
