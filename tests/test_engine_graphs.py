@@ -10,6 +10,7 @@ from test_paged_attention import _manager
 
 from kvcm_engine import Backend, Engine, build_model, make_requests, reference_outputs
 from kvcm_engine.graphs import buckets
+from kvcm_engine.models import BuiltModel
 from kvcm_engine.scheduler import UNKNOWN, Request, Scheduler
 
 
@@ -152,21 +153,27 @@ def test_cuda_graphs_choice() -> None:
         Engine(llama, Backend.in_process(_manager(llama)), cuda_graphs="yes")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("replayed", [False, True])
-def test_a_failed_plan_ahead_leaves_no_unknown_token(replayed: bool) -> None:
-    """kvcm refuses the call planned ahead of the first forward that emits tokens (an eager
-    prefill) or of the first replayed decode: the forward's tokens are still read back and
-    settled (none stays ``UNKNOWN``, none in flight), and the error reaches the caller."""
-    llama = build_model("llama")
-    engine = Engine(
-        llama,
-        Backend.in_process(_manager(llama)),
+def _planning_engine(built: BuiltModel) -> Engine:
+    """A small in-process engine on the static buffers that plans each step ahead (the CPU
+    runs the graphs' forward eagerly): chunks of 16, 48 tokens a step, 4 requests."""
+    return Engine(
+        built,
+        Backend.in_process(_manager(built)),
         chunk=16,
         max_batch_tokens=48,
         max_running=4,
         attention="paged",
         cuda_graphs=True,
     )
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_a_failed_plan_ahead_leaves_no_unknown_token(replayed: bool) -> None:
+    """kvcm refuses the call planned ahead of the first forward that emits tokens (an eager
+    prefill) or of the first replayed decode: the forward's tokens are still read back and
+    settled (none stays ``UNKNOWN``, none in flight), and the error reaches the caller."""
+    llama = build_model("llama")
+    engine = _planning_engine(llama)
     assert engine.graphs is not None
     schedule = engine.scheduler.schedule
 
@@ -229,15 +236,7 @@ def test_a_plan_ahead_whose_preparing_fails_is_kept_and_runs_later() -> None:
     the error reaches the caller, the plan, whose kvcm call already ran, is kept, and the
     engine run again prepares it at its step and finishes with transformers' tokens."""
     llama = build_model("llama")
-    engine = Engine(
-        llama,
-        Backend.in_process(_manager(llama)),
-        chunk=16,
-        max_batch_tokens=48,
-        max_running=4,
-        attention="paged",
-        cuda_graphs=True,
-    )
+    engine = _planning_engine(llama)
     prepare = engine._prepare
     calls = 0
 
