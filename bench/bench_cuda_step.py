@@ -4,6 +4,7 @@
   python bench/bench_cuda_step.py --devices cpu   # the CPU path alone (no GPU needed)
   python bench/bench_cuda_step.py --profile   # also where the host time goes (cProfile)
   python bench/bench_cuda_step.py --phases    # ... in real time: each phase wrapped, us/step
+  python bench/bench_cuda_step.py --gap-ms 5  # also steps 5 ms apart, as a busy-poll sidecar
 
 One step is what an engine does once per forward pass: ``step_columns(extend=handles,
 map_slots=True)`` (+1 token for each of 256 running requests, the slot mappings of every layer
@@ -110,6 +111,56 @@ def run(
         os.environ.pop("KVCM_KERNELS", None)
 
 
+def _spin(seconds: float, rehearse: Any) -> None:
+    """Spin ``seconds`` as busy-poll mode does between steps, calling ``rehearse`` (or
+    nothing) every 100 us as its rehearsal does (``StepChannel.rehearse``)."""
+    end = time.perf_counter() + seconds
+    next_at = 0.0
+    while (now := time.perf_counter()) < end:
+        if rehearse is not None and now >= next_at:
+            rehearse()
+            next_at = now + 1e-4
+
+
+def cadence(
+    groups: int, device: str, steps: int, gap_ms: float, ordered: bool, rehearsed: bool
+) -> dict[str, Any]:
+    """Host time per step when steps come ``gap_ms`` apart with the core kept busy between
+    (a sidecar in busy-poll mode): each step run cold after the gap, as a sidecar's at an
+    engine's cadence; ``rehearsed``: ``rehearse_columns`` of the step every 100 us of the gap,
+    as busy-poll mode does. The same step as ``run``'s (stream-ordered as a sidecar's
+    answer: the mapping stays on the host)."""
+    m, handles = manager(groups, device, share=ordered)
+    columns = {"extend": handles}
+
+    def step() -> Any:
+        out = m.step_columns(extend=handles, map_slots=True, stream_ordered=ordered)
+        m.page_tables()
+        return out.slot_mapping
+
+    def rehearse() -> None:
+        m.rehearse_columns(columns)
+
+    for _ in range(50):
+        step()
+    _sync(device)
+    host = []
+    for _ in range(steps):
+        _spin(gap_ms / 1e3, rehearse if rehearsed else None)
+        t = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t)
+    _sync(device)
+    return {
+        "groups": groups,
+        "device": device + (" (stream-ordered)" if ordered else ""),
+        "rehearsed": rehearsed,
+        "p50_us": statistics.median(host) * 1e6,
+        "p90_us": float(np.percentile(host, 90)) * 1e6,
+        "p99_us": float(np.percentile(host, 99)) * 1e6,
+    }
+
+
 def _kernel_time(step: Any, steps: int) -> float:
     """GPU kernel + copy time per step, from the profiler's device records."""
     from torch.profiler import ProfilerActivity, profile
@@ -171,10 +222,11 @@ PHASES = (
 )
 
 
-def phases(groups: int, device: str, steps: int) -> None:
+def phases(groups: int, device: str, steps: int, gap_ms: float | None = None) -> None:
     """Where a step's host time goes in real time (cProfile's own cost distorts calls this
     short): each phase of ``PHASES`` wrapped with ``perf_counter_ns`` for the run, then
-    put back; us per step, beside the plain step's wall time of the same manager."""
+    put back; us per step, beside the plain step's wall time of the same manager.
+    ``gap_ms``: the steps that far apart, rehearsed while spinning (as ``cadence``)."""
     import importlib
 
     spent: dict[str, int] = {}
@@ -190,6 +242,7 @@ def phases(groups: int, device: str, steps: int) -> None:
         return wrapper
 
     m, handles = manager(groups, device)
+    columns = {"extend": handles}
 
     def step() -> None:
         m.step_columns(extend=handles, map_slots=True)
@@ -199,11 +252,16 @@ def phases(groups: int, device: str, steps: int) -> None:
         for _ in range(50):
             step()
         _sync(device)
-        t = time.perf_counter_ns()
+        spent.clear()  # the phases of the measured steps alone
+        took = 0
         for _ in range(steps):
+            if gap_ms:
+                _spin(gap_ms / 1e3, lambda: m.rehearse_columns(columns))
+            t = time.perf_counter_ns()
             step()
+            took += time.perf_counter_ns() - t
         _sync(device)
-        return (time.perf_counter_ns() - t) / steps / 1e3
+        return took / steps / 1e3
 
     plain = timed_run()
     saved = []
@@ -225,8 +283,9 @@ def phases(groups: int, device: str, steps: int) -> None:
     finally:
         for target, name, value in reversed(saved):
             setattr(target, name, value)
-    runs = 50 + steps  # the warm-up's calls count too: per measured step below
-    print(f"\n## host time by phase: {groups} group(s), {device}, {steps} steps")
+    runs = steps
+    apart = f", {gap_ms} ms apart (rehearsed)" if gap_ms else ""
+    print(f"\n## host time by phase: {groups} group(s), {device}, {steps} steps{apart}")
     print(f"plain step {plain:.1f} us, wrapped {wrapped:.1f} us")
     print("| phase | us/step |\n|---|---|")
     for label, ns in sorted(spent.items(), key=lambda kv: -kv[1]):
@@ -243,6 +302,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--phases", action="store_true", help="host time by phase, real time")
+    parser.add_argument("--gap-ms", type=float, help="also steps this far apart (spinning)")
+    parser.add_argument("--gap-steps", type=int, default=500, help="steps at --gap-ms")
     parser.add_argument("--json")
     args = parser.parse_args()
     devices = args.devices or (["cuda:0", "cpu"] if torch.cuda.is_available() else ["cpu"])
@@ -265,12 +326,27 @@ def main() -> None:
             f"| {r['groups']} | {r['device']} | {r['wall_us']:.1f} | {r['host_p50_us']:.1f} | "
             f"{r['host_p99_us']:.1f} | {_fmt(r['device_us'])} | {_fmt(r['span_us'])} |"
         )
+    if args.gap_ms:
+        print(f"\n## steps {args.gap_ms} ms apart, spinning between, {args.gap_steps} steps: us")
+        print("| groups | device | rehearsed | p50 | p90 | p99 |\n|---|---|---|---|---|---|")
+        for groups in (1, 4):
+            for device in devices:
+                for ordered in (False, True) if device.startswith("cuda") else (False,):
+                    for rehearsed in (False, True):
+                        r = cadence(groups, device, args.gap_steps, args.gap_ms, ordered, rehearsed)
+                        rows.append(r)
+                        print(
+                            f"| {groups} | {r['device']} | {'yes' if rehearsed else 'no'} | "
+                            f"{r['p50_us']:.1f} | {r['p90_us']:.1f} | {r['p99_us']:.1f} |"
+                        )
     if args.profile:
         for groups in (1, 4):
             profile_host(groups, devices[0], 300)
     if args.phases:
         for groups in (1, 4):
             phases(groups, devices[0], args.steps)
+            if args.gap_ms:
+                phases(groups, devices[0], args.gap_steps, args.gap_ms)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
