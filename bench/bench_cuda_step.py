@@ -219,14 +219,19 @@ PHASES = (
     ("kvcm.device_tables", "torch", "empty", "torch.empty (a fresh output)"),
     ("kvcm_kernels", "", "current_stream_handle", "current_stream_handle"),
     ("kvcm.views", "TablesAndViews", "page_tables", "page_tables"),
+    ("kvcm.device_tables", "DeviceTables", "publish", "publish (stream-ordered: edits, event)"),
+    ("kvcm.device_tables", "DeviceTables", "_c_launch", "_c_launch (the C call and its fences)"),
 )
 
 
-def phases(groups: int, device: str, steps: int, gap_ms: float | None = None) -> None:
+def phases(
+    groups: int, device: str, steps: int, gap_ms: float | None = None, ordered: bool = False
+) -> None:
     """Where a step's host time goes in real time (cProfile's own cost distorts calls this
     short): each phase of ``PHASES`` wrapped with ``perf_counter_ns`` for the run, then
     put back; us per step, beside the plain step's wall time of the same manager.
-    ``gap_ms``: the steps that far apart, rehearsed while spinning (as ``cadence``)."""
+    ``gap_ms``: the steps that far apart, rehearsed while spinning (as ``cadence``);
+    ``ordered``: stream-ordered steps on shared tables (a sidecar's, as ``cadence``)."""
     import importlib
 
     spent: dict[str, int] = {}
@@ -241,11 +246,11 @@ def phases(groups: int, device: str, steps: int, gap_ms: float | None = None) ->
 
         return wrapper
 
-    m, handles = manager(groups, device)
+    m, handles = manager(groups, device, share=ordered)
     columns = {"extend": handles}
 
     def step() -> None:
-        m.step_columns(extend=handles, map_slots=True)
+        m.step_columns(extend=handles, map_slots=True, stream_ordered=ordered)
         m.page_tables()
 
     def timed_run() -> float:
@@ -284,7 +289,9 @@ def phases(groups: int, device: str, steps: int, gap_ms: float | None = None) ->
         for target, name, value in reversed(saved):
             setattr(target, name, value)
     runs = steps
-    apart = f", {gap_ms} ms apart (rehearsed)" if gap_ms else ""
+    apart = (", stream-ordered" if ordered else "") + (
+        f", {gap_ms} ms apart (rehearsed)" if gap_ms else ""
+    )
     print(f"\n## host time by phase: {groups} group(s), {device}, {steps} steps{apart}")
     print(f"plain step {plain:.1f} us, wrapped {wrapped:.1f} us")
     print("| phase | us/step |\n|---|---|")
@@ -344,9 +351,10 @@ def main() -> None:
             profile_host(groups, devices[0], 300)
     if args.phases:
         for groups in (1, 4):
-            phases(groups, devices[0], args.steps)
-            if args.gap_ms:
-                phases(groups, devices[0], args.gap_steps, args.gap_ms)
+            for ordered in (False, True) if devices[0].startswith("cuda") else (False,):
+                phases(groups, devices[0], args.steps, None, ordered)
+                if args.gap_ms:
+                    phases(groups, devices[0], args.gap_steps, args.gap_ms, ordered)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -920,3 +920,42 @@ def test_step_launch_packs_the_inputs_and_launches_once() -> None:
     fake.launch_code, fake.record_code = 0, 400
     with pytest.raises(RuntimeError, match="cuEventRecord failed \\(CUresult 400\\)"):
         core.step_launch(consts, address, 64, decode, edits, 1, 2, 0, 1, 1, 7, 0)
+
+
+@built
+def test_step_launch_of_edits_alone_records_the_step_event_after_the_fence() -> None:
+    """A stream-ordered step's edits (``DeviceTables.publish``): no items, no group and
+    pad_to 0 launch the kernel on the edits alone, and the optional step event is recorded
+    after the staging buffer's fence, on the same stream; a mapping is still refused
+    without a group, and a failed fence record leaves the step event unrecorded."""
+    core = native._built
+    assert core is not None
+    fake = _FakeDriver()
+    kernel, tables_ptr, groups, table_rows, cols, tpb = 0xABC, 0x7000, 2, 8, 5, 4
+    consts = np.array(
+        [*fake.addresses, kernel, tables_ptr, groups, table_rows, cols, tpb, 1, 1024, 4096],
+        dtype=np.int64,
+    )
+    buf = np.full(16, -9, dtype=np.int64)
+    address = buf.ctypes.data
+    edits = np.array([[0, 3, 1, 9], [1, 0, 0, 4]], dtype=np.int64)
+    none = (np.empty(0, np.int64), np.empty(0, np.int64), 1)
+    core.step_launch(consts, address, 16, none, edits, 0, 0, 0, 0, 0x55, 0x66, 0, 0x88)
+    assert buf[:9].tolist() == [0, *edits.reshape(-1).tolist()] and (buf[9:] == -9).all()
+    (call,) = fake.launches
+    a = call["args"]
+    assert a[1:4] == [address + 8, 2, address]  # the edits after query_start_loc [0]
+    assert a[6:11] == [0, 0, 0, 0, 0]  # no output, n, pad_to, first group, groups
+    assert call["shared"] == 8 and call["stream"] == 0x55
+    assert fake.records == [(0x66, 0x55), (0x88, 0x55)]
+
+    buf[:] = -9
+    for items, pad_to in ((none, 8), ((np.array([3]), np.array([6]), np.array([1])), 8)):
+        with pytest.raises(ValueError, match="inconsistent sizes"):
+            core.step_launch(consts, address, 16, items, edits, 0, pad_to, 0, 0, 0x55, 0x66, 0)
+    assert (buf == -9).all() and len(fake.launches) == 1
+
+    fake.record_code = 400
+    with pytest.raises(RuntimeError, match="cuEventRecord failed"):
+        core.step_launch(consts, address, 16, none, edits, 0, 0, 0, 0, 0x55, 0x66, 0, 0x88)
+    assert fake.records[2:] == [(0x66, 0x55)]  # the step event not recorded after it

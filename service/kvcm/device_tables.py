@@ -30,12 +30,15 @@ from kvcm_kernels.step_tables import (
     driver_entry_points,
 )
 
+from . import native
 from .context_parallel import local_edits, table_width
 from .coordinator import Coordinator
 from .mapped_items import MappedItems
 from .step_order import StepOrder
 
 _NO_EDITS = np.empty((0, 4), dtype=np.int64)
+#: A decode batch of no request (``MappedItems``): a launch that maps no token.
+_NO_ITEMS: MappedItems = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 1)
 
 
 class EditQueues:
@@ -352,23 +355,42 @@ class DeviceTables:
         (``total`` tokens) on layer groups ``[first_group, first_group + num_groups)``,
         int64 ``[num_groups, pad_to]`` on the device (``Outputs``': reused once nothing
         holds it), in one C call on the current stream (which also waits for the staging
-        buffer's last reader and records its event). None, with nothing launched, where
-        ``StepLaunch`` (or the usual dispatch) must run it: no fused launch here, one launch
-        would not take it, the driver's entry points or raw events are missing, or the C
-        core refuses the inputs (which the caller's checks make unreachable); the caller
-        then applies ``edits`` itself. A driver error is a RuntimeError, as from ``StepLaunch``."""
-        launch, upload = self._launch, self._upload
-        if launch is None or upload is None or not upload.raw_event:
+        buffer's last reader and records its event, and the step event after edits). None,
+        with nothing launched, where ``StepLaunch`` (or the usual dispatch) must run it: no
+        fused launch here, one launch would not take it, the driver's entry points or raw
+        events are missing, or the C core refuses the inputs (which the caller's checks make
+        unreachable); the caller then applies ``edits`` itself. A driver error is a
+        RuntimeError, as from ``StepLaunch``."""
+        launch = self._launch
+        if launch is None or not self._c_ready(len(edits), num_groups * pad_to):
             return None
-        if not launch.fits(len(edits), num_groups * pad_to):
-            return None
-        consts = self._launch_consts(launch)
-        if consts is None:
-            return None
-        size = 2 * items[0].size + 1 + total + edits.size
-        address, wait = upload.reserve_unwaited(size)
         stream = kvcm_kernels.current_stream_handle(launch.index)
         out = self._outputs.take((num_groups, pad_to), stream)
+        launched = self._c_launch(
+            core, items, total, edits, (out.data_ptr(), pad_to, first_group, num_groups), stream
+        )
+        return out if launched else None
+
+    def _c_launch(
+        self,
+        core: ModuleType,
+        items: MappedItems,
+        total: int,
+        edits: np.ndarray,
+        mapping: tuple[int, int, int, int],
+        stream: int,
+    ) -> bool:
+        """``core.step_launch`` on ``stream`` (once ``_c_ready``) with ``mapping`` (the
+        output's device address, pad_to, first group, groups; ``(0, 0, 0, 0)``: the edits
+        alone), the staging buffer's event and, after edits, the step event recorded in the
+        same call; False, with nothing launched, where the C core refuses the inputs. A
+        driver error is a RuntimeError, the device synchronized first."""
+        upload, consts = self._upload, self._consts
+        assert upload is not None and isinstance(consts, np.ndarray)
+        order = self._order
+        step_event = order.event if order is not None and edits.shape[0] else 0
+        size = 2 * items[0].size + 1 + total + edits.size
+        address, wait = upload.reserve_unwaited(size)
         try:
             core.step_launch(
                 consts,
@@ -376,24 +398,33 @@ class DeviceTables:
                 size,
                 items,
                 edits,
-                out.data_ptr(),
-                pad_to,
-                first_group,
-                num_groups,
+                *mapping,
                 stream,
                 upload.raw_event,
                 wait,
+                step_event,
             )
         except (ValueError, TypeError):  # refused, nothing launched: the caller's path runs
-            return None  # (with the same edits, which are still the caller's to apply)
+            return False  # (with the same edits, which are still the caller's to apply)
         except RuntimeError:  # the driver failed: a launch may read the buffer unfenced
             with contextlib.suppress(RuntimeError):  # (a broken context fails this too)
                 torch.cuda.synchronize(self.device)
             raise
         upload.fenced()
-        if edits.shape[0]:
-            self.edits_queued()
-        return out
+        return True
+
+    def _c_ready(self, num_edits: int, outputs: int) -> bool:
+        """Whether ``_c_launch`` can take a step of ``num_edits`` edits and ``outputs``
+        slot-mapping entries: a fused launch that fits them (``StepLaunch.fits``), raw
+        events to fence the staging buffer with and the driver's entry points."""
+        launch, upload = self._launch, self._upload
+        return (
+            launch is not None
+            and upload is not None
+            and bool(upload.raw_event)
+            and launch.fits(num_edits, outputs)
+            and self._launch_consts(launch) is not None
+        )
 
     def _launch_consts(self, launch: StepLaunch) -> np.ndarray | None:
         """``core.step_launch``'s consts for these tables (made once): the driver's entry
@@ -490,16 +521,23 @@ class DeviceTables:
         """Apply the pending edits on the current stream and record the step event after
         them (``step_columns(stream_ordered=True)``): no wait on the host. Needs ``order``
         (shared CUDA tables of one rank, which have the uploader and, with CuPy, the step's
-        pre-bound launch: the edits go as a step that maps no token, one driver call).
-        Without edits nothing is launched nor recorded (most decode steps cross no block
-        boundary): every path that applies edits records the event after them (``sync``, a
-        slot mapping's fused launch: ``edits_queued``), so its last record follows them
-        all."""
+        pre-bound launch: the edits go as a step that maps no token, one driver call; with
+        the C core the edits, the staging buffer's fence and the step event are one C
+        call). Without edits nothing is launched nor recorded (most decode steps cross no
+        block boundary): every path that applies edits records the event after them
+        (``sync``, a slot mapping's fused launch), so its last record follows them all."""
         order = self._order
         assert order is not None and self._upload is not None
         edits = self.take_pending()
         if edits.shape[0]:
             stream = kvcm_kernels.current_stream_handle(order.index)
+            core = native.core
+            if (
+                core is not None
+                and self._c_ready(len(edits), 0)
+                and self._c_launch(core, _NO_ITEMS, 0, edits, (0, 0, 0, 0), stream)
+            ):
+                return
             size = 1 + edits.size  # query_start_loc [0], then the edits (StepLaunch's layout)
             packed = self._upload.reserve(size)
             packed[0] = 0

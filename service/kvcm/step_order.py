@@ -104,6 +104,12 @@ class StepOrder:
         for event in self._done.values():
             self._rt.streamWaitEvent(stream, event, 0)
 
+    @property
+    def event(self) -> int:
+        """The step event's raw handle (a ``CUevent``), for C code that records it itself
+        (``kvcm._native.step_launch``)."""
+        return int(self._event)
+
     def record(self, stream: int) -> None:
         """Record the step event on ``stream`` after the step's edits were queued on it."""
         self._rt.eventRecord(self._event, stream)

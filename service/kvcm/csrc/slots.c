@@ -160,7 +160,7 @@ enum { C_LAUNCH, C_RECORD, C_SYNC, C_KERNEL, C_TABLES, C_GROUPS, C_ROWS, C_COLS,
 #define KERNEL_ARGS 16
 
 /* step_launch(consts, address, capacity, items, edits, out, pad_to, first_group,
- *             num_groups, stream, event, wait)
+ *             num_groups, stream, event, wait[, step_event])
  *
  * The fused step kernel (kvcm_kernels.step_tables, apply_edits_and_map_slots) launched
  * with its inputs packed in one pass: rows [n], query_start_loc [n + 1], positions [total],
@@ -174,7 +174,10 @@ enum { C_LAUNCH, C_RECORD, C_SYNC, C_KERNEL, C_TABLES, C_GROUPS, C_ROWS, C_COLS,
  * (groups, rows, blocks), tokens_per_block, min_live, the block's threads and the staged
  * query_start_loc limit.
  * out: the device address of int64 [num_groups, pad_to]. What kvcm_kernels' StepLaunch
- * does in about a dozen Python calls, in one (docs/native.md).
+ * does in about a dozen Python calls, in one (docs/native.md). num_groups 0 with no items
+ * and pad_to 0: the edits alone (a stream-ordered step's, whose mapping came from the host).
+ * step_event (optional, 0: none): one more cuEventRecord after `event`'s, the interprocess
+ * step event an engine's stream waits on (kvcm.step_order).
  *
  * Example: items ([3, 0], [6, 0], [1, 2]) and one edit at A: rows at A, query_start_loc
  * [0, 1, 3] at A + 16, positions [6, 0, 1] at A + 40, the edit at A + 64. Returns None;
@@ -183,11 +186,11 @@ enum { C_LAUNCH, C_RECORD, C_SYNC, C_KERNEL, C_TABLES, C_GROUPS, C_ROWS, C_COLS,
  * RuntimeError with the driver's code if the wait, the launch or the record fails. */
 PyObject *kvcm_step_launch(PyObject *self, PyObject *args) {
     PyObject *consts_obj, *spec, *edits_obj;
-    unsigned long long address, out_ptr, stream, event, wait;
+    unsigned long long address, out_ptr, stream, event, wait, step_event = 0;
     Py_ssize_t capacity, pad_to, first_group, num_groups;
-    if (!PyArg_ParseTuple(args, "OKnOOKnnnKKK", &consts_obj, &address, &capacity, &spec,
+    if (!PyArg_ParseTuple(args, "OKnOOKnnnKKK|K", &consts_obj, &address, &capacity, &spec,
                           &edits_obj, &out_ptr, &pad_to, &first_group, &num_groups, &stream,
-                          &event, &wait))
+                          &event, &wait, &step_event))
         return NULL;
     Buf consts = {0}, edits = {0};
     Items it = {0};
@@ -207,7 +210,8 @@ PyObject *kvcm_step_launch(PyObject *self, PyObject *args) {
     Py_ssize_t n = it.n, total = it.total, e = edits.n / 4;
     /* every count fits the kernel's int arguments, so the packed size cannot overflow */
     int fits = !(edits.n % 4) && n < INT32_MAX && total <= INT32_MAX && e <= INT32_MAX &&
-               pad_to <= INT32_MAX && total <= pad_to && num_groups >= 1 && first_group >= 0 &&
+               pad_to <= INT32_MAX && total <= pad_to &&
+               (num_groups >= 1 || (num_groups == 0 && !n && !pad_to)) && first_group >= 0 &&
                first_group <= k[C_GROUPS] - num_groups && address;
     Py_ssize_t size = fits ? n + (n + 1) + total + edits.n : 0;
     if (!fits || size > capacity) {
@@ -253,9 +257,11 @@ PyObject *kvcm_step_launch(PyObject *self, PyObject *args) {
                      code);
         goto done;
     }
-    if (event) {
-        record_fn record = (record_fn)(uintptr_t)k[C_RECORD];
-        code = record((void *)(uintptr_t)event, (void *)(uintptr_t)stream);
+    record_fn record = (record_fn)(uintptr_t)k[C_RECORD];
+    unsigned long long events[2] = {event, step_event};
+    for (int i = 0; i < 2; i++) {
+        if (!events[i]) continue;
+        code = record((void *)(uintptr_t)events[i], (void *)(uintptr_t)stream);
         if (code) {
             PyErr_Format(PyExc_RuntimeError, "step_launch: cuEventRecord failed (CUresult %d)",
                          code);
