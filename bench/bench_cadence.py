@@ -4,6 +4,7 @@
   python bench/bench_cadence.py --gap-ms 10 --steps 1000
   python bench/bench_cadence.py --quick          # a smoke run
   python bench/bench_cadence.py --device cuda:0 --map-slots   # a GPU sidecar, with mappings
+  python bench/bench_cadence.py --one-client-cpu   # the client pinned to one core (many cores)
 
 An engine calls its KV-cache manager once per forward pass, every 5-30 ms, not back to back:
 between two steps the service sleeps, and a sleeping service pays a wake-up and cold caches
@@ -274,6 +275,12 @@ def main() -> None:
     parser.add_argument(
         "--no-pin", action="store_true", help="leave the servers and the client unpinned"
     )
+    parser.add_argument(
+        "--one-client-cpu",
+        action="store_true",
+        help="the client on the first CPU alone (an engine pinned to a core), not on every CPU "
+        "but the servers'",
+    )
     parser.add_argument("--device", default="cpu", help="the sidecar's device (cuda:0: a GPU)")
     parser.add_argument(
         "--map-slots", action="store_true", help="the step answers the slot mappings too"
@@ -282,7 +289,8 @@ def main() -> None:
     steps = 200 if args.quick else args.steps
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2 and not args.no_pin:
-        PIN["server"], PIN["client"] = {cpus[-1]}, set(cpus[:-1])
+        PIN["server"] = {cpus[-1]}
+        PIN["client"] = {cpus[0]} if args.one_client_cpu else set(cpus[:-1])
         os.sched_setaffinity(0, PIN["client"])
     gaps = [args.gap_ms / 1000, 0.0]
     with tempfile.TemporaryDirectory(prefix="kvcm-cad-") as name:
