@@ -312,13 +312,18 @@ def test_a_call_built_after_the_spin_ended_still_wakes_the_service(
     ):
         h = kv.step_columns(allocate=[{"request_id": "a", "num_tokens": 3}]).handles
         assert kv.ring_attached
-        pack_now = step_channel.pack
+        pack_now, decode_now = step_channel.pack, step_channel.DecodeFrames.frame
 
         def slow_pack(*a: Any) -> bytes:
             time.sleep(0.3)  # past the 50 ms spin the doorbell started
             return pack_now(*a)
 
+        def slow_decode(*a: Any) -> bytes:  # a decode step's frame (``DecodeFrames``)
+            time.sleep(0.3)
+            return decode_now(*a)
+
         monkeypatch.setattr(step_channel, "pack", slow_pack)
+        monkeypatch.setattr(step_channel.DecodeFrames, "frame", slow_decode)
         time.sleep(0.2)  # the service sleeps: the call rings first
         wakes = frames_by_op(url).get("wake", 0)
         start = time.monotonic()

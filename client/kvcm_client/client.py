@@ -53,7 +53,7 @@ from ._http import (
     unavailable,
     wait_timeout_error,
 )
-from .columns import StepColumnsResult, wire_columns
+from .columns import StepColumnsResult, int64_bytes, wire_columns
 from .errors import (
     InvalidArgument,
     NoModel,
@@ -86,6 +86,9 @@ if TYPE_CHECKING:
 
 
 T = TypeVar("T")
+#: The default of ``step_columns``' sections: a step whose sections but ``extend`` are all
+#: this (left out, or given as ``()``) is a decode step (``_decode``).
+_NONE: tuple[()] = ()
 
 
 class KVCacheClient:
@@ -344,21 +347,21 @@ class KVCacheClient:
     def step_columns(
         self,
         *,
-        free: Any = (),
-        rewind: Any = (),
+        free: Any = _NONE,
+        rewind: Any = _NONE,
         rewind_tokens: Any = 1,
-        commit: Any = (),
+        commit: Any = _NONE,
         commit_tokens: Any = (),
         extend: Any = (),
         num_new_tokens: Any = 1,
         lookahead: Any = 0,
-        allocate: Any = (),
-        suspend: Any = (),
-        resume: Any = (),
+        allocate: Any = _NONE,
+        suspend: Any = _NONE,
+        resume: Any = _NONE,
         atomic: bool = False,
         map_slots: bool = False,
         table_edits: bool = False,
-        ragged_layers: Any = (),
+        ragged_layers: Any = _NONE,
         stream_ordered: bool = False,
     ) -> StepColumnsResult:
         """The columnar step (``KVCacheManager.step_columns``; docs/requests.md): requests
@@ -374,7 +377,26 @@ class KVCacheClient:
         docs/shared-memory.md#stream-ordered-steps)."""
         if self._channel is None:
             return self._run(calls.step_columns(given_fields(locals())))
-        self._channel.wake()  # before the frame is built (docs/step-channel.md)
+        ch = self._channel
+        ch.wake()  # before the frame is built (docs/step-channel.md)
+        if (  # a decode step (extends alone, one count each): its frame from cached pieces
+            free is _NONE
+            and rewind is _NONE
+            and commit is _NONE
+            and allocate is _NONE
+            and suspend is _NONE
+            and resume is _NONE
+            and ragged_layers is _NONE
+            and atomic is False
+            and type(num_new_tokens) is int
+            and type(lookahead) is int
+            and type(map_slots) is bool
+            and type(table_edits) is bool
+            and type(stream_ordered) is bool
+            and len(extend)
+        ):
+            key = (num_new_tokens, lookahead, map_slots, table_edits, stream_ordered)
+            return self._decode(ch, int64_bytes(extend, "extend"), key)
         args = wire_columns(
             free=free,
             rewind=rewind,
@@ -394,6 +416,17 @@ class KVCacheClient:
             stream_ordered=stream_ordered,
         )
         return self._over_channel(channel.step_columns(args))
+
+    def _decode(
+        self, ch: channel.StepSocket, handles: bytes, counts_and_flags: tuple[Any, ...]
+    ) -> StepColumnsResult:
+        """``step_columns`` of a decode step over ``ch`` (``DecodeFrames``: the same frame
+        as the general path's, built in one join)."""
+        key = (*counts_and_flags, self.session_id, self.generation, self._token)
+        answer = ch.call_frame(channel.DECODE, ch.decode_frames.frame(handles, key))
+        result = channel.result_of(channel.DECODE, answer)
+        self.generation = pin(self.generation, answer.get("generation"))
+        return result
 
     def suspend(self, request_id: str) -> RequestInfo:
         """``KVCacheManager.suspend``: the request's blocks to the host tier."""

@@ -56,6 +56,12 @@ def _raw(values: Any, name: str, code: str) -> bytes:
     return _from_list(values, name, code)
 
 
+def int64_bytes(values: Any, name: str) -> bytes:
+    """``values`` (handles) as the wire's little-endian int64 bytes, checked as a
+    ``step_columns`` section's (``InvalidArgument`` naming ``name``)."""
+    return _raw(values, name, "q")
+
+
 def _from_list(values: Any, name: str, code: str) -> bytes:
     """A sequence of Python ints (not bools) as ``_raw``'s bytes."""
     if bool in map(type, values):
