@@ -759,6 +759,8 @@ class _FakeDriver:
         self.watch: np.ndarray | None = None  # the staging buffer a wait looks at
         self.launch_code = 0
         self.record_code = 0
+        #: The one event whose record fails with ``record_code`` (None: every record).
+        self.failing_event: int | None = None
         self.sync_code = 0
         u, vp = ctypes.c_uint, ctypes.c_void_p
         launch_t = ctypes.CFUNCTYPE(
@@ -787,7 +789,7 @@ class _FakeDriver:
 
         def record(event, stream):
             self.records.append((event, stream))
-            return self.record_code
+            return self.record_code if self.failing_event in (None, event) else 0
 
         def sync(event):
             self.waits.append((event, None if self.watch is None else int(self.watch[0])))
@@ -926,8 +928,9 @@ def test_step_launch_packs_the_inputs_and_launches_once() -> None:
 def test_step_launch_of_edits_alone_records_the_step_event_after_the_fence() -> None:
     """A stream-ordered step's edits (``DeviceTables.publish``): no items, no group and
     pad_to 0 launch the kernel on the edits alone, and the optional step event is recorded
-    after the staging buffer's fence, on the same stream; a mapping is still refused
-    without a group, and a failed fence record leaves the step event unrecorded."""
+    after the staging buffer's fence, on the same stream; no group with a pad_to, or past
+    the tables, is refused; a failed fence record leaves the step event unrecorded, and a
+    failed step event record is an error too."""
     core = native._built
     assert core is not None
     fake = _FakeDriver()
@@ -949,13 +952,22 @@ def test_step_launch_of_edits_alone_records_the_step_event_after_the_fence() -> 
     assert call["shared"] == 8 and call["stream"] == 0x55
     assert fake.records == [(0x66, 0x55), (0x88, 0x55)]
 
+    # Refused: no group with pad_to 8 (the edits alone have no mapping), no group past the
+    # tables' last.
     buf[:] = -9
-    for items, pad_to in ((none, 8), ((np.array([3]), np.array([6]), np.array([1])), 8)):
+    for pad_to, first in ((8, 0), (0, groups + 1)):
         with pytest.raises(ValueError, match="inconsistent sizes"):
-            core.step_launch(consts, address, 16, items, edits, 0, pad_to, 0, 0, 0x55, 0x66, 0)
+            core.step_launch(consts, address, 16, none, edits, 0, pad_to, first, 0, 0x55, 0x66, 0)
     assert (buf == -9).all() and len(fake.launches) == 1
 
+    # The fence's record fails: the step event is not recorded after it; the step event's
+    # own record fails: an error too, after the fence's.
     fake.record_code = 400
+    fake.failing_event = 0x66
     with pytest.raises(RuntimeError, match="cuEventRecord failed"):
         core.step_launch(consts, address, 16, none, edits, 0, 0, 0, 0, 0x55, 0x66, 0, 0x88)
-    assert fake.records[2:] == [(0x66, 0x55)]  # the step event not recorded after it
+    assert fake.records[2:] == [(0x66, 0x55)]
+    fake.failing_event = 0x88
+    with pytest.raises(RuntimeError, match="cuEventRecord failed \\(CUresult 400\\)"):
+        core.step_launch(consts, address, 16, none, edits, 0, 0, 0, 0, 0x55, 0x66, 0, 0x88)
+    assert fake.records[3:] == [(0x66, 0x55), (0x88, 0x55)]

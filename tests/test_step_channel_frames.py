@@ -17,6 +17,7 @@ from helpers import FakeStepChannel
 from kvcm_client import KVCacheClient
 from kvcm_client import client as client_module
 from kvcm_client.columns import wire_columns
+from kvcm_client.errors import InvalidArgument
 from kvcm_client.step_channel import DecodeFrames, header, new_packer, pack, unpack
 
 #: Handle counts around msgpack's bin sizes: 31 handles are 248 bytes (bin 8), 32 are 256
@@ -71,6 +72,26 @@ def test_decode_frames_equal_the_general_paths_frames() -> None:
         step = unpack(frame[4:])
         assert step["args"]["extend"] == handles.tobytes()
         assert step["args"]["num_new_tokens"] == key[0] and step["args"]["lookahead"] == key[1]
+
+
+def test_a_key_msgpack_cannot_pack_is_refused_and_keeps_the_last_pieces() -> None:
+    """A count past 64 bits or a header that is not UTF-8 is an ``InvalidArgument``, as on
+    the general path, and the pieces of the key before it stay whole: the next frame for
+    that key is its frame again (the pieces were once replaced half, so a later frame of
+    the old key joined the new key's prefix to the old suffix)."""
+    frames = DecodeFrames(new_packer())
+    handles = array("q", [3, 9]).tobytes()
+    good = (1, 0, True, False, False, "s", "g", None)
+    first = frames.frame(handles, good)
+    for bad in (
+        (2**64, 0, False, True, True, None, None, "t"),
+        (1, 0, True, False, False, "\ud800", "g", None),
+    ):
+        with pytest.raises(InvalidArgument, match="cannot send"):
+            frames.frame(handles, bad)
+        with pytest.raises(InvalidArgument, match="cannot send"):
+            _general(array("q", [3, 9]), bad)
+        assert frames.frame(handles, good) == first == _general(array("q", [3, 9]), good)
 
 
 class Frames(FakeStepChannel):

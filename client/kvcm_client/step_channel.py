@@ -128,24 +128,11 @@ class DecodeFrames:
         "step_columns", "args": {"extend": handles, "num_new_tokens": n, "lookahead": a,
         and "map_slots", "table_edits", "stream_ordered" where True}, **header(session,
         generation, token)}``, with ``key`` = ``(n, a, map_slots, table_edits,
-        stream_ordered, session, generation, token)`` (ints, bools, and str or None)."""
+        stream_ordered, session, generation, token)``: exact ints and bools (the key is
+        compared with ``==``, where ``True == 1``: the caller checks the types), and str or
+        None."""
         if key != self._key:
-            new, ahead, *flags = key[:5]
-            args = [("num_new_tokens", new), ("lookahead", ahead)]
-            args += [(name, True) for name, on in zip(_DECODE_FLAGS, flags, strict=True) if on]
-            head = header(*key[5:])
-            p = self._packer
-            self._prefix = b"".join(
-                (
-                    p.pack_map_header(2 + len(head)),
-                    p.pack("op"),
-                    p.pack("step_columns"),
-                    p.pack("args"),
-                    p.pack_map_header(1 + len(args)),
-                    p.pack("extend"),
-                )
-            )
-            self._suffix = b"".join(p.pack(k) + p.pack(v) for k, v in (*args, *head.items()))
+            self._prefix, self._suffix = self._pieces(key)  # both, or neither on an error
             self._key = key
         n = len(handles)
         if n < 0x100:
@@ -156,6 +143,31 @@ class DecodeFrames:
             kind = b"\xc6" + n.to_bytes(4, "big")
         size = len(self._prefix) + len(kind) + n + len(self._suffix)
         return b"".join((HEADER.pack(size), self._prefix, kind, handles, self._suffix))
+
+    def _pieces(self, key: tuple[Any, ...]) -> tuple[bytes, bytes]:
+        """The frame's bytes before the handles' and after them, for ``key``;
+        ``InvalidArgument`` for what msgpack cannot pack (a count past 64 bits, a string
+        that is not UTF-8), as ``pack`` says it."""
+        new, ahead, *flags = key[:5]
+        args = [("num_new_tokens", new), ("lookahead", ahead)]
+        args += [(name, True) for name, on in zip(_DECODE_FLAGS, flags, strict=True) if on]
+        head = header(*key[5:])
+        p = self._packer
+        try:
+            prefix = b"".join(
+                (
+                    p.pack_map_header(2 + len(head)),
+                    p.pack("op"),
+                    p.pack("step_columns"),
+                    p.pack("args"),
+                    p.pack_map_header(1 + len(args)),
+                    p.pack("extend"),
+                )
+            )
+            suffix = b"".join(p.pack(k) + p.pack(v) for k, v in (*args, *head.items()))
+        except (TypeError, OverflowError, ValueError) as exc:
+            raise InvalidArgument(f"cannot send this call over the step channel: {exc}") from None
+        return prefix, suffix
 
 
 def unpack(body: bytes) -> Any:
