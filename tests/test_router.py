@@ -34,7 +34,7 @@ from kvcm.router.service import Router
 from kvcm.server.app import create_app
 from kvcm.server.openapi import ERROR_SCHEMA, documented_statuses
 from kvcm_client import KVCacheClient
-from kvcm_client.errors import IndexUnavailable
+from kvcm_client.errors import IndexUnavailable, NoModel
 from kvcm_client.router import AsyncRouterClient, RouterClient
 from kvcm_client.routing import GroupHit, RouteResult, SidecarStatus
 
@@ -46,12 +46,19 @@ NAMES = ("a", "b", "c")
 
 
 def wait_for(check: Callable[[], T], what: str, timeout: float = 30.0) -> T:
-    """Poll ``check`` until it returns something true (a liveness bound, not a timing check)."""
+    """Poll ``check`` until it returns something true (a liveness bound, not a timing check).
+    A router that no sidecar has answered yet routes nothing (``NoModel``, 503): until one
+    has, that is "not yet" too (a loaded machine's first poll may come after the first look;
+    CI once saw it)."""
     deadline = time.monotonic() + timeout
     while True:
-        got = check()
-        if got:
-            return got
+        try:
+            got: T | str = check()
+        except NoModel:
+            got = "no_model"
+        else:
+            if got:
+                return got
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what}; last: {got!r}")
         time.sleep(0.05)
