@@ -178,7 +178,10 @@ class KVCacheClient:
         would only wake the service again)."""
         assert self._channel is not None
         header = channel.header(self.session_id, self.generation, self._token)
-        answer = self._channel.call(call, header)
+        return self._answered(call, self._channel.call(call, header))
+
+    def _answered(self, call: channel.StepCall[T], answer: dict[str, Any]) -> T:
+        """``call``'s result from its step channel answer, the generation pinned by it."""
         result = channel.result_of(call, answer)
         self.generation = pin(self.generation, answer.get("generation"))
         return result
@@ -424,9 +427,7 @@ class KVCacheClient:
         as the general path's, built in one join)."""
         key = (*counts_and_flags, self.session_id, self.generation, self._token)
         answer = ch.call_frame(channel.DECODE, ch.decode_frames.frame(handles, key))
-        result = channel.result_of(channel.DECODE, answer)
-        self.generation = pin(self.generation, answer.get("generation"))
-        return result
+        return self._answered(channel.DECODE, answer)
 
     def suspend(self, request_id: str) -> RequestInfo:
         """``KVCacheManager.suspend``: the request's blocks to the host tier."""
