@@ -176,13 +176,14 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     ops = [{"request_id": k, "num_tokens": 3} for k in "ab"]
     _, first = answer({"op": "step_columns", "args": {"allocate": ops}})
     handles = array("q", memoryview(first["result"]["handles"]).cast("q"))
-    _, second = answer({"op": "step_columns", "args": wire_columns(extend=handles)})
-    assert len(parsed) == 2
+    decode = wire_columns(extend=handles)
+    _, second = answer({"op": "step_columns", "args": decode})
+    assert len(parsed) == 1  # the decode step's frame took its own path (decode_step)
     before = (manager_state(m), channel.state.metrics.render())
     packed = step_channel._body(dict(second), False)
     for _ in range(20):
         channel.rehearse()
-    assert len(parsed) == 22 and parsed[-1] == parsed[1]
+    assert len(parsed) == 21 and parsed[-1] == decode
     assert len(checked) == 20 and checked[-1].extend.tolist() == list(handles)
     assert m.request("a").num_tokens == 4 and same(manager_state(m), before[0])
     assert channel.state.metrics.render() == before[1]
@@ -194,16 +195,16 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     monkeypatch.setattr(m, "rehearse_columns", broken)
     channel.rehearse()  # dropped, not raised into the spin
     channel.rehearse()  # nothing left to rehearse
-    assert len(parsed) == 23
+    assert len(parsed) == 22
     monkeypatch.setattr(m, "rehearse_columns", counted_rehearse)
 
     answer({"op": "no_such_op"})  # an error: nothing to rehearse
     channel.rehearse()
     channel.remember(b"x" * REHEARSAL_BYTES, second, 1)  # too large together
     channel.rehearse()
-    assert len(parsed) == 23 and m.request("a").num_tokens == 4
+    assert len(parsed) == 22 and m.request("a").num_tokens == 4
 
     idle, _ = _channel(0.0)  # not in busy-poll mode: nothing is remembered
     idle.remember(pack({"op": "step_columns", "args": {}})[HEADER.size :], second, 10)
     idle.rehearse()
-    assert len(parsed) == 23
+    assert len(parsed) == 22

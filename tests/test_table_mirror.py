@@ -134,5 +134,13 @@ def test_refused_where_device_tables_consume_the_edits() -> None:
     m = manager([layer(0)], num_blocks=16, context_parallel=2, ranks=ranks)
     with pytest.raises(InvalidArgument, match="table_edits needs page tables"):
         m.table_edits()
+    # A step that asks for them fails whole, before it runs: nothing allocated.
+    with pytest.raises(InvalidArgument, match="table_edits needs page tables"):
+        m.step_columns(allocate=[{"request_id": "a", "num_tokens": 4}], table_edits=True)
+    assert m.request_ids() == []
     out = m.step_columns(allocate=[{"request_id": "a", "num_tokens": 4}])
     assert out.ok  # the refusal changed nothing
+    handles = np.array([out.handles[0], m.allocate("b", 4).handle])
+    with pytest.raises(InvalidArgument, match="table_edits needs page tables"):
+        m.decode_step(handles, table_edits=True)
+    assert m.request("a").num_tokens == m.request("b").num_tokens == 4

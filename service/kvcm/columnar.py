@@ -522,6 +522,39 @@ def rehearse(m: Components, cols: StepColumns) -> None:
         m.native_decode.rehearse(core, m, cols.extend, new, ahead)
 
 
+#: A decode step's statuses, but its extends': every other section is empty (the order of
+#: ``StepColumns.sizes``, which ``_Run`` follows).
+_DECODE_STATUS = dict.fromkeys(("free", "rewind", "suspend", "resume", "commit"), _NONE16)
+
+
+def decode(m: Components, handles: np.ndarray, new: int, ahead: int) -> StepOutcome | None:
+    """A decode step, ``handles`` extended by ``new`` tokens each with ``ahead`` lookahead,
+    as ``execute`` runs a step of extends alone, through fewer lines: the C batch
+    (``NativeDecode.extend``) and its outcome, no ``StepColumns``, no ``_Run``, no section
+    dispatch. None, with nothing changed, where the step is not that batch (no C core, a
+    context-parallel coordinator, fewer than two handles, more than ``_MAX_ZEROS``, or a
+    batch the C plan leaves to numpy or to item after item: a stale handle, a repeated
+    row, a request past max_seq_len): the caller runs it the general way
+    (``KVCacheManager.decode_step``). ``handles``: a checked int64 array; ``new`` and
+    ``ahead``: checked counts.
+
+    Why: at an engine's cadence every line of the step runs cold (docs/step-channel.md),
+    and the general step's sections, checks and outcome cost a decode step more than its
+    batch does. Example: handles of rows 3 and 5, ``new`` 1, ``ahead`` 0, row 5 crossing
+    into a new block: ``status["extend"]`` ``[0, 0]``, ``new_blocks`` ``[0, 1]``, as
+    ``step_columns(extend=handles)`` answers.
+    """
+    core = native.core
+    if core is None or not m.coord.plain or not 2 <= handles.size <= _MAX_ZEROS:
+        return None
+    done = m.native_decode.extend(core, m, handles, new, ahead)
+    if done is None or done is False:
+        return None
+    status = dict(_DECODE_STATUS, extend=_ZEROS16[: handles.size], allocate=_NONE16)
+    added = np.asarray(done[1], dtype=np.int32)
+    return StepOutcome(status, added, _NONE64, _NONE64, _NONE32)
+
+
 def run_columns(
     m: Components, cols: StepColumns, atomic: bool, sizes: dict[str, int] | None = None
 ) -> StepOutcome:

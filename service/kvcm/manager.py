@@ -68,7 +68,7 @@ from . import (
     transfers,
 )
 from .allocation import MAX_REQUEST_ID as MAX_REQUEST_ID  # re-exported: tests read it
-from .columnar import mapped_tokens, rehearse, run_columns
+from .columnar import decode, mapped_tokens, rehearse, run_columns
 from .columnar_parse import parse_columns, parse_keywords
 from .columnar_types import StepOutcome
 from .components import Components
@@ -77,7 +77,7 @@ from .counts import _count
 from .hashing import MultimodalItem
 from .ids import LayerGroupId
 from .layout import BufferPlacement
-from .mapped_items import expand_items
+from .mapped_items import MappedItems, expand_items
 from .op_steps import OpResults, execute_ops
 from .ops import op_dicts
 from .planning import check_config
@@ -442,6 +442,8 @@ class KVCacheManager:
                 raise InvalidArgument(f"{name} must be a bool")
             if type(table_edits) is not bool:
                 raise InvalidArgument("table_edits must be a bool")
+            if table_edits:
+                self.parts.mirror.check()
             layers = () if ragged_layers is _NO_LAYERS else self._ragged_layers(ragged_layers)
             if stream_ordered is not False:
                 self._check_stream_order(stream_ordered, layers)
@@ -469,28 +471,113 @@ class KVCacheManager:
                 self._check_step_size(total, total - sizes["extend"])
             self.parts.tables.before_writes()
             out = run_columns(self.parts, cols, atomic, sizes)
+            items = None
             if map_slots or layers:
                 items = mapped_tokens(self.parts.coord.num_tokens, cols, out)
-                if stream_ordered:
-                    out.slot_mapping = self.parts.views.map_tokens_host(items)
-                elif map_slots:
-                    out.slot_mapping = self.parts.views.map_tokens(items)
-                    self._sync_other_ranks()
-                if layers:
-                    views, rows = self.parts.views, expand_items(items)[0]
-                    out.ragged = {k: views.ragged_rows(rows, k, "key", True) for k in layers}
-            if stream_ordered:
-                # The step's state and host-tier copies first, then the edits and the event
-                # after them all: an engine that waits on the event sees the step whole.
-                self.parts.settle()
-                self.parts.tables.publish()
-            if table_edits:
-                out.table_edits = self.parts.mirror.take()
-            if moves is not None and moves.ended:
-                out.pulls = moves.take_ended()
-            return out
+            return self._answer(out, items, map_slots, table_edits, stream_ordered, layers)
         finally:
             _settle(self)
+
+    def decode_step(
+        self,
+        extend: np.ndarray,
+        num_new_tokens: int = 1,
+        lookahead: int = 0,
+        *,
+        map_slots: bool = False,
+        table_edits: bool = False,
+        stream_ordered: bool = False,
+    ) -> StepOutcome:
+        """An engine's decode step: ``step_columns(extend=extend,
+        num_new_tokens=num_new_tokens, lookahead=lookahead, map_slots=map_slots,
+        table_edits=table_edits, stream_ordered=stream_ordered)``, the same outcome and the
+        same state after it, through a path of its own where the step is the C core's
+        decode batch: ``extend`` an int64 array of two distinct live handles or more, one
+        count and one lookahead for all, each request fitting. Anything else (a stale
+        handle, a request past max_seq_len, a list of handles, counts per item, a bad
+        argument) runs as ``step_columns``, which reports it as it always does.
+
+        Why: at an engine's cadence (a step every 5-30 ms) every line of the step runs
+        cold, and the general step's checks, sections and outcome cost a decode step more
+        than the batch itself (docs/requests.md#the-decode-step). The step channel answers
+        a decode step's frame through it (docs/step-channel.md).
+
+        Example: ``m.decode_step(np.array([h1, h2]))`` adds a token to two requests:
+        ``out.status["extend"]`` is ``[0, 0]``, as ``step_columns(extend=[h1, h2])``'s."""
+        parts = self.parts
+        moves = parts.transfers
+        if (
+            type(extend) is not np.ndarray
+            or extend.dtype != np.int64
+            or extend.ndim != 1
+            or not extend.flags.c_contiguous
+            or type(num_new_tokens) is not int
+            or not 1 <= num_new_tokens <= MAX_COUNT
+            or type(lookahead) is not int
+            or not 0 <= lookahead <= MAX_COUNT
+            or type(map_slots) is not bool
+            or type(table_edits) is not bool
+            or type(stream_ordered) is not bool
+            or extend.size > MAX_STEP_OPS
+            or (moves is not None and moves.busy)
+        ):
+            out = None
+        else:
+            try:
+                if table_edits:
+                    parts.mirror.check()
+                if stream_ordered:
+                    self._check_stream_order(stream_ordered, ())
+                parts.tables.before_writes()
+                out = decode(parts, extend, num_new_tokens, lookahead)
+                if out is not None:
+                    # mapped_tokens' form of a decode step: its handles as they came
+                    items = (extend, parts.coord.num_tokens, num_new_tokens) if map_slots else None
+                    return self._answer(out, items, map_slots, table_edits, stream_ordered, ())
+            finally:
+                _settle(self)
+        return self.step_columns(
+            extend=extend,
+            num_new_tokens=num_new_tokens,
+            lookahead=lookahead,
+            map_slots=map_slots,
+            table_edits=table_edits,
+            stream_ordered=stream_ordered,
+        )
+
+    def _answer(
+        self,
+        out: StepOutcome,
+        items: MappedItems | None,
+        map_slots: bool,
+        table_edits: bool,
+        stream_ordered: bool,
+        layers: tuple[int, ...],
+    ) -> StepOutcome:
+        """A step's outcome completed with what it was asked for: its slot mapping
+        (``items``: the tokens it maps, with ``map_slots`` or ``layers``), ragged pages,
+        the stream order's publish, the table edits and the pulls that ended."""
+        parts = self.parts
+        if items is not None:
+            if stream_ordered:
+                out.slot_mapping = parts.views.map_tokens_host(items)
+            elif map_slots:
+                out.slot_mapping = parts.views.map_tokens(items)
+                self._sync_other_ranks()
+            if layers:
+                views, rows = parts.views, expand_items(items)[0]
+                out.ragged = {k: views.ragged_rows(rows, k, "key", True) for k in layers}
+        if stream_ordered:
+            # The step's state and host-tier copies first, then the edits and the event
+            # after them all: an engine that waits on the event sees the step whole.
+            parts.settle()
+            parts.tables.publish()
+        if table_edits:
+            out.table_edits = parts.mirror.take()
+        moves = parts.transfers
+        if moves is not None and moves.ended:
+            out.pulls = moves.take_ended()
+        return out
 
     def _check_stream_order(self, stream_ordered: object, layers: tuple[int, ...]) -> None:
         """``step_columns``' stream_ordered checked before the step runs: a bool, on shared

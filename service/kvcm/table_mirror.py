@@ -38,17 +38,24 @@ class TableMirror:
         self.coord = coord
         self.started = False
 
+    def check(self) -> None:
+        """Refuse, before a step runs, what ``take`` would refuse after it: a step that
+        asks for table edits where device tables consume the log fails whole, changing
+        nothing."""
+        if not self.started and self.coord.edits is not None:
+            raise InvalidArgument(
+                "table_edits needs page tables that live on the host (device cpu, one rank): "
+                "on a GPU, map the tables instead (attach, CUDA IPC)"
+            )
+
     def take(self) -> np.ndarray:
         """The cells changed since the last call, int64 ``[E, 4]`` (group, row, position,
         value); the first call lists every cell that holds a page."""
         c = self.coord
         if self.started:
             return c.take_edits()
-        if not c.start_edit_log():
-            raise InvalidArgument(
-                "table_edits needs page tables that live on the host (device cpu, one rank): "
-                "on a GPU, map the tables instead (attach, CUDA IPC)"
-            )
+        self.check()
+        c.start_edit_log()
         self.started = True
         cells = np.nonzero(c.tables != c.empty)
         out = np.empty((cells[0].size, 4), dtype=np.int64)

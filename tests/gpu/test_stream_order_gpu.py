@@ -79,13 +79,16 @@ def _run(
     null_page: bool,
     mixed: bool = False,
     spin_after: int = 0,
+    decode: bool = False,
 ) -> None:
     """``spin``: the engine's stream spins that many cycles before it reads the tables,
     ``spin_after`` after it read them and before its done event (the forward's other work).
     ``mixed``: every third step frees one request without ``stream_ordered`` (its edits go
     through the slot mapping's fused launch and its mapping is empty: no device wait in the
     answer either), so a stream-ordered step without edits of its own may follow one whose
-    edits only the fused launch's record covers."""
+    edits only the fused launch's record covers. ``decode``: every other step is a pure
+    decode step (extends alone, one token each: the client's decode frame, which the
+    service runs through ``decode_step``)."""
     pytest.importorskip("cupy")
     cfg = CONFIG | {"null_page": null_page}
     path = tmp_path / "cfg.json"
@@ -113,26 +116,32 @@ def _run(
                 for r in free:
                     del live[r]
                 step = EMPTY | {"free": free}
+            elif decode and i % 2 and len(live) > 1:
+                ext = sorted(live)
+                for r in ext:
+                    live[r] += 1
+                step = EMPTY | {"extend": ext, "num_new_tokens": [1] * len(ext)}
             else:
                 step = _step(rng, live, serial) if i % 5 != 4 else EMPTY
             free = step["free"]
             ext = step["extend"]
-            args = {"num_new_tokens": np.asarray(step["num_new_tokens"], dtype=np.int64)}
+            if step["allocate"] or free or any(n != 1 for n in step["num_new_tokens"]):
+                args: dict[str, Any] = {
+                    "free": [handles[r][0] for r in free],
+                    "allocate": step["allocate"],
+                    "num_new_tokens": np.asarray(step["num_new_tokens"], dtype=np.int64),
+                }
+            else:  # a pure decode step: the client's decode frame, the service's decode_step
+                args = {}
             out = kv.step_columns(
-                free=[handles[r][0] for r in free],
                 extend=[handles[r][0] for r in ext],
-                allocate=step["allocate"],
                 map_slots=True,
                 stream_ordered=ordered,
                 **args,
             )
-            want = ref.step_columns(
-                free=[handles[r][1] for r in free],
-                extend=[handles[r][1] for r in ext],
-                allocate=step["allocate"],
-                map_slots=True,
-                **args,
-            )
+            if "free" in args:
+                args["free"] = [handles[r][1] for r in free]
+            want = ref.step_columns(extend=[handles[r][1] for r in ext], map_slots=True, **args)
             for section, status in want.status.items():
                 assert out.status[section] == status.tolist(), section
             for r in free:
@@ -168,6 +177,12 @@ def _run(
 @pytest.mark.parametrize("null_page", [False, True])
 def test_random_steps_read_their_own_tables(tmp_path: Path, null_page: bool) -> None:
     _run(tmp_path, steps=200, spin=0, seed=7 + null_page, null_page=null_page)
+
+
+def test_decode_steps_read_their_own_tables(tmp_path: Path) -> None:
+    """Pure decode steps (the service's ``decode_step``) between the general steps, with a
+    late engine stream, so that several decode steps' edits queue behind its reads."""
+    _run(tmp_path, steps=120, spin=SPIN_CYCLES // 5, seed=9, null_page=True, decode=True)
 
 
 def test_a_late_engine_stream_still_reads_its_step(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from collections import Counter as Tally
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import numpy as np
 import orjson
 from pydantic import ValidationError
 
@@ -323,7 +324,35 @@ class ServiceState:
         """A columnar step (``KVCacheManager.step_columns`` keyword arguments) with leases
         and op counts updated: the step of ``POST /v1/step_columns`` and the step channel."""
         self.touch(session_id)
-        out = self.manager.step_columns(**columns)
+        return self._stepped(self.manager.step_columns(**columns), session_id)
+
+    def decode_step(
+        self,
+        handles: np.ndarray,
+        num_new_tokens: int,
+        lookahead: int,
+        flags: tuple[Any, Any, Any],
+        session_id: str | None,
+    ) -> StepOutcome:
+        """A decode step (``KVCacheManager.decode_step``; ``flags``: map_slots,
+        table_edits, stream_ordered, as they came: the manager checks them), with leases
+        and op counts updated as ``step_columns``: the step channel's path for a decode
+        step's frame."""
+        self.touch(session_id)
+        map_slots, table_edits, stream_ordered = flags
+        out = self.manager.decode_step(
+            handles,
+            num_new_tokens,
+            lookahead,
+            map_slots=map_slots,
+            table_edits=table_edits,
+            stream_ordered=stream_ordered,
+        )
+        return self._stepped(out, session_id)
+
+    def _stepped(self, out: StepOutcome, session_id: str | None) -> StepOutcome:
+        """A columnar step's outcome counted (ops by section and status) and its requests'
+        leases adopted or released."""
         metrics = self.metrics
         if out.ok:  # every item ok: a count per section, no tally (every step pays this)
             metrics.ops_ok_later(out.status)

@@ -68,6 +68,10 @@ log = logging.getLogger("kvcm.step_channel")
 
 #: Keys a request map may have (docs/step-channel.md).
 _KEYS = frozenset({"op", "args", "session", "generation", "token"})
+#: The args of a decode step's frame: ``step_columns`` with extends alone.
+_DECODE_ARGS = frozenset(
+    {"extend", "num_new_tokens", "lookahead", "map_slots", "table_edits", "stream_ordered"}
+)
 #: The largest frame and answer (bytes together) the busy poll rehearses (``rehearse``):
 #: a larger one would hold a frame that comes meanwhile for longer than it saves.
 REHEARSAL_BYTES = 64 << 10
@@ -415,6 +419,24 @@ class StepChannel:
         return self.state.step_results(parsed, session)
 
     def _step_columns(self, args: dict[str, Any], session: str | None) -> dict[str, Any]:
+        handles, get = args.get("extend"), args.get
+        new, ahead = get("num_new_tokens", 1), get("lookahead", 0)
+        if (
+            type(handles) is bytes
+            and not len(handles) % 8
+            and type(new) is int
+            and type(ahead) is int
+            and args.keys() <= _DECODE_ARGS
+        ):
+            # A decode step's frame (what the client's DecodeFrames sends): its own path,
+            # which runs the general one for what it does not (KVCacheManager.decode_step).
+            flags = (
+                get("map_slots", False),
+                get("table_edits", False),
+                get("stream_ordered", False),
+            )
+            rows = np.frombuffer(handles, np.int64)
+            return self.state.decode_step(rows, new, ahead, flags, session).to_wire()
         return self.state.step_columns(columns_from_wire(args), session).to_wire()
 
     @staticmethod
