@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import layer, manager, manager_state, same
+from helpers import CoreSpy, layer, manager, manager_state, same
 from test_step_atomic import snapshot
 
+from kvcm import KVCacheManager, native
 from kvcm_client.errors import (
     ERRORS_BY_CODE,
     STATUS_CODES,
@@ -764,6 +765,35 @@ def test_a_rehearsed_step_changes_nothing_and_the_step_runs_as_without_it(
         assert same(manager_state(a), before)
     finally:
         NativeDecode.rehearse = real  # type: ignore[method-assign]
-    from kvcm import native
-
     assert (len(planned) > 50) == native.available()
+
+
+@pytest.mark.skipif(not native.available(), reason="kvcm._native is not built")
+@pytest.mark.usefixtures("restore_native")
+def test_a_rehearsal_reads_the_take_of_cached_blocks_and_evicts_nothing() -> None:
+    """At a block crossing whose new blocks are cached ones (the free queue's head), the
+    rehearsal takes them dry (``decode_take``: evictions reported, nothing written): the
+    cache still holds them, and the step after it evicts them as on a twin never rehearsed."""
+
+    def build() -> tuple[KVCacheManager, np.ndarray]:
+        m = manager([layer(0)], num_blocks=8, max_requests=4)
+        live = m.step_columns(allocate=[{"request_id": r, "num_tokens": 4} for r in "ab"])
+        m.allocate("p", 8, token_ids=list(range(8)))
+        m.commit("p", list(range(8)))
+        m.free("p")  # its two blocks cached, at the queue's tail
+        m.allocate("c", 16)  # the four uncached blocks: the cached ones are the head now
+        return m, live.handles
+
+    a, handles = build()
+    b, _ = build()
+    spy = CoreSpy(a)
+    native.core = spy
+    before = manager_state(a)
+    prompt = [*range(8), 99]  # p's two blocks, then a token of its own
+    assert a.probe(prompt) == 8
+    a.rehearse_columns({"extend": handles})
+    assert spy.results["take evict"] == 1 and same(manager_state(a), before)
+    assert a.probe(prompt) == 8  # still cached
+    oa, ob = a.step_columns(extend=handles), b.step_columns(extend=handles)
+    assert oa.new_blocks.tolist() == ob.new_blocks.tolist() == [1, 1]
+    assert same(manager_state(a), manager_state(b)) and a.probe(prompt) == 0

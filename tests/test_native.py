@@ -578,7 +578,16 @@ def test_decode_take_takes_from_the_head_and_leaves_odd_input_to_numpy() -> None
     with pytest.raises(ValueError, match="edit log"):  # a log of the wrong size
         take(rows, items, positions, log=np.zeros((3, 4), dtype=np.int64))
     assert same(manager_state(m), before)
+    # Dry (a rehearsal's): the same checks and answer, nothing written, the log untouched.
     log = np.full((2, 4), -7, dtype=np.int64)
+    dry = core.decode_take(
+        rows, (2,), context, pools, nd.cached(m.parts), items, positions, log, True
+    )
+    assert dry == (False,) and same(manager_state(m), before) and (log == -7).all()
+    bad_items = np.array([[0, 3, 0, 0]])  # an item past the rows: refused, dry too
+    cached = nd.cached(m.parts)
+    refused = core.decode_take(inner, (2,), context, pools, cached, bad_items, positions, None, 1)
+    assert refused is False and same(manager_state(m), before)
     assert take(rows, items, positions, log=log) == (False,)  # nothing cached
     assert c.tables[0][5, 1] == head[0] and c.tables[0][6, 4] == head[1]
     assert log.tolist() == [[0, 5, 1, head[0]], [0, 6, 4, head[1]]]  # the edits, in order

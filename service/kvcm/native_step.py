@@ -251,14 +251,24 @@ class NativeDecode:
     def rehearse(
         self, core: ModuleType, m: Components, handles: np.ndarray, new: Any, ahead: Any
     ) -> None:
-        """A decode batch's plan (``decode_plan``, into this object's work arrays) and the
-        slot mapping of each item's last token (``map_slots``, into a scratch array), both
-        changing no state: what busy-poll mode's rehearsal runs between steps, so that the
-        step after it finds its rows, tables and C code in the caches
+        """A decode batch's plan (``decode_plan``, into this object's work arrays), the take
+        of its new blocks, dry (``decode_take``: read, not written), and the slot mapping of
+        each item's last token (``map_slots``, into a scratch array), all changing no
+        state: what busy-poll mode's rehearsal runs between steps, so that the step after it
+        finds its rows, tables, free queues and C code in the caches
         (``KVCacheManager.rehearse_columns``). A batch they refuse rehearses less; nothing
         is reported."""
         c = m.coord
-        core.decode_plan(handles, new, ahead, self.arrays(core, m), _free(c), self.out, True)
+        planned = core.decode_plan(
+            handles, new, ahead, self.arrays(core, m), _free(c), self.out, True
+        )
+        if type(planned) is tuple and any(planned[0]):  # new blocks: their take, dry
+            _, add_items, add_positions, _, _ = self.out
+            context, pools, _ = self.row_args(core, m)
+            rows, added, cached = self.rows[: handles.size], planned[0], self.cached(m)
+            core.decode_take(
+                rows, added, context, pools, cached, add_items, add_positions, None, True
+            )
         tables = c.tables
         scratch = np.empty((tables.shape[0], handles.size), dtype=np.int64)
         with contextlib.suppress(ValueError):  # a stale handle's row may hold no token

@@ -313,7 +313,8 @@ done:
     return result;
 }
 
-/* decode_take(rows, added, context, pools, cached, items, positions, log) -> tuple | False
+/* decode_take(rows, added, context, pools, cached, items, positions, log, dry=False)
+ *     -> tuple | False
  *
  * The new blocks of a planned batch (decode_plan's `added`, and its (item, position) pairs
  * in `items` and `positions`, int64 [groups, cap]), once a window's released cells are
@@ -327,9 +328,18 @@ done:
  * False, with nothing changed, when the numpy path must take them: an item, row or position
  * out of range, a queue too short or out of shape (never after decode_plan).
  *
+ * `dry`: the same checks and the same answer, but nothing written (tables, references,
+ * queues, log): the slots that would be taken, their references and the cells they would go
+ * to are only read. A rehearsal's (NativeDecode.rehearse): the step after it then finds what
+ * its take reads and writes in the caches.
+ *
  * Example (one layer group, free queue [7 3 9]): added (2,), items [0 2], positions [1 4],
  * rows [5 8 6]: table[0][5, 1] = 7, table[0][6, 4] = 3; the queue is [9]; returns
- * (False,) when neither 7 nor 3 caches a block; log [[0 5 1 7] [0 6 4 3]]. */
+ * (False,) when neither 7 nor 3 caches a block; log [[0 5 1 7] [0 6 4 3]]. With dry, the
+ * same (False,), and the queue still [7 3 9]. */
+
+/* Where a dry take's reads go, so that the compiler keeps them. */
+static volatile int64_t dry_sink;
 
 /* The edit log a decode call writes, or NULL for None: a writable int64 buffer of `n` edits
  * [n, 4] (checked before any write); -1 with an error. */
@@ -347,8 +357,9 @@ static int log_get(PyObject *o, Buf *log, Py_ssize_t n, int64_t **out) {
 
 PyObject *kvcm_decode_take(PyObject *self, PyObject *args) {
     PyObject *rows_o, *added_o, *ctx_o, *pools_o, *cached_o, *items_o, *pos_o, *log_o;
-    if (!PyArg_ParseTuple(args, "OO!OOOOOO", &rows_o, &PyTuple_Type, &added_o, &ctx_o, &pools_o,
-                          &cached_o, &items_o, &pos_o, &log_o))
+    int dry = 0;
+    if (!PyArg_ParseTuple(args, "OO!OOOOOO|p", &rows_o, &PyTuple_Type, &added_o, &ctx_o,
+                          &pools_o, &cached_o, &items_o, &pos_o, &log_o, &dry))
         return NULL;
     Ctx local, *c = NULL;
     Pool p[MAX_GROUPS];
@@ -382,7 +393,7 @@ PyObject *kvcm_decode_take(PyObject *self, PyObject *args) {
         need[c->group_pool[g]] += k[g];
         total += (Py_ssize_t)k[g];
     }
-    if (log_get(log_o, &log, total, &edit) < 0) goto done;
+    if (!dry && log_get(log_o, &log, total, &edit) < 0) goto done;
     /* Everything that can fail comes before the first write: the spans, the queues' new
      * counters, the slots popped into a buffer (pool_pop reads the ring only), the result. */
     for (int q = 0; q < c->pools; q++) {
@@ -406,6 +417,22 @@ PyObject *kvcm_decode_take(PyObject *self, PyObject *args) {
     if (!(result = PyTuple_New(c->groups))) goto done;
     for (int g = 0; g < c->groups; g++)
         PyTuple_SET_ITEM(result, g, Py_NewRef(evict[g] ? Py_True : Py_False));
+    if (dry) {
+        int64_t sum = 0;
+        off = 0;
+        for (int g = 0; g < c->groups; g++) {
+            const int32_t *refs = I32P(c->refs[c->group_pool[g]]);
+            for (int64_t j = 0; j < k[g]; j++) {
+                int64_t row = I64P(rows)[I64P(items)[g * cap + j]];
+                int64_t pos = I64P(positions)[g * cap + j];
+                sum += I32P(c->tables)[(g * c->nrows + row) * c->width + pos];
+                sum += refs[taken[off + j]];
+            }
+            off += (Py_ssize_t)k[g];
+        }
+        dry_sink = sum;
+        goto done;
+    }
     off = 0;
     for (int g = 0; g < c->groups; g++) {
         int32_t *refs = I32P(c->refs[c->group_pool[g]]);

@@ -69,7 +69,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* API: the interface version kvcm.native expects (bumped when a function's arguments or
      * results change; a stale build is then left unused, not called wrongly). */
     if (m && (PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0 ||
-              PyModule_AddIntConstant(m, "API", 10) < 0))
+              PyModule_AddIntConstant(m, "API", 11) < 0))
         Py_CLEAR(m);
     return m;
 }
