@@ -60,23 +60,42 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _stepper(m: KVCacheManager, decode: bool) -> Any:
+    """The step's call: ``decode_step(handles, ...)``, or ``step_columns(extend=handles,
+    ...)``, the same step through the general path."""
+    if decode:
+        return m.decode_step
+
+    def general(handles: np.ndarray, **kw: Any) -> Any:
+        return m.step_columns(extend=handles, **kw)
+
+    return general
+
+
 def run(
-    groups: int, device: str, steps: int, reference: bool = False, ordered: bool = False
+    groups: int,
+    device: str,
+    steps: int,
+    reference: bool = False,
+    ordered: bool = False,
+    decode: bool = False,
 ) -> dict[str, Any]:
     """``ordered``: ``step_columns(stream_ordered=True)`` on shared tables, whose mapping is
     computed on the host; the step then copies it to the device from pinned memory, as an
-    engine's forward needs it there (a pageable copy would wait for the stream)."""
+    engine's forward needs it there (a pageable copy would wait for the stream). ``decode``:
+    the step as ``decode_step`` (docs/requests.md#the-decode-step)."""
     if reference:
         os.environ["KVCM_KERNELS"] = "reference"
     try:
         m, handles = manager(groups, device, share=ordered)
+        call = _stepper(m, decode)
 
         def step() -> torch.Tensor:
             if ordered:
-                out = m.step_columns(extend=handles, map_slots=True, stream_ordered=True)
+                out = call(handles, map_slots=True, stream_ordered=True)
                 m.page_tables()
                 return out.slot_mapping.pin_memory().to(device, non_blocking=True)
-            out = m.step_columns(extend=handles, map_slots=True)
+            out = call(handles, map_slots=True)
             m.page_tables()
             return out.slot_mapping
 
@@ -96,7 +115,8 @@ def run(
             "groups": groups,
             "device": device
             + (" (torch reference)" if reference else "")
-            + (" (stream-ordered, host mapping, pinned copy)" if ordered else ""),
+            + (" (stream-ordered, host mapping, pinned copy)" if ordered else "")
+            + (", decode_step" if decode else ""),
             "wall_us": wall * 1e6,
             "host_p50_us": statistics.median(host) * 1e6,
             "host_p99_us": float(np.percentile(host, 99)) * 1e6,
@@ -123,18 +143,26 @@ def _spin(seconds: float, rehearse: Any) -> None:
 
 
 def cadence(
-    groups: int, device: str, steps: int, gap_ms: float, ordered: bool, rehearsed: bool
+    groups: int,
+    device: str,
+    steps: int,
+    gap_ms: float,
+    ordered: bool,
+    rehearsed: bool,
+    decode: bool = False,
 ) -> dict[str, Any]:
     """Host time per step when steps come ``gap_ms`` apart with the core kept busy between
     (a sidecar in busy-poll mode): each step run cold after the gap, as a sidecar's at an
     engine's cadence; ``rehearsed``: ``rehearse_columns`` of the step every 100 us of the gap,
     as busy-poll mode does. The same step as ``run``'s (stream-ordered as a sidecar's
-    answer: the mapping stays on the host)."""
+    answer: the mapping stays on the host); ``decode``: as ``decode_step``, which a sidecar
+    runs for a decode step's frame."""
     m, handles = manager(groups, device, share=ordered)
     columns = {"extend": handles}
+    call = _stepper(m, decode)
 
     def step() -> Any:
-        out = m.step_columns(extend=handles, map_slots=True, stream_ordered=ordered)
+        out = call(handles, map_slots=True, stream_ordered=ordered)
         m.page_tables()
         return out.slot_mapping
 
@@ -153,7 +181,9 @@ def cadence(
     _sync(device)
     return {
         "groups": groups,
-        "device": device + (" (stream-ordered)" if ordered else ""),
+        "device": device
+        + (" (stream-ordered)" if ordered else "")
+        + (", decode_step" if decode else ""),
         "rehearsed": rehearsed,
         "p50_us": statistics.median(host) * 1e6,
         "p90_us": float(np.percentile(host, 90)) * 1e6,
@@ -323,9 +353,11 @@ def main() -> None:
     for groups in (1, 4):
         for device in devices:
             rows.append(run(groups, device, args.steps))
+            rows.append(run(groups, device, args.steps, decode=True))
             if device.startswith("cuda"):
                 rows.append(run(groups, device, args.steps, reference=True))
                 rows.append(run(groups, device, args.steps, ordered=True))
+                rows.append(run(groups, device, args.steps, ordered=True, decode=True))
     print("| groups | device | wall us/step | host p50 | host p99 | device us | span us |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -339,8 +371,10 @@ def main() -> None:
         for groups in (1, 4):
             for device in devices:
                 for ordered in (False, True) if device.startswith("cuda") else (False,):
-                    for rehearsed in (False, True):
-                        r = cadence(groups, device, args.gap_steps, args.gap_ms, ordered, rehearsed)
+                    for rehearsed, decode in ((False, False), (True, False), (True, True)):
+                        r = cadence(
+                            groups, device, args.gap_steps, args.gap_ms, ordered, rehearsed, decode
+                        )
                         rows.append(r)
                         print(
                             f"| {groups} | {r['device']} | {'yes' if rehearsed else 'no'} | "
