@@ -5,15 +5,17 @@ shapes engines send, with the batches it must hand to the general path among the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from helpers import layer, manager, manager_state, same
 
-from kvcm import KVCacheManager, native
+from kvcm import InvalidArgument, KVCacheManager, native, transfers
 from kvcm import manager as manager_module
 from kvcm.columnar_types import StepOutcome
+from kvcm.server import step_channel
 from kvcm.server.state import ServiceState
 from kvcm.server.step_channel import StepChannel
 from kvcm_client.step_channel import HEADER, pack
@@ -245,14 +247,7 @@ def test_decode_frames_answer_as_the_general_path_does(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(fast.state, "decode_step", spied)
 
-    def general(rows: Any, new: Any, ahead: Any, flags: Any, session: Any) -> Any:
-        """The twin's decode frames as ``columns_from_wire`` would give them to
-        ``step_columns``."""
-        columns = {"extend": rows, "num_new_tokens": new, "lookahead": ahead}
-        columns |= dict(zip(("map_slots", "table_edits", "stream_ordered"), flags, strict=True))
-        return twin.state.step_columns(columns | {"commit_tokens": []}, session)
-
-    monkeypatch.setattr(twin.state, "decode_step", general)
+    monkeypatch.setattr(twin.state, "decode_step", lambda *a: pytest.fail("the twin's"))
     h = np.array(handles, dtype="<i8").tobytes()
     # (args, whether decode_step takes it, the error code of a refused frame or None)
     frames: list[tuple[dict[str, Any], bool, str | None]] = [
@@ -263,7 +258,8 @@ def test_decode_frames_answer_as_the_general_path_does(monkeypatch: pytest.Monke
         ({"extend": h + h[:8]}, True, None),  # a row named twice: decode_step's general path
         ({"extend": h, "num_new_tokens": np.array([1, 2, 1, 1], "<i8").tobytes()}, False, None),
         ({"extend": h[:16], "lookahead": 1.5}, False, "invalid_argument"),
-        ({"extend": h, "map_slots": 1}, True, "invalid_argument"),
+        ({"extend": h, "map_slots": 1}, False, "invalid_argument"),  # the general path
+        ({"extend": h, "map_slots": b"abc"}, False, "invalid_argument"),  # names map_slots
         ({"extend": h[:12]}, False, "invalid_argument"),  # not whole int64s
         ({"extend": h, "stream_ordered": True}, True, "stream_order_unavailable"),
         ({"extend": h, "free": h[:8]}, False, None),  # the free first: h[0] is unknown
@@ -271,7 +267,10 @@ def test_decode_frames_answer_as_the_general_path_does(monkeypatch: pytest.Monke
     for args, decode, refused in frames:
         before = len(taken)
         frame = pack({"op": "step_columns", "args": args})[HEADER.size :]
-        answers = [c.handle(frame)[0] for c in (fast, twin)]
+        answers = [fast.handle(frame)[0]]
+        with monkeypatch.context() as general:  # the twin: no frame is a decode step's
+            general.setattr(step_channel, "_DECODE_ARGS", frozenset())
+            answers.append(twin.handle(frame)[0])
         for answer in answers:
             del answer["generation"]  # each service's own
         assert answers[0] == answers[1], args
@@ -283,6 +282,32 @@ def test_decode_frames_answer_as_the_general_path_does(monkeypatch: pytest.Monke
         states = manager_state(fast.state.manager), manager_state(twin.state.manager)
         assert all(same(x, y) for x, y in zip(*states, strict=True)), args
     assert answers[0]["result"]["status"]["extend"][:2] == b"\x04\x00"  # unknown_request
-    assert taken == [4, 4, 4, 2, 5, 4, 4]
+    assert taken == [4, 4, 4, 2, 5, 4]
     assert _ops_counted(fast.state) == _ops_counted(twin.state)
     assert any('op="extend",result="ok"' in line for line in _ops_counted(fast.state))
+
+
+def test_table_edits_that_device_tables_consume_are_refused_before_the_step() -> None:
+    """Where device tables consume the edit log (a CUDA device: simulated here), a decode
+    step asking for table edits is refused before it runs, as ``step_columns`` refuses it:
+    no request grew."""
+    m, handles = _running()
+    m.parts.coord.edits = []  # as a CUDA manager's: its device tables take the log
+    for step in (m.decode_step, lambda h, **kw: m.step_columns(extend=h, **kw)):
+        with pytest.raises(InvalidArgument, match="table_edits needs page tables"):
+            step(handles, table_edits=True)
+        assert m.parts.coord.num_tokens[handles & 0xFFFFFFFF].tolist() == [3, 7, 11]
+
+
+def test_a_step_while_transfers_run_takes_the_general_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While pulls or fetches run (``Transfers.busy``), the step polls them first (a pull
+    that ended runs in this step): ``decode_step`` leaves that to ``step_columns``."""
+    m, handles = _running()
+    polled: list[object] = []
+    monkeypatch.setattr(m.parts, "transfers", SimpleNamespace(busy=True, ended=False))
+    monkeypatch.setattr(transfers, "poll", polled.append)
+    out = m.decode_step(handles)
+    assert out.ok and polled == [m.parts]
+    assert m.parts.coord.num_tokens[handles & 0xFFFFFFFF].tolist() == [4, 8, 12]

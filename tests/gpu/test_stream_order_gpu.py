@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,7 @@ def _run(
     mixed: bool = False,
     spin_after: int = 0,
     decode: bool = False,
+    native: bool = True,
 ) -> None:
     """``spin``: the engine's stream spins that many cycles before it reads the tables,
     ``spin_after`` after it read them and before its done event (the forward's other work).
@@ -88,7 +90,10 @@ def _run(
     answer either), so a stream-ordered step without edits of its own may follow one whose
     edits only the fused launch's record covers. ``decode``: every other step is a pure
     decode step (extends alone, one token each: the client's decode frame, which the
-    service runs through ``decode_step``)."""
+    service runs through ``decode_step``). ``native`` False: the service without its C core
+    (``KVCM_NATIVE=0``): ``DeviceTables.publish`` launches the edits through ``StepLaunch``
+    and records the step event itself, and a decode frame's ``decode_step`` runs as
+    ``step_columns``."""
     pytest.importorskip("cupy")
     cfg = CONFIG | {"null_page": null_page}
     path = tmp_path / "cfg.json"
@@ -100,10 +105,22 @@ def _run(
     serial = [0]
     handles: dict[str, tuple[int, int]] = {}  # request id -> (service's, reference's)
     with (
-        serve_process("--config", str(path), "--step-socket", str(sock)) as (url, _, _),
+        serve_process(
+            "--config",
+            str(path),
+            "--step-socket",
+            str(sock),
+            env=None if native else {"KVCM_NATIVE": "0"},
+        ) as (url, _, lines),
         KVCacheClient(url, step_socket=sock) as kv,
         kv.attach(stream_order=True) as att,
     ):
+        for _ in range(100):  # the line after "serving on", which a thread drains
+            said = [line for line in lines if "step path in" in line]
+            if said:
+                break
+            time.sleep(0.05)
+        assert said and ("step path in numpy" in said[0]) == (not native), lines
         stream = torch.cuda.Stream(device=att.page_tables.device)
         copies: list[torch.Tensor] = []
         expected: list[np.ndarray] = []
@@ -183,6 +200,20 @@ def test_decode_steps_read_their_own_tables(tmp_path: Path) -> None:
     """Pure decode steps (the service's ``decode_step``) between the general steps, with a
     late engine stream, so that several decode steps' edits queue behind its reads."""
     _run(tmp_path, steps=120, spin=SPIN_CYCLES // 5, seed=9, null_page=True, decode=True)
+
+
+def test_without_the_c_core_steps_read_their_own_tables(tmp_path: Path) -> None:
+    """The service's Python paths (no C core): the edits' launch and the step event by
+    ``StepLaunch`` and ``StepOrder.record``, decode frames through the general step."""
+    _run(
+        tmp_path,
+        steps=80,
+        spin=SPIN_CYCLES // 5,
+        seed=13,
+        null_page=False,
+        decode=True,
+        native=False,
+    )
 
 
 def test_a_late_engine_stream_still_reads_its_step(tmp_path: Path) -> None:

@@ -328,8 +328,8 @@ done:
  * False, with nothing changed, when the numpy path must take them: an item, row or position
  * out of range, a queue too short or out of shape (never after decode_plan).
  *
- * `dry`: the same checks and the same answer, but nothing written (tables, references,
- * queues, log): the slots that would be taken, their references and the cells they would go
+ * `dry`: the same checks (but the log's, which it ignores) and the same answer, but nothing
+ * written (tables, references, queues, log): the slots that would be taken, their references and the cells they would go
  * to are only read. A rehearsal's (NativeDecode.rehearse): the step after it then finds what
  * its take reads and writes in the caches.
  *

@@ -421,20 +421,21 @@ class StepChannel:
     def _step_columns(self, args: dict[str, Any], session: str | None) -> dict[str, Any]:
         handles, get = args.get("extend"), args.get
         new, ahead = get("num_new_tokens", 1), get("lookahead", 0)
+        flags = (get("map_slots", False), get("table_edits", False), get("stream_ordered", False))
         if (
             type(handles) is bytes
             and not len(handles) % 8
             and type(new) is int
             and type(ahead) is int
+            and type(flags[0]) is bool
+            and type(flags[1]) is bool
+            and type(flags[2]) is bool
             and args.keys() <= _DECODE_ARGS
         ):
             # A decode step's frame (what the client's DecodeFrames sends): its own path,
             # which runs the general one for what it does not (KVCacheManager.decode_step).
-            flags = (
-                get("map_slots", False),
-                get("table_edits", False),
-                get("stream_ordered", False),
-            )
+            # Anything else, a malformed frame too, takes the general path, whose checks
+            # name what is wrong.
             rows = np.frombuffer(handles, np.int64)
             return self.state.decode_step(rows, new, ahead, flags, session).to_wire()
         return self.state.step_columns(columns_from_wire(args), session).to_wire()
