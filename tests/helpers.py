@@ -306,3 +306,19 @@ class CoreSpy:
         self.results[f"start {kind}"] += 1
         self.results["start evict"] += type(out) is tuple and out[2]
         return out
+
+
+def engine_handles(rng: np.random.Generator, live: list[int], stale: list[int]) -> list[int]:
+    """A step's extend handles as engines send them: the live ones shuffled, now and then
+    with what only the general path runs: a stale handle (a missed free), a row named
+    twice, or a handle nobody holds."""
+    handles = list(live)
+    rng.shuffle(handles)
+    kind = rng.random()
+    if stale and kind < 0.1:
+        handles.insert(int(rng.integers(len(handles) + 1)), stale[-1])  # a missed free
+    elif handles and kind < 0.15:
+        handles.append(handles[0])  # a row named twice
+    elif kind < 0.18:
+        handles.append(2**40 + 3 if rng.random() < 0.5 else -1)  # a handle nobody holds
+    return handles

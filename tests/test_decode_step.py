@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import layer, manager, manager_state, same
+from helpers import engine_handles, layer, manager, manager_state, same
 
 from kvcm import InvalidArgument, KVCacheManager, native, transfers
 from kvcm import manager as manager_module
@@ -62,15 +62,7 @@ def _outcome(out: StepOutcome) -> list[Any]:
 def _extends(rng: np.random.Generator, live: list[int], stale: list[int]) -> dict[str, Any]:
     """The extends of a step: most of them a decode step's batch, some of them what only the
     general path runs (a stale, repeated or unknown handle, counts per item, a list)."""
-    handles = list(live)
-    rng.shuffle(handles)
-    kind = rng.random()
-    if stale and kind < 0.08:
-        handles.insert(int(rng.integers(len(handles) + 1)), stale[-1])  # a missed free
-    elif handles and kind < 0.12:
-        handles.append(handles[0])  # a row named twice
-    elif kind < 0.14:
-        handles.append(2**40 + 3)  # a handle nobody holds
+    handles = engine_handles(rng, live, stale)
     args: dict[str, Any] = {"extend": np.array(handles, dtype=np.int64)}
     r = rng.random()
     if r < 0.05:
@@ -154,9 +146,9 @@ def test_decode_step_equals_step_columns(
         differ = [i for i, (x, y) in enumerate(zip(*states, strict=True)) if not same(x, y)]
         assert not differ, (step, differ)
         live = [h for h in live if own.parts.requests.handle[h & 0xFFFFFFFF] == h]
-    # Most steps ran on the decode step's own path; the others (a stale or repeated handle,
-    # a request at max_seq_len, a full pool) on the general one.
-    assert ran["own"] > 100 and ran["general"] > 10, ran
+    # Many steps ran on the decode step's own path, the others (a stale, repeated or unknown
+    # handle, a request at max_seq_len, a full pool) on the general one.
+    assert ran["own"] > 60 and ran["general"] > 10, ran
 
 
 def _running(n: int = 3) -> tuple[KVCacheManager, np.ndarray]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import CoreSpy, layer, manager, manager_state, same
+from helpers import CoreSpy, engine_handles, layer, manager, manager_state, same
 
 from kvcm import InvalidArgument, native
 from kvcm.hashing import block_keys, token_bytes
@@ -164,15 +164,7 @@ def _columns(
     rng: np.random.Generator, live: list[int], stale: list[int], big: bool
 ) -> dict[str, Any]:
     """An extend section of the shapes engines send, some of them for the general path."""
-    handles = list(live)
-    rng.shuffle(handles)
-    kind = rng.random()
-    if stale and kind < 0.1:
-        handles.insert(int(rng.integers(len(handles) + 1)), stale[-1])  # a missed free
-    elif handles and kind < 0.15:
-        handles.append(handles[0])  # a row named twice
-    elif kind < 0.18:
-        handles.append(2**40 + 3 if rng.random() < 0.5 else -1)  # a handle nobody holds
+    handles = engine_handles(rng, live, stale)
     n = len(handles)
     cols: dict[str, Any] = {"extend": np.array(handles, dtype=np.int64)}
     r = rng.random()
