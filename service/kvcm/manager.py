@@ -506,23 +506,21 @@ class KVCacheManager:
         ``out.status["extend"]`` is ``[0, 0]``, as ``step_columns(extend=[h1, h2])``'s."""
         parts = self.parts
         moves = parts.transfers
-        if (
-            type(extend) is not np.ndarray
-            or extend.dtype != np.int64
-            or extend.ndim != 1
-            or not extend.flags.c_contiguous
-            or type(num_new_tokens) is not int
-            or not 1 <= num_new_tokens <= MAX_COUNT
-            or type(lookahead) is not int
-            or not 0 <= lookahead <= MAX_COUNT
-            or type(map_slots) is not bool
-            or type(table_edits) is not bool
-            or type(stream_ordered) is not bool
-            or extend.size > MAX_STEP_OPS
-            or (moves is not None and moves.busy)
+        if (  # checked arguments of a step the batch may run (else step_columns says why)
+            type(extend) is np.ndarray
+            and extend.dtype == np.int64
+            and extend.ndim == 1
+            and extend.flags.c_contiguous
+            and extend.size <= MAX_STEP_OPS
+            and type(num_new_tokens) is int
+            and 1 <= num_new_tokens <= MAX_COUNT
+            and type(lookahead) is int
+            and 0 <= lookahead <= MAX_COUNT
+            and type(map_slots) is bool
+            and type(table_edits) is bool
+            and type(stream_ordered) is bool
+            and (moves is None or not moves.busy)
         ):
-            out = None
-        else:
             try:
                 if table_edits:
                     parts.mirror.check()

@@ -329,9 +329,9 @@ done:
  * out of range, a queue too short or out of shape (never after decode_plan).
  *
  * `dry`: the same checks (but the log's, which it ignores) and the same answer, but nothing
- * written (tables, references, queues, log): the slots that would be taken, their references and the cells they would go
- * to are only read. A rehearsal's (NativeDecode.rehearse): the step after it then finds what
- * its take reads and writes in the caches.
+ * written (tables, references, queues, log): the slots that would be taken, their references
+ * and the cells they would go to are only read. A rehearsal's (NativeDecode.rehearse): the
+ * step after it then finds what its take reads and writes in the caches.
  *
  * Example (one layer group, free queue [7 3 9]): added (2,), items [0 2], positions [1 4],
  * rows [5 8 6]: table[0][5, 1] = 7, table[0][6, 4] = 3; the queue is [9]; returns
