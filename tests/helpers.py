@@ -70,6 +70,29 @@ class FakeStepChannel(threading.Thread):
                 yield body
 
 
+class FakeTransport:
+    """A step channel connection's transport that keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
 def layer(i: int, **kw: object) -> dict[str, object]:
     spec: dict[str, object] = {"layer_id": i, "num_kv_heads": 2, "head_dim": 4, "dtype": "fp16"}
     spec.update(kw)

@@ -10,15 +10,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import engine_handles, layer, manager, manager_state, same
+from helpers import FakeTransport, engine_handles, layer, manager, manager_state, same
 
 from kvcm import InvalidArgument, KVCacheManager, native, transfers
 from kvcm import manager as manager_module
 from kvcm.columnar_types import StepOutcome
 from kvcm.server import step_channel
 from kvcm.server.state import ServiceState
-from kvcm.server.step_channel import StepChannel
-from kvcm_client.step_channel import HEADER, pack
+from kvcm.server.step_channel import StepChannel, _Connection
+from kvcm.server.step_ring import ServiceRing
+from kvcm_client.step_channel import HEADER, pack, unpack
+from kvcm_client.step_ring import SLOT_BYTES, ClientRing
+from kvcm_client.step_ring import supported as ring_supported
 
 pytestmark = [
     pytest.mark.usefixtures("restore_native"),
@@ -213,7 +216,7 @@ def _channel() -> tuple[StepChannel, list[int]]:
     m = manager([layer(0), layer(1, sliding_window=5)], num_blocks=48)
     state = ServiceState(m, 30.0)
     handles = [int(m.allocate(f"r{i}", 3 * i + 2).handle) for i in range(4)]
-    return StepChannel(state, None, lambda: 1 << 24), handles
+    return StepChannel(state, None, lambda: 1 << 24, poll_us=0), handles
 
 
 def _ops_counted(state: ServiceState) -> list[str]:
@@ -277,6 +280,76 @@ def test_decode_frames_answer_as_the_general_path_does(monkeypatch: pytest.Monke
     assert taken == [4, 4, 4, 2, 5, 4]
     assert _ops_counted(fast.state) == _ops_counted(twin.state)
     assert any('op="extend",result="ok"' in line for line in _ops_counted(fast.state))
+
+
+def test_a_frame_is_answered_before_it_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step channel sends a step's answer first and counts it after
+    (``StepChannel.answer_first``): when the op counts, the call's latency and the frame's
+    count are taken, the answer is in the transport already; once the frames are answered,
+    every count is in, as a twin's that counts each frame before answering it."""
+    channel, handles = _channel()
+    twin, _ = _channel()
+    conn, tr = _Connection(channel), FakeTransport()
+    conn.connection_made(tr)  # type: ignore[arg-type]
+    sent_before: dict[str, list[int]] = {}
+    metrics = channel.state.metrics
+
+    def spy(name: str) -> Any:
+        call = getattr(metrics, name)
+
+        def counted(*args: Any) -> Any:
+            sent_before.setdefault(name, []).append(len(tr.out))
+            return call(*args)
+
+        return counted
+
+    for name in ("ops_ok_later", "observe_later", "later"):
+        monkeypatch.setattr(metrics, name, spy(name))
+    h = np.array(handles, dtype="<i8").tobytes()
+    frames = [pack({"op": "step_columns", "args": {"extend": h}}) for _ in range(3)]
+    conn.data_received(b"".join(frames))  # three frames in one read: answered in order
+    answers, at = [], 0
+    while at < len(tr.out):
+        (n,) = HEADER.unpack_from(tr.out, at)
+        answers.append(bytes(tr.out[at : at + HEADER.size + n]))
+        at += HEADER.size + n
+    ends = np.cumsum([len(a) for a in answers]).tolist()
+    # each count after its own answer, before the next one's
+    assert sent_before == {"ops_ok_later": ends, "observe_later": ends, "later": ends}
+    for frame in frames:
+        twin.handle(frame[HEADER.size :])
+    assert _ops_counted(channel.state) == _ops_counted(twin.state)
+    assert channel.due == [] and len(answers) == 3
+
+
+@pytest.mark.skipif(not ring_supported(), reason="the step ring runs on x86-64 Linux only")
+def test_a_ring_frame_is_answered_before_it_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the socket, through the shared-memory ring: its answer is published before
+    the step's op counts are taken."""
+    channel, handles = _channel()
+    conn = _Connection(channel)
+    conn.connection_made(FakeTransport())  # type: ignore[arg-type]
+    served = ServiceRing(SLOT_BYTES)
+    conn.attach(served)
+    client = ClientRing(served.give_fd(), SLOT_BYTES)
+    seen: list[bool] = []
+    count = channel.state.metrics.ops_ok_later
+    monkeypatch.setattr(
+        channel.state.metrics,
+        "ops_ok_later",
+        lambda status: (seen.append(client.answered(client.seq)), count(status)),
+    )
+    h = np.array(handles, dtype="<i8").tobytes()
+    try:
+        for _ in range(2):
+            client.post(pack({"op": "step_columns", "args": {"extend": h}})[HEADER.size :])
+            conn.serve_ring()
+            answer = unpack(client.answer_body())
+            assert answer["result"]["status"]["extend"] == bytes(8)
+        assert seen == [True, True] and channel.due == []
+    finally:
+        client.close()
+        served.close()
 
 
 def test_table_edits_that_device_tables_consume_are_refused_before_the_step() -> None:

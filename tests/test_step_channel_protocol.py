@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 import msgpack
-from helpers import ChannelState
+from helpers import ChannelState, FakeTransport
 
 from kvcm.server.step_channel import _Connection
 from kvcm_client.step_channel import DOORBELL, HEADER, pack
@@ -25,6 +25,7 @@ class FakeChannel:
     def __init__(self) -> None:
         self.connections: set[Any] = set()
         self.rings = 0
+        self.answered = self.settled = 0
 
     def rang(self) -> None:
         self.rings += 1
@@ -35,26 +36,13 @@ class FakeChannel:
     def remember(self, *_: Any) -> None:
         """No busy poll: nothing to rehearse (``StepChannel.rehearse``)."""
 
-    def handle(self, body: bytes, conn: Any = None) -> tuple[dict[str, Any], bool, str]:
+    def answer_first(self, body: bytes, conn: Any = None) -> tuple[dict[str, Any], bool, str]:
+        assert self.settled == self.answered, "the last answer's accounts ran before this one"
+        self.answered += 1
         return {"result": msgpack.unpackb(body)["args"]["i"]}, False, "x"
 
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
+    def settle(self) -> None:
+        self.settled += 1
 
 
 def _answers(out: bytearray) -> list[Any]:
@@ -74,11 +62,13 @@ def test_frames_are_cut_the_same_in_one_chunk_or_byte_by_byte() -> None:
     async def run() -> None:
         blob = b"".join(_frames(5))
         for chunks in ([blob], [bytes([b]) for b in blob]):
-            conn, tr = _Connection(FakeChannel()), FakeTransport()  # type: ignore[arg-type]
+            channel = FakeChannel()
+            conn, tr = _Connection(channel), FakeTransport()  # type: ignore[arg-type]
             conn.connection_made(tr)  # type: ignore[arg-type]
             for chunk in chunks:
                 conn.data_received(chunk)
             assert _answers(tr.out) == [0, 1, 2, 3, 4] and conn.timer is None
+            assert channel.settled == 5  # each answer's accounts, after it
 
     asyncio.run(run())
 

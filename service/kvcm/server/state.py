@@ -64,6 +64,11 @@ from .metrics import Metrics
 
 T = TypeVar("T")
 
+#: Work a call leaves for after its answer is out: (function, arguments) pairs, run in order
+#: by whoever sent the answer (``StepChannel.answer_first``), before anything else runs on
+#: the event loop.
+Due = list[tuple[Callable[..., None], tuple[Any, ...]]]
+
 
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` runs (needs a shared pid namespace across containers)."""
@@ -320,11 +325,15 @@ class ServiceState:
             tally["extend", "ok"] = extends
         self.metrics.count_ops(tally)
 
-    def step_columns(self, columns: dict[str, Any], session_id: str | None) -> StepOutcome:
+    def step_columns(
+        self, columns: dict[str, Any], session_id: str | None, due: Due | None = None
+    ) -> StepOutcome:
         """A columnar step (``KVCacheManager.step_columns`` keyword arguments) with leases
-        and op counts updated: the step of ``POST /v1/step_columns`` and the step channel."""
+        and op counts updated: the step of ``POST /v1/step_columns`` and the step channel.
+        ``due``: the counts and leases are added to it, for the caller to run once the
+        answer is out (the step channel's ``answer_first``), instead of before returning."""
         self.touch(session_id)
-        return self._stepped(self.manager.step_columns(**columns), session_id)
+        return self._stepped(self.manager.step_columns(**columns), session_id, due)
 
     def decode_step(
         self,
@@ -333,11 +342,12 @@ class ServiceState:
         lookahead: int,
         flags: tuple[Any, Any, Any],
         session_id: str | None,
+        due: Due | None = None,
     ) -> StepOutcome:
         """A decode step (``KVCacheManager.decode_step``; ``flags``: map_slots,
         table_edits, stream_ordered, as they came: the manager checks them), with leases
-        and op counts updated as ``step_columns``: the step channel's path for a decode
-        step's frame."""
+        and op counts updated (or added to ``due``) as ``step_columns``: the step channel's
+        path for a decode step's frame."""
         self.touch(session_id)
         map_slots, table_edits, stream_ordered = flags
         out = self.manager.decode_step(
@@ -348,9 +358,17 @@ class ServiceState:
             table_edits=table_edits,
             stream_ordered=stream_ordered,
         )
-        return self._stepped(out, session_id)
+        return self._stepped(out, session_id, due)
 
-    def _stepped(self, out: StepOutcome, session_id: str | None) -> StepOutcome:
+    def _stepped(self, out: StepOutcome, session_id: str | None, due: Due | None) -> StepOutcome:
+        """``_account_step`` now, or added to ``due``."""
+        if due is None:
+            self._account_step(out, session_id)
+        else:
+            due.append((self._account_step, (out, session_id)))
+        return out
+
+    def _account_step(self, out: StepOutcome, session_id: str | None) -> None:
         """A columnar step's outcome counted (ops by section and status) and its requests'
         leases adopted or released."""
         metrics = self.metrics
@@ -370,7 +388,6 @@ class ServiceState:
                 self.leases.adopt(session_id, rid)
         for rid in out.freed_ids:
             self.leases.release(rid)
-        return out
 
     # -- consumers (processes that mapped the shared pools) -------------------------------------
 
