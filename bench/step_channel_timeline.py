@@ -7,8 +7,9 @@ A child process serves ``StepChannel`` on uvloop (as ``kvcm serve`` does) for a 
 load test's config; this process sends raw frames on a blocking Unix socket. Both processes
 stamp ``time.perf_counter_ns`` (CLOCK_MONOTONIC, one clock for both), so each frame splits
 into: the client's send returning -> the server's ``data_received`` (wake: the kernel and the
-event loop), ``StepChannel.handle`` (the op itself, with its checks and metrics), the answer's
-packing and write, the server done -> the client's recv returning (wake), and the total.
+event loop), ``StepChannel.answer_first`` (the op itself, with its checks; its counts are
+taken after the answer is written), the answer's packing and write, the server done -> the
+client's recv returning (wake), and the total.
 Each wake is the difference of two processes' stamps taken after a call returns, so a small
 negative one means the other side ran before that call returned.
 
@@ -67,12 +68,13 @@ def _serve(path: Path, out: Path) -> None:
 
     state, channel = _channel()
     stamps: list[tuple[int, int, int, int]] = []
-    received, handle, send = sc._Connection.data_received, channel.handle, sc._Connection._send
+    received, answer_first = sc._Connection.data_received, channel.answer_first
+    send = sc._Connection._send
     marks: dict[str, int] = {}
 
     def timed_handle(body: bytes, conn: Any = None) -> Any:
         marks["h0"] = time.perf_counter_ns()
-        answer = handle(body, conn)
+        answer = answer_first(body, conn)
         marks["h1"] = time.perf_counter_ns()
         return answer
 
@@ -87,7 +89,7 @@ def _serve(path: Path, out: Path) -> None:
             marks["start"] = time.perf_counter_ns()
         received(self, data)
 
-    channel.handle = timed_handle
+    channel.answer_first = timed_handle
     sc._Connection._send = timed_send  # type: ignore[method-assign]
     sc._Connection.data_received = timed_received  # type: ignore[method-assign]
 

@@ -64,7 +64,10 @@ class Channel:
     def remember(self, *_: Any) -> None:
         """No busy poll: nothing to rehearse (``StepChannel.rehearse``)."""
 
-    def handle(self, body: bytes, conn: Any = None) -> tuple[dict[str, Any], bool, str]:
+    def settle(self) -> None:
+        """Nothing counted after an answer (``StepChannel.settle``)."""
+
+    def answer_first(self, body: bytes, conn: Any = None) -> tuple[dict[str, Any], bool, str]:
         try:
             message = msgpack.unpackb(body)
         except Exception:
