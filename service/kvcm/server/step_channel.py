@@ -189,8 +189,8 @@ class StepChannel:
         caller runs once it has sent the answer, before it reads another frame.
 
         Why: the client waits for the answer, not for them; at an engine's cadence they
-        cost a decode step's round trip ~6 us, run cold (measured on the development VM,
-        the ring at 5 ms, docs/step-channel.md#the-shared-memory-ring)."""
+        run cold and cost a decode step's round trip a few microseconds (the development
+        VM, the ring at 5 ms: docs/step-channel.md#errors-order-and-limits)."""
         self._decoded = False
         again = self._again
         if again is not None and again.fits(body):
