@@ -98,6 +98,18 @@ def header(session: str | None, generation: str | None, token: str | None) -> di
     return out
 
 
+def bin_header(n: int) -> bytes:
+    """msgpack's header of a ``bin`` of ``n`` bytes (the smallest that holds it): 0xc4 and
+    one length byte below 256, 0xc5 and two big-endian bytes below 65536, else 0xc6 and
+    four. Example: ``bin_header(16) == b"\\xc4\\x10"``, ``bin_header(2048) ==
+    b"\\xc5\\x08\\x00"``."""
+    if n < 0x100:
+        return bytes((0xC4, n))
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
 #: A decode step's flags, in ``DecodeFrames.frame``'s key.
 _DECODE_FLAGS = ("map_slots", "table_edits", "stream_ordered")
 
@@ -135,12 +147,7 @@ class DecodeFrames:
             self._prefix, self._suffix = self._pieces(key)  # both, or neither on an error
             self._key = key
         n = len(handles)
-        if n < 0x100:
-            kind = bytes((0xC4, n))
-        elif n < 0x10000:
-            kind = b"\xc5" + n.to_bytes(2, "big")
-        else:
-            kind = b"\xc6" + n.to_bytes(4, "big")
+        kind = bin_header(n)
         size = len(self._prefix) + len(kind) + n + len(self._suffix)
         return b"".join((HEADER.pack(size), self._prefix, kind, handles, self._suffix))
 

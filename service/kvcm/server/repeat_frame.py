@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvcm_client.step_channel import bin_header
+
 
 @dataclass(frozen=True, slots=True)
 class RepeatFrame:
@@ -35,7 +37,7 @@ class RepeatFrame:
     at: int
     count: int
     size: int
-    #: The learnt frame's map (its header and args, the handles aside).
+    #: The learnt frame's parsed map (a fitting frame's is this with its own handles).
     message: dict[str, Any]
 
     @classmethod
@@ -45,12 +47,7 @@ class RepeatFrame:
         (or not at all) in it, so the place cannot be told from the bytes."""
         handles = message["args"]["extend"]
         n = len(handles)
-        if n < 0x100:
-            kind = bytes((0xC4, n))
-        elif n < 0x10000:
-            kind = b"\xc5" + n.to_bytes(2, "big")
-        else:
-            kind = b"\xc6" + n.to_bytes(4, "big")
+        kind = bin_header(n)
         field = kind + handles
         start = body.find(field)
         if start < 0 or body.find(field, start + 1) >= 0:
