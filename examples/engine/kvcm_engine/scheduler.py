@@ -3,9 +3,11 @@
 Each step it decides which requests compute how many tokens under a token budget (decodes
 first, then prefill chunks of at most ``chunk`` tokens, then new requests), and sends kvcm one
 columnar ``step_columns`` call (docs/requests.md#the-columnar-step) with, in its section order:
-``commit`` of the tokens computed in the previous step (their blocks become reusable
-prefixes), ``free`` of finished requests, ``extend`` of running ones and ``allocate`` of new
-ones (with their token ids, so they reuse cached prefixes). Running requests are named by
+``commit`` of the tokens computed since (their blocks become reusable prefixes: a prompt's
+chunk by chunk, a request's output when it ends, ``Scheduler._commits``), ``free`` of
+finished requests, ``extend`` of running ones and ``allocate`` of new ones (with their token
+ids, so they reuse cached prefixes). It passes only the sections the step has, so a step of
+decodes alone is bare extends: a decode frame over the step channel. Running requests are named by
 their kvcm handle; only new ones by id. The call asks for the slot mapping of the tokens it
 adds (``map_slots``), so the engine needs no other call for it (``slots_of``).
 
@@ -147,6 +149,17 @@ class SchedulerStats:
     scheduler's own planning and the engine's cut of the mapping)."""
 
 
+def _extends(plan: list[Work]) -> dict[str, Any]:
+    """The ``extend`` section of ``plan``: its handles and their counts, one int when all
+    are equal (a decode step's 1)."""
+    counts = [w.count for w in plan]
+    same = all(c == counts[0] for c in counts)
+    return {
+        "extend": [w.request.handle for w in plan],
+        "num_new_tokens": counts[0] if same else counts,
+    }
+
+
 class Scheduler:
     """Queues, the token budget and the kvcm calls; the engine runs the model."""
 
@@ -161,9 +174,11 @@ class Scheduler:
         preempt: Literal["free", "suspend"] = "free",
         hand_off_s: float | None = None,
         stream_ordered: bool = False,
+        commit_output: Literal["at_end", "each_step"] = "at_end",
     ) -> None:
         """``align``: a prefill chunk that stops short of the sequence's end ends on a
-        multiple of this many tokens where it can (``_chunk``); ``preempt``: how a victim
+        multiple of this many tokens where it can (``_chunk``); ``commit_output``: when a
+        request's generated tokens are committed (``_commits``); ``preempt``: how a victim
         gives its blocks back (the module docstring); ``hand_off_s``: a prefill engine's, hand
         finished requests off for this many seconds instead of freeing them;
         ``stream_ordered``: the step calls ask a CUDA sidecar for stream-ordered steps (its
@@ -173,6 +188,9 @@ class Scheduler:
             raise ValueError("chunk, max_batch_tokens, max_running and align must be positive")
         if preempt not in ("free", "suspend"):
             raise ValueError(f"preempt must be 'free' or 'suspend', got {preempt!r}")
+        if commit_output not in ("at_end", "each_step"):
+            raise ValueError(f"commit_output must be 'at_end' or 'each_step': {commit_output!r}")
+        self.commit_output = commit_output
         self.kvcm = kvcm
         self.chunk = chunk
         self.align = align
@@ -208,14 +226,33 @@ class Scheduler:
         return not (self.waiting or self.running or self._to_free or self.suspended or self.pulling)
 
     def _commits(self) -> tuple[list[int], list[list[int]]]:
-        handles, tokens = [], []
-        for r in [*self.running, *self._to_free]:
-            end = r.computed - r.in_flight
-            if end > r.committed:
-                handles.append(r.handle)
-                tokens.append(r.seq[r.committed : end])
-                r.committed = end
+        """This step's commits: per request, the tokens computed (and read back) since its
+        last commit. With ``commit_output="at_end"`` a running request's generated tokens
+        wait for its end: they go with its free (or hand-off, or preemption), so that a
+        decode step commits nothing and is bare extends, the step an engine sends most (a
+        decode frame over the step channel, docs/step-channel.md); its prompt is committed
+        chunk by chunk, for the requests that share it. ``"each_step"`` commits each token
+        the step after it is computed: a hybrid's state is checkpointed only where a commit
+        ends on a block boundary. Example (at_end): a 40-token prompt in chunks of 16, then
+        5 decodes: commits end at 16, 32 and 40 in the steps after those chunks, then at 45
+        in the step that frees it."""
+        handles: list[int] = []
+        tokens: list[list[int]] = []
+        at_end = self.commit_output == "at_end"
+        for r in self.running:
+            self._pending(r, len(r.prompt) if at_end else len(r.seq), handles, tokens)
+        for r in self._to_free:
+            self._pending(r, len(r.seq), handles, tokens)
         return handles, tokens
+
+    @staticmethod
+    def _pending(r: Request, limit: int, handles: list[int], tokens: list[list[int]]) -> None:
+        """Add ``r``'s commit of its computed tokens up to ``limit``, if any, and record it."""
+        end = min(r.computed - r.in_flight, limit)
+        if end > r.committed:
+            handles.append(r.handle)
+            tokens.append(r.seq[r.committed : end])
+            r.committed = end
 
     def schedule(self) -> list[Work]:
         """Plan this step and make kvcm's step call; return the work the model does."""
@@ -251,17 +288,22 @@ class Scheduler:
             op = {"request_id": r.kv_id, "num_tokens": n, "token_ids": r.seq[:n]}
             allocate.append(op if k is None else {**op, "max_new_tokens": k})
         self.slots_of = {}
-        out = self._call(
-            commit=commit,
-            commit_tokens=commit_tokens,
-            free=free,
-            rewind=[h for h, _ in rewinds],
-            rewind_tokens=[n for _, n in rewinds] or 1,
-            resume=[r.handle for r in resume],
-            extend=[w.request.handle for w in plan],
-            num_new_tokens=[w.count for w in plan] or 1,
-            allocate=allocate,
-        )
+        # Only the sections the step has: a step of extends alone by one count is a decode
+        # step's call, which a client sends as a decode frame.
+        columns: dict[str, Any] = {}
+        if commit:
+            columns.update(commit=commit, commit_tokens=commit_tokens)
+        if free:
+            columns["free"] = free
+        if rewinds:
+            columns.update(rewind=[h for h, _ in rewinds], rewind_tokens=[n for _, n in rewinds])
+        if resume:
+            columns["resume"] = [r.handle for r in resume]
+        if plan:
+            columns.update(_extends(plan))
+        if allocate:
+            columns["allocate"] = allocate
+        out = self._call(**columns)
         for r in handing:  # committed by the call above: pinned for the decode engine
             self.stats.kvcm_calls += 1
             self.kvcm.hand_off(r.kv_id, self.hand_off_s)
@@ -452,12 +494,17 @@ class Scheduler:
             plan = [w for w in plan if w.request is not victim]
             failed = [w for w in failed if w.request is not victim]
             suspend = self.preempt == "suspend" and victim.computed > 0
+            commit: list[int] = []
+            commit_tokens: list[list[int]] = []
+            self._pending(victim, len(victim.seq), commit, commit_tokens)
+            pending = {"commit": commit, "commit_tokens": commit_tokens} if commit else {}
             while True:
                 out = self._call(
+                    **pending,
                     **(self._suspend_columns(victim) if suspend else {"free": [victim.handle]}),
-                    extend=[w.request.handle for w in failed],
-                    num_new_tokens=[w.count for w in failed] or 1,
+                    **(_extends(failed) if failed else {}),
                 )
+                pending = {}  # committed by the first call, whatever its suspend's status
                 if not suspend or not out.status["suspend"][0]:
                     break
                 suspend = False  # the host tier cannot hold it: freed instead
@@ -480,7 +527,8 @@ class Scheduler:
 
     def _suspend_columns(self, victim: Request) -> dict[str, Any]:
         """Suspend ``victim``, after rewinding what its extend of this step added (kvcm keeps
-        the computed tokens only, all committed: the step's commits ran first)."""
+        the computed tokens only; their commit, if any was pending, goes first in the same
+        call: ``_preempt_for``)."""
         tail = victim.held - victim.computed
         victim.held = victim.computed
         return {
