@@ -97,6 +97,15 @@ SHAPES = {
 #: The kvcm ways ``--ways`` picks from.
 WAYS = ("in-process", "http", "channel", "busy-poll", "ordered")
 
+#: libgomp's spin (``GOMP_SPINCOUNT``) the engine runs under unless ``--omp-spin`` says
+#: otherwise. torch's OpenMP threads spin after each parallel region before they sleep;
+#: libgomp's default, 300,000 spins, holds the core milliseconds after a forward, where the
+#: sidecar needs it for the step call (it then waits for the spinner's time slice, up to
+#: ~4 ms). 10,000 hands the core back within a fraction of a millisecond and leaves the
+#: forward as fast (fewer spins slow it: its threads sleep between parallel regions).
+#: Measured on the 2-core development VM: docs/step-channel.md, "Beside a model's threads".
+OMP_SPIN = "10000"
+
 
 def kv_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
@@ -267,6 +276,20 @@ def sidecar(
     raise RuntimeError(f"kvcm serve exited with {proc.wait()}")
 
 
+def _omp_spin(choice: str) -> None:
+    """Run under ``choice`` (a ``GOMP_SPINCOUNT``, or ``default``: libgomp's own). libgomp
+    reads it once, when torch loads it, so a process that runs under another one executes
+    itself again with it set (before any model is built)."""
+    want = None if choice == "default" else choice
+    if os.environ.get("GOMP_SPINCOUNT") == want:
+        return
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if want is not None:
+        env["GOMP_SPINCOUNT"] = want
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
@@ -319,9 +342,16 @@ def main() -> None:
         action="store_true",
         help="add an in-process row with the graphs, without planning steps ahead",
     )
+    p.add_argument(
+        "--omp-spin",
+        default=OMP_SPIN,
+        help=f"GOMP_SPINCOUNT for the engine's process, or 'default' for libgomp's own "
+        f"(300,000); default {OMP_SPIN}, as docs/step-channel.md advises beside a sidecar",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args()
+    _omp_spin(args.omp_spin)
     if args.quick:
         args.requests, args.new_tokens, args.prompt_max = 4, 4, 48
     kind = _kind(args.device)
@@ -392,7 +422,8 @@ def main() -> None:
         f"# bench_engine {datetime.date.today()} {gpu} {dtype} requests={args.requests} "
         f"new_tokens={args.new_tokens} chunk={args.chunk} "
         f"max_batch_tokens={args.max_batch_tokens} gap_ms={args.gap_ms:g} "
-        f"cpus={len(os.sched_getaffinity(0))}"
+        f"cpus={len(os.sched_getaffinity(0))} "
+        f"omp_spin={os.environ.get('GOMP_SPINCOUNT', 'default')}"
     )
     print(
         "| way | tok/s | vs transformers | steps | step ms mean / p50 | kvcm ms/step "

@@ -98,6 +98,7 @@ def test_the_client_package_needs_neither_torch_nor_numpy_nor_the_server() -> No
 
 def test_bench_engine_quick_runs_every_way_with_equal_tokens() -> None:
     stdout = _bench("bench_engine.py", "--quick", "--gap-ms", "1")
+    assert " omp_spin=10000" in stdout  # the engine's OpenMP spin, capped (it ran again)
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
     ways = [row.split("|")[1].strip() for row in rows[1:]]
     # On the CPU each kvcm way gathers the history for SDPA (the paged kernel is CUDA's).
