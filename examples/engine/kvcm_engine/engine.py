@@ -259,7 +259,6 @@ class Engine:
             preempt=preempt,
             hand_off_s=hand_off_s,
             stream_ordered=backend.step_order is not None,
-            commit_output="each_step" if self._hybrid else "at_end",
         )
         self.stats = EngineStats()
         self._views: dict[tuple[int, str], torch.Tensor] = {}

@@ -4,12 +4,13 @@ Each step it decides which requests compute how many tokens under a token budget
 first, then prefill chunks of at most ``chunk`` tokens, then new requests), and sends kvcm one
 columnar ``step_columns`` call (docs/requests.md#the-columnar-step) with, in its section order:
 ``commit`` of the tokens computed since (their blocks become reusable prefixes: a prompt's
-chunk by chunk, a request's output when it ends, ``Scheduler._commits``), ``free`` of
-finished requests, ``extend`` of running ones and ``allocate`` of new ones (with their token
-ids, so they reuse cached prefixes). It passes only the sections the step has, so a step of
-decodes alone is bare extends: a decode frame over the step channel. Running requests are named by
-their kvcm handle; only new ones by id. The call asks for the slot mapping of the tokens it
-adds (``map_slots``), so the engine needs no other call for it (``slots_of``).
+chunk by chunk, a request's output every 64 steps and when it ends, ``Scheduler._commits``),
+``free`` of finished requests, ``extend`` of running ones and ``allocate`` of new ones (with
+their token ids, so they reuse cached prefixes). It passes only the sections the step has,
+so a step of decodes alone is bare extends: a decode frame over the step channel. Running
+requests are named by their kvcm handle; only new ones by id. The call asks for the slot
+mapping of the tokens it adds (``map_slots``), so the engine needs no other call for it
+(``slots_of``).
 
 When an ``extend`` finds no free block (``out_of_blocks``) the newest running request is
 preempted: freed, and put back at the head of the queue to be recomputed later from its
@@ -55,6 +56,10 @@ from kvcm_client.errors import KVCMError
 #: Statuses that mean "no room now": the scheduler preempts or waits instead of failing.
 _ROOM = frozenset({"out_of_blocks", "max_requests_reached"})
 ROW_MASK = 0xFFFFFFFF
+#: With ``commit_output="batched"``, running requests' generated tokens are committed every
+#: this many steps (and when each ends): 63 of 64 decode steps commit nothing, and a commit
+#: holds at most 64 tokens of each request's output (4 bytes each on the step channel).
+OUTPUT_COMMIT_STEPS = 64
 #: The token a request emits before the forward that picks it has been read back
 #: (``Scheduler.advance``): never sent to kvcm, replaced by ``Scheduler.settle``.
 UNKNOWN = -1
@@ -174,11 +179,12 @@ class Scheduler:
         preempt: Literal["free", "suspend"] = "free",
         hand_off_s: float | None = None,
         stream_ordered: bool = False,
-        commit_output: Literal["at_end", "each_step"] = "at_end",
+        commit_output: Literal["batched", "each_step"] | None = None,
     ) -> None:
         """``align``: a prefill chunk that stops short of the sequence's end ends on a
         multiple of this many tokens where it can (``_chunk``); ``commit_output``: when a
-        request's generated tokens are committed (``_commits``); ``preempt``: how a victim
+        request's generated tokens are committed (``_commits``; by default ``batched``, and
+        ``each_step`` where ``align`` > 1: a hybrid's); ``preempt``: how a victim
         gives its blocks back (the module docstring); ``hand_off_s``: a prefill engine's, hand
         finished requests off for this many seconds instead of freeing them;
         ``stream_ordered``: the step calls ask a CUDA sidecar for stream-ordered steps (its
@@ -188,8 +194,10 @@ class Scheduler:
             raise ValueError("chunk, max_batch_tokens, max_running and align must be positive")
         if preempt not in ("free", "suspend"):
             raise ValueError(f"preempt must be 'free' or 'suspend', got {preempt!r}")
-        if commit_output not in ("at_end", "each_step"):
-            raise ValueError(f"commit_output must be 'at_end' or 'each_step': {commit_output!r}")
+        if commit_output is None:
+            commit_output = "each_step" if align > 1 else "batched"
+        if commit_output not in ("batched", "each_step"):
+            raise ValueError(f"commit_output must be 'batched' or 'each_step': {commit_output!r}")
         self.commit_output = commit_output
         self.kvcm = kvcm
         self.chunk = chunk
@@ -227,20 +235,23 @@ class Scheduler:
 
     def _commits(self) -> tuple[list[int], list[list[int]]]:
         """This step's commits: per request, the tokens computed (and read back) since its
-        last commit. With ``commit_output="at_end"`` a running request's generated tokens
-        wait for its end: they go with its free (or hand-off, or preemption), so that a
-        decode step commits nothing and is bare extends, the step an engine sends most (a
-        decode frame over the step channel, docs/step-channel.md); its prompt is committed
-        chunk by chunk, for the requests that share it. ``"each_step"`` commits each token
-        the step after it is computed: a hybrid's state is checkpointed only where a commit
-        ends on a block boundary. Example (at_end): a 40-token prompt in chunks of 16, then
-        5 decodes: commits end at 16, 32 and 40 in the steps after those chunks, then at 45
-        in the step that frees it."""
+        last commit. With ``commit_output="batched"`` a running request's generated tokens
+        wait for its end (its free, hand-off or preemption) or for every
+        ``OUTPUT_COMMIT_STEPS``-th step, whichever comes first: the other decode steps
+        commit nothing and are bare extends, the step an engine sends most (a decode frame
+        over the step channel, docs/step-channel.md), and no step commits more than that
+        many steps' output of each request (a frame's size stays bounded); its prompt is
+        committed chunk by chunk, for the requests that share it. ``"each_step"`` commits
+        each token the step after it is computed: a hybrid's state is checkpointed only
+        where a commit ends on a block boundary. Example (batched): a 40-token prompt in
+        chunks of 16, then 5 new tokens (4 decode steps compute positions 40-43; the last
+        token's KV is never needed): commits end at 16, 32 and 40 in the steps after those
+        chunks, then at 44 in the step that frees it."""
         handles: list[int] = []
         tokens: list[list[int]] = []
-        at_end = self.commit_output == "at_end"
+        output = self.commit_output == "each_step" or not self.stats.steps % OUTPUT_COMMIT_STEPS
         for r in self.running:
-            self._pending(r, len(r.prompt) if at_end else len(r.seq), handles, tokens)
+            self._pending(r, len(r.seq) if output else len(r.prompt), handles, tokens)
         for r in self._to_free:
             self._pending(r, len(r.seq), handles, tokens)
         return handles, tokens
@@ -505,6 +516,9 @@ class Scheduler:
                     **(_extends(failed) if failed else {}),
                 )
                 pending = {}  # committed by the first call, whatever its suspend's status
+                # The extends that fit ran, whatever the suspend did (what its rewind gave
+                # back may have made room): only the others go into a call again.
+                failed = self._extended(out, failed)
                 if not suspend or not out.status["suspend"][0]:
                     break
                 suspend = False  # the host tier cannot hold it: freed instead
@@ -516,14 +530,17 @@ class Scheduler:
                 victim.computed = victim.committed = victim.held = 0
                 victim.row, victim.handle = -1, 0
                 self.waiting.appendleft(victim)
-            for w, status in zip(failed, out.status["extend"], strict=True):
-                if not status:
-                    w.request.held += w.count
-            self._mapped(
-                out, [w for w, s in zip(failed, out.status["extend"], strict=True) if not s]
-            )
-            failed = [w for w, status in zip(failed, out.status["extend"], strict=True) if status]
         return plan
+
+    def _extended(self, out: Any, tried: list[Work]) -> list[Work]:
+        """Take in the answer ``out`` to the extends of ``tried`` (its ``extend`` section):
+        those that ran hold their tokens and are mapped; returns the others."""
+        statuses = out.status["extend"]
+        ran = [w for w, status in zip(tried, statuses, strict=True) if not status]
+        for w in ran:
+            w.request.held += w.count
+        self._mapped(out, ran)
+        return [w for w, status in zip(tried, statuses, strict=True) if status]
 
     def _suspend_columns(self, victim: Request) -> dict[str, Any]:
         """Suspend ``victim``, after rewinding what its extend of this step added (kvcm keeps
