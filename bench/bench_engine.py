@@ -49,6 +49,9 @@ not hidden). ``--gap-ms`` sleeps after each step (untimed in the step): an engin
 pass is that much longer, so that the sidecar sleeps between steps as it does beside a GPU
 (the sleep comes after the tokens are read back, so a call planned ahead does not overlap
 it: the overlap rows' exposed time is then what a forward of the measured length hides).
+The engine runs under ``GOMP_SPINCOUNT=10000`` (``--omp-spin``; ``default`` for libgomp's own
+300,000), so that torch's idle OpenMP threads hand a core back to the sidecar soon after each
+forward (docs/step-channel.md#beside-a-models-threads); the header line says which.
 """
 
 from __future__ import annotations
