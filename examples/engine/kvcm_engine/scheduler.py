@@ -319,19 +319,12 @@ class Scheduler:
             self.stats.kvcm_calls += 1
             self.kvcm.hand_off(r.kv_id, self.hand_off_s)
             self.handed_off.append(r)
-        column = self._mapped(
-            out, [w for w, status in zip(plan, out.status["extend"], strict=True) if not status]
-        )
+        failed, column = self._extended(out, plan)
         for r, status in zip(resume, out.status["resume"], strict=True):
             if not status:  # back, with its blocks and state; it computes from the next step
                 self.suspended.remove(r)
                 self.running.append(r)
                 self.stats.resumes += 1
-        extended = out.status["extend"]
-        failed = [w for w, status in zip(plan, extended, strict=True) if status]
-        for w, status in zip(plan, extended, strict=True):
-            if not status:
-                w.request.held += w.count
         hits = out.hit_tokens
         for i, ((r, n, k), status) in enumerate(zip(admits, out.status["allocate"], strict=True)):
             if status:  # no room yet: it stays in the queue, in its place
@@ -518,7 +511,7 @@ class Scheduler:
                 pending = {}  # committed by the first call, whatever its suspend's status
                 # The extends that fit ran, whatever the suspend did (what its rewind gave
                 # back may have made room): only the others go into a call again.
-                failed = self._extended(out, failed)
+                failed, _ = self._extended(out, failed)
                 if not suspend or not out.status["suspend"][0]:
                     break
                 suspend = False  # the host tier cannot hold it: freed instead
@@ -532,15 +525,16 @@ class Scheduler:
                 self.waiting.appendleft(victim)
         return plan
 
-    def _extended(self, out: Any, tried: list[Work]) -> list[Work]:
+    def _extended(self, out: Any, tried: list[Work]) -> tuple[list[Work], int]:
         """Take in the answer ``out`` to the extends of ``tried`` (its ``extend`` section):
-        those that ran hold their tokens and are mapped; returns the others."""
+        those that ran hold their tokens and are mapped. Returns the others, and the column
+        of ``out``'s slot mapping where its allocates' tokens start (``_mapped``)."""
         statuses = out.status["extend"]
         ran = [w for w, status in zip(tried, statuses, strict=True) if not status]
         for w in ran:
             w.request.held += w.count
-        self._mapped(out, ran)
-        return [w for w, status in zip(tried, statuses, strict=True) if status]
+        failed = [w for w, status in zip(tried, statuses, strict=True) if status]
+        return failed, self._mapped(out, ran)
 
     def _suspend_columns(self, victim: Request) -> dict[str, Any]:
         """Suspend ``victim``, after rewinding what its extend of this step added (kvcm keeps
