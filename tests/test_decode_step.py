@@ -342,7 +342,7 @@ def test_a_ring_frame_is_answered_before_it_is_counted(monkeypatch: pytest.Monke
     h = np.array(handles, dtype="<i8").tobytes()
     try:
         for _ in range(2):
-            client.post(pack({"op": "step_columns", "args": {"extend": h}})[HEADER.size :])
+            client.post(pack({"op": "step_columns", "args": {"extend": h}}), HEADER.size)
             conn.serve_ring()
             answer = unpack(client.answer_body())
             assert answer["result"]["status"]["extend"] == bytes(8)

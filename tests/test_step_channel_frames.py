@@ -57,7 +57,8 @@ def _key(rng: random.Random) -> tuple[Any, ...]:
 def test_decode_frames_equal_the_general_paths_frames() -> None:
     """Every handle count around msgpack's bin sizes, then 300 calls with random counts,
     flags and headers through one ``DecodeFrames`` (its pieces kept or remade as the
-    arguments change): each frame equals the general path's, and reads back as the step."""
+    arguments change, its handles new or the last ones again): each frame equals the general
+    path's, and reads back as the step."""
     rng = random.Random(0)
     frames = DecodeFrames(new_packer())
     key = (1, 0, True, False, False, "s", "g", None)
@@ -66,12 +67,29 @@ def test_decode_frames_equal_the_general_paths_frames() -> None:
         assert frames.frame(handles.tobytes(), key) == _general(handles, key)
     for _ in range(300):
         key = _key(rng) if rng.random() < 0.3 else key
-        handles = array("q", (rng.randrange(-(2**63), 2**63) for _ in range(rng.choice(COUNTS))))
+        if rng.random() < 0.6:  # new handles (else the last again, as a decode step sends)
+            n = rng.choice(COUNTS)
+            handles = array("q", (rng.randrange(-(2**63), 2**63) for _ in range(n)))
         frame = frames.frame(handles.tobytes(), key)
         assert frame == _general(handles, key)
         step = unpack(frame[4:])
         assert step["args"]["extend"] == handles.tobytes()
         assert step["args"]["num_new_tokens"] == key[0] and step["args"]["lookahead"] == key[1]
+
+
+def test_the_last_steps_handles_again_give_the_same_frame() -> None:
+    """The same handles under the same key: the very frame object again (the ring then
+    publishes it without writing it, ``ClientRing.post``); new handles, or the same under
+    another key, a new frame."""
+    frames = DecodeFrames(new_packer())
+    key = (1, 0, False, False, False, "s", None, None)
+    first = frames.frame(array("q", [4, 5]).tobytes(), key)
+    assert frames.frame(array("q", [4, 5]).tobytes(), key) is first
+    other = frames.frame(array("q", [4, 6]).tobytes(), key)
+    assert other != first and unpack(other[4:])["args"]["extend"] == array("q", [4, 6]).tobytes()
+    mapped = frames.frame(array("q", [4, 6]).tobytes(), (1, 0, True, *key[3:]))
+    assert unpack(mapped[4:])["args"]["map_slots"] is True
+    assert frames.frame(array("q", [4, 6]).tobytes(), key) == other
 
 
 def test_a_key_msgpack_cannot_pack_is_refused_and_keeps_the_last_pieces() -> None:

@@ -24,7 +24,7 @@ import pytest
 from helpers import layer, manager
 from servers import serve_process, small_model_args
 
-from kvcm.server.step_ring import MAX_RINGS
+from kvcm.server.step_ring import MAX_RINGS, ServiceRing
 from kvcm_client import KVCacheClient, step_channel
 from kvcm_client.errors import ServiceUnavailable, Unauthorized
 from kvcm_client.step_channel import DOORBELL, HEADER, pack, unpack
@@ -274,6 +274,72 @@ def test_the_ring_layout_is_what_the_docstring_says() -> None:
     """The words sit in cache lines of their own, before the bodies (a page)."""
     offsets = [8 * w for w in (REQUEST_SEQ, REQUEST_LEN, ANSWER_SEQ, ANSWER_LEN, AWAKE_UNTIL)]
     assert offsets == [64, 72, 128, 136, 192] and HEADER_BYTES == mmap.PAGESIZE
+
+
+def test_a_frame_or_answer_equal_to_the_last_is_published_without_being_written_again() -> None:
+    """Each side publishes a body equal to the last one it wrote with its sequence number
+    alone (the area holds it still; a decode step repeats its frame and, between block
+    crossings, its answer). Each side's area is its own to write: a probe written into it
+    stays where the body was not written again, and any other body is written whole."""
+    service = ServiceRing(4096)
+    client = ClientRing(service.give_fd(), 4096)
+    try:
+        a, b = HEADER.pack(600) + os.urandom(600), HEADER.pack(40) + os.urandom(40)
+        taken = []
+        for frame, probe in ((a, False), (a, True), (b, False), (a, False), (a, True)):
+            if probe:  # the request area no longer holds the last frame
+                client.request[:600] = bytes(600)
+            seq = client.post(frame, HEADER.size)
+            assert service.pending() and client.words[REQUEST_LEN] == len(frame) - 4
+            taken.append(service.take(4096))
+            assert service.seq == seq == len(taken)
+        assert taken == [a[4:], bytes(600), b[4:], a[4:], bytes(600)]
+        x, y = os.urandom(300), os.urandom(500)
+        read = []
+        for body, probe in ((x, False), (x, True), (y, False), (x, False)):
+            if probe:
+                client.answer[:300] = b"\xff" * 300
+            assert service.reply(body) and client.answered(service.seq)
+            read.append(client.answer_body())
+        assert read == [x, b"\xff" * 300, y, x]
+    finally:
+        client.close()
+        service.close()
+
+
+def test_repeated_decode_steps_through_the_ring_equal_the_same_steps_in_process(
+    tmp_path: Path,
+) -> None:
+    """Decode steps as an engine sends them: the same requests step after step (the same
+    frame, and the same answer until a block boundary), then one fewer, then one more. Each
+    step's status, new blocks and slot mapping equal the in-process manager's, and each
+    result is its own: one answer read twice gives two results that share no list."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    m = manager([layer(0)], num_blocks=40, null_page=True)
+    with (
+        serve_process(*args, *SPIN) as (url, _, _),
+        KVCacheClient(url, step_socket=sock, step_ring=True) as kv,
+    ):
+        ops = [{"request_id": f"r{i}", "num_tokens": 3 + i} for i in range(3)]
+        got, want = kv.step_columns(allocate=ops), m.step_columns(allocate=ops)
+        assert list(got.handles) == want.handles.tolist() and kv.ring_attached
+        handles = np.asarray(want.handles, dtype=np.int64)
+        plan = [handles] * 6 + [handles[:2]] * 3 + [handles[::2]] * 4
+        last = None
+        for step, h in enumerate(plan):
+            got, want = (
+                kv.step_columns(extend=h, map_slots=True),
+                m.step_columns(extend=h, map_slots=True),
+            )
+            assert list(got.status["extend"]) == want.status["extend"].tolist(), step
+            assert got.new_blocks == want.new_blocks.tolist(), step
+            assert [list(g) for g in got.slot_mapping] == np.asarray(want.slot_mapping).tolist()
+            if last is not None and got.new_blocks == last.new_blocks:
+                assert got.new_blocks is not last.new_blocks
+                assert got.slot_mapping[0] is not last.slot_mapping[0]
+            last = got
+        frames = frames_by_op(url)
+        assert frames["step_columns"] == 1 + len(plan) and frames["ring"] == 1
 
 
 def test_a_service_pinned_to_a_core_of_its_own_spins_and_gives_rings(tmp_path: Path) -> None:

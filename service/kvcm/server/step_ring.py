@@ -37,6 +37,8 @@ class ServiceRing:
         self.slot = slot
         #: The last request's sequence number taken (the next frame is ``seq + 1``).
         self.seq = 0
+        #: The answer body the answer area holds (the last one written there).
+        self._held: bytes | None = None
 
     def give_fd(self) -> int:
         """The fd to send to the client, once (the caller closes it after sending)."""
@@ -61,12 +63,19 @@ class ServiceRing:
 
     def reply(self, body: bytes) -> bool:
         """Publish the answer to the frame last taken; False when it does not fit (the
-        caller sends it over the socket and then ``replied_on_socket``)."""
+        caller sends it over the socket and then ``replied_on_socket``). An answer equal to
+        the last one written is not written again, only its sequence number: the client
+        reads it from lines its core holds still (a decode step's answer is the same until
+        a request crosses a block boundary). A client that writes into its answer area
+        itself reads what it wrote: its ring is its own."""
         n = len(body)
         if n > self.slot:
             return False
         words = self.ring.words
-        self.ring.answer[:n] = body
+        if body != self._held:
+            self._held = None  # (the area is not the last answer's while it is written)
+            self.ring.answer[:n] = body
+            self._held = body
         words[ANSWER_LEN] = n
         words[ANSWER_SEQ] = self.seq  # last: the client reads the answer once it sees this
         return True
