@@ -12,9 +12,10 @@ on the next step. The floor for that is what a bare Python echo over a Unix sock
 the same cadence, measured here in the same run: a 4 KiB frame, echoed by a server that
 blocks in ``recv`` (what a service that sleeps between frames can hope for) and by one that
 busy-polls a non-blocking socket for ``--spin-s`` after each frame (what a service on a core
-of its own can; it blocks again after that, so that it burns no core while the others run). Then the
-step itself: ``step_columns(extend=handles)`` of 256 requests (+1 token each, the decode
-step) from the typed client over the step channel of a ``kvcm serve``, in its default mode
+of its own can; it blocks again after that, so that it burns no core while the others run).
+Then the step itself: ``decode_step(handles)`` (``step_columns(extend=handles)``'s shortest
+path) of 256 requests (+1 token each, the decode step) from the typed client over the step
+channel of a ``kvcm serve``, in its default mode
 (it sleeps between steps: adaptive polls and the client's doorbell only), in its busy-poll
 mode (``--step-spin-s``: it polls for the next frame for that long after each answer), and in
 busy-poll mode with the client's frames through the shared-memory ring (``step_ring=True``),
@@ -242,10 +243,13 @@ def kvcm_server(
             if ring and not kv.ring_attached:
                 raise RuntimeError(f"{name}: the service gave no ring")
 
+            # An engine's decode step (a tree from before ``decode_step``: its step_columns).
+            decode = getattr(kv, "decode_step", None) or (
+                lambda h, **kw: kv.step_columns(extend=h, **kw)
+            )
+
             def call() -> None:
-                step = kv.step_columns(
-                    extend=handles, map_slots=map_slots, stream_ordered=stream_ordered
-                )
+                step = decode(handles, map_slots=map_slots, stream_ordered=stream_ordered)
                 if not step.ok:
                     raise RuntimeError(f"{name}: a decode step failed")
 

@@ -5,7 +5,7 @@
   PYTHONPATH=<tree>/service:<tree>/client python bench/ring_timeline.py   # another tree (A/B)
 
 A ``kvcm serve`` in busy-poll mode (pinned to CPU 1 where there are two) serves a typed client
-(pinned to CPU 0) whose 256-request decode step, ``step_columns(extend=handles)``, goes
+(pinned to CPU 0) whose 256-request decode step, ``decode_step(handles)``, goes
 through the ring every ``--gap-ms``, as in ``bench_cadence.py``. Both processes stamp
 ``time.perf_counter_ns`` (CLOCK_MONOTONIC: one clock for both): the client as its frame is
 posted and as it sees the answer, the service as it takes the frame out of the ring
@@ -126,9 +126,11 @@ def main() -> None:
             handles = array("q", kv.step_columns(allocate=ops).handles)
             if not kv.ring_attached:
                 sys.exit("no step ring (busy-poll mode needs 2 CPUs, x86-64 Linux)")
+            # (a tree from before ``decode_step``: its step_columns)
+            decode = getattr(kv, "decode_step", None) or (lambda h: kv.step_columns(extend=h))
             for _ in range(args.steps + WARMUP):
                 begun.append(time.perf_counter_ns())
-                kv.step_columns(extend=handles)
+                decode(handles)
                 ended.append(time.perf_counter_ns())
                 if args.gap_ms:
                     time.sleep(args.gap_ms / 1e3)

@@ -281,6 +281,7 @@ def test_scenario_gives_identical_results_everywhere(
 
 MIRRORED = [
     "allocate",
+    "decode_step",
     "extend",
     "extend_many",
     "rewind",

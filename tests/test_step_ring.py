@@ -368,9 +368,11 @@ def test_a_service_pinned_to_a_core_of_its_own_spins_and_gives_rings(tmp_path: P
 def test_a_call_built_after_the_spin_ended_still_wakes_the_service(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The call rings as it begins (the service slept), then its frame takes longer to
-    build than the service spins after that doorbell: the frame lands in a ring nobody
-    polls, and the call rings again after its post instead of waiting out its timeout."""
+    """A general step's call rings as it begins (the service slept), then its frame takes
+    longer to build than the service spins after that doorbell: the frame lands in a ring
+    nobody polls, and the call rings again after its post instead of waiting out its
+    timeout. A decode step's call through the ring rings after its post only (its frame is
+    built in microseconds); built as slowly, it is answered the same way."""
     args, sock = small_model_args(tmp_path, [layer(0)])
     with (
         serve_process(*args, "--step-spin-s", "0.05") as (url, _, _),
@@ -390,13 +392,18 @@ def test_a_call_built_after_the_spin_ended_still_wakes_the_service(
 
         monkeypatch.setattr(step_channel, "pack", slow_pack)
         monkeypatch.setattr(step_channel.DecodeFrames, "frame", slow_decode)
-        time.sleep(0.2)  # the service sleeps: the call rings first
-        wakes = frames_by_op(url).get("wake", 0)
-        start = time.monotonic()
-        assert kv.step_columns(extend=h).ok
-        assert time.monotonic() - start < 2.5  # not the 5 s timeout
-        assert frames_by_op(url)["wake"] == wakes + 2  # before the frame, and after it
-        assert kv.request("a").num_tokens == 4
+        for call, rings in (
+            (lambda: kv.step_columns(extend=h, free=[]), 2),  # before the frame, and after
+            (lambda: kv.step_columns(extend=h), 1),  # after the post only
+            (lambda: kv.decode_step(h), 1),
+        ):
+            time.sleep(0.2)  # the service sleeps
+            wakes = frames_by_op(url).get("wake", 0)
+            start = time.monotonic()
+            assert call().ok
+            assert time.monotonic() - start < 2.5  # not the 5 s timeout
+            assert frames_by_op(url)["wake"] == wakes + rings
+        assert kv.request("a").num_tokens == 6
 
 
 def test_a_client_cannot_shrink_the_ring_under_the_service(tmp_path: Path) -> None:

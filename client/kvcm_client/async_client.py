@@ -320,6 +320,27 @@ class AsyncKVCacheClient:
         self._channel.wake()  # before the frame is built (docs/step-channel.md)
         return await self._over_channel(channel.step_columns(wire_columns(**columns)))
 
+    async def decode_step(
+        self,
+        extend: Any,
+        num_new_tokens: int = 1,
+        lookahead: int = 0,
+        *,
+        map_slots: bool = False,
+        table_edits: bool = False,
+        stream_ordered: bool = False,
+    ) -> StepColumnsResult:
+        """An engine's decode step (``KVCacheManager.decode_step``): ``step_columns`` of
+        these extends alone."""
+        return await self.step_columns(
+            extend=extend,
+            num_new_tokens=num_new_tokens,
+            lookahead=lookahead,
+            map_slots=map_slots,
+            table_edits=table_edits,
+            stream_ordered=stream_ordered,
+        )
+
     async def suspend(self, request_id: str) -> RequestInfo:
         return await self._fast(channel.suspend(request_id), calls.suspend(request_id))
 
