@@ -47,6 +47,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -243,13 +244,15 @@ def kvcm_server(
             if ring and not kv.ring_attached:
                 raise RuntimeError(f"{name}: the service gave no ring")
 
-            # An engine's decode step (a tree from before ``decode_step``: its step_columns).
-            decode = getattr(kv, "decode_step", None) or (
-                lambda h, **kw: kv.step_columns(extend=h, **kw)
+            flags = {"map_slots": map_slots, "stream_ordered": stream_ordered}
+            decode = (  # an engine's decode step (a tree from before it: its step_columns)
+                partial(kv.decode_step, handles, **flags)
+                if hasattr(kv, "decode_step")
+                else partial(kv.step_columns, extend=handles, **flags)
             )
 
             def call() -> None:
-                step = decode(handles, map_slots=map_slots, stream_ordered=stream_ordered)
+                step = decode()
                 if not step.ok:
                     raise RuntimeError(f"{name}: a decode step failed")
 
