@@ -1,8 +1,9 @@
 """``KVCacheClient.decode_step``, an engine's decode step through the client's shortest path,
 is ``step_columns`` of the same extends: over the shared-memory ring, the socket and HTTP it
 gives the in-process manager's statuses, new blocks and slot mappings, with handles as numpy,
-a list or an ``array('q')``; counts per request, a stale handle and bad arguments come out as
-the manager reports them; a restarted service refuses it before anything runs."""
+a list or an ``array('q')``; counts per request or as numpy integers, a stale handle and bad
+arguments come out as the manager reports them; a restarted service refuses it before
+anything runs."""
 
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ def test_decode_steps_equal_the_managers(tmp_path: Path, way: str) -> None:
         plan: list[tuple[Any, dict[str, Any]]] = [
             (h, {}),
             (h, {"map_slots": True}),
-            (h, {"map_slots": True}),  # the same frame again (and, mostly, its answer)
+            (h, {"map_slots": True}),  # the same frame again
             (h.tolist(), {"map_slots": True}),
             (array("q", h.tolist()), {"num_new_tokens": 2, "lookahead": 1, "map_slots": True}),
             (h[:2], {"num_new_tokens": [1, 3], "map_slots": True}),  # counts per request
+            (h, {"num_new_tokens": np.int64(1), "lookahead": np.int32(2), "map_slots": True}),
             (h[::-1].copy(), {"map_slots": True}),
         ]
         for step, (handles, kw) in enumerate(plan):

@@ -311,9 +311,8 @@ def test_repeated_decode_steps_through_the_ring_equal_the_same_steps_in_process(
     tmp_path: Path,
 ) -> None:
     """Decode steps as an engine sends them: the same requests step after step (the same
-    frame, and the same answer until a block boundary), then one fewer, then one more. Each
-    step's status, new blocks and slot mapping equal the in-process manager's, and each
-    result is its own: one answer read twice gives two results that share no list."""
+    frame), then one fewer, then one more. Each step's status, new blocks and slot mapping
+    equal the in-process manager's."""
     args, sock = small_model_args(tmp_path, [layer(0)])
     m = manager([layer(0)], num_blocks=40, null_page=True)
     with (
@@ -325,7 +324,6 @@ def test_repeated_decode_steps_through_the_ring_equal_the_same_steps_in_process(
         assert list(got.handles) == want.handles.tolist() and kv.ring_attached
         handles = np.asarray(want.handles, dtype=np.int64)
         plan = [handles] * 6 + [handles[:2]] * 3 + [handles[::2]] * 4
-        last = None
         for step, h in enumerate(plan):
             got, want = (
                 kv.step_columns(extend=h, map_slots=True),
@@ -334,12 +332,45 @@ def test_repeated_decode_steps_through_the_ring_equal_the_same_steps_in_process(
             assert list(got.status["extend"]) == want.status["extend"].tolist(), step
             assert got.new_blocks == want.new_blocks.tolist(), step
             assert [list(g) for g in got.slot_mapping] == np.asarray(want.slot_mapping).tolist()
-            if last is not None and got.new_blocks == last.new_blocks:
-                assert got.new_blocks is not last.new_blocks
-                assert got.slot_mapping[0] is not last.slot_mapping[0]
-            last = got
         frames = frames_by_op(url)
         assert frames["step_columns"] == 1 + len(plan) and frames["ring"] == 1
+
+
+@pytest.mark.parametrize("flags", [{}, {"table_edits": True}])
+def test_a_decode_steps_answer_seen_again_is_read_again_as_the_same_map(
+    tmp_path: Path, flags: dict[str, bool]
+) -> None:
+    """Without its slot mapping a decode step's answer is the same bytes until a request
+    crosses a block boundary: the client reads the last answer's map again for it (and for
+    nothing else), and every result equals the manager's. A stale handle's answer, whose
+    errors a result hands out as typed errors, is never kept to be read again."""
+    args, sock = small_model_args(tmp_path, [layer(0)])
+    m = manager([layer(0)], num_blocks=40, null_page=True)
+    with (
+        serve_process(*args, *SPIN) as (url, _, _),
+        KVCacheClient(url, step_socket=sock, step_ring=True) as kv,
+    ):
+        ops = [{"request_id": r, "num_tokens": 1} for r in "ab"]
+        h = m.step_columns(allocate=ops).handles
+        assert kv.step_columns(allocate=ops).handles == h.tolist() and kv.ring_attached
+        outcomes, reads = [], []
+        for step in range(10):  # blocks of 4 tokens: new blocks at the 3rd and 7th step
+            got, want = kv.decode_step(h, **flags), m.decode_step(h, **flags)
+            outcome = [want.status["extend"].tolist(), want.new_blocks.tolist()]
+            assert [list(got.status["extend"]), got.new_blocks] == outcome, step
+            if flags:
+                edits = np.asarray(want.table_edits).ravel().tolist()
+                assert list(got.table_edits) == edits, step
+                outcome.append(edits)
+            outcomes.append(outcome)
+            reads.append(got._raw)
+        again = [i for i in range(1, 10) if outcomes[i] == outcomes[i - 1]]
+        assert len(again) >= 4  # (the steps within a block but the first)
+        assert [i for i in range(1, 10) if reads[i] is reads[i - 1]] == again
+        assert kv.step_columns(free=h[1:]).ok and m.step_columns(free=h[1:]).ok
+        stale = [kv.decode_step(h[1:]) for _ in range(2)]  # the same answer twice
+        assert [s.errors[0].error.code for s in stale] == ["unknown_request"] * 2
+        assert stale[0]._raw is not stale[1]._raw
 
 
 def test_a_service_pinned_to_a_core_of_its_own_spins_and_gives_rings(tmp_path: Path) -> None:

@@ -76,9 +76,13 @@ def _from_list(values: Any, name: str, code: str) -> bytes:
 
 
 def _counts(values: Any, name: str) -> Any:
-    """One count as an int, several as int64 bytes."""
+    """One count as an int (a numpy integer scalar too, as the manager takes it), several
+    as int64 bytes."""
     if isinstance(values, int) and not isinstance(values, bool):
         return values
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None and dtype.kind in "iu" and getattr(values, "ndim", None) == 0:
+        return int(values)
     return _raw(values, name, "q")
 
 

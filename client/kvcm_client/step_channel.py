@@ -503,9 +503,10 @@ class StepSocket(_Doorbell):
         self.ring_again_ns = 1_000_000
         #: Why the service refused the last ring asked for (its error code), if it did.
         self.ring_refusal: str | None = None
-        #: The last answer read from the ring, and its body: a decode step's answer is the
-        #: same bytes until a request crosses a block boundary, and is not unpacked again.
-        self._ring_body = b""
+        #: The last answer read from the ring that may be read again, and its body: a
+        #: decode step's answer without its slot mapping is the same bytes until a request
+        #: crosses a block boundary, and is not unpacked again.
+        self._ring_body: bytes | None = None
         self._ring_answer: dict[str, Any] = {}
 
     def close(self) -> None:
@@ -707,7 +708,11 @@ class StepSocket(_Doorbell):
             answer = self._ring_answer
         else:
             answer = unpack(body)
-            self._ring_body, self._ring_answer = body, answer
+            result = answer.get("result")
+            # Kept where a result hands out nothing of it uncopied: not errors nor pulls,
+            # whose maps typed errors and models share.
+            if type(result) is dict and "errors" not in result and "pulls" not in result:
+                self._ring_body, self._ring_answer = body, answer
         if answer.get("close"):
             self.close()
         return answer
