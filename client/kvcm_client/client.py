@@ -91,6 +91,29 @@ T = TypeVar("T")
 _NONE: tuple[()] = ()
 
 
+def _decode_key(
+    extend: Any,
+    num_new_tokens: Any,
+    lookahead: Any,
+    map_slots: Any,
+    table_edits: Any,
+    stream_ordered: Any,
+) -> tuple[int, int, bool, bool, bool] | None:
+    """The counts and flags of a decode step's frame (``DecodeFrames``' key, less the
+    header), or None where the call is not one: counts that are not one exact int each
+    (per request, a bool), flags that are not bools, no handles."""
+    if (
+        type(num_new_tokens) is int
+        and type(lookahead) is int
+        and type(map_slots) is bool
+        and type(table_edits) is bool
+        and type(stream_ordered) is bool
+        and len(extend)
+    ):
+        return (num_new_tokens, lookahead, map_slots, table_edits, stream_ordered)
+    return None
+
+
 class KVCacheClient:
     """Blocking client. Not thread-safe across sessions; one client per scheduler thread."""
 
@@ -390,14 +413,12 @@ class KVCacheClient:
             and resume is _NONE
             and ragged_layers is _NONE
             and atomic is False
-            and type(num_new_tokens) is int
-            and type(lookahead) is int
-            and type(map_slots) is bool
-            and type(table_edits) is bool
-            and type(stream_ordered) is bool
-            and len(extend)
+            and (
+                key := _decode_key(
+                    extend, num_new_tokens, lookahead, map_slots, table_edits, stream_ordered
+                )
+            )
         ):
-            key = (num_new_tokens, lookahead, map_slots, table_edits, stream_ordered)
             return self._decode(ch, extend, key)
         ch.wake()  # before the frame is built (docs/step-channel.md)
         args = wire_columns(
@@ -442,15 +463,8 @@ class KVCacheClient:
         the one token each request adds, as ``kv.step_columns(extend=handles,
         map_slots=True)``'s."""
         ch = self._channel
-        if (
-            ch is None
-            or type(num_new_tokens) is not int
-            or type(lookahead) is not int
-            or type(map_slots) is not bool
-            or type(table_edits) is not bool
-            or type(stream_ordered) is not bool
-            or not len(extend)
-        ):
+        key = _decode_key(extend, num_new_tokens, lookahead, map_slots, table_edits, stream_ordered)
+        if ch is None or key is None:
             return self.step_columns(
                 extend=extend,
                 num_new_tokens=num_new_tokens,
@@ -459,7 +473,6 @@ class KVCacheClient:
                 table_edits=table_edits,
                 stream_ordered=stream_ordered,
             )
-        key = (num_new_tokens, lookahead, map_slots, table_edits, stream_ordered)
         return self._decode(ch, extend, key)
 
     def _decode(
@@ -468,7 +481,7 @@ class KVCacheClient:
         """``step_columns`` of a decode step over ``ch`` (``DecodeFrames``: the same frame
         as the general path's, built in one join, or the last one again). The doorbell is
         rung before the frame is built on a socket; a ring rings after its post where the
-        service sleeps (``StepSocket.call_frame``), and a decode frame is built in
+        service sleeps (``StepSocket._over_ring``), and a decode frame is built in
         microseconds, so the ring's call skips the early look at the clock."""
         if ch.ring is None:
             ch.wake()
