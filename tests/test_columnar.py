@@ -702,12 +702,13 @@ def test_the_client_sends_numpy_columns_as_their_int64_values() -> None:
 def test_a_rehearsed_step_changes_nothing_and_the_step_runs_as_without_it(
     rng: np.random.Generator, null_page: bool
 ) -> None:
-    """``rehearse_columns`` (busy-poll mode's rehearsal): over random decode steps (windows
-    with sinks, a key-only layer, block crossings, lookahead, a stale or repeated handle,
-    requests past max_seq_len, full pools) it changes nothing a manager holds, and the step
-    run after it equals the same step on a twin never rehearsed, mapping included. Decode
-    steps run the C plan (when built); other steps are parsed only; a malformed one raises
-    as the step would."""
+    """``rehearse_columns`` and ``rehearse_decode`` (busy-poll mode's rehearsals): over
+    random decode steps (windows with sinks, a key-only layer, block crossings, lookahead, a
+    stale or repeated handle, requests past max_seq_len, full pools) they change nothing a
+    manager holds, and the step run after them equals the same step on a twin never
+    rehearsed, mapping included. Decode steps run the C plan (when built); other steps are
+    parsed only; a malformed one raises as the step would, where ``rehearse_decode`` plans
+    only what ``decode_step`` runs as its batch and raises nothing."""
     from kvcm.native_step import NativeDecode
 
     layers = [layer(0, sliding_window=8, sink_tokens=2), layer(1), layer(2, kv_factor=1)]
@@ -744,8 +745,8 @@ def test_a_rehearsed_step_changes_nothing_and_the_step_runs_as_without_it(
                 "lookahead": int(rng.integers(0, 3)),
             }
             before = manager_state(a)
-            for _ in range(2):
-                a.rehearse_columns(cols)
+            a.rehearse_columns(cols)
+            a.rehearse_decode(cols["extend"], cols["num_new_tokens"], cols["lookahead"])
             assert same(manager_state(a), before), step
             oa = a.step_columns(**cols, map_slots=True)
             ob = b.step_columns(**cols, map_slots=True)
@@ -762,7 +763,12 @@ def test_a_rehearsed_step_changes_nothing_and_the_step_runs_as_without_it(
         a.rehearse_columns({"free": live[:1], "extend": live[1:]})  # not a decode: parsed
         with pytest.raises(InvalidArgument):
             a.rehearse_columns({"extend": [live[0]], "num_new_tokens": 0})
-        assert same(manager_state(a), before)
+        n = len(planned)
+        a.rehearse_decode(live)  # not an int64 array: not decode_step's batch, not planned
+        a.rehearse_decode(np.array(live, dtype=np.uint64))
+        a.rehearse_decode(np.array([live, live], dtype=np.int64))
+        a.rehearse_decode(np.array(live, dtype=np.int64), np.int64(1))  # type: ignore[arg-type]
+        assert same(manager_state(a), before) and len(planned) == n
     finally:
         NativeDecode.rehearse = real  # type: ignore[method-assign]
     assert (len(planned) > 50) == native.available()

@@ -14,6 +14,8 @@ import os
 import random
 import re
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,8 @@ import pytest
 from helpers import layer, manager
 from servers import serve_process, small_model_args
 
-from kvcm.server.step_ring import MAX_RINGS, ServiceRing
+from kvcm import native
+from kvcm.server.step_ring import MAX_RINGS, ServiceRing, watch
 from kvcm_client import KVCacheClient, step_channel
 from kvcm_client.errors import ServiceUnavailable, Unauthorized
 from kvcm_client.step_channel import DOORBELL, HEADER, pack, unpack
@@ -305,6 +308,78 @@ def test_a_frame_or_answer_equal_to_the_last_is_published_without_being_written_
     finally:
         client.close()
         service.close()
+
+
+@pytest.mark.parametrize("in_c", [True, False])
+def test_the_watch_sees_a_frame_another_process_posts_in_c_and_in_python(in_c: bool) -> None:
+    """``step_ring.watch`` (the busy poll's look at the rings: ``kvcm._native.ring_watch``,
+    or looks in Python without the C core) is True exactly when a ring holds its client's
+    next frame: a client process that posts into the second of two rings 50 ms later is
+    seen there, and nothing is seen before it or after the frame is taken. The C watch
+    looks for the whole time it is given."""
+    if in_c and not native.available():
+        pytest.skip("kvcm._native is not built")
+    was = native.core is not None
+    native.use(in_c)
+    rings = [ServiceRing(4096), ServiceRing(4096)]
+    child = (
+        "import sys, time\n"
+        "from kvcm_client.step_ring import ClientRing\n"
+        "ring = ClientRing(int(sys.argv[1]), 4096)\n"
+        "time.sleep(0.05)\n"
+        "ring.post(b'\\0\\0\\0\\x03abc', 4)\n"
+    )
+    fds = [r.give_fd() for r in rings]
+    os.close(fds[0])
+    try:
+        assert not watch(rings, 0)
+        proc = subprocess.Popen([sys.executable, "-c", child, str(fds[1])], pass_fds=[fds[1]])
+        os.close(fds[1])
+        deadline = time.monotonic() + 30
+        while not watch(rings, 1_000_000):
+            assert time.monotonic() < deadline, "the posted frame was never seen"
+        assert proc.wait(30) == 0
+        assert rings[1].pending() and not rings[0].pending()
+        assert rings[1].take(4096) == b"abc" and not watch(rings, 0)
+        if in_c:
+            start = time.perf_counter_ns()
+            assert not watch(rings, 2_000_000)
+            assert time.perf_counter_ns() - start >= 2_000_000
+    finally:
+        native.use(was)
+        for r in rings:
+            r.close()
+
+
+@pytest.mark.skipif(not native.available(), reason="kvcm._native is not built")
+def test_the_c_watch_refuses_what_is_not_a_ring() -> None:
+    """``ring_watch``'s arguments are checked: words and wants of one length (64 at most), an
+    index inside each buffer, buffers, sequence numbers that fit 64 bits."""
+    was = native.core is not None
+    native.use(True)
+    core = native.core
+    assert core is not None
+    ring = ServiceRing(4096)
+    words = (ring.ring.words,)
+    try:
+        assert core.ring_watch(words, REQUEST_SEQ, (1,), 0) == -1
+        ring.ring.words[REQUEST_SEQ] = 1
+        assert core.ring_watch(words, REQUEST_SEQ, (1,), 0) == 0
+        for bad in [
+            (words, REQUEST_SEQ, (1, 2), 0),
+            (words * 65, REQUEST_SEQ, (1,) * 65, 0),
+            (words, HEADER_BYTES // 8, (1,), 0),
+            ((b"1234567",), 0, (1,), 0),
+        ]:
+            with pytest.raises(ValueError):
+                core.ring_watch(*bad)
+        with pytest.raises(TypeError):
+            core.ring_watch((object(),), REQUEST_SEQ, (1,), 0)
+        with pytest.raises(OverflowError):
+            core.ring_watch(words, REQUEST_SEQ, (1 << 64,), 0)
+    finally:
+        native.use(was)
+        ring.close()
 
 
 def test_repeated_decode_steps_through_the_ring_equal_the_same_steps_in_process(

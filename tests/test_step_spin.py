@@ -11,6 +11,7 @@ import time
 from array import array
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import layer, manager_state, same
 
@@ -145,15 +146,19 @@ def _cpu(pid: int, wall: float) -> float:
 def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``rehearse`` parses the last frame remembered again (``step_columns``' arrays and
-    their shape check too, and a decode step's plan: ``KVCacheManager.rehearse_columns``)
-    and packs its answer again: the manager, the metrics and the answer are as they were.
-    Only a frame answered without an error, small, in busy-poll mode is remembered."""
+    """``rehearse`` runs the last frame remembered again, changing nothing: a decode step's
+    frame seen again (``repeat_frame``) as it runs, its handles cut out and its batch
+    planned (``KVCacheManager.rehearse_decode``), any other frame parsed again
+    (``step_columns``' arrays and their shape check too, and a decode step's plan:
+    ``rehearse_columns``); then its answer packed again. The manager, the metrics and the
+    answer are as they were. Only a frame answered without an error, small, in busy-poll
+    mode is remembered."""
     channel, m = _channel(0.3)
     parsed: list[dict] = []
     checked: list = []
+    decoded: list[tuple] = []
     real = step_channel.columns_from_wire
-    real_rehearse = m.rehearse_columns
+    real_rehearse, real_decode = m.rehearse_columns, m.rehearse_decode
 
     def counted(args: dict) -> dict:
         parsed.append(args)
@@ -163,8 +168,13 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
         checked.append(parse_keywords(columns))
         real_rehearse(columns)
 
+    def counted_decode(extend: np.ndarray, new: int = 1, ahead: int = 0) -> None:
+        decoded.append((extend.tolist(), new, ahead))
+        real_decode(extend, new, ahead)
+
     monkeypatch.setattr(step_channel, "columns_from_wire", counted)
     monkeypatch.setattr(m, "rehearse_columns", counted_rehearse)
+    monkeypatch.setattr(m, "rehearse_decode", counted_decode)
 
     def answer(message: dict) -> tuple[bytes, dict]:
         body = pack(message)[HEADER.size :]
@@ -176,18 +186,27 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     ops = [{"request_id": k, "num_tokens": 3} for k in "ab"]
     _, first = answer({"op": "step_columns", "args": {"allocate": ops}})
     handles = array("q", memoryview(first["result"]["handles"]).cast("q"))
-    decode = wire_columns(extend=handles)
-    _, second = answer({"op": "step_columns", "args": decode})
+    _, second = answer({"op": "step_columns", "args": wire_columns(extend=handles, lookahead=2)})
     assert len(parsed) == 1  # the decode step's frame took its own path (decode_step)
     before = (manager_state(m), channel.state.metrics.render())
     packed = step_channel._body(dict(second), False)
     for _ in range(20):
         channel.rehearse()
-    assert len(parsed) == 21 and parsed[-1] == decode
-    assert len(checked) == 20 and checked[-1].extend.tolist() == list(handles)
+    assert decoded == [(list(handles), 1, 2)] * 20 and len(parsed) == 1 and not checked
     assert m.request("a").num_tokens == 4 and same(manager_state(m), before[0])
     assert channel.state.metrics.render() == before[1]
     assert step_channel._body(dict(second), False) == packed and "close" not in second
+
+    # Counts per request: not a decode step's frame, so parsed again and rehearsed so.
+    decode = wire_columns(extend=handles, num_new_tokens=[1, 1])
+    answer({"op": "step_columns", "args": decode})
+    before = (manager_state(m), channel.state.metrics.render())
+    for _ in range(20):
+        channel.rehearse()
+    assert len(parsed) == 22 and parsed[-1] == decode and len(decoded) == 20
+    assert len(checked) == 20 and checked[-1].extend.tolist() == list(handles)
+    assert m.request("a").num_tokens == 5 and same(manager_state(m), before[0])
+    assert channel.state.metrics.render() == before[1]
 
     def broken(columns: dict) -> None:
         raise RuntimeError("the frame no longer fits the service")
@@ -195,16 +214,47 @@ def test_the_busy_poll_rehearses_the_last_small_frame_and_changes_nothing(
     monkeypatch.setattr(m, "rehearse_columns", broken)
     channel.rehearse()  # dropped, not raised into the spin
     channel.rehearse()  # nothing left to rehearse
-    assert len(parsed) == 22
+    assert len(parsed) == 23
     monkeypatch.setattr(m, "rehearse_columns", counted_rehearse)
 
     answer({"op": "no_such_op"})  # an error: nothing to rehearse
     channel.rehearse()
     channel.remember(b"x" * REHEARSAL_BYTES, second, 1)  # too large together
     channel.rehearse()
-    assert len(parsed) == 22 and m.request("a").num_tokens == 4
+    assert len(parsed) == 23 and m.request("a").num_tokens == 5
 
     idle, _ = _channel(0.0)  # not in busy-poll mode: nothing is remembered
     idle.remember(pack({"op": "step_columns", "args": {}})[HEADER.size :], second, 10)
     idle.rehearse()
-    assert len(parsed) == 22
+    assert len(parsed) == 23
+
+
+@TWO_CPUS
+@pytest.mark.parametrize("decode_frame", [True, False])
+def test_a_ring_frame_waiting_ends_a_rehearsal_between_its_pieces(
+    decode_frame: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rehearsal looks at the rings between its pieces (``_ring_waiting``) and stops where a
+    frame waits there: the frame waits for one piece at most. A decode step's frame seen
+    again: its plan rehearsed, its answer not packed; another frame: parsed, neither its plan
+    nor its answer rehearsed. With no frame waiting, every piece runs."""
+    channel, m = _channel(0.3)
+    ran: list[str] = []
+    monkeypatch.setattr(m, "rehearse_decode", lambda *a: ran.append("decode"))
+    monkeypatch.setattr(m, "rehearse_columns", lambda c: ran.append("columns"))
+    body_of = step_channel._body
+    monkeypatch.setattr(step_channel, "_body", lambda a, c: ran.append("body") or body_of(a, c))
+    handles = [int(m.allocate(k, 3).handle) for k in "ab"]
+    counts = 1 if decode_frame else [1, 1]
+    body = pack({"op": "step_columns", "args": wire_columns(extend=handles, num_new_tokens=counts)})
+    out, _, _ = channel.handle(body[HEADER.size :])
+    channel.remember(body[HEADER.size :], out, 100)
+    ran.clear()
+    waiting = [True]
+    monkeypatch.setattr(channel, "_ring_waiting", lambda: waiting[0])
+    channel.rehearse()
+    assert ran == (["decode"] if decode_frame else [])
+    ran.clear()
+    waiting[0] = False
+    channel.rehearse()
+    assert ran == ["decode" if decode_frame else "columns", "body"]

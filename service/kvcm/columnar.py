@@ -506,20 +506,23 @@ def _resume(m: Components, request_id: str) -> object:
 def rehearse(m: Components, cols: StepColumns) -> None:
     """A decode step's rehearsal (``KVCacheManager.rehearse_columns``): where ``cols`` are
     extends alone of two requests or more with one count each for all, their batch plan
-    and last tokens' mapping in C (``NativeDecode.rehearse``), changing no state; nothing
-    for any other step or without the C core."""
-    core = native.core
+    and last tokens' mapping in C (``rehearse_decode``), changing no state; nothing for any
+    other step or without the C core."""
     sizes = cols.sizes()
-    if (
-        core is None
-        or not m.coord.plain
-        or sizes["extend"] < 2
-        or sum(sizes.values()) != sizes["extend"]
-    ):
+    if sum(sizes.values()) == sizes["extend"]:
+        rehearse_decode(m, cols.extend, cols.num_new_tokens, cols.lookahead)
+
+
+def rehearse_decode(m: Components, handles: np.ndarray, new: object, ahead: object) -> None:
+    """A decode batch's rehearsal (``KVCacheManager.rehearse_decode``): where ``decode``
+    would run the batch in C (two handles or more, one count and one lookahead for all),
+    its plan and its last tokens' mapping in C (``NativeDecode.rehearse``), changing no
+    state; nothing otherwise. ``handles``: an int64 array."""
+    core = native.core
+    if core is None or not m.coord.plain or handles.size < 2:
         return
-    new, ahead = cols.num_new_tokens, cols.lookahead
     if type(new) is int and type(ahead) is int:
-        m.native_decode.rehearse(core, m, cols.extend, new, ahead)
+        m.native_decode.rehearse(core, m, handles, new, ahead)
 
 
 #: A decode step's statuses, but its extends': every other section is empty (the order of

@@ -68,7 +68,7 @@ from . import (
     transfers,
 )
 from .allocation import MAX_REQUEST_ID as MAX_REQUEST_ID  # re-exported: tests read it
-from .columnar import decode, mapped_tokens, rehearse, run_columns
+from .columnar import decode, mapped_tokens, rehearse, rehearse_decode, run_columns
 from .columnar_parse import parse_columns, parse_keywords
 from .columnar_types import StepOutcome
 from .components import Components
@@ -370,6 +370,28 @@ class KVCacheManager:
         ``m.step_columns(extend=handles)`` changes nothing that the step reads or answers.
         """
         rehearse(self.parts, parse_keywords(columns))
+
+    def rehearse_decode(
+        self, extend: np.ndarray, num_new_tokens: int = 1, lookahead: int = 0
+    ) -> None:
+        """``rehearse_columns`` of ``decode_step``'s arguments, without the parse: the
+        batch planned and its slots mapped in C into scratch, changing nothing, where
+        ``decode_step`` would run it as the C core's batch (``extend`` an int64 array of two
+        handles or more, one count and one lookahead for all); nothing otherwise (a
+        rehearsal is optional: nothing is checked or raised). What busy-poll mode
+        rehearses for a decode step's frame seen again, which the step channel answers
+        through ``decode_step``: the rehearsal warms the path the next step takes.
+
+        Example: ``m.rehearse_decode(np.array([h1, h2]))`` before
+        ``m.decode_step(np.array([h1, h2]))`` changes nothing that the step reads or
+        answers."""
+        if (
+            type(extend) is np.ndarray
+            and extend.dtype == np.int64
+            and extend.ndim == 1
+            and extend.flags.c_contiguous
+        ):
+            rehearse_decode(self.parts, extend, num_new_tokens, lookahead)
 
     def step_columns(
         self,

@@ -16,7 +16,7 @@ from types import ModuleType
 #: The C core's interface version this Python code calls (``kvcm._native.API``): bumped when
 #: a function's arguments or results change, so that an extension built from older sources
 #: (a checkout pulled without rebuilding) is not called with new arguments.
-API = 11
+API = 12
 
 try:
     # By name: an import of the package's extension by ``from . import`` reads, to import

@@ -22,6 +22,7 @@
  *   items or a decode batch's handles; step_launch: those items packed into pinned memory
  *   and the fused CUDA step kernel launched on them, through driver entry points the caller
  *   resolved (slots.c).
+ * - ring_watch: busy-poll mode's watch of the step rings for a client's next frame (ring.c).
  *
  * This file holds the module's method table; native.h the declarations the files share,
  * context.h (context.c) the coordinator's arrays and free queues as they read them.
@@ -53,6 +54,7 @@ static PyMethodDef methods[] = {
     {"prompt_keys", kvcm_prompt_keys, METH_VARARGS, "A step's prompts keyed two at a time."},
     {"map_slots", kvcm_map_slots, METH_VARARGS, "Slot mappings of host page tables."},
     {"step_launch", kvcm_step_launch, METH_VARARGS, "The fused CUDA step, packed and launched."},
+    {"ring_watch", kvcm_ring_watch, METH_VARARGS, "Watch step rings for a posted frame."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -69,7 +71,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* API: the interface version kvcm.native expects (bumped when a function's arguments or
      * results change; a stale build is then left unused, not called wrongly). */
     if (m && (PyModule_AddIntConstant(m, "HAVE_SHA_EXTENSIONS", have_ni) < 0 ||
-              PyModule_AddIntConstant(m, "API", 11) < 0))
+              PyModule_AddIntConstant(m, "API", 12) < 0))
         Py_CLEAR(m);
     return m;
 }

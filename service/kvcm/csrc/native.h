@@ -60,4 +60,7 @@ PyObject *kvcm_commit_run(PyObject *self, PyObject *args);
 PyObject *kvcm_map_slots(PyObject *self, PyObject *args);
 PyObject *kvcm_step_launch(PyObject *self, PyObject *args);
 
+/* ring.c: the step rings' request words watched */
+PyObject *kvcm_ring_watch(PyObject *self, PyObject *args);
+
 #endif

@@ -39,6 +39,10 @@ class RepeatFrame:
     size: int
     #: The learnt frame's parsed map (a fitting frame's is this with its own handles).
     message: dict[str, Any]
+    #: Its decode step's arguments but the handles, as ``ServiceState.decode_step`` takes
+    #: them: (num_new_tokens, lookahead, (map_slots, table_edits, stream_ordered), session),
+    #: each as it came (a fitting frame's bytes fix them all).
+    call: tuple[Any, Any, tuple[Any, Any, Any], Any]
 
     @classmethod
     def learn(cls, body: bytes, message: dict[str, Any]) -> RepeatFrame | None:
@@ -53,7 +57,15 @@ class RepeatFrame:
         if start < 0 or body.find(field, start + 1) >= 0:
             return None
         at = start + len(kind)
-        return cls(body[:at], body[at + n :], at, n, len(body), message)
+        args = message["args"]
+        flags = (
+            args.get("map_slots", False),
+            args.get("table_edits", False),
+            args.get("stream_ordered", False),
+        )
+        new, ahead = args.get("num_new_tokens", 1), args.get("lookahead", 0)
+        call = (new, ahead, flags, message.get("session"))
+        return cls(body[:at], body[at + n :], at, n, len(body), message, call)
 
     def fits(self, body: bytes) -> bool:
         """Whether ``body`` is the learnt frame with other handles' bytes."""

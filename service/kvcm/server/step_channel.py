@@ -62,7 +62,7 @@ from ..ops import plain_step
 from .repeat_frame import RepeatFrame
 from .state import Due, ServiceState
 from .step_poll import DEFAULT_POLL_US, WAKE, FramePoll, GapPredictor
-from .step_ring import MAX_RINGS, ServiceRing
+from .step_ring import MAX_RINGS, RING_WATCH_NS, ServiceRing, watch
 from .unix_socket import OwnSocket, bind
 
 log = logging.getLogger("kvcm.step_channel")
@@ -111,6 +111,7 @@ class StepChannel:
         # another CPU for the clients. The adaptive poll, on by default, needs a second CPU
         # among the service's own.
         self.spin_ns = int(spin_s * 1e9) if (os.cpu_count() or 1) > 1 else 0
+        self.spin_s = self.spin_ns / 1e9  # (what each answer says: ``_answer``)
         adaptive = poll_us > 0 and _cpus() > 1
         #: The poll after an answer (``step_poll``), also the busy poll's; None: sleep in the
         #: loop at once.
@@ -196,9 +197,7 @@ class StepChannel:
         if again is not None and again.fits(body):
             # The last decode step's frame with other handles (``repeat_frame``): its map is
             # the learnt one's, so only the checks that depend on the service run again.
-            message = again.message
-            args = dict(message["args"], extend=again.handles(body))
-            return self._answer(conn, message, "step_columns", args)
+            return self._answer(conn, again.message, "step_columns", (again, body))
         try:
             message = unpack(body)
         except Exception:  # msgpack raises several types for junk
@@ -214,19 +213,22 @@ class StepChannel:
         return answer
 
     def _answer(
-        self, conn: _Connection | None, message: dict[str, Any], op: Any, args: Any
+        self,
+        conn: _Connection | None,
+        message: dict[str, Any],
+        op: Any,
+        again: tuple[RepeatFrame, bytes] | None,
     ) -> tuple[dict[str, Any], bool, str]:
-        """``answer_first`` of a parsed map; ``args``: its args, checked already (a
-        repeated frame's), or None."""
+        """``answer_first`` of a parsed map; ``again``: a decode step's frame seen again
+        (``repeat_frame``) and its body, or None."""
         label = op if type(op) is str and (op in OPS or op == RING_OP) else "invalid"
         try:
-            if op == RING_OP:
+            if again is not None:
+                result = self._decode_again(*again)
+            elif op == RING_OP:
                 result = self._offer_ring(conn, message)
-            elif args is None:
-                result = self._call(op, message)
             else:
-                self._check(op, message)
-                result = self._run(op, args, message.get("session"))
+                result = self._call(op, message)
         except KVCMError as exc:
             return self.error_frame(label, exc), False, label
         except Exception as exc:
@@ -236,8 +238,26 @@ class StepChannel:
         self.due.append((self._framed, (label,)))
         answer = {"result": result, "generation": self.state.generation}
         if self.spin_ns:  # the client need not ring within the spin (docs: busy-poll mode)
-            answer["spin"] = self.spin_ns / 1e9
+            answer["spin"] = self.spin_s
         return answer, False, label
+
+    def _decode_again(self, again: RepeatFrame, body: bytes) -> dict[str, Any]:
+        """A decode step's frame seen again, run: the checks that depend on the service
+        (the pinned generation, the token), then the step with the handles cut out of
+        ``body`` and the learnt frame's counts, flags and session (``RepeatFrame.call``),
+        as ``_step_columns`` runs a decode step's frame, timed as ``_run`` times it.
+
+        Why its own lines: an engine sends this frame every forward pass, and at its
+        cadence every line runs cold; the general dispatch (``_run``'s handler, the args
+        copied and checked again) cost it ~3 us (the development VM, the ring at 5 ms)."""
+        self._check("step_columns", again.message)
+        start = perf_counter()
+        new, ahead, flags, session = again.call
+        rows = np.frombuffer(again.handles(body), np.int64)
+        self._decoded = True
+        result = self.state.decode_step(rows, new, ahead, flags, session, self.due).to_wire()
+        self.due.append((self._called, ("step_columns", perf_counter() - start)))
+        return result
 
     def _call(self, op: Any, message: dict[str, Any]) -> Any:
         if not message.keys() <= _KEYS:
@@ -411,21 +431,29 @@ class StepChannel:
             self._rehearsal = (frame, answer) if small and "result" in answer else None
 
     def rehearse(self) -> None:
-        """Busy-poll mode, while it waits: parse the last frame again (``step_columns``'
-        arrays too, and their shape check: ``parse_keywords``; a decode step's batch plan
-        and slot mapping too: ``KVCacheManager.rehearse_columns``) and pack its answer
-        again, changing nothing.
+        """Busy-poll mode, while it waits: run the last frame's way in and out again,
+        changing nothing. A decode step's frame seen again (``repeat_frame``) rehearses as
+        it runs: its handles cut out, its batch planned and its slots mapped in C
+        (``KVCacheManager.rehearse_decode``); any other frame is parsed again
+        (``step_columns``' arrays too, and their shape check: ``parse_keywords``; a decode
+        step's batch too: ``KVCacheManager.rehearse_columns``); then its answer is packed
+        again.
 
         Why: the spin keeps the core, not what the step path left in its caches and branch
         predictors, which other work takes over milliseconds (measured on the development
         VM: a step run again 5 ms later costs 57% more than back to back, 1 ms later 18%,
         50 us later nothing). Rehearsing every ``FramePoll.IDLE_EVERY_NS`` keeps the frame's
-        way in and out warm at no cost the spin does not already pay; a frame that comes
-        meanwhile waits at most one rehearsal (a few microseconds: small frames only,
-        ``REHEARSAL_BYTES``). The step itself does not run: it changes state; its plan,
-        which does not, does (measured in process on the VM, a 256-request decode step
-        with its mapping after 5 ms of spinning: p50 34.9-35.8 -> 32.1-32.9 us, p90
-        51-56 -> 40-42 with ``rehearse_columns`` every 100 us of the spin).
+        way in and out warm at no cost the spin does not already pay. The step itself does
+        not run: it changes state; its plan, which does not, does (measured in process on
+        the VM, a 256-request decode step with its mapping after 5 ms of spinning: p50
+        34.9-35.8 -> 32.1-32.9 us, p90 51-56 -> 40-42 with ``rehearse_columns`` every 100
+        us of the spin).
+
+        A ring's frame that comes meanwhile waits for one piece of the rehearsal at most:
+        the rings are looked at between the pieces, and a frame there ends it (a
+        rehearsal is ~15 us in all, one every 100 us: without the looks one frame in six
+        waited for it, ~8 us on average). Only small frames are rehearsed
+        (``REHEARSAL_BYTES``).
 
         A rehearsal that fails (the frame no longer fits the service: a model registered
         since, say) is dropped with a debug log, never raised into the spin: the next frame
@@ -433,19 +461,38 @@ class StepChannel:
         if self._rehearsal is None:
             return
         frame, answer = self._rehearsal
+        manager = self.state.manager
         try:
-            message = unpack(frame)
-            if message.get("op") == "step_columns":
-                columns = columns_from_wire(message.get("args", {}))
-                self.state.manager.rehearse_columns(columns)
-            _body(answer, False)
+            again = self._again
+            if again is not None and again.fits(frame):
+                args = again.message["args"]
+                rows = np.frombuffer(again.handles(frame), np.int64)
+                new, ahead = args.get("num_new_tokens", 1), args.get("lookahead", 0)
+                manager.rehearse_decode(rows, new, ahead)
+            else:
+                message = unpack(frame)
+                if message.get("op") == "step_columns":
+                    columns = columns_from_wire(message.get("args", {}))
+                    if self._ring_waiting():
+                        return
+                    manager.rehearse_columns(columns)
+            if not self._ring_waiting():
+                _body(answer, False)
         except Exception:  # rehearsing is optional; the spin and the frames go on
             self._rehearsal = None
             log.debug("busy poll: the last frame no longer rehearses", exc_info=True)
 
     def _ring_frame(self) -> bool:
-        """Whether a ring holds a frame to serve (the spin's look at the rings)."""
-        return any(conn.ring_pending() for conn in self.ringed)
+        """Whether a ring holds a frame to serve, watched for ``RING_WATCH_NS`` (the spin's
+        look at the rings between its polls of the sockets)."""
+        return watch(self._watched(), RING_WATCH_NS)
+
+    def _ring_waiting(self) -> bool:
+        """Whether a ring holds a frame to serve now (one look)."""
+        return bool(self.ringed) and watch(self._watched(), 0)
+
+    def _watched(self) -> list[ServiceRing]:
+        return [ring for conn in self.ringed if (ring := conn.watched_ring()) is not None]
 
     def _serve_rings(self) -> bool:
         """Serve each ring's waiting frame, in the spin (each answer spins again); whether
@@ -599,6 +646,10 @@ class _Connection(asyncio.Protocol):
 
     def ring_pending(self) -> bool:
         return self.ring is not None and not self.closing and self.ring.pending()
+
+    def watched_ring(self) -> ServiceRing | None:
+        """The ring the spin watches for this connection's frames: none while it closes."""
+        return None if self.closing else self.ring
 
     def ring_awake(self, until_ns: int) -> None:
         if self.ring is not None:

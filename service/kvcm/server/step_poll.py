@@ -83,8 +83,6 @@ class FramePoll:
             sched_yield()
         return True
 
-    #: Looks at the rings between two looks at the sockets (and yields of the core).
-    RING_LOOKS = 16
     #: How often ``wait``'s ``idle`` runs. Measured on the development VM, a step run again
     #: after 50 us of other work costs what it does back to back, after 1 ms 18% more, after
     #: 5 ms 57% more (the caches and predictors it warmed are taken by other work meanwhile).
@@ -93,18 +91,17 @@ class FramePoll:
     def _wait_busy(
         self, until: int, ready: Callable[[], bool] | None, idle: Callable[[], None] | None
     ) -> bool:
-        """``wait`` with rings or idle work: ``ready()`` is a load from shared memory, a
-        system call is a microsecond or more on a virtual machine, so the rings are looked
-        at ``RING_LOOKS`` times for each poll of the sockets and yield of the core; after
-        ``idle`` ran, every source is looked at again before the next yield."""
+        """``wait`` with rings or idle work: ``ready()`` watches the rings for a while
+        (``step_ring.watch``: a system call is a microsecond or more on a virtual machine,
+        a look at a ring a load from shared memory), then the sockets are polled and the
+        core yielded; after ``idle`` ran, every source is looked at again before the next
+        yield."""
         poll = self._poll.poll
-        looks = self.RING_LOOKS if ready is not None else 0
         ready = ready or _never
         idle_at = perf_counter_ns() + self.IDLE_EVERY_NS if idle is not None else until
         while True:
-            for _ in range(looks):
-                if ready():
-                    return True
+            if ready():
+                return True
             if poll(0):
                 return True
             now = perf_counter_ns()

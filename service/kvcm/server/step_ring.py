@@ -11,7 +11,9 @@ before it is parsed, so a client that keeps writing cannot change a frame under 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
+from kvcm import native
 from kvcm_client.step_ring import (
     ANSWER_LEN,
     ANSWER_SEQ,
@@ -25,6 +27,11 @@ from kvcm_client.step_ring import (
 #: Rings a service keeps at once (each maps 2 MiB of shared memory); beyond, ``limit_reached``
 #: and the client stays on its socket.
 MAX_RINGS = 64
+#: Nanoseconds the busy poll watches the rings in C (``kvcm._native.ring_watch``) between two
+#: polls of the sockets; without the C core, it looks ``RING_LOOKS`` times in Python instead
+#: (about as long on the development VM: ~0.3 us a look).
+RING_WATCH_NS = 10_000
+RING_LOOKS = 16
 
 
 class ServiceRing:
@@ -95,3 +102,24 @@ class ServiceRing:
             os.close(self._peer_fd)
             self._peer_fd = None
         self.ring.close()
+
+
+def watch(rings: Sequence[ServiceRing], ns: int) -> bool:
+    """Whether one of ``rings`` holds its client's next frame, watched for up to ``ns``
+    nanoseconds (0: one look): the busy poll's look at the rings.
+
+    Why in C where it is built: a look in Python (a call and a memoryview index) takes ~0.3
+    us, and the spin's round of looks, socket poll and yield let a frame wait ~5 us at the
+    median to be seen (development VM, ``bench/ring_timeline.py``); C's watch is a load and a
+    PAUSE a look, and sees a frame within a fraction of a microsecond. Without the C core,
+    ``RING_LOOKS`` looks in Python (one for ``ns`` 0)."""
+    core = native.core
+    if core is not None:
+        words = tuple([r.ring.words for r in rings])
+        wants = tuple([r.seq + 1 for r in rings])
+        return core.ring_watch(words, REQUEST_SEQ, wants, ns) >= 0
+    for _ in range(RING_LOOKS if ns else 1):
+        for r in rings:
+            if r.pending():
+                return True
+    return False
