@@ -33,11 +33,13 @@ from kvcm_client.errors import ServiceUnavailable, Unauthorized
 from kvcm_client.step_channel import DOORBELL, HEADER, pack, unpack
 from kvcm_client.step_ring import (
     ANSWER_LEN,
+    ANSWER_REPEATS,
     ANSWER_SEQ,
     AWAKE_UNTIL,
     HEADER_BYTES,
     ON_SOCKET,
     REQUEST_LEN,
+    REQUEST_REPEATS,
     REQUEST_SEQ,
     SLOT_BYTES,
     ClientRing,
@@ -275,36 +277,69 @@ def test_a_service_that_dies_fails_the_call_at_once(tmp_path: Path) -> None:
 
 def test_the_ring_layout_is_what_the_docstring_says() -> None:
     """The words sit in cache lines of their own, before the bodies (a page)."""
-    offsets = [8 * w for w in (REQUEST_SEQ, REQUEST_LEN, ANSWER_SEQ, ANSWER_LEN, AWAKE_UNTIL)]
-    assert offsets == [64, 72, 128, 136, 192] and HEADER_BYTES == mmap.PAGESIZE
+    words = (REQUEST_SEQ, REQUEST_LEN, REQUEST_REPEATS, ANSWER_SEQ, ANSWER_LEN, ANSWER_REPEATS)
+    offsets = [8 * w for w in (*words, AWAKE_UNTIL)]
+    assert offsets == [64, 72, 80, 128, 136, 144, 192] and HEADER_BYTES == mmap.PAGESIZE
 
 
 def test_a_frame_or_answer_equal_to_the_last_is_published_without_being_written_again() -> None:
     """Each side publishes a body equal to the last one it wrote with its sequence number
-    alone (the area holds it still; a decode step repeats its frame and, between block
-    crossings, its answer). Each side's area is its own to write: a probe written into it
-    stays where the body was not written again, and any other body is written whole."""
+    alone, saying so in its repeats word (the area holds it still; a decode step repeats its
+    frame and, between block crossings, its answer), and the reader takes the body it kept:
+    the service its copy of the last frame, the client its map of the last answer. Each
+    side's area is its own to write: a probe written into it is not what the other side
+    reads, and any other body is written whole and read from the area."""
     service = ServiceRing(4096)
     client = ClientRing(service.give_fd(), 4096)
     try:
         a, b = HEADER.pack(600) + os.urandom(600), HEADER.pack(40) + os.urandom(40)
-        taken = []
+        taken, repeats = [], []
         for frame, probe in ((a, False), (a, True), (b, False), (a, False), (a, True)):
             if probe:  # the request area no longer holds the last frame
                 client.request[:600] = bytes(600)
             seq = client.post(frame, HEADER.size)
             assert service.pending() and client.words[REQUEST_LEN] == len(frame) - 4
+            repeats.append(client.words[REQUEST_REPEATS] == seq)
             taken.append(service.take(4096))
             assert service.seq == seq == len(taken)
-        assert taken == [a[4:], bytes(600), b[4:], a[4:], bytes(600)]
+        assert taken == [a[4:], a[4:], b[4:], a[4:], a[4:]] and taken[0] is taken[1]
+        assert repeats == [False, True, False, False, True] and taken[3] is taken[4]
+        assert service.take(4096) == bytes(600) and service.seq == 6  # no repeat: the area
         x, y = os.urandom(300), os.urandom(500)
         read = []
         for body, probe in ((x, False), (x, True), (y, False), (x, False)):
             if probe:
                 client.answer[:300] = b"\xff" * 300
+            client.post(b, HEADER.size)  # a frame for each answer
+            service.take(4096)
             assert service.reply(body) and client.answered(service.seq)
-            read.append(client.answer_body())
-        assert read == [x, b"\xff" * 300, y, x]
+            read.append((client.answer_repeats(service.seq), client.answer_body()))
+        assert read == [(False, x), (True, b"\xff" * 300), (False, y), (False, x)]
+    finally:
+        client.close()
+        service.close()
+
+
+def test_a_frame_said_to_repeat_is_checked_against_the_limit_and_a_refused_one_is_not_kept() -> (
+    None
+):
+    """A frame taken over the limit is refused and not kept: the same frame again is read
+    from the area and refused again, whatever the repeats word says; a kept frame over a
+    lowered limit is refused too."""
+    service = ServiceRing(4096)
+    client = ClientRing(service.give_fd(), 4096)
+    try:
+        a = HEADER.pack(600) + os.urandom(600)
+        client.post(a, HEADER.size)
+        assert service.take(500) == 600  # refused: over the limit
+        client.post(a, HEADER.size)
+        assert client.words[REQUEST_REPEATS] == 2 and service.take(500) == 600
+        client.post(a, HEADER.size)
+        assert service.take(4096) == a[4:]  # read from the area
+        client.post(a, HEADER.size)
+        assert service.take(599) == 600  # kept, but over the limit now
+        client.post(a, HEADER.size)
+        assert service.take(4096) == a[4:]
     finally:
         client.close()
         service.close()

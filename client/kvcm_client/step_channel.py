@@ -701,8 +701,10 @@ class StepSocket(_Doorbell):
                     raise TimeoutError("the step channel did not answer in time")
                 time.sleep(0.00005)
             now = time.perf_counter_ns()
-        body = ring.answer_body()
-        if body is None:
+        if self._ring_body is not None and ring.answer_repeats(seq):
+            # The body the area held, which the map kept is of: not read again.
+            answer = self._ring_answer
+        elif (body := ring.answer_body()) is None:
             answer = self._read(sock, spin=False)
         elif body == self._ring_body:  # the last answer again: its map again (read only)
             answer = self._ring_answer
@@ -710,9 +712,10 @@ class StepSocket(_Doorbell):
             answer = unpack(body)
             result = answer.get("result")
             # Kept where a result hands out nothing of it uncopied: not errors nor pulls,
-            # whose maps typed errors and models share.
-            if type(result) is dict and "errors" not in result and "pulls" not in result:
-                self._ring_body, self._ring_answer = body, answer
+            # whose maps typed errors and models share. Another body in the area: the
+            # map kept is not of it, so a repeat of it is read.
+            keep = type(result) is dict and "errors" not in result and "pulls" not in result
+            self._ring_body, self._ring_answer = (body, answer) if keep else (None, {})
         if answer.get("close"):
             self.close()
         return answer

@@ -14,8 +14,10 @@ bytes                          what
 =============================  ===============================================================
 word 8 (byte 64)               request sequence number, written by the client *last*
 word 9 (byte 72)               request length in bytes
+word 10 (byte 80)              the last request whose body repeats the one before it
 word 16 (byte 128)             answer sequence number, written by the service *last*
 word 17 (byte 136)             answer length (``ON_SOCKET``: the answer came over the socket)
+word 18 (byte 144)             the last answer whose body repeats the one before it
 word 24 (byte 192)             until when the service polls, CLOCK_MONOTONIC ns (0: asleep)
 [4096, 4096 + slot)            the request's msgpack body (the frame without its length prefix)
 [4096 + slot, 4096 + 2 slot)   the answer's msgpack body
@@ -27,9 +29,18 @@ taken for a frame. x86-64 only: its stores become visible in program order, so a
 number seen means the body before it is there too (a weaker memory model would need fences
 Python does not have); elsewhere the service refuses the ring and the socket serves.
 
+A body equal to the last one its side wrote is not written again: the writer stores the
+body's sequence number in its side's "repeats" word (10, 18) before the sequence number
+itself, and the reader, which kept the last body it read, need not read the area again (a
+decode step with the same requests as the last, and its answer between block crossings). A
+repeats word that holds an older number says nothing of the body now, and a peer that never
+writes it (an older one) only has its bodies read every time.
+
 Example: the client's 3rd call writes its 2,080-byte body at 4096, then word 9 = 2080, then
 word 8 = 3; the service, polling word 8 for 3, copies the body out, runs it, writes the answer
-at 4096 + slot, word 17 = its length, then word 16 = 3, which the client was polling for.
+at 4096 + slot, word 17 = its length, then word 16 = 3, which the client was polling for. Its
+4th call, the same frame again, writes word 10 = 4, then word 8 = 4: the service runs the body
+it copied out for frame 3.
 """
 
 from __future__ import annotations
@@ -47,8 +58,8 @@ HEADER_BYTES = 4096
 #: Bytes of each body area (the service may offer less: its frame limit).
 SLOT_BYTES = 1 << 20
 #: The words (8-byte indices into the header page).
-REQUEST_SEQ, REQUEST_LEN = 8, 9
-ANSWER_SEQ, ANSWER_LEN = 16, 17
+REQUEST_SEQ, REQUEST_LEN, REQUEST_REPEATS = 8, 9, 10
+ANSWER_SEQ, ANSWER_LEN, ANSWER_REPEATS = 16, 17, 18
 AWAKE_UNTIL = 24
 #: An answer too large for its area went over the socket instead, whole, as a frame.
 ON_SOCKET = (1 << 64) - 1
@@ -127,19 +138,23 @@ class ClientRing(Ring):
     def post(self, frame: bytes, start: int) -> int:
         """Publish ``frame[start:]`` (at most ``slot`` bytes: the frame less its length
         prefix) as the next request; its sequence number. A frame equal to the last one
-        posted is not written again, only its sequence number: its body is in the area
-        still, and each cache line written is one the service's core must fetch again. An
+        posted is not written again, only its sequence number, in ``REQUEST_REPEATS`` too:
+        its body is in the area still (and in the service's copy of the last frame), and
+        each cache line written is one the service's core must fetch again. An
         engine's decode step with the same requests as the last is such a frame; writing
         its 2 KiB again took ~3 us, cold, on the development VM (2 KiB of handles: 32 lines
         fetched from the service's core, one by one)."""
         words = self.words
+        seq = self.seq + 1
         if frame != self._held:
             self._held = None  # (the area is not the last frame's while it is written)
             n = len(frame) - start
             self.request[:n] = memoryview(frame)[start:]
             words[REQUEST_LEN] = n
             self._held = frame
-        self.seq = seq = self.seq + 1
+        else:  # the service may take the body it kept of the last frame
+            words[REQUEST_REPEATS] = seq
+        self.seq = seq
         words[REQUEST_SEQ] = seq  # last: the service takes the frame once it sees this
         return seq
 
@@ -155,3 +170,8 @@ class ClientRing(Ring):
         call, so the ring can always be closed); None when it came over the socket."""
         n = self.words[ANSWER_LEN]
         return None if n == ON_SOCKET else bytes(self.answer[:n])
+
+    def answer_repeats(self, seq: int) -> bool:
+        """Whether the answer to ``seq`` (once ``answered``) is the body the answer area
+        held before it, not written again (the service says so: ``ANSWER_REPEATS``)."""
+        return self.words[ANSWER_REPEATS] == seq

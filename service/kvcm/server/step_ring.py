@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from kvcm import native
 from kvcm_client.step_ring import (
     ANSWER_LEN,
+    ANSWER_REPEATS,
     ANSWER_SEQ,
     AWAKE_UNTIL,
     ON_SOCKET,
     REQUEST_LEN,
+    REQUEST_REPEATS,
     REQUEST_SEQ,
     Ring,
 )
@@ -46,6 +48,8 @@ class ServiceRing:
         self.seq = 0
         #: The answer body the answer area holds (the last one written there).
         self._held: bytes | None = None
+        #: The last frame's body taken (a copy), which a frame that repeats it is.
+        self._taken: bytes | None = None
 
     def give_fd(self) -> int:
         """The fd to send to the client, once (the caller closes it after sending)."""
@@ -61,20 +65,29 @@ class ServiceRing:
     def take(self, limit: int) -> bytes | int:
         """The next frame's body (a copy), or its length when over the slot or ``limit``
         (the channel's frame limit now, which a registered model may have lowered since the
-        ring was made): refused."""
-        self.seq += 1
-        n = self.ring.words[REQUEST_LEN]
+        ring was made): refused. A frame the client says repeats the last
+        (``REQUEST_REPEATS``) is the last body taken, the very object, not read from the
+        area again: the same bytes, whatever the area holds. A client that says so wrongly
+        only gets its last frame run again, which it could have sent anyway."""
+        words = self.ring.words
+        self.seq = seq = self.seq + 1
+        taken = self._taken
+        if taken is not None and words[REQUEST_REPEATS] == seq and len(taken) <= limit:
+            return taken
+        self._taken = None
+        n = words[REQUEST_LEN]
         if n > min(self.slot, limit):
             return n
-        return bytes(self.ring.request[:n])
+        self._taken = taken = bytes(self.ring.request[:n])
+        return taken
 
     def reply(self, body: bytes) -> bool:
         """Publish the answer to the frame last taken; False when it does not fit (the
         caller sends it over the socket and then ``replied_on_socket``). An answer equal to
-        the last one written is not written again, only its sequence number: the client
-        reads it from lines its core holds still (a decode step's answer is the same until
-        a request crosses a block boundary). A client that writes into its answer area
-        itself reads what it wrote: its ring is its own."""
+        the last one written is not written again, only its sequence number, in
+        ``ANSWER_REPEATS`` too: the client reads the answer it kept (a decode step's answer
+        is the same until a request crosses a block boundary). A client that writes into
+        its answer area itself reads what it wrote: its ring is its own."""
         n = len(body)
         if n > self.slot:
             return False
@@ -83,6 +96,8 @@ class ServiceRing:
             self._held = None  # (the area is not the last answer's while it is written)
             self.ring.answer[:n] = body
             self._held = body
+        else:  # the client may read the answer it kept of the last one
+            words[ANSWER_REPEATS] = self.seq
         words[ANSWER_LEN] = n
         words[ANSWER_SEQ] = self.seq  # last: the client reads the answer once it sees this
         return True
