@@ -27,7 +27,7 @@ from helpers import layer, manager
 from servers import serve_process, small_model_args
 
 from kvcm import native
-from kvcm.server.step_ring import MAX_RINGS, ServiceRing, watch
+from kvcm.server.step_ring import KEEP_BYTES, MAX_RINGS, ServiceRing, watch
 from kvcm_client import KVCacheClient, step_channel
 from kvcm_client.errors import ServiceUnavailable, Unauthorized
 from kvcm_client.step_channel import DOORBELL, HEADER, pack, unpack
@@ -304,7 +304,13 @@ def test_a_frame_or_answer_equal_to_the_last_is_published_without_being_written_
             assert service.seq == seq == len(taken)
         assert taken == [a[4:], a[4:], b[4:], a[4:], a[4:]] and taken[0] is taken[1]
         assert repeats == [False, True, False, False, True] and taken[3] is taken[4]
-        assert service.take(4096) == bytes(600) and service.seq == 6  # no repeat: the area
+        # An older client, which never writes the repeats word: the area, whatever is kept.
+        client.request[:600] = bytes(600)
+        client.seq = client.words[REQUEST_SEQ] = 6
+        assert service.take(4096) == bytes(600) and service.seq == 6
+        client.post(b, HEADER.size)  # a new body, written whole...
+        client.words[REQUEST_REPEATS] = client.seq  # ...that the client says repeats the last
+        assert service.take(4096) == bytes(600)  # the last frame taken, run again
         x, y = os.urandom(300), os.urandom(500)
         read = []
         for body, probe in ((x, False), (x, True), (y, False), (x, False)):
@@ -325,21 +331,42 @@ def test_a_frame_said_to_repeat_is_checked_against_the_limit_and_a_refused_one_i
 ):
     """A frame taken over the limit is refused and not kept: the same frame again is read
     from the area and refused again, whatever the repeats word says; a kept frame over a
-    lowered limit is refused too."""
+    lowered limit is refused too. A first frame said to repeat is read from the area (none
+    is kept yet), and a body over ``KEEP_BYTES`` is never kept."""
     service = ServiceRing(4096)
     client = ClientRing(service.give_fd(), 4096)
     try:
         a = HEADER.pack(600) + os.urandom(600)
+        client.words[REQUEST_REPEATS] = 1  # a lie: frame 1 is the first
+        client.post(a, HEADER.size)
+        kept = service.take(4096)
+        assert kept == a[4:]
+        client.post(a, HEADER.size)
+        assert service.take(4096) is kept  # the copy kept, not the area again
         client.post(a, HEADER.size)
         assert service.take(500) == 600  # refused: over the limit
         client.post(a, HEADER.size)
-        assert client.words[REQUEST_REPEATS] == 2 and service.take(500) == 600
+        assert client.words[REQUEST_REPEATS] == client.seq and service.take(500) == 600
         client.post(a, HEADER.size)
         assert service.take(4096) == a[4:]  # read from the area
         client.post(a, HEADER.size)
         assert service.take(599) == 600  # kept, but over the limit now
         client.post(a, HEADER.size)
         assert service.take(4096) == a[4:]
+    finally:
+        client.close()
+        service.close()
+    slot = 2 * KEEP_BYTES
+    service = ServiceRing(slot)
+    client = ClientRing(service.give_fd(), slot)
+    try:
+        big = HEADER.pack(KEEP_BYTES + 1) + os.urandom(KEEP_BYTES + 1)
+        taken = []
+        for _ in range(2):
+            client.post(big, HEADER.size)
+            taken.append(service.take(slot))
+        assert client.words[REQUEST_REPEATS] == 2 and taken[0] == taken[1] == big[4:]
+        assert taken[1] is not taken[0]  # read from the area again: not kept
     finally:
         client.close()
         service.close()
@@ -389,7 +416,8 @@ def test_the_watch_sees_a_frame_another_process_posts_in_c_and_in_python(in_c: b
 @pytest.mark.skipif(not native.available(), reason="kvcm._native is not built")
 def test_the_c_watch_refuses_what_is_not_a_ring() -> None:
     """``ring_watch``'s arguments are checked: words and wants of one length (64 at most), an
-    index inside each buffer, buffers, sequence numbers that fit 64 bits."""
+    index inside each buffer (however large), aligned buffers, sequence numbers that fit 64
+    bits. With no ring to watch it returns at once, whatever its time."""
     was = native.core is not None
     native.use(True)
     core = native.core
@@ -404,7 +432,9 @@ def test_the_c_watch_refuses_what_is_not_a_ring() -> None:
             (words, REQUEST_SEQ, (1, 2), 0),
             (words * 65, REQUEST_SEQ, (1,) * 65, 0),
             (words, HEADER_BYTES // 8, (1,), 0),
+            (words, (1 << 62) + REQUEST_SEQ, (1,), 0),
             ((b"1234567",), 0, (1,), 0),
+            ((memoryview(bytearray(200))[1:],), REQUEST_SEQ, (1,), 0),  # not aligned
         ]:
             with pytest.raises(ValueError):
                 core.ring_watch(*bad)
@@ -412,6 +442,9 @@ def test_the_c_watch_refuses_what_is_not_a_ring() -> None:
             core.ring_watch((object(),), REQUEST_SEQ, (1,), 0)
         with pytest.raises(OverflowError):
             core.ring_watch(words, REQUEST_SEQ, (1 << 64,), 0)
+        start = time.monotonic()
+        assert core.ring_watch((), REQUEST_SEQ, (), 10 * 10**9) == -1  # none: at once
+        assert time.monotonic() - start < 5
     finally:
         native.use(was)
         ring.close()
@@ -451,9 +484,10 @@ def test_a_decode_steps_answer_seen_again_is_read_again_as_the_same_map(
     tmp_path: Path, flags: dict[str, bool]
 ) -> None:
     """Without its slot mapping a decode step's answer is the same bytes until a request
-    crosses a block boundary: the client reads the last answer's map again for it (and for
-    nothing else), and every result equals the manager's. A stale handle's answer, whose
-    errors a result hands out as typed errors, is never kept to be read again."""
+    crosses a block boundary: the service says it repeats, the client returns the last
+    answer's map for it without reading the answer area (junk there is never read), and for
+    nothing else, and every result equals the manager's. A stale handle's answer, whose
+    errors a result hands out as typed errors, is never kept: it is read again."""
     args, sock = small_model_args(tmp_path, [layer(0)])
     m = manager([layer(0)], num_blocks=40, null_page=True)
     with (
@@ -474,6 +508,9 @@ def test_a_decode_steps_answer_seen_again_is_read_again_as_the_same_map(
                 outcome.append(edits)
             outcomes.append(outcome)
             reads.append(got._raw)
+            # Junk in the client's answer area (msgpack's unused byte): an answer that
+            # repeats is not read from the area at all, and one that differs is written whole.
+            kv._channel.ring.answer[:64] = b"\xc1" * 64
         again = [i for i in range(1, 10) if outcomes[i] == outcomes[i - 1]]
         assert len(again) >= 4  # (the steps within a block but the first)
         assert [i for i in range(1, 10) if reads[i] is reads[i - 1]] == again

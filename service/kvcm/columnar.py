@@ -514,10 +514,11 @@ def rehearse(m: Components, cols: StepColumns) -> None:
 
 
 def rehearse_decode(m: Components, handles: np.ndarray, new: object, ahead: object) -> None:
-    """A decode batch's rehearsal (``KVCacheManager.rehearse_decode``): where ``decode``
-    would run the batch in C (two handles or more, one count and one lookahead for all),
-    its plan and its last tokens' mapping in C (``NativeDecode.rehearse``), changing no
-    state; nothing otherwise. ``handles``: an int64 array."""
+    """A decode batch's rehearsal (``KVCacheManager.rehearse_decode``): for two handles or
+    more with one count and one lookahead for all, on the C core and a coordinator without
+    context parallelism, its plan and its last tokens' mapping in C
+    (``NativeDecode.rehearse``), changing no state; nothing otherwise. ``handles``: an
+    int64 array."""
     core = native.core
     if core is None or not m.coord.plain or handles.size < 2:
         return

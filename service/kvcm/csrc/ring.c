@@ -30,7 +30,7 @@ static int64_t now_ns(void) {
 /* ring_watch(words, index, wants, ns) -> int: the position in `words` (buffers of uint64
  * words, each a ring's header) of the first whose word `index` equals the same position of
  * `wants` (tuples of equal length), looking for up to `ns` nanoseconds (0: one look); -1
- * when none did in that time. The GIL is held: the caller is the event loop's thread, which the watch keeps
+ * when none did in that time, or at once when there is none to watch. The GIL is held: the caller is the event loop's thread, which the watch keeps
  * busy anyway, and a watch lasts microseconds (the caller's budget).
  *
  * Example: words (ringA, ringB), index 8, wants (4, 11), ns 8000: returns 1 once ringB's word
@@ -59,13 +59,17 @@ PyObject *kvcm_ring_watch(PyObject *self, PyObject *args) {
             goto done;
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(words, got), &views[got], PyBUF_SIMPLE) < 0)
             goto done;
-        if ((index + 1) * (Py_ssize_t)sizeof(uint64_t) > views[got].len) {
+        if (index >= views[got].len / (Py_ssize_t)sizeof(uint64_t) ||
+            (uintptr_t)views[got].buf % sizeof(uint64_t)) {
             PyBuffer_Release(&views[got]);
-            PyErr_SetString(PyExc_ValueError, "ring_watch: index past a ring's words");
+            PyErr_SetString(PyExc_ValueError,
+                            "ring_watch: index past a ring's words, or words not aligned");
             goto done;
         }
         seq[got] = (const volatile uint64_t *)views[got].buf + index;
     }
+    if (n == 0) /* nothing to watch: the caller polls its sockets at once */
+        goto done;
     int64_t until = now_ns() + budget;
     for (unsigned looks = 0;; looks++) { /* the clock at the first look too: ns 0 looks once */
         for (Py_ssize_t i = 0; i < n; i++) {

@@ -465,10 +465,8 @@ class StepChannel:
         try:
             again = self._again
             if again is not None and again.fits(frame):
-                args = again.message["args"]
-                rows = np.frombuffer(again.handles(frame), np.int64)
-                new, ahead = args.get("num_new_tokens", 1), args.get("lookahead", 0)
-                manager.rehearse_decode(rows, new, ahead)
+                new, ahead, _, _ = again.call
+                manager.rehearse_decode(np.frombuffer(again.handles(frame), np.int64), new, ahead)
             else:
                 message = unpack(frame)
                 if message.get("op") == "step_columns":

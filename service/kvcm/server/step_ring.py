@@ -34,6 +34,10 @@ MAX_RINGS = 64
 #: (about as long on the development VM: ~0.3 us a look).
 RING_WATCH_NS = 10_000
 RING_LOOKS = 16
+#: The largest frame body a ring keeps a copy of after taking it, for a frame that repeats
+#: it (``ServiceRing.take``): a decode step's is ~2 KiB for 256 requests; up to 1 MiB kept
+#: per ring, of 64, would hold memory for frames that rarely repeat.
+KEEP_BYTES = 64 << 10
 
 
 class ServiceRing:
@@ -48,7 +52,8 @@ class ServiceRing:
         self.seq = 0
         #: The answer body the answer area holds (the last one written there).
         self._held: bytes | None = None
-        #: The last frame's body taken (a copy), which a frame that repeats it is.
+        #: The last frame's body taken (a copy, up to ``KEEP_BYTES``), which a frame that
+        #: repeats it is.
         self._taken: bytes | None = None
 
     def give_fd(self) -> int:
@@ -78,7 +83,9 @@ class ServiceRing:
         n = words[REQUEST_LEN]
         if n > min(self.slot, limit):
             return n
-        self._taken = taken = bytes(self.ring.request[:n])
+        taken = bytes(self.ring.request[:n])
+        if n <= KEEP_BYTES:
+            self._taken = taken
         return taken
 
     def reply(self, body: bytes) -> bool:
