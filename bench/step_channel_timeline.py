@@ -165,6 +165,24 @@ def _hot_handle_us(frames: dict[str, bytes], count: int) -> dict[str, float]:
     return out
 
 
+def _connect(path: Path, child: Any, timeout_s: float = 60.0) -> socket.socket:
+    """A connection to the child's step socket once it listens. The socket file appears at
+    its bind, a moment before its listen, and a connect between the two is refused (the
+    smoke test met it under load), so a refused or missing socket is tried again until the
+    child dies or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            client.connect(str(path))
+            return client
+        except (FileNotFoundError, ConnectionRefusedError):
+            client.close()
+            if not child.is_alive() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _allocates() -> list[dict[str, Any]]:
     return [{"request_id": f"d{i}", "num_tokens": 32} for i in range(N)]
 
@@ -178,10 +196,7 @@ def main() -> None:
         path, stamps_file = Path(tmp) / "step.sock", Path(tmp) / "stamps.pkl"
         child = mp.get_context("spawn").Process(target=_serve, args=(path, stamps_file))
         child.start()
-        while not path.exists():
-            time.sleep(0.05)
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client.connect(str(path))
+        client = _connect(path, child)
         # A lost answer raises after 30 s instead of hanging (the kernel's timeout: Python's
         # timeout mode would poll before every read and change what is measured).
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 30, 0))
