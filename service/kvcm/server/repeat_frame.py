@@ -57,14 +57,7 @@ class RepeatFrame:
         if start < 0 or body.find(field, start + 1) >= 0:
             return None
         at = start + len(kind)
-        args = message["args"]
-        flags = (
-            args.get("map_slots", False),
-            args.get("table_edits", False),
-            args.get("stream_ordered", False),
-        )
-        new, ahead = args.get("num_new_tokens", 1), args.get("lookahead", 0)
-        call = (new, ahead, flags, message.get("session"))
+        call = (*decode_args(message["args"]), message.get("session"))
         return cls(body[:at], body[at + n :], at, n, len(body), message, call)
 
     def fits(self, body: bytes) -> bool:
@@ -76,3 +69,13 @@ class RepeatFrame:
     def handles(self, body: bytes) -> bytes:
         """A fitting body's handles' bytes (a copy: aligned, as msgpack's are)."""
         return body[self.at : self.at + self.count]
+
+
+def decode_args(args: dict[str, Any]) -> tuple[Any, Any, tuple[Any, Any, Any]]:
+    """A decode step's counts and flags as its frame's args give them, defaults filled in
+    (``step_columns``' own): (num_new_tokens, lookahead, (map_slots, table_edits,
+    stream_ordered)), unchecked. The step channel reads a decode frame's args so, and the
+    learnt frame keeps them so (``RepeatFrame.call``)."""
+    get = args.get
+    flags = (get("map_slots", False), get("table_edits", False), get("stream_ordered", False))
+    return get("num_new_tokens", 1), get("lookahead", 0), flags

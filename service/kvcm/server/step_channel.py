@@ -59,7 +59,7 @@ from kvcm_client.step_ring import RING_OP, SLOT_BYTES, supported
 
 from ..columnar_parse import columns_from_wire
 from ..ops import plain_step
-from .repeat_frame import RepeatFrame
+from .repeat_frame import RepeatFrame, decode_args
 from .state import Due, ServiceState
 from .step_poll import DEFAULT_POLL_US, WAKE, FramePoll, GapPredictor
 from .step_ring import MAX_RINGS, RING_WATCH_NS, ServiceRing, watch
@@ -531,9 +531,8 @@ class StepChannel:
         return self.state.step_results(parsed, session)
 
     def _step_columns(self, args: dict[str, Any], session: str | None) -> dict[str, Any]:
-        handles, get = args.get("extend"), args.get
-        new, ahead = get("num_new_tokens", 1), get("lookahead", 0)
-        flags = (get("map_slots", False), get("table_edits", False), get("stream_ordered", False))
+        handles = args.get("extend")
+        new, ahead, flags = decode_args(args)
         if (
             type(handles) is bytes
             and not len(handles) % 8
@@ -642,12 +641,13 @@ class _Connection(asyncio.Protocol):
         """This connection's ring (``StepChannel._offer_ring``); its fd goes with the answer."""
         self.ring = ring
 
-    def ring_pending(self) -> bool:
-        return self.ring is not None and not self.closing and self.ring.pending()
-
     def watched_ring(self) -> ServiceRing | None:
         """The ring the spin watches for this connection's frames: none while it closes."""
         return None if self.closing else self.ring
+
+    def ring_pending(self) -> bool:
+        ring = self.watched_ring()
+        return ring is not None and ring.pending()
 
     def ring_awake(self, until_ns: int) -> None:
         if self.ring is not None:
